@@ -1,0 +1,116 @@
+# tinyscale — one binary per technique, two backends in each.
+#
+#   make            build every technique into build/ (with CUDA when nvcc is found)
+#   make CUDA=0     the same sources compiled by g++ as C++, CUDA compiled out
+#   make test       install missing packages, build, run every test; last line "N passed, M failed"
+#   make demo       train 01 on the embedded data for about a minute
+#   make bench      kernel, collective and training-step benchmarks
+#   make clean
+#
+# Variables: CUDA=auto|0|1, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos.
+
+NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
+CUDA ?= auto
+ifeq ($(CUDA),auto)
+  CUDA := $(if $(NVCC),1,0)
+endif
+ifeq ($(CUDA),1)
+  ifeq ($(NVCC),)
+    $(error CUDA=1 but nvcc was not found)
+  endif
+endif
+
+BUILD ?= build
+CUDA_ARCH ?= 80 90
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+
+CXX := g++
+MPI_INC := $(shell mpicxx -compile_info 2>/dev/null | grep -o -- '-I[^ ]*' | head -n1)
+MPI_LIB := $(shell mpicxx -link_info 2>/dev/null | grep -o -- '-[lL][^ ]*' | tr '\n' ' ')
+ifeq ($(MPI_LIB),)
+  MPI_INC := -I/usr/include/x86_64-linux-gnu/mpich
+  MPI_LIB := -lmpich
+endif
+
+# The CPU kernels rely on the compiler's vectoriser; binaries are built where they run.
+CPU_ARCH ?= -march=native
+HOST_FLAGS := -O3 $(CPU_ARCH) -fopenmp -Wall -Wno-unknown-pragmas
+CPPFLAGS := -Icommon $(MPI_INC)
+LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
+
+ifeq ($(CUDA),1)
+  GENCODE := $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
+             -gencode arch=compute_$(lastword $(CUDA_ARCH)),code=compute_$(lastword $(CUDA_ARCH))
+  CPPFLAGS += -DTS_CUDA -I$(CUDA_HOME)/include
+  CU := $(NVCC) -std=c++17 -x cu $(GENCODE) -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
+  # No relocatable device code, so the host linker links nvcc's objects directly.
+  LIBS += -L$(CUDA_HOME)/lib64 -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_HOME)/lib64
+else
+  CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
+endif
+LD := $(CXX) -fopenmp
+TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
+
+COMMON_SRC := $(wildcard common/*.cu)
+COMMON_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(COMMON_SRC))
+TECH_SRC := $(sort $(wildcard 0[1-8]_*.cu))
+TECH_BIN := $(patsubst %.cu,$(BUILD)/%,$(TECH_SRC))
+TEST_SRC := $(sort $(wildcard tests/test_*.cpp))
+TEST_BIN := $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(TEST_SRC))
+BENCH_SRC := $(sort $(wildcard bench/*.cu))
+BENCH_BIN := $(patsubst bench/%.cu,$(BUILD)/bench/%,$(BENCH_SRC))
+
+.PHONY: all test demo bench clean deps
+.DEFAULT_GOAL := all
+all: $(TECH_BIN) $(BENCH_BIN)
+
+$(BUILD)/common/%.o: common/%.cu
+	@mkdir -p $(dir $@)
+	$(CU) $(CPPFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/%.o: %.cu
+	@mkdir -p $(dir $@)
+	$(CU) $(CPPFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/common.a: $(COMMON_OBJ)
+	rm -f $@ && ar rcs $@ $^
+
+$(BUILD)/0%: $(BUILD)/0%.o $(BUILD)/common.a
+	$(LD) $^ -o $@ $(LIBS)
+
+$(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/common.a
+	$(LD) $^ -o $@ $(LIBS)
+
+# Catch2's runner is compiled once (it takes ~15 s); each test file links against it.
+$(BUILD)/tests/catch_main.o: tests/catch_main.cpp
+	@mkdir -p $(dir $@)
+	$(TESTCXX) $(CPPFLAGS) -c $< -o $@
+
+$(BUILD)/tests/%.o: tests/%.cpp
+	@mkdir -p $(dir $@)
+	$(TESTCXX) $(CPPFLAGS) -MMD -MP -c $< -o $@
+
+$(BUILD)/tests/test_%: $(BUILD)/tests/test_%.o $(BUILD)/tests/catch_main.o $(BUILD)/common.a
+	$(LD) $^ -o $@ $(LIBS)
+
+# Installs what a fresh Debian machine lacks (as root), or says the exact command (otherwise).
+deps:
+	@scripts/ensure-deps.sh
+
+test: deps
+	@$(MAKE) --no-print-directory all $(TEST_BIN)
+	@BUILD=$(BUILD) tests/run_tests.sh
+
+NP ?= 1
+demo: deps
+	@$(MAKE) --no-print-directory $(BUILD)/01_single_gpu
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} $(BUILD)/01_single_gpu --preset tiny --steps 300 --log-json $(BUILD)/demo.jsonl
+
+bench: deps
+	@$(MAKE) --no-print-directory all
+	@BUILD=$(BUILD) scripts/bench.sh
+
+clean:
+	rm -rf build build-cpu
+
+-include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

@@ -1,0 +1,353 @@
+// core.cu — errors, the tagging allocator, tensors and copies.
+#include "core.h"
+
+#include <mpi.h>
+
+#include <cstdarg>
+#include <cstdlib>
+#include <mutex>
+
+namespace ts {
+
+// ----- errors ----------------------------------------------------------------------------------
+
+int world_rank() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin) return 0;
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+static long g_step = -1;
+void set_current_step(long step) { g_step = step; }
+long current_step() { return g_step; }
+
+void fatal_at(const char* file, int line, const char* fmt, ...) {
+  char msg[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (g_step >= 0)
+    fprintf(stderr, "error [rank %d, step %ld] %s:%d: %s\n", world_rank(), g_step, file, line, msg);
+  else
+    fprintf(stderr, "error [rank %d] %s:%d: %s\n", world_rank(), file, line, msg);
+  fflush(stderr);
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  // MPI_Abort takes every rank of the job down with a non-zero status: an error on one rank
+  // must never leave the others waiting in a collective.
+  if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
+  exit(1);
+}
+
+void config_error(const char* fmt, ...) {
+  char msg[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (world_rank() == 0) {
+    fprintf(stderr, "error: %s\n", msg);
+    fflush(stderr);
+  }
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) MPI_Finalize();
+  exit(2);
+}
+
+#ifdef TS_CUDA
+const char* cublas_error_string(cublasStatus_t s) {
+  switch (s) {
+    case CUBLAS_STATUS_NOT_INITIALIZED: return "CUBLAS_STATUS_NOT_INITIALIZED";
+    case CUBLAS_STATUS_ALLOC_FAILED: return "CUBLAS_STATUS_ALLOC_FAILED";
+    case CUBLAS_STATUS_INVALID_VALUE: return "CUBLAS_STATUS_INVALID_VALUE";
+    case CUBLAS_STATUS_ARCH_MISMATCH: return "CUBLAS_STATUS_ARCH_MISMATCH";
+    case CUBLAS_STATUS_MAPPING_ERROR: return "CUBLAS_STATUS_MAPPING_ERROR";
+    case CUBLAS_STATUS_EXECUTION_FAILED: return "CUBLAS_STATUS_EXECUTION_FAILED";
+    case CUBLAS_STATUS_INTERNAL_ERROR: return "CUBLAS_STATUS_INTERNAL_ERROR";
+    case CUBLAS_STATUS_NOT_SUPPORTED: return "CUBLAS_STATUS_NOT_SUPPORTED";
+    default: return "unknown cuBLAS status";
+  }
+}
+#endif
+
+// ----- devices and dtypes ----------------------------------------------------------------------
+
+const char* device_name(Device d) { return d == Device::CPU ? "cpu" : "cuda"; }
+const char* dtype_name(DType t) {
+  switch (t) {
+    case DType::F32: return "f32";
+    case DType::BF16: return "bf16";
+    case DType::I32: return "i32";
+  }
+  return "?";
+}
+size_t dtype_size(DType t) { return t == DType::BF16 ? 2 : 4; }
+
+bool cuda_available() {
+#ifdef TS_CUDA
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no device" error
+    return false;
+  }
+  return n > 0;
+#else
+  return false;
+#endif
+}
+
+Device parse_device(const std::string& s) {
+  if (s == "cpu") return Device::CPU;
+  if (s == "cuda") {
+#ifndef TS_CUDA
+    config_error("--device cuda: this binary was built without CUDA (build with nvcc, or use --device cpu)");
+#endif
+    if (!cuda_available()) config_error("--device cuda: no GPU is visible");
+    return Device::CUDA;
+  }
+  if (s == "auto") return cuda_available() ? Device::CUDA : Device::CPU;
+  config_error("--device must be auto, cpu or cuda (got '%s')", s.c_str());
+}
+
+// ----- the tagging allocator -------------------------------------------------------------------
+
+const char* tag_name(Tag t) {
+  static const char* names[] = {"params", "grads", "optimizer", "activations", "comm", "workspace"};
+  return names[int(t)];
+}
+
+static MemStats g_stats[2];
+static std::mutex g_mem_mu;
+
+static void account(Device dev, Tag tag, size_t bytes, bool add) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  MemStats& s = g_stats[int(dev)];
+  int t = int(tag);
+  if (add) {
+    s.current[t] += bytes;
+    s.total_current += bytes;
+    if (s.current[t] > s.peak[t]) s.peak[t] = s.current[t];
+    if (s.total_current > s.total_peak) {
+      s.total_peak = s.total_current;
+      for (int i = 0; i < kNumTags; i++) s.at_peak[i] = s.current[i];
+    }
+  } else {
+    s.current[t] -= bytes;
+    s.total_current -= bytes;
+  }
+}
+
+void* mem_alloc(size_t bytes, Device dev, Tag tag) {
+  void* p = nullptr;
+  size_t n = bytes ? bytes : 1;
+  if (dev == Device::CPU) {
+    // 64-byte alignment: whole cache lines, and what vector loads like.
+    p = aligned_alloc(64, (n + 63) / 64 * 64);
+    if (!p) fatal("out of host memory allocating %zu bytes for %s", bytes, tag_name(tag));
+  } else {
+#ifdef TS_CUDA
+    cudaError_t e = cudaMalloc(&p, n);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      const MemStats& s = g_stats[int(Device::CUDA)];
+      fprintf(stderr, "CUDA out of memory allocating %zu bytes for %s; allocated now by category:\n", bytes,
+              tag_name(tag));
+      for (int i = 0; i < kNumTags; i++) fprintf(stderr, "  %-12s %12zu bytes\n", tag_name(Tag(i)), s.current[i]);
+      fatal("CUDA out of memory (%s)", cudaGetErrorString(e));
+    }
+#else
+    fatal("CUDA allocation in a CPU-only build");
+#endif
+  }
+  account(dev, tag, bytes, true);
+  return p;
+}
+
+void mem_free(void* p, size_t bytes, Device dev, Tag tag) {
+  if (!p) return;
+  if (dev == Device::CPU) {
+    free(p);
+  } else {
+#ifdef TS_CUDA
+    cudaFree(p);
+#endif
+  }
+  account(dev, tag, bytes, false);
+}
+
+const MemStats& mem_stats(Device dev) { return g_stats[int(dev)]; }
+
+void mem_reset_peaks(Device dev) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  MemStats& s = g_stats[int(dev)];
+  for (int i = 0; i < kNumTags; i++) s.peak[i] = s.at_peak[i] = s.current[i];
+  s.total_peak = s.total_current;
+}
+
+Buffer::Buffer(size_t bytes_, Device dev_, Tag tag_) : bytes(bytes_), dev(dev_), tag(tag_) {
+  ptr = mem_alloc(bytes, dev, tag);
+}
+Buffer::~Buffer() { mem_free(ptr, bytes, dev, tag); }
+
+// ----- tensors ---------------------------------------------------------------------------------
+
+static int64_t prod(const std::vector<int64_t>& s) {
+  int64_t n = 1;
+  for (int64_t d : s) n *= d;
+  return n;
+}
+
+Tensor Tensor::empty(std::vector<int64_t> shape, DType dt, Device dev, Tag tag) {
+  for (int64_t d : shape) TS_CHECK(d >= 0, "negative dimension in tensor shape");
+  Tensor t;
+  t.shape = std::move(shape);
+  t.dtype = dt;
+  t.buf = std::make_shared<Buffer>(size_t(prod(t.shape)) * dtype_size(dt), dev, tag);
+  return t;
+}
+
+Tensor Tensor::zeros(std::vector<int64_t> shape, DType dt, Device dev, Tag tag) {
+  Tensor t = empty(std::move(shape), dt, dev, tag);
+  zero(t);
+  return t;
+}
+
+int64_t Tensor::numel() const { return prod(shape); }
+
+float* Tensor::f32() const {
+  TS_CHECK(dtype == DType::F32, "expected an f32 tensor, got %s", str().c_str());
+  return data<float>();
+}
+bf16* Tensor::b16() const {
+  TS_CHECK(dtype == DType::BF16, "expected a bf16 tensor, got %s", str().c_str());
+  return data<bf16>();
+}
+int32_t* Tensor::i32() const {
+  TS_CHECK(dtype == DType::I32, "expected an i32 tensor, got %s", str().c_str());
+  return data<int32_t>();
+}
+
+Tensor Tensor::view(int64_t elem_offset, std::vector<int64_t> new_shape) const {
+  TS_CHECK(elem_offset >= 0 && elem_offset + prod(new_shape) <= numel(),
+           "view [%lld, +%lld) out of range of %s", (long long)elem_offset, (long long)prod(new_shape),
+           str().c_str());
+  Tensor t = *this;
+  t.byte_offset = byte_offset + size_t(elem_offset) * dtype_size(dtype);
+  t.shape = std::move(new_shape);
+  return t;
+}
+
+Tensor Tensor::rows(int64_t r0, int64_t n) const {
+  std::vector<int64_t> s = shape;
+  int64_t row = numel() / s[0];
+  s[0] = n;
+  return view(r0 * row, s);
+}
+
+std::string Tensor::str() const {
+  std::string s = std::string(dtype_name(dtype)) + "[";
+  for (size_t i = 0; i < shape.size(); i++) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]@" + device_name(device());
+}
+
+#ifdef TS_CUDA
+static cudaMemcpyKind copy_kind(Device dst, Device src) {
+  if (dst == Device::CPU) return src == Device::CPU ? cudaMemcpyHostToHost : cudaMemcpyDeviceToHost;
+  return src == Device::CPU ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToDevice;
+}
+#endif
+
+void copy(const Tensor& dst, const Tensor& src) {
+  TS_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: %s <- %s", dst.str().c_str(),
+           src.str().c_str());
+  if (dst.device() == Device::CPU && src.device() == Device::CPU) {
+    memcpy(dst.raw(), src.raw(), src.nbytes());
+    return;
+  }
+#ifdef TS_CUDA
+  CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), copy_kind(dst.device(), src.device()),
+                             compute_stream()));
+  if (dst.device() == Device::CPU) CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+#endif
+}
+
+void zero(const Tensor& t) {
+  if (t.device() == Device::CPU) {
+    memset(t.raw(), 0, t.nbytes());
+    return;
+  }
+#ifdef TS_CUDA
+  CUDA_CHECK(cudaMemsetAsync(t.raw(), 0, t.nbytes(), compute_stream()));
+#endif
+}
+
+std::vector<float> to_host_f32(const Tensor& t) {
+  std::vector<float> out(t.numel());
+  Tensor h = t;
+  if (t.device() != Device::CPU) {
+    h = Tensor::empty(t.shape, t.dtype, Device::CPU, Tag::Workspace);
+    copy(h, t);
+  }
+  if (t.dtype == DType::F32) {
+    memcpy(out.data(), h.raw(), out.size() * 4);
+  } else if (t.dtype == DType::BF16) {
+    for (size_t i = 0; i < out.size(); i++) out[i] = bf16_to_float(h.b16()[i]);
+  } else {
+    for (size_t i = 0; i < out.size(); i++) out[i] = float(h.i32()[i]);
+  }
+  return out;
+}
+
+void from_host_f32(const Tensor& t, const float* src) {
+  Tensor h = t;
+  if (t.device() != Device::CPU) h = Tensor::empty(t.shape, t.dtype, Device::CPU, Tag::Workspace);
+  int64_t n = t.numel();
+  if (t.dtype == DType::F32) {
+    memcpy(h.raw(), src, size_t(n) * 4);
+  } else if (t.dtype == DType::BF16) {
+    for (int64_t i = 0; i < n; i++) h.b16()[i] = float_to_bf16(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; i++) h.i32()[i] = int32_t(src[i]);
+  }
+  if (t.device() != Device::CPU) copy(t, h);
+}
+
+#ifdef TS_CUDA
+cudaStream_t compute_stream() {
+  static cudaStream_t s = [] {
+    cudaStream_t st;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    return st;
+  }();
+  return s;
+}
+cublasHandle_t cublas() {
+  static cublasHandle_t h = [] {
+    cublasHandle_t hh;
+    CUBLAS_CHECK(cublasCreate(&hh));
+    CUBLAS_CHECK(cublasSetStream(hh, compute_stream()));
+    // Deterministic results: no atomics-based split-K reductions.
+    CUBLAS_CHECK(cublasSetAtomicsMode(hh, CUBLAS_ATOMICS_NOT_ALLOWED));
+    return hh;
+  }();
+  return h;
+}
+#endif
+
+void device_sync(Device dev) {
+#ifdef TS_CUDA
+  if (dev == Device::CUDA) CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+#else
+  (void)dev;
+#endif
+}
+
+}  // namespace ts

@@ -1,0 +1,2 @@
+// placeholder replaced by the kernels implementation
+#include "kernels.h"

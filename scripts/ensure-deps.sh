@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs the Debian packages the build and tests need when they are missing (as root), or prints
+# the exact command and stops (otherwise). Silent and fast when everything is present.
+set -euo pipefail
+missing=()
+have() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+for p in mpich libmpich-dev catch2 libopenblas-dev; do have "$p" || missing+=("$p"); done
+[ ${#missing[@]} -eq 0 ] && exit 0
+cmd="apt-get install -y --no-install-recommends ${missing[*]}"
+if [ "$(id -u)" -eq 0 ]; then
+  echo "installing missing packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >/dev/null
+  $cmd >/dev/null
+else
+  echo "missing packages: ${missing[*]}" >&2
+  echo "run: sudo apt-get update && sudo $cmd" >&2
+  exit 1
+fi

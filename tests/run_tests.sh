@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The test driver behind `make test`: runs every Catch2 binary in $BUILD/tests, each under mpirun
+# at the rank counts its source declares on a line "// ranks: 1 2 4" (default 1), counts test
+# cases, prints every failure in full, and ends with "N passed, M failed" (non-zero exit on failure).
+set -u
+BUILD=${BUILD:-build}
+TIMEOUT=${TEST_TIMEOUT:-900}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+export TS_BUILD=$BUILD
+passed=0; failed=0; failures=()
+log=$(mktemp); trap 'rm -f "$log"' EXIT
+for src in tests/test_*.cpp; do
+  name=$(basename "$src" .cpp)
+  bin=$BUILD/tests/$name
+  ranks=$(grep -m1 -E '^// ranks:' "$src" | sed 's/^\/\/ ranks://')
+  for np in ${ranks:-1}; do
+    label="$name (np $np)"
+    start=$(date +%s)
+    timeout "$TIMEOUT" mpirun -np "$np" "$bin" >"$log" 2>&1
+    rc=$?
+    secs=$(( $(date +%s) - start ))
+    # Catch2 prints one summary per rank; rank 0's comes first.
+    if line=$(grep -m1 -E '^All tests passed' "$log"); then
+      n=$(echo "$line" | sed -E 's/.* in ([0-9]+) test case.*/\1/'); f=0
+    elif line=$(grep -m1 -E '^test cases:' "$log"); then
+      n=$(echo "$line" | sed -E 's/^test cases: *([0-9]+).*/\1/')
+      f=$(echo "$line" | sed -E 's/.*\| *([0-9]+) failed.*/\1/'); [[ "$f" =~ ^[0-9]+$ ]] || f=0
+    else
+      n=1; f=1
+    fi
+    if [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; [ "$n" -ge 1 ] || n=1; fi
+    passed=$((passed + n - f)); failed=$((failed + f))
+    if [ $rc -ne 0 ]; then
+      [ $rc -eq 124 ] && echo "TIMEOUT after ${TIMEOUT}s" >>"$log"
+      echo "FAIL $label: $f of $n failed (exit $rc, ${secs}s)"
+      sed 's/^/    /' "$log" | tail -n 80
+      failures+=("$label")
+    else
+      echo "ok   $label: $n test cases (${secs}s)"
+    fi
+  done
+done
+[ ${#failures[@]} -gt 0 ] && printf 'failed: %s\n' "${failures[@]}"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
