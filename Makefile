@@ -25,8 +25,9 @@ CUDA_ARCH ?= 80 90
 CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
 
 CXX := g++
-MPI_INC := $(shell mpicxx -compile_info 2>/dev/null | grep -o -- '-I[^ ]*' | head -n1)
-MPI_LIB := $(shell mpicxx -link_info 2>/dev/null | grep -o -- '-[lL][^ ]*' | tr '\n' ' ')
+MPI_SHOW := $(shell mpicxx -show 2>/dev/null)
+MPI_INC := $(filter -I%,$(MPI_SHOW))
+MPI_LIB := $(filter -L% -l%,$(MPI_SHOW))
 ifeq ($(MPI_LIB),)
   MPI_INC := -I/usr/include/x86_64-linux-gnu/mpich
   MPI_LIB := -lmpich

@@ -1,0 +1,194 @@
+// checkpoint.cu — save and load in the HF layout, per-rank slices, atomic publication.
+#include "checkpoint.h"
+
+#include <fcntl.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <cstdlib>
+
+#include "safetensors.h"
+
+namespace ts {
+
+Json hf_config(const ModelConfig& c) {
+  Json j = Json::object();
+  j["architectures"] = Json::array({Json("LlamaForCausalLM")});
+  j["model_type"] = "llama";
+  j["hidden_size"] = c.dim;
+  j["intermediate_size"] = c.ffn;
+  j["num_hidden_layers"] = c.layers;
+  j["num_attention_heads"] = c.heads;
+  j["num_key_value_heads"] = c.kv_heads;
+  j["head_dim"] = c.head_dim();
+  j["vocab_size"] = c.vocab;
+  j["max_position_embeddings"] = c.seq;
+  j["rms_norm_eps"] = double(c.norm_eps);
+  j["rope_theta"] = double(c.rope_theta);
+  j["tie_word_embeddings"] = false;
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["mlp_bias"] = false;
+  j["torch_dtype"] = "float32";
+  return j;
+}
+
+static std::vector<StEntry> entries_with_prefix(const ParamTable& t, const std::string& prefix) {
+  std::vector<StEntry> v;
+  for (const ParamEntry& e : t.entries) v.push_back({prefix + e.name, "F32", e.shape});
+  return v;
+}
+
+// Writes the part of `src` (global range [b, e)) that falls in each tensor, at its offset.
+static void write_range(SafetensorsWriter& w, const ParamTable& t, const std::string& prefix, int64_t b,
+                        int64_t e, const std::vector<float>& src) {
+  for (const ParamEntry& p : t.entries) {
+    int64_t lo = std::max(b, p.offset), hi = std::min(e, p.offset + p.numel);
+    if (lo < hi) w.write(prefix + p.name, lo - p.offset, src.data() + (lo - b), hi - lo);
+  }
+}
+
+static void read_range(const SafetensorsReader& r, const ParamTable& t, const std::string& prefix, int64_t b,
+                       int64_t e, std::vector<float>& dst) {
+  for (const ParamEntry& p : t.entries) {
+    int64_t lo = std::max(b, p.offset), hi = std::min(e, p.offset + p.numel);
+    if (lo < hi) r.read(prefix + p.name, lo - p.offset, dst.data() + (lo - b), hi - lo);
+  }
+}
+
+static bool exists(const std::string& p) {
+  struct stat st;
+  return stat(p.c_str(), &st) == 0;
+}
+
+// A test hook: TS_CRASH_IN_SAVE=1 kills the process after the first half of the weights is
+// written, the way a node failure would, to prove the previous checkpoint survives.
+static void maybe_crash_midway() {
+  const char* c = getenv("TS_CRASH_IN_SAVE");
+  if (c && std::string(c) == "1") {
+    fprintf(stderr, "TS_CRASH_IN_SAVE: simulated crash during checkpoint save\n");
+    _exit(3);
+  }
+}
+
+void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTable& table,
+                     const CheckpointSlice& mine, long step, const Json& mesh) {
+  const bool rank0 = world_rank() == 0;
+  const std::string tmp = dir + ".tmp";
+  const std::vector<StEntry> model_e = entries_with_prefix(table, "");
+  std::vector<StEntry> opt_e = entries_with_prefix(table, "exp_avg.");
+  for (StEntry& e : entries_with_prefix(table, "exp_avg_sq.")) opt_e.push_back(e);
+  int any_opt = mine.opt != nullptr, all_opt = 0;
+  MPI_Allreduce(&any_opt, &all_opt, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+
+  if (rank0) {
+    if (exists(tmp) && system(("rm -rf '" + tmp + "'").c_str()) != 0) fatal("cannot remove stale %s", tmp.c_str());
+    if (mkdir(tmp.c_str(), 0755) != 0) fatal("cannot create checkpoint directory %s", tmp.c_str());
+    std::map<std::string, std::string> meta = {{"format", "pt"}};
+    SafetensorsWriter(tmp + "/model.safetensors", model_e, meta, true).sync_and_close();
+    if (all_opt) SafetensorsWriter(tmp + "/optimizer.safetensors", opt_e, meta, true).sync_and_close();
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (mine.end > mine.begin) {
+    SafetensorsWriter w(tmp + "/model.safetensors", model_e, {{"format", "pt"}}, false);
+    std::vector<float> v = to_host_f32(mine.weights);
+    int64_t half = mine.begin + (mine.end - mine.begin) / 2;
+    write_range(w, table, "", mine.begin, half, v);
+    maybe_crash_midway();
+    std::vector<float> rest(v.begin() + (half - mine.begin), v.end());
+    write_range(w, table, "", half, mine.end, rest);
+    w.sync_and_close();
+    if (mine.opt) {
+      SafetensorsWriter o(tmp + "/optimizer.safetensors", opt_e, {{"format", "pt"}}, false);
+      write_range(o, table, "exp_avg.", mine.begin, mine.end, to_host_f32(mine.opt->m1));
+      write_range(o, table, "exp_avg_sq.", mine.begin, mine.end, to_host_f32(mine.opt->m2));
+      o.sync_and_close();
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank0) {
+    write_text_file_synced(tmp + "/config.json", hf_config(rc.model).dump(2) + "\n");
+    Json tj = Json::object();
+    tj["step"] = step;
+    tj["tokens_seen"] = int64_t(step) * rc.batch * rc.model.seq;
+    tj["batch"] = rc.batch;
+    tj["seq"] = rc.model.seq;
+    tj["seed"] = int64_t(rc.seed);
+    tj["data"] = rc.data.empty() ? std::string("synthetic") : rc.data;
+    tj["dtype"] = dtype_name(rc.dtype);
+    tj["mesh"] = mesh;
+    write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
+    fsync_dir(tmp);
+    // Publish with one atomic step: exchange the new directory with the old one (or rename it
+    // into place), then delete the old one. Until the exchange, DIR is the previous checkpoint.
+    if (exists(dir)) {
+      if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
+        fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
+      if (system(("rm -rf '" + tmp + "'").c_str()) != 0) fatal("cannot remove old checkpoint %s", tmp.c_str());
+    } else if (rename(tmp.c_str(), dir.c_str()) != 0) {
+      fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
+    }
+    std::string parent = dir.find('/') == std::string::npos ? "." : dir.substr(0, dir.rfind('/'));
+    fsync_dir(parent.empty() ? "/" : parent);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+static void check_config(const std::string& dir, const ModelConfig& c) {
+  Json j;
+  try {
+    j = Json::parse(read_text_file(dir + "/config.json"));
+    auto need = [&](const char* key, int64_t want) {
+      int64_t got = j.at(key).as_int();
+      if (got != want)
+        config_error("checkpoint %s does not match the model: %s is %lld, the model has %lld", dir.c_str(), key,
+                     (long long)got, (long long)want);
+    };
+    need("hidden_size", c.dim);
+    need("intermediate_size", c.ffn);
+    need("num_hidden_layers", c.layers);
+    need("num_attention_heads", c.heads);
+    need("num_key_value_heads", c.kv_heads);
+    need("vocab_size", c.vocab);
+  } catch (const FormatError& e) {
+    config_error("checkpoint %s: config.json: %s", dir.c_str(), e.what());
+  }
+}
+
+CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, const ParamTable& table,
+                               int64_t begin, int64_t end, const Tensor& weights, AdamW* opt) {
+  if (!exists(dir)) config_error("--resume %s: no such checkpoint directory", dir.c_str());
+  check_config(dir, cfg);
+  CheckpointInfo info;
+  try {
+    info.trainer = Json::parse(read_text_file(dir + "/trainer.json"));
+    info.step = long(info.trainer.at("step").as_int());
+  } catch (const FormatError& e) {
+    config_error("checkpoint %s: trainer.json: %s", dir.c_str(), e.what());
+  }
+  SafetensorsReader model(dir + "/model.safetensors");
+  for (const ParamEntry& p : table.entries) {
+    if (!model.has(p.name)) config_error("checkpoint %s: model.safetensors has no tensor %s", dir.c_str(), p.name.c_str());
+    if (model.entry(p.name).shape != p.shape)
+      config_error("checkpoint %s: tensor %s has the wrong shape", dir.c_str(), p.name.c_str());
+  }
+  std::vector<float> v(size_t(end - begin));
+  read_range(model, table, "", begin, end, v);
+  if (weights.defined()) from_host_f32(weights, v.data());
+  info.has_optimizer = exists(dir + "/optimizer.safetensors");
+  if (opt && info.has_optimizer) {
+    SafetensorsReader o(dir + "/optimizer.safetensors");
+    for (const char* pre : {"exp_avg.", "exp_avg_sq."}) {
+      read_range(o, table, pre, begin, end, v);
+      from_host_f32(std::string(pre) == "exp_avg." ? opt->m1 : opt->m2, v.data());
+    }
+  }
+  return info;
+}
+
+}  // namespace ts

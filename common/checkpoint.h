@@ -1,0 +1,46 @@
+// checkpoint.h — mesh-independent checkpoints in the HF layout.
+//
+//   DIR/model.safetensors      fp32 master weights, HF names, full global shapes
+//   DIR/optimizer.safetensors  AdamW first and second moments ("exp_avg.<name>", "exp_avg_sq.<name>")
+//   DIR/config.json            HF LlamaConfig fields: `transformers` loads the model as it is
+//   DIR/trainer.json           step, data position, mesh and flags
+//
+// Every rank writes the slices it owns at their global offsets, so a checkpoint does not depend
+// on the mesh that wrote it and resumes on another one. The files are written into a temporary
+// directory, synced, then swapped in with one rename: a crash mid-save leaves the previous
+// checkpoint intact.
+#pragma once
+#include <string>
+
+#include "json.h"
+#include "model.h"
+#include "train.h"
+
+namespace ts {
+
+// What one rank contributes: the fp32 values of the global parameter range [begin, end) (weights
+// and, when opt is set, its moments over the same range). A rank with nothing to write passes an
+// empty range. Collective over MPI_COMM_WORLD.
+struct CheckpointSlice {
+  int64_t begin = 0, end = 0;
+  Tensor weights;       // fp32 [end - begin] (any device)
+  const AdamW* opt = nullptr;  // its m1/m2 cover exactly [begin, end)
+};
+void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTable& table,
+                     const CheckpointSlice& mine, long step, const Json& mesh);
+
+struct CheckpointInfo {
+  long step = 0;
+  bool has_optimizer = false;
+  Json trainer;
+};
+// Validates the directory (files present, config matching the model, tensors with the right
+// names and shapes) with config_error on any problem, then reads [begin, end) of the weights
+// into `weights` (fp32) and, when opt is given and the optimizer file exists, of the moments.
+CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, const ParamTable& table,
+                               int64_t begin, int64_t end, const Tensor& weights, AdamW* opt);
+
+// config.json for the HF LlamaConfig of this model.
+Json hf_config(const ModelConfig& c);
+
+}  // namespace ts

@@ -1,0 +1,407 @@
+// train.cu — flags, schedule, AdamW over flat ranges, memory predictions, the step log.
+#include "train.h"
+
+#include "data.h"
+
+#include <cblas.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstdarg>
+
+namespace ts {
+
+// ----- flags -------------------------------------------------------------------------------------
+
+Args::Args(int argc, char** argv, std::string doc) : doc_(std::move(doc)) {
+  for (int i = 1; i < argc; i++) {
+    std::string a = argv[i];
+    if (a == "--help" || a == "-h") {
+      want_help_ = true;
+      continue;
+    }
+    if (a.rfind("--", 0) != 0) config_error("unexpected argument '%s' (flags start with --; see --help)", a.c_str());
+    std::string v;
+    size_t eq = a.find('=');
+    if (eq != std::string::npos) {
+      v = a.substr(eq + 1);
+      a = a.substr(0, eq);
+    } else if (i + 1 < argc && std::string(argv[i + 1]).rfind("--", 0) != 0) {
+      v = argv[++i];
+    } else {
+      v = "\x01";  // a switch with no value
+    }
+    args_.push_back({a, v});
+  }
+  used_.assign(args_.size(), false);
+}
+
+const char* Args::take(const std::string& flag, const std::string& def, const std::string& help, bool sw) {
+  help_.push_back("  " + flag + (sw ? "" : " <" + def + ">") + "\n      " + help);
+  const char* found = nullptr;
+  for (size_t i = 0; i < args_.size(); i++)
+    if (args_[i].first == flag) {
+      used_[i] = true;
+      found = args_[i].second.c_str();  // the last occurrence wins
+    }
+  if (found && !sw && std::string(found) == "\x01") config_error("%s needs a value", flag.c_str());
+  return found;
+}
+
+bool Args::has(const std::string& flag) const {
+  for (auto& a : args_)
+    if (a.first == flag) return true;
+  return false;
+}
+
+static double parse_number(const std::string& flag, const char* s) {
+  char* end = nullptr;
+  double v = strtod(s, &end);
+  if (end == s || *end) config_error("%s expects a number, got '%s'", flag.c_str(), s);
+  return v;
+}
+
+long Args::get_long(const std::string& flag, long def, const std::string& help) {
+  const char* v = take(flag, std::to_string(def), help, false);
+  if (!v) return def;
+  double d = parse_number(flag, v);
+  if (d != std::floor(d)) config_error("%s expects an integer, got '%s'", flag.c_str(), v);
+  return long(d);
+}
+int Args::get_int(const std::string& flag, int def, const std::string& help) {
+  return int(get_long(flag, def, help));
+}
+double Args::get_double(const std::string& flag, double def, const std::string& help) {
+  char buf[32];
+  snprintf(buf, sizeof buf, "%g", def);
+  const char* v = take(flag, buf, help, false);
+  return v ? parse_number(flag, v) : def;
+}
+std::string Args::get_str(const std::string& flag, const std::string& def, const std::string& help) {
+  const char* v = take(flag, def.empty() ? "\"\"" : def, help, false);
+  return v ? std::string(v) : def;
+}
+bool Args::get_bool(const std::string& flag, const std::string& help) {
+  const char* v = take(flag, "", help, true);
+  if (v && std::string(v) != "\x01") config_error("%s is a switch and takes no value (got '%s')", flag.c_str(), v);
+  return v != nullptr;
+}
+
+void Args::finish() {
+  if (want_help_) {
+    if (world_rank() == 0) {
+      printf("%s\n\nflags:\n", doc_.c_str());
+      for (auto& h : help_) printf("%s\n", h.c_str());
+    }
+    MPI_Finalize();
+    exit(0);
+  }
+  for (size_t i = 0; i < args_.size(); i++)
+    if (!used_[i]) config_error("unknown flag %s (see --help)", args_[i].first.c_str());
+}
+
+// ----- the run configuration -------------------------------------------------------------------
+
+bool apply_preset(const std::string& name, ModelConfig& m) {
+  // {dim, layers, heads, kv_heads, ffn, vocab, seq}
+  if (name == "tiny") m = {64, 2, 4, 2, 160, 256, 32};
+  else if (name == "small") m = {256, 4, 8, 4, 688, 256, 256};
+  else if (name == "124m") m = {768, 12, 12, 12, 2048, 50304, 1024};
+  else if (name == "1b") m = {2048, 16, 32, 8, 8192, 128256, 2048};
+  else if (name == "8b") m = {4096, 32, 32, 8, 14336, 128256, 4096};
+  else return false;
+  if (name == "1b" || name == "8b") m.rope_theta = 500000.f;
+  return true;
+}
+
+const char* recompute_name(Recompute r) {
+  return r == Recompute::None ? "none" : r == Recompute::Selective ? "selective" : "full";
+}
+
+RunConfig parse_run_config(Args& a) {
+  RunConfig rc;
+  rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 8b (explicit flags override)");
+  if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (tiny, small, 124m, 1b, 8b)", rc.preset.c_str());
+  ModelConfig& m = rc.model;
+  m.dim = a.get_int("--dim", m.dim, "hidden size h");
+  m.layers = a.get_int("--layers", m.layers, "decoder layers L");
+  m.heads = a.get_int("--heads", m.heads, "attention heads a");
+  m.kv_heads = a.get_int("--kv-heads", m.kv_heads, "key/value heads (GQA)");
+  m.ffn = a.get_int("--ffn", m.ffn, "SwiGLU intermediate size");
+  m.vocab = a.get_int("--vocab", m.vocab, "vocabulary size");
+  m.seq = a.get_int("--seq", m.seq, "sequence length s");
+  rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
+  std::string dt = a.get_str("--dtype", "fp32", "fp32 | bf16 (bf16 compute, fp32 master weights and gradients)");
+  if (dt == "fp32") rc.dtype = DType::F32;
+  else if (dt == "bf16") rc.dtype = DType::BF16;
+  else config_error("--dtype must be fp32 or bf16 (got '%s')", dt.c_str());
+  rc.master_weights = !a.get_bool("--no-master-weights", "bf16: update the bf16 weights directly (the playbook's failure)");
+  rc.batch = a.get_int("--batch", rc.batch, "global batch: sequences per optimizer step");
+  rc.micro_batch = a.get_int("--micro-batch", 0, "sequences per forward pass (0 = whole local batch)");
+  rc.steps = a.get_long("--steps", rc.steps, "optimizer steps");
+  rc.lr = a.get_double("--lr", rc.lr, "peak learning rate");
+  rc.beta1 = a.get_double("--beta1", rc.beta1, "AdamW beta1");
+  rc.beta2 = a.get_double("--beta2", rc.beta2, "AdamW beta2");
+  rc.eps = a.get_double("--eps", rc.eps, "AdamW epsilon");
+  rc.weight_decay = a.get_double("--weight-decay", rc.weight_decay, "decoupled weight decay (2-D weights only)");
+  rc.clip = a.get_double("--clip", rc.clip, "global gradient-norm clip (0 disables)");
+  rc.lr_schedule = a.get_str("--lr-schedule", rc.lr_schedule, "constant | cosine");
+  rc.warmup_steps = a.get_long("--warmup-steps", 0, "linear warm-up steps");
+  rc.min_lr = a.get_double("--min-lr", 0, "final learning rate of the cosine schedule");
+  rc.seed = uint64_t(a.get_long("--seed", long(rc.seed), "initialisation and synthetic-data seed"));
+  rc.data = a.get_str("--data", "", "training text (.txt, bytes) or llm.c shard (.bin); default: embedded synthetic");
+  std::string r = a.get_str("--recompute", "none", "activation recomputation: none | selective | full");
+  if (r == "none") rc.recompute = Recompute::None;
+  else if (r == "selective") rc.recompute = Recompute::Selective;
+  else if (r == "full") rc.recompute = Recompute::Full;
+  else config_error("--recompute must be none, selective or full (got '%s')", r.c_str());
+  rc.log_json = a.get_str("--log-json", "", "write per-step JSON lines and a final summary here");
+  rc.trace = a.get_str("--trace", "", "write a Chrome trace (Perfetto) here");
+  rc.save_dir = a.get_str("--save", "", "checkpoint directory written at the end (and every --save-every steps)");
+  rc.save_every = a.get_long("--save-every", 0, "checkpoint period in steps (0: only at the end)");
+  rc.resume_dir = a.get_str("--resume", "", "checkpoint directory to resume from");
+  rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
+  rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job");
+  rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)");
+  rc.quiet = a.get_bool("--quiet", "no per-step lines");
+
+  if (m.dim < 1 || m.layers < 1 || m.heads < 1 || m.kv_heads < 1 || m.ffn < 1 || m.vocab < 2 || m.seq < 1)
+    config_error("model dimensions must be positive");
+  if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
+  if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
+  if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
+  if (rc.batch < 1 || rc.steps < 0 || rc.micro_batch < 0) config_error("--batch must be >= 1, --steps and --micro-batch >= 0");
+  if (rc.lr_schedule != "constant" && rc.lr_schedule != "cosine")
+    config_error("--lr-schedule must be constant or cosine (got '%s')", rc.lr_schedule.c_str());
+  return rc;
+}
+
+double lr_at(const RunConfig& rc, long step) {
+  if (step < rc.warmup_steps) return rc.lr * double(step + 1) / double(rc.warmup_steps);
+  if (rc.lr_schedule == "constant" || rc.steps <= rc.warmup_steps + 1) return rc.lr;
+  double t = double(step - rc.warmup_steps) / double(rc.steps - rc.warmup_steps - 1);
+  return rc.min_lr + 0.5 * (rc.lr - rc.min_lr) * (1.0 + std::cos(M_PI * t));
+}
+
+// ----- optimizer ---------------------------------------------------------------------------------
+
+AdamW::AdamW(const Model& m, int64_t b, int64_t e, bool master_weights) : begin(b), end(e), dev(m.dev) {
+  if (m.dtype != DType::F32 && master_weights) master = Tensor::empty({e - b}, DType::F32, m.dev, Tag::Optimizer);
+}
+
+void AdamW::ensure_state() {
+  if (m1.defined()) return;
+  m1 = Tensor::zeros({end - begin}, DType::F32, dev, Tag::Optimizer);
+  m2 = Tensor::zeros({end - begin}, DType::F32, dev, Tag::Optimizer);
+}
+
+void AdamW::load_master(const Model&, const Tensor& weights_range) {
+  if (master.defined()) convert(master, weights_range);
+}
+
+float clip_coefficient(double norm, double clip) {
+  if (clip <= 0) return 1.f;
+  return float(std::min(1.0, clip / (norm + 1e-6)));
+}
+
+// The range may cut through tensors (ZeRO shards): each parameter's intersection with it is
+// updated with that parameter's weight-decay rule.
+void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, long t, float clip_coef,
+                 const RunConfig& rc) {
+  ensure_state();
+  AdamWParams p{float(lr), float(rc.beta1), float(rc.beta2), float(rc.eps), float(rc.weight_decay), t};
+  for (const ParamEntry& e : m.table.entries) {
+    int64_t b = std::max(begin, e.offset), en = std::min(end, e.offset + e.numel);
+    if (b >= en) continue;
+    int64_t o = b - begin, n = en - b;
+    if (master.defined()) {
+      adamw_step(master.view(o, {n}), g.view(o, {n}), m1.view(o, {n}), m2.view(o, {n}), p, e.decay, clip_coef,
+                 w.view(o, {n}));
+    } else if (w.dtype == DType::F32) {
+      adamw_step(w.view(o, {n}), g.view(o, {n}), m1.view(o, {n}), m2.view(o, {n}), p, e.decay, clip_coef, Tensor());
+    } else {
+      // --no-master-weights: the update is applied to a widened copy and rounded straight back
+      // to bf16, so updates below half a bf16 ulp of the weight are lost (the playbook's failure).
+      Tensor tmp = Tensor::empty({n}, DType::F32, m.dev, Tag::Workspace);
+      convert(tmp, w.view(o, {n}));
+      adamw_step(tmp, g.view(o, {n}), m1.view(o, {n}), m2.view(o, {n}), p, e.decay, clip_coef, w.view(o, {n}));
+    }
+  }
+}
+
+// ----- data --------------------------------------------------------------------------------------
+
+MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev) {
+  std::vector<int32_t> in(size_t(nseq) * T), tg(size_t(nseq) * T);
+  fill_batch(d, step, B, T, seq0, nseq, in.data(), tg.data());
+  MicroBatch mb;
+  for (auto [dst, src] : {std::pair<Tensor*, std::vector<int32_t>*>{&mb.inputs, &in}, {&mb.targets, &tg}}) {
+    Tensor h = Tensor::empty({int64_t(src->size())}, DType::I32, Device::CPU, Tag::Workspace);
+    memcpy(h.raw(), src->data(), src->size() * 4);
+    if (dev == Device::CPU) {
+      *dst = h;
+    } else {
+      *dst = Tensor::empty(h.shape, DType::I32, dev, Tag::Workspace);
+      copy(*dst, h);
+    }
+  }
+  return mb;
+}
+
+void check_blas_setup() {
+  static bool done = false;
+  if (done || world_rank() != 0) return;
+  done = true;
+  std::string core = openblas_get_corename();
+  const char* old[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Katmai", "Northwood", "Banias"};
+  bool is_old = false;
+  for (const char* o : old) is_old |= core == o;
+  if (is_old && __builtin_cpu_supports("avx2"))
+    fprintf(stderr,
+            "warning: OpenBLAS selected kernels for core '%s' but this CPU supports AVX2; sgemm runs several times\n"
+            "         slower than it can. Set OPENBLAS_CORETYPE=Haswell (or SkylakeX on AVX-512 machines).\n",
+            core.c_str());
+}
+
+// ----- memory predictions ----------------------------------------------------------------------
+
+MemoryPrediction predict_states(int64_t psi, int64_t psi_opt, DType dt, bool master_weights) {
+  MemoryPrediction p;
+  p.params = double(psi) * dtype_size(dt);
+  p.grads = 4.0 * psi;  // fp32 gradients (accumulated in fp32 under bf16 too)
+  p.optimizer = 8.0 * psi_opt + (dt != DType::F32 && master_weights ? 4.0 * psi_opt : 0.0);
+  return p;
+}
+
+// Bytes per token saved by one decoder layer (notes/01 derives each term). e = bytes per
+// element of the compute dtype; statistics (two 1/rms, one lse per head) are fp32.
+static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc) {
+  const double D = c.dim, KV = c.kv_dim(), F = c.ffn, stats = 4.0 * (2 + c.heads);
+  const double all = (6 * D + 2 * KV + 3 * F) * e + stats;  // x,h1,q,k,v,y,x_mid,h2 + g,u,act
+  if (rc == Recompute::None) return all;
+  if (rc == Recompute::Selective) return all - (2 * D + F) * e;  // minus h1, h2, act
+  return D * e;  // full: the layer input only
+}
+
+// The peak of saved activations is the larger of two moments:
+//  A) the end of the forward: every layer's saved set + the head's (final norm output, logits);
+//  F) the forward of the last layer: L-1 saved sets + that layer's complete set + its output.
+double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc) {
+  const double e = double(dtype_size(dt)), tokens = double(b) * c.seq;
+  const double saved = layer_saved_per_token(c, e, rc);
+  const double all = layer_saved_per_token(c, e, Recompute::None);
+  const double head = (2.0 * c.dim + c.vocab) * e + 4.0;  // xf (last output), hf, logits, rstd
+  const double A = c.layers * saved + head;
+  const double F = (c.layers - 1) * saved + all + c.dim * e;
+  return tokens * std::max(A, F);
+}
+
+// ----- reporting ---------------------------------------------------------------------------------
+
+std::string human_bytes(double b) {
+  const char* u[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int i = 0;
+  while (std::fabs(b) >= 1024 && i < 4) b /= 1024, i++;
+  char buf[32];
+  snprintf(buf, sizeof buf, i ? "%.2f %s" : "%.0f %s", b, u[i]);
+  return buf;
+}
+
+std::string device_description(Device dev) {
+#ifdef TS_CUDA
+  if (dev == Device::CUDA) {
+    int d = 0;
+    cudaGetDevice(&d);
+    cudaDeviceProp p;
+    CUDA_CHECK(cudaGetDeviceProperties(&p, d));
+    return p.name;
+  }
+#endif
+  (void)dev;
+  return "cpu";
+}
+
+// The playbook's peak table (dense, no sparsity) by device name; the CPU has no meaningful
+// entry, so MFU there is reported against --peak-tflops only (0 otherwise).
+double peak_tflops_for(Device dev, DType dt, double override_tflops) {
+  if (override_tflops > 0) return override_tflops;
+  std::string n = device_description(dev);
+  bool bf = dt == DType::BF16;
+  if (n.find("H100") != std::string::npos || n.find("H200") != std::string::npos) return bf ? 989 : 67;
+  if (n.find("A100") != std::string::npos) return bf ? 312 : 19.5;
+  return 0;
+}
+
+RunLog::RunLog(const RunConfig& rc, Device) : rc_(rc), rank0_(world_rank() == 0) {
+  if (rank0_ && !rc.log_json.empty()) {
+    json_ = fopen(rc.log_json.c_str(), "w");
+    if (!json_) config_error("--log-json %s: cannot open for writing", rc.log_json.c_str());
+  }
+}
+
+RunLog::~RunLog() {
+  if (json_) fclose(json_);
+}
+
+void RunLog::line(const char* fmt, ...) {
+  if (!rank0_) return;
+  va_list ap;
+  va_start(ap, fmt);
+  vprintf(fmt, ap);
+  va_end(ap);
+  printf("\n");
+  fflush(stdout);
+}
+
+void RunLog::step(const StepRecord& r) {
+  if (!rank0_) return;
+  if (!rc_.quiet)
+    printf("step %5ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s\n", r.step,
+           r.loss, r.lr, r.grad_norm, r.tokens_per_s, 100 * r.mfu, r.step_ms, human_bytes(double(r.peak_mem_bytes)).c_str());
+  fflush(stdout);
+  if (json_) {
+    Json j = Json::object();
+    j["step"] = r.step;
+    j["loss"] = r.loss;
+    j["lr"] = r.lr;
+    j["grad_norm"] = r.grad_norm;
+    j["tokens_per_s"] = r.tokens_per_s;
+    j["mfu"] = r.mfu;
+    j["step_ms"] = r.step_ms;
+    j["peak_mem_bytes"] = int64_t(r.peak_mem_bytes);
+    fprintf(json_, "%s\n", j.dump().c_str());
+    fflush(json_);
+  }
+}
+
+void RunLog::summary(Json s) {
+  if (!rank0_ || !json_) return;
+  Json j = Json::object();
+  j["summary"] = std::move(s);
+  fprintf(json_, "%s\n", j.dump().c_str());
+  fflush(json_);
+}
+
+Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
+  const MemStats& s = mem_stats(dev);
+  const double predicted[kNumTags] = {pred.params, pred.grads, pred.optimizer, pred.activations, -1, -1};
+  Json mem = Json::object();
+  log.line("memory (rank 0, peak per category)   measured        predicted   measured/predicted");
+  for (int t = 0; t < kNumTags; t++) {
+    Json c = Json::object();
+    c["measured"] = int64_t(s.peak[t]);
+    if (predicted[t] >= 0) {
+      c["predicted"] = int64_t(std::llround(predicted[t]));
+      log.line("  %-12s %22s %16s   %.4f", tag_name(Tag(t)), human_bytes(double(s.peak[t])).c_str(),
+               human_bytes(predicted[t]).c_str(), predicted[t] > 0 ? double(s.peak[t]) / predicted[t] : 0.0);
+    } else {
+      log.line("  %-12s %22s", tag_name(Tag(t)), human_bytes(double(s.peak[t])).c_str());
+    }
+    mem[tag_name(Tag(t))] = std::move(c);
+  }
+  log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
+  mem["total_peak"] = int64_t(s.total_peak);
+  return mem;
+}
+
+}  // namespace ts

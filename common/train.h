@@ -1,0 +1,143 @@
+// train.h — the training utilities every technique shares: flags, the run configuration, the
+// learning-rate schedule, AdamW over ranges of the flat buffers, gradient clipping, memory
+// predictions (the playbook's formulas for this model), the step log and the run summary.
+#pragma once
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core.h"
+#include "data.h"
+#include "json.h"
+#include "model.h"
+
+namespace ts {
+
+// ----- flags -------------------------------------------------------------------------------------
+// Flags are declared where they are read (get_*), so --help lists exactly what a binary accepts;
+// finish() rejects anything left over — an unknown flag is an error on every rank, never ignored.
+class Args {
+ public:
+  Args(int argc, char** argv, std::string program_doc);
+  int get_int(const std::string& flag, int def, const std::string& help);
+  long get_long(const std::string& flag, long def, const std::string& help);
+  double get_double(const std::string& flag, double def, const std::string& help);
+  std::string get_str(const std::string& flag, const std::string& def, const std::string& help);
+  bool get_bool(const std::string& flag, const std::string& help);  // a switch: present = true
+  bool has(const std::string& flag) const;
+  void finish();  // --help prints and exits 0; unknown flags are a config_error
+ private:
+  const char* take(const std::string& flag, const std::string& def, const std::string& help, bool is_switch);
+  std::string doc_;
+  std::vector<std::pair<std::string, std::string>> args_;  // flag -> value, in order
+  std::vector<bool> used_;
+  std::vector<std::string> help_;
+  bool want_help_ = false;
+};
+
+// ----- the run configuration (01's flags; the other techniques add their own) -------------------
+struct RunConfig {
+  ModelConfig model;
+  std::string preset = "tiny";
+  std::string device = "auto";
+  DType dtype = DType::F32;
+  bool master_weights = true;  // bf16 only: --no-master-weights updates bf16 weights directly
+  int batch = 8, micro_batch = 0;  // global sequences per step; sequences per forward (0 = batch)
+  long steps = 50;
+  double lr = 3e-3, beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1, clip = 1.0;
+  std::string lr_schedule = "cosine";
+  long warmup_steps = 0;
+  double min_lr = 0;
+  uint64_t seed = 1337;
+  std::string data;  // "" = embedded synthetic source
+  Recompute recompute = Recompute::None;
+  std::string log_json, trace, save_dir, resume_dir;
+  long save_every = 0;
+  bool dry_run = false;
+  double timeout = 300, peak_tflops = 0;
+  bool quiet = false;  // no per-step lines (tests)
+};
+// Reads the flags shared by every technique (not finish(): the technique adds its own first).
+RunConfig parse_run_config(Args& a);
+// Named shapes: tiny (the test fixture's), small (the benchmark's), 124m, 1b, 8b (Llama-3-8B).
+bool apply_preset(const std::string& name, ModelConfig& m);
+const char* recompute_name(Recompute r);
+
+// ----- schedule, optimizer, clipping ---------------------------------------------------------
+// Linear warm-up to lr, then constant or cosine decay to min_lr at the last step.
+double lr_at(const RunConfig& rc, long step);
+
+// AdamW over the parameter range [begin, end) of the flat buffers: all of it in 01/02, this
+// rank's shard under ZeRO. With bf16 weights it keeps the fp32 master copy of its range
+// (Tag::Optimizer, the playbook counts it with the optimizer states).
+class AdamW {
+ public:
+  // The moments are allocated at the first step (or a resume), not here: the playbook's
+  // first-step anomaly — optimizer memory appears only once the optimizer first runs.
+  AdamW(const Model& m, int64_t begin, int64_t end, bool master_weights);
+  void ensure_state();
+  // Copies the current weights of [begin, end) into the master copy (after init or a load).
+  void load_master(const Model& m, const Tensor& weights_range);
+  // One update: grads_range and weights_range cover exactly [begin, end) of the flat buffers.
+  void step(const Model& m, const Tensor& weights_range, const Tensor& grads_range, double lr, long t,
+            float clip_coef, const RunConfig& rc);
+  int64_t begin, end;
+  Device dev;
+  Tensor master, m1, m2;  // master is undefined for fp32 weights (the weights are the master)
+};
+
+// min(1, clip / (norm + 1e-6)); 1 when clipping is off.
+float clip_coefficient(double grad_norm, double clip);
+
+// ----- data on the device ----------------------------------------------------------------------
+struct MicroBatch {
+  Tensor inputs, targets;  // int32 [nseq * seq]
+};
+// Global sequences [seq0, seq0 + nseq) of step `step` (DESIGN.md data order), on `dev`.
+MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev);
+
+// Warns once when OpenBLAS runs kernels for a much older core than this CPU (Debian's build
+// misdetects some CPUs as "Prescott" and runs sgemm several times slower), with the fix.
+void check_blas_setup();
+
+// ----- memory: the playbook's formulas, derived for this model --------------------------------
+struct MemoryPrediction {
+  double params = 0, grads = 0, optimizer = 0, activations = 0;
+};
+// Per-rank bytes of parameters (Ψ local), gradients and optimizer states, fp32 or bf16 mixed
+// precision (bf16 weights + fp32 gradients + fp32 master/m/v = 2Ψ + 4Ψ + 12Ψ).
+MemoryPrediction predict_states(int64_t psi_local, int64_t psi_optimizer, DType dt, bool master_weights);
+// Peak bytes of saved activations for one micro-batch of b sequences (see notes/01).
+double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc);
+
+// ----- reporting ----------------------------------------------------------------------------------
+// The per-step record, printed as a line and written as a JSON line.
+struct StepRecord {
+  long step;
+  double loss, lr, grad_norm, tokens_per_s, mfu, step_ms;
+  size_t peak_mem_bytes;
+};
+double peak_tflops_for(Device dev, DType dt, double override_tflops);
+std::string device_description(Device dev);
+
+class RunLog {
+ public:
+  RunLog(const RunConfig& rc, Device dev);  // rank 0 opens --log-json
+  void step(const StepRecord& r);
+  // memory: category -> {measured, predicted}; comm: group -> op -> {calls, bytes, predicted}.
+  void summary(Json s);
+  void line(const char* fmt, ...) __attribute__((format(printf, 2, 3)));  // rank 0 only
+  ~RunLog();
+ private:
+  const RunConfig& rc_;
+  FILE* json_ = nullptr;
+  bool rank0_;
+};
+
+// "1.23 MiB"
+std::string human_bytes(double b);
+// The memory table: each category measured (this rank's allocator, per-category peak) next to the
+// prediction; returned as the summary's "memory" object.
+Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred);
+
+}  // namespace ts
