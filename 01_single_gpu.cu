@@ -7,8 +7,6 @@
 //
 //   ./build/01_single_gpu --preset tiny --steps 200
 //   ./build/01_single_gpu --dry-run --preset 8b --micro-batch 1 --dtype bf16 --recompute full
-#include <algorithm>
-#include <chrono>
 #include <cmath>
 
 #include "checkpoint.h"
@@ -48,57 +46,12 @@ static void print_prediction(RunLog& log, const RunConfig& rc) {
   log.line("  total       %12s", human_bytes(p.params + p.grads + p.optimizer + p.activations).c_str());
 }
 
-// ----- weights: counter-based init, or a checkpoint -----------------------------------------------
-
-// Fills the model's weights (and the optimizer's master copy) and returns the first step to run.
-static long init_or_resume(Model& model, AdamW& opt, const RunConfig& rc) {
-  Tensor w32 = Tensor::empty({model.table.total}, DType::F32, model.dev, Tag::Workspace);
-  long step = 0;
-  if (rc.resume_dir.empty()) {
-    Model::init_range(model.table, rc.seed, 0, model.table.total, w32);
-  } else {
-    opt.ensure_state();
-    step = load_checkpoint(rc.resume_dir, rc.model, model.table, 0, model.table.total, w32, &opt).step;
-  }
-  convert(model.params, w32);  // a copy in fp32, a rounding to bf16 otherwise
-  opt.load_master(model, w32);
-  return step;
-}
-
-static Tensor master_weights_f32(const Model& model, const AdamW& opt) {
-  if (opt.master.defined()) return opt.master;
-  Tensor w = Tensor::empty({model.table.total}, DType::F32, model.dev, Tag::Workspace);
-  convert(w, model.params);
-  return w;
-}
-
-static void save(const Model& model, const AdamW& opt, const RunConfig& rc, long step) {
-  Json mesh = Json::object();
-  mesh["world"] = 1;
-  save_checkpoint(rc.save_dir, rc, model.table, {0, model.table.total, master_weights_f32(model, opt), &opt}, step,
-                  mesh);
-}
-
-// ----- the first-step anomaly: memory after forward, backward and the optimizer -------------------
-
-static void print_memory(RunLog& log, Device dev, long step, const char* when) {
-  const MemStats& s = mem_stats(dev);
-  log.line("  step %ld %-15s params %10s  grads %10s  optimizer %10s  activations %10s", step, when,
-           human_bytes(double(s.current[int(Tag::Params)])).c_str(), human_bytes(double(s.current[int(Tag::Grads)])).c_str(),
-           human_bytes(double(s.current[int(Tag::Optimizer)])).c_str(),
-           human_bytes(double(s.current[int(Tag::Activations)])).c_str());
-}
-
 // ----- one optimizer step -----------------------------------------------------------------------
-
-struct StepOut {
-  double loss, grad_norm;
-};
 
 // Gradient accumulation: the global batch runs as batch/micro_batch forward-backward passes whose
 // gradients add up in the fp32 gradient buffer; each token's loss is scaled by 1/(batch·seq) so
 // the sum is the mean over every token of the global batch, whatever the micro-batch size.
-static StepOut train_step(Model& model, AdamW& opt, const TokenData& data, const RunConfig& rc, long step,
+static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, const RunConfig& rc, long step,
                           RunLog& log) {
   const int T = rc.model.seq, mb = rc.micro_batch;
   const float scale = 1.f / (float(rc.batch) * T);
@@ -113,7 +66,6 @@ static StepOut train_step(Model& model, AdamW& opt, const TokenData& data, const
   }
   if (show) print_memory(log, model.dev, step, "after backward");
   const double loss = loss_sum / (double(rc.batch) * T);
-  if (!std::isfinite(loss)) fatal("loss is %f at step %ld: the run diverged (try a lower --lr)", loss, step);
   const double norm = std::sqrt(sum_squares(model.grads));
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   if (show) print_memory(log, model.dev, step, "after optimizer");
@@ -151,41 +103,19 @@ int main(int argc, char** argv) {
 
   Model model(rc.model, dev, rc.dtype, rc.recompute);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
-  const long first = init_or_resume(model, opt, rc);
+  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
 
-  const double peak = peak_tflops_for(dev, rc.dtype, rc.peak_tflops) * 1e12;
-  const double tokens = double(rc.batch) * rc.model.seq;
-  std::vector<double> tps;
-  double last_loss = NAN;
-  for (long step = first; step < rc.steps; step++) {
-    set_current_step(step);
-    auto t0 = std::chrono::steady_clock::now();
-    StepOut r = train_step(model, opt, data, rc, step, log);
-    device_sync(dev);
-    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    tps.push_back(tokens / secs);
-    last_loss = r.loss;
-    log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
-              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3,
-              mem_stats(dev).total_peak});
-    if (!rc.save_dir.empty() && rc.save_every > 0 && (step + 1) % rc.save_every == 0 && step + 1 < rc.steps)
-      save(model, opt, rc, step + 1);
-  }
-  set_current_step(-1);
-  if (!rc.save_dir.empty()) save(model, opt, rc, std::max(first, rc.steps));
-
-  Json summary = Json::object();
-  summary["memory"] = memory_report(log, dev, predict(rc));
-  summary["comm"] = Json::object();
-  summary["final_loss"] = last_loss;
-  summary["loss_floor"] = data.entropy_floor;
-  if (!tps.empty()) {
-    std::sort(tps.begin(), tps.end());
-    summary["tokens_per_s_median"] = tps[tps.size() / 2];
-    log.line("median %.0f tokens/s over %zu steps; final loss %.4f", tps[tps.size() / 2], tps.size(), last_loss);
-  }
-  log.summary(summary);
+  Loop loop;
+  loop.predicted = predict(rc);
+  loop.step = [&](long step) { return train_step(model, opt, data, rc, step, log); };
+  loop.save = [&](long step) {
+    Json mesh = Json::object();
+    mesh["world"] = 1;
+    save_checkpoint(rc.save_dir, rc, model.table, {0, model.table.total, weights_f32(model.params, opt), &opt}, step,
+                    mesh);
+  };
+  train_loop(rc, dev, log, data, first, loop);
   comm_finalize();
   return 0;
 }

@@ -165,9 +165,12 @@ CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, c
   if (!exists(dir)) config_error("--resume %s: no such checkpoint directory", dir.c_str());
   check_config(dir, cfg);
   CheckpointInfo info;
+  // A plain HF model directory has no trainer.json: it loads as the weights of step 0.
   try {
-    info.trainer = Json::parse(read_text_file(dir + "/trainer.json"));
-    info.step = long(info.trainer.at("step").as_int());
+    if (exists(dir + "/trainer.json")) {
+      info.trainer = Json::parse(read_text_file(dir + "/trainer.json"));
+      info.step = long(info.trainer.at("step").as_int());
+    }
   } catch (const FormatError& e) {
     config_error("checkpoint %s: trainer.json: %s", dir.c_str(), e.what());
   }

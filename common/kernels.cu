@@ -1,2 +1,953 @@
-// placeholder replaced by the kernels implementation
+// kernels.cu — the CPU implementation of every op in kernels.h, and the dispatch to the CUDA
+// twins in kernels_cuda.cu.
+//
+// Each op is a readable reference templated on the activation storage type T (float or bf16,
+// loaded with ld() and stored with st<T>()), accumulating in fp32 (double where it costs little),
+// followed by the public function that validates its arguments and dispatches on the device.
+// Threads split work by rows or heads with static schedules; every reduction that crosses rows
+// runs in a fixed order, so results are bitwise identical for any OMP_NUM_THREADS.
 #include "kernels.h"
+
+#include <cblas.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <limits>
+
+#include "rng.h"
+#ifdef TS_CUDA
+#include "kernels_cuda.h"
+#endif
+
+namespace ts {
+namespace {
+
+// ===== argument checks ==========================================================================
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); i++) r += (i ? "," : "") + std::to_string(s[i]);
+  return r + "]";
+}
+
+void check_defined(const char* op, const char* name, const Tensor& t) {
+  TS_CHECK(t.defined(), "%s: %s is an undefined tensor", op, name);
+}
+
+void check_shape(const char* op, const char* name, const Tensor& t, const std::vector<int64_t>& shape) {
+  check_defined(op, name, t);
+  TS_CHECK(t.shape == shape, "%s: %s must have shape %s, got %s", op, name, shape_str(shape).c_str(),
+           t.str().c_str());
+}
+
+void check_dtype(const char* op, const char* name, const Tensor& t, DType dt) {
+  check_defined(op, name, t);
+  TS_CHECK(t.dtype == dt, "%s: %s must be %s, got %s", op, name, dtype_name(dt), t.str().c_str());
+}
+
+// Activations: fp32 or bf16.
+void check_float(const char* op, const char* name, const Tensor& t) {
+  check_defined(op, name, t);
+  TS_CHECK(t.dtype == DType::F32 || t.dtype == DType::BF16, "%s: %s must be f32 or bf16, got %s", op, name,
+           t.str().c_str());
+}
+
+void check_same_dtype(const char* op, const Tensor& a, const char* an, const Tensor& b, const char* bn) {
+  TS_CHECK(a.dtype == b.dtype, "%s: %s and %s must have the same dtype, got %s and %s", op, an, bn,
+           a.str().c_str(), b.str().c_str());
+}
+
+// Every defined tensor of one call lives on one device; returns it.
+Device common_device(const char* op, std::initializer_list<const Tensor*> ts) {
+  const Tensor* first = nullptr;
+  for (const Tensor* t : ts) {
+    if (!t->defined()) continue;
+    if (!first) first = t;
+    TS_CHECK(t->device() == first->device(), "%s: tensors on different devices (%s and %s)", op,
+             first->str().c_str(), t->str().c_str());
+  }
+  return first ? first->device() : Device::CPU;
+}
+
+// Runs f(T{}) for the activation dtype, so one templated reference serves fp32 and bf16.
+template <class F> void by_dtype(DType dt, F&& f) {
+  if (dt == DType::F32)
+    f(float{});
+  else
+    f(bf16{});
+}
+
+Tensor workspace(int64_t n) { return Tensor::empty({n}, DType::F32, Device::CPU, Tag::Workspace); }
+
+// ===== shared numerics ==========================================================================
+
+// exp(x) in plain float arithmetic (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial,
+// ~1 ulp) so that softmax loops vectorise; results below FLT_MIN flush to 0, so exp(-inf) = 0.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -88.0f), 88.0f);
+  float t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds x*log2(e) to an integer
+  int32_t n = int32_t(float_bits(t) - 0x4B400000u);
+  float fn = t - 12582912.0f;
+  float r = x - fn * 0.693359375f + fn * 2.12194440e-4f;  // ln2 split in two for an exact product
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * bits_float(uint32_t(n + 127) << 23);
+}
+
+inline float sigmoid(float x) { return 1.0f / (1.0f + exp_approx(-x)); }
+
+template <class T> void widen(float* dst, const T* src, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) dst[i] = ld(src[i]);
+}
+
+// A tensor's data as fp32: the tensor itself, or a widened copy in tmp.
+const float* as_f32(const Tensor& t, Tensor& tmp) {
+  if (t.dtype == DType::F32) return t.f32();
+  tmp = workspace(t.numel());
+  widen(tmp.f32(), t.b16(), t.numel());
+  return tmp.f32();
+}
+
+// C[m, :N] (+)= sum_k A(m, k) * B[k, :N] for m < M, with A(m, k) = A[m*a_rs + k*a_cs]. The small
+// per-head products of attention; axpy form so the innermost loop runs over contiguous C and B.
+void small_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < M; m++) {
+    float* __restrict c = C + m * ldc;
+    if (!accumulate) std::fill(c, c + N, 0.0f);
+    for (int64_t k = 0; k < K; k++) {
+      const float a = A[m * a_rs + k * a_cs];
+      const float* __restrict b = B + k * ldb;
+#pragma omp simd
+      for (int64_t n = 0; n < N; n++) c[n] += a * b[n];
+    }
+  }
+}
+
+// ===== elementwise ==============================================================================
+
+template <class T> void add_cpu(T* y, const T* a, const T* b, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) y[i] = st<T>(ld(a[i]) + ld(b[i]));
+}
+
+template <class T> void scale_cpu(T* y, float s, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) y[i] = st<T>(ld(y[i]) * s);
+}
+
+template <class D, class S> void convert_cpu(D* dst, const S* src, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) dst[i] = st<D>(ld(src[i]));
+}
+
+template <class T> void fill_cpu(T* y, float value, int64_t n) {
+  const T v = st<T>(value);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) y[i] = v;
+}
+
+// ===== embedding ================================================================================
+
+template <class T>
+void embedding_forward_cpu(T* out, const T* table, const int32_t* tok, int64_t N, int64_t V, int64_t D,
+                           int64_t vocab_start) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const int64_t row = int64_t(tok[n]) - vocab_start;
+    T* o = out + n * D;
+    if (row < 0 || row >= V) {
+      std::fill(o, o + D, st<T>(0.0f));  // owned by another vocab shard
+      continue;
+    }
+    std::copy(table + row * D, table + (row + 1) * D, o);
+  }
+}
+
+// Threads own disjoint ranges of table rows and each scans the tokens in order, so every row
+// accumulates its tokens in token order whatever the thread count — no atomics, no partials.
+template <class T>
+void embedding_backward_cpu(float* dtable, const T* dout, const int32_t* tok, int64_t N, int64_t V, int64_t D,
+                            int64_t vocab_start) {
+  const int64_t nblocks = std::min<int64_t>(V, 64), per = (V + nblocks - 1) / nblocks;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const int64_t r0 = blk * per, r1 = std::min(V, r0 + per);
+    for (int64_t n = 0; n < N; n++) {
+      const int64_t row = int64_t(tok[n]) - vocab_start;
+      if (row < r0 || row >= r1) continue;
+      float* __restrict dt = dtable + row * D;
+      const T* __restrict g = dout + n * D;
+      for (int64_t d = 0; d < D; d++) dt[d] += ld(g[d]);
+    }
+  }
+}
+
+// ===== RMSNorm ==================================================================================
+
+// y = x * rstd * w, rstd = 1/sqrt(mean(x^2) + eps).
+template <class T>
+void rmsnorm_forward_cpu(T* y, float* rstd, const T* x, const float* w, float eps, int64_t N, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const T* __restrict xr = x + n * D;
+    T* __restrict yr = y + n * D;
+    double ss = 0;
+    for (int64_t d = 0; d < D; d++) ss += double(ld(xr[d])) * ld(xr[d]);
+    const float r = float(1.0 / std::sqrt(ss / double(D) + double(eps)));
+    rstd[n] = r;
+    for (int64_t d = 0; d < D; d++) yr[d] = st<T>(ld(xr[d]) * r * w[d]);
+  }
+}
+
+// With xhat = x*rstd: dx = rstd * (w*dy - xhat * mean(w*dy*xhat)); dw += sum_n dy * xhat.
+template <class T>
+void rmsnorm_backward_cpu(T* dx, float* dw, const T* dy, const T* x, const float* w, const float* rstd,
+                          int64_t N, int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const T* __restrict dyr = dy + n * D;
+    const T* __restrict xr = x + n * D;
+    const float r = rstd[n];
+    double dot = 0;
+    for (int64_t d = 0; d < D; d++) dot += double(w[d] * ld(dyr[d])) * (ld(xr[d]) * r);
+    const float c = float(dot / double(D));
+    T* __restrict dxr = dx + n * D;
+    for (int64_t d = 0; d < D; d++) dxr[d] = st<T>(r * (w[d] * ld(dyr[d]) - ld(xr[d]) * r * c));
+  }
+  // dw: threads own column ranges and walk the rows in order (fixed order for any thread count).
+  constexpr int64_t kCols = 16;
+  const int64_t nblocks = (D + kCols - 1) / kCols;
+#pragma omp parallel for schedule(static)
+  for (int64_t blk = 0; blk < nblocks; blk++) {
+    const int64_t c0 = blk * kCols, c1 = std::min(D, c0 + kCols);
+    for (int64_t n = 0; n < N; n++) {
+      const float r = rstd[n];
+      for (int64_t d = c0; d < c1; d++) dw[d] += ld(dy[n * D + d]) * (ld(x[n * D + d]) * r);
+    }
+  }
+}
+
+// ===== RoPE =====================================================================================
+
+// cos/sin of pos[s] * inv_freq_j, inv_freq_j = theta^(-2j/hd), as a [S, hd/2] table. The angle
+// is formed in double: at positions of thousands an fp32 angle is already off by ~1e-4 rad.
+void rope_table(std::vector<float>& cs, std::vector<float>& sn, const int32_t* pos, int64_t S, int64_t hd,
+                float theta) {
+  const int64_t half = hd / 2;
+  cs.resize(S * half);
+  sn.resize(S * half);
+  for (int64_t s = 0; s < S; s++)
+    for (int64_t j = 0; j < half; j++) {
+      const double a = double(pos[s]) * std::pow(double(theta), -2.0 * double(j) / double(hd));
+      cs[s * half + j] = float(std::cos(a));
+      sn[s * half + j] = float(std::sin(a));
+    }
+}
+
+// x' = x*cos + rotate_half(x)*sin on pairs (j, j + hd/2): (a, b) -> (a cos - b sin, b cos + a sin).
+// sign = -1 applies the inverse rotation (the backward pass: R^T = R(-angle)).
+template <class T>
+void rope_cpu(T* x, const int32_t* pos, float theta, float sign, int64_t B, int64_t S, int64_t H, int64_t hd) {
+  std::vector<float> cs, sn;
+  rope_table(cs, sn, pos, S, hd, theta);
+  const int64_t half = hd / 2;
+#pragma omp parallel for schedule(static)
+  for (int64_t bs = 0; bs < B * S; bs++) {
+    const float* c = cs.data() + (bs % S) * half;
+    const float* s = sn.data() + (bs % S) * half;
+    for (int64_t h = 0; h < H; h++) {
+      T* __restrict xh = x + (bs * H + h) * hd;
+      for (int64_t j = 0; j < half; j++) {
+        const float a = ld(xh[j]), b = ld(xh[j + half]), sj = sign * s[j];
+        xh[j] = st<T>(a * c[j] - b * sj);
+        xh[j + half] = st<T>(b * c[j] + a * sj);
+      }
+    }
+  }
+}
+
+// ===== matmul ===================================================================================
+
+// A matrix view of a tensor: rows = numel / last dim, cols = last dim ([B, S, D] -> [B*S, D]).
+struct Mat {
+  int64_t rows, cols;
+};
+Mat as_matrix(const char* op, const char* name, const Tensor& t) {
+  check_defined(op, name, t);
+  TS_CHECK(t.dim() >= 2, "%s: %s must have at least 2 dimensions, got %s", op, name, t.str().c_str());
+  const int64_t cols = t.size(-1);
+  return {cols ? t.numel() / cols : 0, cols};
+}
+
+// C = alpha * op(A) @ op(B) + beta * C through OpenBLAS; bf16 operands are widened into fp32
+// workspace first and a bf16 C is rounded back at the end.
+void matmul_cpu(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool transB, float alpha,
+                float beta, int64_t M, int64_t N, int64_t K) {
+  Tensor ta, tb, tc;
+  const float* a = as_f32(A, ta);
+  const float* b = as_f32(B, tb);
+  float* c = C.dtype == DType::F32 ? C.f32() : nullptr;
+  if (!c) {
+    tc = workspace(M * N);
+    c = tc.f32();
+    if (beta != 0.0f) widen(c, C.b16(), M * N);
+  }
+  if (K == 0) {  // BLAS needs lda >= 1; an empty sum leaves beta * C
+    for (int64_t i = 0; i < M * N; i++) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
+  } else {
+    cblas_sgemm(CblasRowMajor, transA ? CblasTrans : CblasNoTrans, transB ? CblasTrans : CblasNoTrans, int(M),
+                int(N), int(K), alpha, a, int(A.size(-1)), b, int(B.size(-1)), beta, c, int(N));
+  }
+  if (tc.defined()) convert_cpu(C.b16(), c, M * N);
+}
+
+// ===== attention ================================================================================
+
+// Query rows and keys are processed in tiles; a key tile none of whose positions is visible to
+// any query of the row tile is skipped (half the work for causal masks).
+constexpr int64_t kQTile = 32, kKTile = 64;
+
+struct AttnShape {
+  int64_t B, S, H, KVH, hd;
+  int64_t group() const { return H / KVH; }
+};
+
+// One head's slice of a [B, S, heads, hd] tensor as a contiguous fp32 [S, hd] matrix (times mul),
+// or transposed to [hd, S] so that score rows are contiguous axpy targets.
+template <class T>
+void gather_head(float* dst, const T* src, int64_t b, int64_t h, int64_t S, int64_t heads, int64_t hd, float mul,
+                 bool transpose) {
+  for (int64_t s = 0; s < S; s++) {
+    const T* row = src + ((b * S + s) * heads + h) * hd;
+    for (int64_t d = 0; d < hd; d++) {
+      if (transpose)
+        dst[d * S + s] = ld(row[d]) * mul;
+      else
+        dst[s * hd + d] = ld(row[d]) * mul;
+    }
+  }
+}
+
+// Which key tiles hold any key visible to some query of rows [i0, i1): kpos[j] <= max qpos.
+void visible_tiles(std::vector<char>& vis, const int32_t* qpos, const int32_t* kpos, int64_t i0, int64_t i1,
+                   int64_t S) {
+  const int32_t qmax = *std::max_element(qpos + i0, qpos + i1);
+  vis.assign((S + kKTile - 1) / kKTile, 0);
+  for (int64_t j = 0; j < S; j++)
+    if (kpos[j] <= qmax) vis[j / kKTile] = 1;
+}
+
+// scores[i0:i1, :] = (scale * Q) K^T over the visible key tiles, masked to -inf elsewhere.
+void masked_scores(float* sc, const float* Qs, const float* Kt, const std::vector<char>& vis,
+                   const int32_t* qpos, const int32_t* kpos, int64_t i0, int64_t rows, int64_t S, int64_t hd) {
+  for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
+    if (!vis[jt]) continue;
+    const int64_t j0 = jt * kKTile, nj = std::min(kKTile, S - j0);
+    small_gemm(rows, nj, hd, Qs + i0 * hd, hd, 1, Kt + j0, S, sc + j0, S, false);
+  }
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; r++) {
+    const int32_t qp = qpos[i0 + r];
+    float* __restrict row = sc + r * S;
+    for (int64_t j = 0; j < S; j++) row[j] = kpos[j] <= qp ? row[j] : ninf;
+  }
+}
+
+
+// exp(row - lse) in place: the probabilities, recomputed from the saved statistic. A row with
+// no visible key has lse = -inf; subtracting +inf instead makes that row exactly 0.
+void probs_from_lse(float* row, float lse, int64_t S) {
+  const float l = lse == -std::numeric_limits<float>::infinity() ? -lse : lse;
+#pragma omp simd
+  for (int64_t j = 0; j < S; j++) row[j] = exp_approx(row[j] - l);
+}
+
+// Softmax of one masked score row in place; returns its log-sum-exp (-inf if nothing is visible).
+float softmax_row(float* row, int64_t S) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  float mx = ninf;
+  for (int64_t j = 0; j < S; j++) mx = std::max(mx, row[j]);
+  if (mx == ninf) {
+    std::fill(row, row + S, 0.0f);
+    return ninf;
+  }
+  double sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < S; j++) {
+    row[j] = exp_approx(row[j] - mx);
+    sum += row[j];
+  }
+  const float inv = float(1.0 / sum);
+#pragma omp simd
+  for (int64_t j = 0; j < S; j++) row[j] *= inv;
+  return mx + float(std::log(sum));
+}
+
+// Per (b, h): O = softmax(scale Q K^T + mask) V, lse = log sum_j exp(scale q.k_j) over visible j.
+template <class T>
+void attention_forward_cpu(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* qpos,
+                           const int32_t* kpos, const AttnShape& a) {
+  const int64_t S = a.S, hd = a.hd, per_thread = 3 * S * hd + kQTile * S + kQTile * hd;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  Tensor ws = workspace(per_thread * omp_get_max_threads());
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < a.B * a.H; bh++) {
+    const int64_t b = bh / a.H, h = bh % a.H, kvh = h / a.group();
+    float* Qs = ws.f32() + per_thread * omp_get_thread_num();
+    float *Kt = Qs + S * hd, *V = Kt + S * hd, *sc = V + S * hd, *ob = sc + kQTile * S;
+    gather_head(Qs, q, b, h, S, a.H, hd, scale, false);
+    gather_head(Kt, k, b, kvh, S, a.KVH, hd, 1.0f, true);
+    gather_head(V, v, b, kvh, S, a.KVH, hd, 1.0f, false);
+    std::vector<char> vis;
+    for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
+      const int64_t rows = std::min(kQTile, S - i0);
+      visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
+      masked_scores(sc, Qs, Kt, vis, qpos, kpos, i0, rows, S, hd);
+      for (int64_t r = 0; r < rows; r++) lse[bh * S + i0 + r] = softmax_row(sc + r * S, S);
+      std::fill(ob, ob + rows * hd, 0.0f);
+      for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
+        if (!vis[jt]) continue;
+        const int64_t j0 = jt * kKTile, nj = std::min(kKTile, S - j0);
+        small_gemm(rows, hd, nj, sc + j0, S, 1, V + j0 * hd, hd, ob, hd, true);
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ob[r * hd + d]);
+      }
+    }
+  }
+}
+
+// Per (b, h), from P = exp(S - lse): dP = dO V^T, dS = P (dP - rowsum(dO * O)),
+// dQ = scale dS K, dK_h = scale dS^T Q, dV_h = P^T dO. The per-head dK_h, dV_h go to a
+// [B, H, S, hd] workspace and are summed over each GQA group afterwards, heads in order.
+template <class T>
+void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q,
+                            const T* k, const T* v, const int32_t* qpos, const int32_t* kpos, const AttnShape& a) {
+  const int64_t S = a.S, hd = a.hd;
+  const int64_t per_thread = 5 * S * hd + S + 2 * kQTile * S + kQTile * hd;
+  const float scale = 1.0f / std::sqrt(float(hd));
+  Tensor ws = workspace(per_thread * omp_get_max_threads());
+  Tensor dkv = workspace(2 * a.B * a.H * S * hd);
+  float *dKh_all = dkv.f32(), *dVh_all = dKh_all + a.B * a.H * S * hd;
+#pragma omp parallel for schedule(static)
+  for (int64_t bh = 0; bh < a.B * a.H; bh++) {
+    const int64_t b = bh / a.H, h = bh % a.H, kvh = h / a.group();
+    float* Qs = ws.f32() + per_thread * omp_get_thread_num();
+    float *K = Qs + S * hd, *Kt = K + S * hd, *Vt = Kt + S * hd, *dO = Vt + S * hd, *Drow = dO + S * hd;
+    float *P = Drow + S, *dS = P + kQTile * S, *dQt = dS + kQTile * S;
+    float *dKh = dKh_all + bh * S * hd, *dVh = dVh_all + bh * S * hd;
+    gather_head(Qs, q, b, h, S, a.H, hd, scale, false);
+    gather_head(K, k, b, kvh, S, a.KVH, hd, 1.0f, false);
+    gather_head(Kt, k, b, kvh, S, a.KVH, hd, 1.0f, true);
+    gather_head(Vt, v, b, kvh, S, a.KVH, hd, 1.0f, true);
+    gather_head(dO, dout, b, h, S, a.H, hd, 1.0f, false);
+    for (int64_t i = 0; i < S; i++) {  // D_i = rowsum(dO * O), the softmax-backward correction
+      const T* o = out + ((b * S + i) * a.H + h) * hd;
+      double dot = 0;
+      for (int64_t d = 0; d < hd; d++) dot += double(dO[i * hd + d]) * ld(o[d]);
+      Drow[i] = float(dot);
+    }
+    std::fill(dKh, dKh + S * hd, 0.0f);
+    std::fill(dVh, dVh + S * hd, 0.0f);
+    std::vector<char> vis;
+    for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
+      const int64_t rows = std::min(kQTile, S - i0);
+      visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
+      masked_scores(P, Qs, Kt, vis, qpos, kpos, i0, rows, S, hd);
+      for (int64_t r = 0; r < rows; r++) probs_from_lse(P + r * S, lse[bh * S + i0 + r], S);
+      std::fill(dQt, dQt + rows * hd, 0.0f);
+      for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
+        if (!vis[jt]) continue;
+        const int64_t j0 = jt * kKTile, nj = std::min(kKTile, S - j0);
+        small_gemm(rows, nj, hd, dO + i0 * hd, hd, 1, Vt + j0, S, dS + j0, S, false);  // dP
+        for (int64_t r = 0; r < rows; r++) {
+          const float* p = P + r * S + j0;
+          float* ds = dS + r * S + j0;
+          const float Di = Drow[i0 + r];
+#pragma omp simd
+          for (int64_t j = 0; j < nj; j++) ds[j] = p[j] * (ds[j] - Di);
+        }
+        small_gemm(rows, hd, nj, dS + j0, S, 1, K + j0 * hd, hd, dQt, hd, true);
+        small_gemm(nj, hd, rows, dS + j0, 1, S, Qs + i0 * hd, hd, dKh + j0 * hd, hd, true);
+        small_gemm(nj, hd, rows, P + j0, 1, S, dO + i0 * hd, hd, dVh + j0 * hd, hd, true);
+      }
+      for (int64_t r = 0; r < rows; r++) {
+        T* o = dq + ((b * S + i0 + r) * a.H + h) * hd;
+        for (int64_t d = 0; d < hd; d++) o[d] = st<T>(dQt[r * hd + d] * scale);
+      }
+    }
+  }
+  // GQA: a kv head's gradient is the sum over the query heads of its group, in head order.
+  const int64_t G = a.group();
+#pragma omp parallel for schedule(static)
+  for (int64_t bs = 0; bs < a.B * S; bs++) {
+    const int64_t b = bs / S, s = bs % S;
+    for (int64_t g = 0; g < a.KVH; g++) {
+      T* dko = dk + (bs * a.KVH + g) * hd;
+      T* dvo = dv + (bs * a.KVH + g) * hd;
+      for (int64_t d = 0; d < hd; d++) {
+        float sk = 0, sv = 0;
+        for (int64_t r = 0; r < G; r++) {
+          const int64_t off = ((b * a.H + g * G + r) * S + s) * hd + d;
+          sk += dKh_all[off];
+          sv += dVh_all[off];
+        }
+        dko[d] = st<T>(sk);
+        dvo[d] = st<T>(sv);
+      }
+    }
+  }
+}
+
+// ===== SwiGLU ===================================================================================
+
+// h = silu(g) * u, silu(g) = g * sigmoid(g).
+template <class T> void swiglu_forward_cpu(T* h, const T* g, const T* u, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    const float gi = ld(g[i]);
+    h[i] = st<T>(gi * sigmoid(gi) * ld(u[i]));
+  }
+}
+
+// dg = dh * u * silu'(g), silu'(g) = sig(g) * (1 + g * (1 - sig(g))); du = dh * silu(g).
+template <class T> void swiglu_backward_cpu(T* dg, T* du, const T* dh, const T* g, const T* u, int64_t n) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    const float gi = ld(g[i]), sg = sigmoid(gi), d = ld(dh[i]);
+    dg[i] = st<T>(d * ld(u[i]) * sg * (1.0f + gi * (1.0f - sg)));
+    du[i] = st<T>(d * gi * sg);
+  }
+}
+
+// ===== cross-entropy ============================================================================
+
+// loss = logsumexp(x) - x[t] with the row max subtracted; dlogits = (softmax(x) - onehot(t)) * scale,
+// written over the row after it has been read (dlogits may alias logits; dl null: loss only).
+template <class T>
+void cross_entropy_cpu(float* losses, T* dl, const T* logits, const int32_t* tgt, float grad_scale, int64_t N,
+                       int64_t V) {
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++) {
+    const T* x = logits + n * V;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t j = 0; j < V; j++) mx = std::max(mx, ld(x[j]));
+    double sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < V; j++) sum += exp_approx(ld(x[j]) - mx);
+    const int64_t t = tgt[n];
+    const double lse = double(mx) + std::log(sum);
+    losses[n] = float(lse - double(ld(x[t])));
+    if (!dl) continue;
+    const float inv = float(1.0 / sum);
+    T* d = dl + n * V;
+    for (int64_t j = 0; j < V; j++) d[j] = st<T>((exp_approx(ld(x[j]) - mx) * inv - float(j == t)) * grad_scale);
+  }
+}
+
+// ===== optimizer and norms ======================================================================
+
+// AdamW (Loshchilov & Hutter): m, v moments with bias correction 1 - beta^step, decoupled decay.
+void adamw_cpu(float* p, const float* grad, float* m, float* v, const AdamWParams& hp, bool decay,
+               float grad_scale, const Tensor& param_copy, int64_t n) {
+  const float bc1 = float(1.0 - std::pow(double(hp.beta1), double(hp.step)));
+  const float bc2 = float(1.0 - std::pow(double(hp.beta2), double(hp.step)));
+  const float wd = decay ? hp.weight_decay : 0.0f, b1 = hp.beta1, b2 = hp.beta2;
+  float* pc32 = param_copy.defined() && param_copy.dtype == DType::F32 ? param_copy.f32() : nullptr;
+  bf16* pc16 = param_copy.defined() && param_copy.dtype == DType::BF16 ? param_copy.b16() : nullptr;
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    const float g = grad[i] * grad_scale;
+    m[i] = b1 * m[i] + (1.0f - b1) * g;
+    v[i] = b2 * v[i] + (1.0f - b2) * g * g;
+    const float mhat = m[i] / bc1, vhat = v[i] / bc2;
+    p[i] -= hp.lr * (mhat / (std::sqrt(vhat) + hp.eps) + wd * p[i]);
+    if (pc32) pc32[i] = p[i];
+    if (pc16) pc16[i] = float_to_bf16(p[i]);
+  }
+}
+
+// Fixed chunks (not per thread) summed in chunk order: the same double for any thread count.
+double sum_squares_cpu(const float* x, int64_t n) {
+  constexpr int64_t kChunk = 1 << 16;
+  const int64_t nchunks = (n + kChunk - 1) / kChunk;
+  std::vector<double> part(nchunks);
+#pragma omp parallel for schedule(static)
+  for (int64_t c = 0; c < nchunks; c++) {
+    const int64_t i0 = c * kChunk, i1 = std::min(n, i0 + kChunk);
+    double s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = i0; i < i1; i++) s += double(x[i]) * x[i];
+    part[c] = s;
+  }
+  double total = 0;
+  for (double s : part) total += s;
+  return total;
+}
+
+// ===== counter-based init =======================================================================
+
+// Element (r, c) of the slice is element (row0 + r, col0 + c) of the global matrix: its value
+// depends on that global index only, so any sharding reproduces the full tensor's slice.
+void init_normal_cpu(float* t, uint64_t key, float stdev, int64_t rows, int64_t cols, int64_t row0, int64_t col0,
+                     int64_t global_cols) {
+#pragma omp parallel for schedule(static)
+  for (int64_t r = 0; r < rows; r++)
+    for (int64_t c = 0; c < cols; c++)
+      t[r * cols + c] = stdev * rng_normal(key, uint64_t((row0 + r) * global_cols + col0 + c));
+}
+
+// The leading dimensions of a [..., D] tensor flattened: its row count.
+int64_t rows_of(const char* op, const char* name, const Tensor& t, int64_t D) {
+  check_defined(op, name, t);
+  TS_CHECK(t.dim() >= 1 && t.size(-1) == D, "%s: %s must be [..., %lld], got %s", op, name, (long long)D,
+           t.str().c_str());
+  return D ? t.numel() / D : 0;
+}
+
+void check_like(const char* op, const char* name, const Tensor& t, const Tensor& ref, const char* refname) {
+  check_defined(op, name, t);
+  TS_CHECK(t.shape == ref.shape && t.dtype == ref.dtype, "%s: %s must match %s (%s), got %s", op, name, refname,
+           ref.str().c_str(), t.str().c_str());
+}
+
+void check_numel(const char* op, const char* name, const Tensor& t, int64_t n, DType dt) {
+  check_dtype(op, name, t, dt);
+  TS_CHECK(t.numel() == n, "%s: %s must have %lld elements, got %s", op, name, (long long)n, t.str().c_str());
+}
+
+}  // namespace
+
+// A CUDA tensor reaches the CUDA twin; in a CPU-only build no CUDA tensor can exist.
+#ifdef TS_CUDA
+#define CUDA_TWIN(call) cuda::call
+#else
+#define CUDA_TWIN(call) fatal("CUDA tensor in a CPU-only build")
+#endif
+
+// ===== public ops ===============================================================================
+
+void add(const Tensor& y, const Tensor& a, const Tensor& b) {
+  check_float("add", "y", y);
+  check_like("add", "a", a, y, "y");
+  check_like("add", "b", b, y, "y");
+  if (common_device("add", {&y, &a, &b}) == Device::CUDA) return CUDA_TWIN(add(y, a, b));
+  by_dtype(y.dtype, [&](auto t) {
+    using T = decltype(t);
+    add_cpu(y.data<T>(), a.data<T>(), b.data<T>(), y.numel());
+  });
+}
+
+void add_inplace(const Tensor& y, const Tensor& x) {
+  check_float("add_inplace", "y", y);
+  check_like("add_inplace", "x", x, y, "y");
+  if (common_device("add_inplace", {&y, &x}) == Device::CUDA) return CUDA_TWIN(add_inplace(y, x));
+  by_dtype(y.dtype, [&](auto t) {
+    using T = decltype(t);
+    add_cpu(y.data<T>(), y.data<T>(), x.data<T>(), y.numel());
+  });
+}
+
+void scale_inplace(const Tensor& y, float s) {
+  check_float("scale_inplace", "y", y);
+  if (y.device() == Device::CUDA) return CUDA_TWIN(scale_inplace(y, s));
+  by_dtype(y.dtype, [&](auto t) {
+    using T = decltype(t);
+    scale_cpu(y.data<T>(), s, y.numel());
+  });
+}
+
+void convert(const Tensor& dst, const Tensor& src) {
+  check_float("convert", "dst", dst);
+  check_float("convert", "src", src);
+  TS_CHECK(dst.numel() == src.numel(), "convert: %s <- %s: element counts differ", dst.str().c_str(),
+           src.str().c_str());
+  if (common_device("convert", {&dst, &src}) == Device::CUDA) return CUDA_TWIN(convert(dst, src));
+  by_dtype(dst.dtype, [&](auto dt) {
+    by_dtype(src.dtype, [&](auto s) {
+      convert_cpu(dst.data<decltype(dt)>(), src.data<decltype(s)>(), dst.numel());
+    });
+  });
+}
+
+void fill(const Tensor& t, float value) {
+  check_float("fill", "t", t);
+  if (t.device() == Device::CUDA) return CUDA_TWIN(fill(t, value));
+  by_dtype(t.dtype, [&](auto tag) { fill_cpu(t.data<decltype(tag)>(), value, t.numel()); });
+}
+
+void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& tokens, int64_t vocab_start) {
+  const char* op = "embedding_forward";
+  check_float(op, "table", table);
+  TS_CHECK(table.dim() == 2, "%s: table must be [V, D], got %s", op, table.str().c_str());
+  check_dtype(op, "tokens", tokens, DType::I32);
+  const int64_t V = table.size(0), D = table.size(1), N = tokens.numel();
+  check_shape(op, "out", out, {N, D});
+  check_same_dtype(op, out, "out", table, "table");
+  if (common_device(op, {&out, &table, &tokens}) == Device::CUDA)
+    return CUDA_TWIN(embedding_forward(out, table, tokens, vocab_start));
+  by_dtype(table.dtype, [&](auto t) {
+    using T = decltype(t);
+    embedding_forward_cpu(out.data<T>(), table.data<T>(), tokens.i32(), N, V, D, vocab_start);
+  });
+}
+
+void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& tokens, int64_t vocab_start) {
+  const char* op = "embedding_backward";
+  check_dtype(op, "dtable", dtable, DType::F32);
+  TS_CHECK(dtable.dim() == 2, "%s: dtable must be [V, D], got %s", op, dtable.str().c_str());
+  check_dtype(op, "tokens", tokens, DType::I32);
+  const int64_t V = dtable.size(0), D = dtable.size(1), N = tokens.numel();
+  check_float(op, "dout", dout);
+  TS_CHECK(dout.shape == std::vector<int64_t>({N, D}), "%s: dout must be [%lld, %lld], got %s", op,
+           (long long)N, (long long)D, dout.str().c_str());
+  if (common_device(op, {&dtable, &dout, &tokens}) == Device::CUDA)
+    return CUDA_TWIN(embedding_backward(dtable, dout, tokens, vocab_start));
+  by_dtype(dout.dtype, [&](auto t) {
+    using T = decltype(t);
+    embedding_backward_cpu(dtable.f32(), dout.data<T>(), tokens.i32(), N, V, D, vocab_start);
+  });
+}
+
+void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps) {
+  const char* op = "rmsnorm_forward";
+  check_float(op, "x", x);
+  check_dtype(op, "w", w, DType::F32);
+  TS_CHECK(w.dim() == 1, "%s: w must be [D], got %s", op, w.str().c_str());
+  const int64_t D = w.size(0), N = rows_of(op, "x", x, D);
+  check_like(op, "y", y, x, "x");
+  check_numel(op, "rstd", rstd, N, DType::F32);
+  if (common_device(op, {&y, &rstd, &x, &w}) == Device::CUDA) return CUDA_TWIN(rmsnorm_forward(y, rstd, x, w, eps));
+  by_dtype(x.dtype, [&](auto t) {
+    using T = decltype(t);
+    rmsnorm_forward_cpu(y.data<T>(), rstd.f32(), x.data<T>(), w.f32(), eps, N, D);
+  });
+}
+
+void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
+                      const Tensor& rstd) {
+  const char* op = "rmsnorm_backward";
+  check_float(op, "x", x);
+  check_dtype(op, "w", w, DType::F32);
+  TS_CHECK(w.dim() == 1, "%s: w must be [D], got %s", op, w.str().c_str());
+  const int64_t D = w.size(0), N = rows_of(op, "x", x, D);
+  check_like(op, "dx", dx, x, "x");
+  check_like(op, "dy", dy, x, "x");
+  check_shape(op, "dw", dw, w.shape);
+  check_dtype(op, "dw", dw, DType::F32);
+  check_numel(op, "rstd", rstd, N, DType::F32);
+  if (common_device(op, {&dx, &dw, &dy, &x, &w, &rstd}) == Device::CUDA)
+    return CUDA_TWIN(rmsnorm_backward(dx, dw, dy, x, w, rstd));
+  by_dtype(x.dtype, [&](auto t) {
+    using T = decltype(t);
+    rmsnorm_backward_cpu(dx.data<T>(), dw.f32(), dy.data<T>(), x.data<T>(), w.f32(), rstd.f32(), N, D);
+  });
+}
+
+namespace {
+void check_rope(const char* op, const Tensor& x, const Tensor& pos) {
+  check_float(op, "x", x);
+  TS_CHECK(x.dim() == 4 && x.size(3) % 2 == 0, "%s: x must be [B, S, H, hd] with even hd, got %s", op,
+           x.str().c_str());
+  check_shape(op, "pos", pos, {x.size(1)});
+  check_dtype(op, "pos", pos, DType::I32);
+}
+}  // namespace
+
+void rope_forward(const Tensor& x, const Tensor& pos, float theta) {
+  check_rope("rope_forward", x, pos);
+  if (common_device("rope_forward", {&x, &pos}) == Device::CUDA) return CUDA_TWIN(rope_forward(x, pos, theta));
+  by_dtype(x.dtype, [&](auto t) {
+    rope_cpu(x.data<decltype(t)>(), pos.i32(), theta, 1.0f, x.size(0), x.size(1), x.size(2), x.size(3));
+  });
+}
+
+void rope_backward(const Tensor& dx, const Tensor& pos, float theta) {
+  check_rope("rope_backward", dx, pos);
+  if (common_device("rope_backward", {&dx, &pos}) == Device::CUDA) return CUDA_TWIN(rope_backward(dx, pos, theta));
+  by_dtype(dx.dtype, [&](auto t) {
+    rope_cpu(dx.data<decltype(t)>(), pos.i32(), theta, -1.0f, dx.size(0), dx.size(1), dx.size(2), dx.size(3));
+  });
+}
+
+void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool transB, float alpha, float beta) {
+  const char* op = "matmul";
+  check_float(op, "A", A);
+  check_same_dtype(op, A, "A", B, "B");
+  check_float(op, "C", C);
+  TS_CHECK(C.dtype == DType::F32 || C.dtype == A.dtype, "%s: C must be f32 or %s, got %s", op,
+           dtype_name(A.dtype), C.str().c_str());
+  const Mat a = as_matrix(op, "A", A), b = as_matrix(op, "B", B), c = as_matrix(op, "C", C);
+  const int64_t M = transA ? a.cols : a.rows, K = transA ? a.rows : a.cols;
+  const int64_t Kb = transB ? b.cols : b.rows, N = transB ? b.rows : b.cols;
+  TS_CHECK(K == Kb && c.rows == M && c.cols == N,
+           "%s: shapes do not compose: C %s = op(A) %s%s @ op(B) %s%s (as [M, K] @ [K, N] = [%lld, %lld] @ "
+           "[%lld, %lld])",
+           op, C.str().c_str(), A.str().c_str(), transA ? "^T" : "", B.str().c_str(), transB ? "^T" : "",
+           (long long)M, (long long)K, (long long)Kb, (long long)N);
+  if (common_device(op, {&C, &A, &B}) == Device::CUDA) return CUDA_TWIN(matmul(C, A, transA, B, transB, alpha, beta));
+  matmul_cpu(C, A, transA, B, transB, alpha, beta, M, N, K);
+}
+
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& W) { matmul(y, x, false, W, true); }
+
+void linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
+                     bool accumulate_dx) {
+  if (dx.defined()) matmul(dx, dy, false, W, false, 1.0f, accumulate_dx ? 1.0f : 0.0f);  // dx = dy W
+  if (dW.defined()) {
+    check_dtype("linear_backward", "dW", dW, DType::F32);
+    matmul(dW, dy, true, x, false, 1.0f, 1.0f);  // dW += dy^T x: gradient accumulation in fp32
+  }
+}
+
+namespace {
+AttnShape check_attention(const char* op, const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
+                          const Tensor& v, const Tensor& qpos, const Tensor& kpos) {
+  check_float(op, "q", q);
+  TS_CHECK(q.dim() == 4, "%s: q must be [B, S, H, hd], got %s", op, q.str().c_str());
+  TS_CHECK(k.dim() == 4 && k.size(0) == q.size(0) && k.size(1) == q.size(1) && k.size(3) == q.size(3),
+           "%s: k must be [B, S, KVH, hd] matching q %s, got %s", op, q.str().c_str(), k.str().c_str());
+  check_same_dtype(op, q, "q", k, "k");
+  check_like(op, "v", v, k, "k");
+  check_like(op, "out", out, q, "q");
+  const AttnShape a{q.size(0), q.size(1), q.size(2), k.size(2), q.size(3)};
+  TS_CHECK(a.KVH > 0 && a.H % a.KVH == 0, "%s: heads %lld not divisible by kv heads %lld", op, (long long)a.H,
+           (long long)a.KVH);
+  check_shape(op, "lse", lse, {a.B, a.H, a.S});
+  check_dtype(op, "lse", lse, DType::F32);
+  check_shape(op, "qpos", qpos, {a.S});
+  check_dtype(op, "qpos", qpos, DType::I32);
+  check_shape(op, "kpos", kpos, {a.S});
+  check_dtype(op, "kpos", kpos, DType::I32);
+  return a;
+}
+}  // namespace
+
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& qpos, const Tensor& kpos) {
+  const char* op = "attention_forward";
+  const AttnShape a = check_attention(op, out, lse, q, k, v, qpos, kpos);
+  if (common_device(op, {&out, &lse, &q, &k, &v, &qpos, &kpos}) == Device::CUDA)
+    return CUDA_TWIN(attention_forward(out, lse, q, k, v, qpos, kpos));
+  by_dtype(q.dtype, [&](auto t) {
+    using T = decltype(t);
+    attention_forward_cpu(out.data<T>(), lse.f32(), q.data<T>(), k.data<T>(), v.data<T>(), qpos.i32(), kpos.i32(),
+                          a);
+  });
+}
+
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                        const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos,
+                        const Tensor& kpos) {
+  const char* op = "attention_backward";
+  const AttnShape a = check_attention(op, out, lse, q, k, v, qpos, kpos);
+  check_like(op, "dq", dq, q, "q");
+  check_like(op, "dout", dout, q, "q");
+  check_like(op, "dk", dk, k, "k");
+  check_like(op, "dv", dv, k, "k");
+  if (common_device(op, {&dq, &dk, &dv, &dout, &out, &lse, &q, &k, &v, &qpos, &kpos}) == Device::CUDA)
+    return CUDA_TWIN(attention_backward(dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos));
+  by_dtype(q.dtype, [&](auto t) {
+    using T = decltype(t);
+    attention_backward_cpu(dq.data<T>(), dk.data<T>(), dv.data<T>(), dout.data<T>(), out.data<T>(), lse.f32(),
+                           q.data<T>(), k.data<T>(), v.data<T>(), qpos.i32(), kpos.i32(), a);
+  });
+}
+
+void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u) {
+  const char* op = "swiglu_forward";
+  check_float(op, "g", g);
+  check_like(op, "u", u, g, "g");
+  check_like(op, "h", h, g, "g");
+  if (common_device(op, {&h, &g, &u}) == Device::CUDA) return CUDA_TWIN(swiglu_forward(h, g, u));
+  by_dtype(g.dtype, [&](auto t) {
+    using T = decltype(t);
+    swiglu_forward_cpu(h.data<T>(), g.data<T>(), u.data<T>(), g.numel());
+  });
+}
+
+void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const Tensor& g, const Tensor& u) {
+  const char* op = "swiglu_backward";
+  check_float(op, "g", g);
+  check_like(op, "u", u, g, "g");
+  check_like(op, "dh", dh, g, "g");
+  check_like(op, "dg", dg, g, "g");
+  check_like(op, "du", du, g, "g");
+  if (common_device(op, {&dg, &du, &dh, &g, &u}) == Device::CUDA) return CUDA_TWIN(swiglu_backward(dg, du, dh, g, u));
+  by_dtype(g.dtype, [&](auto t) {
+    using T = decltype(t);
+    swiglu_backward_cpu(dg.data<T>(), du.data<T>(), dh.data<T>(), g.data<T>(), u.data<T>(), g.numel());
+  });
+}
+
+void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
+                                    const Tensor& targets, float grad_scale) {
+  const char* op = "cross_entropy_forward_backward";
+  check_float(op, "logits", logits);
+  TS_CHECK(logits.dim() >= 1, "%s: logits must be [N, V], got %s", op, logits.str().c_str());
+  const int64_t V = logits.size(-1), N = rows_of(op, "logits", logits, V);
+  check_numel(op, "targets", targets, N, DType::I32);
+  check_numel(op, "losses", losses, N, DType::F32);
+  if (dlogits.defined()) check_like(op, "dlogits", dlogits, logits, "logits");
+  if (common_device(op, {&losses, &dlogits, &logits, &targets}) == Device::CUDA)
+    return CUDA_TWIN(cross_entropy_forward_backward(losses, dlogits, logits, targets, grad_scale));
+  for (int64_t n = 0; n < N; n++)
+    TS_CHECK(targets.i32()[n] >= 0 && targets.i32()[n] < V, "%s: target %d of row %lld outside the vocab [0, %lld)",
+             op, targets.i32()[n], (long long)n, (long long)V);
+  by_dtype(logits.dtype, [&](auto t) {
+    using T = decltype(t);
+    cross_entropy_cpu(losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(),
+                      targets.i32(), grad_scale, N, V);
+  });
+}
+
+void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p,
+                bool decay, float grad_scale, const Tensor& param_copy) {
+  const char* op = "adamw_step";
+  check_dtype(op, "param", param, DType::F32);
+  const int64_t n = param.numel();
+  check_numel(op, "grad", grad, n, DType::F32);
+  check_numel(op, "m", m, n, DType::F32);
+  check_numel(op, "v", v, n, DType::F32);
+  if (param_copy.defined()) {
+    check_float(op, "param_copy", param_copy);
+    TS_CHECK(param_copy.numel() == n, "%s: param_copy %s must have %lld elements", op, param_copy.str().c_str(),
+             (long long)n);
+  }
+  TS_CHECK(p.step >= 1, "%s: step is 1-based (bias correction 1 - beta^step), got %ld", op, p.step);
+  if (common_device(op, {&param, &grad, &m, &v, &param_copy}) == Device::CUDA)
+    return CUDA_TWIN(adamw_step(param, grad, m, v, p, decay, grad_scale, param_copy));
+  adamw_cpu(param.f32(), grad.f32(), m.f32(), v.f32(), p, decay, grad_scale, param_copy, n);
+}
+
+double sum_squares(const Tensor& x) {
+  check_dtype("sum_squares", "x", x, DType::F32);
+#ifdef TS_CUDA
+  if (x.device() == Device::CUDA) return cuda::sum_squares(x);
+#endif
+  return sum_squares_cpu(x.f32(), x.numel());
+}
+
+void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t col0, int64_t global_cols) {
+  const char* op = "init_normal";
+  check_dtype(op, "t", t, DType::F32);
+  TS_CHECK(t.dim() == 1 || t.dim() == 2, "%s: t must be 1-D or 2-D, got %s", op, t.str().c_str());
+  const int64_t rows = t.dim() == 2 ? t.size(0) : 1, cols = t.size(-1);
+  TS_CHECK(row0 >= 0 && col0 >= 0 && col0 + cols <= global_cols && (t.dim() == 2 || row0 == 0),
+           "%s: slice rows [%lld, +%lld) cols [%lld, +%lld) does not fit a global matrix of %lld columns", op,
+           (long long)row0, (long long)rows, (long long)col0, (long long)cols, (long long)global_cols);
+  if (t.device() == Device::CUDA) return CUDA_TWIN(init_normal(t, key, std, row0, col0, global_cols));
+  init_normal_cpu(t.f32(), key, std, rows, cols, row0, col0, global_cols);
+}
+
+}  // namespace ts

@@ -2,6 +2,7 @@
 #include "model.h"
 
 #include "rng.h"
+#include "trace.h"
 
 namespace ts {
 
@@ -320,25 +321,41 @@ double Model::forward_backward(const Tensor& inputs, const Tensor& targets, int 
   ForwardState st = begin_microbatch(inputs, targets, B);
   Tensor x, dx;
   hook(before_unit, 0);
-  embed_forward(st, x);
+  {
+    TraceScope t("fwd embedding");
+    embed_forward(st, x);
+  }
   hook(after_unit, 0);
   for (int l = 0; l < L; l++) {
     hook(before_unit, l + 1);
-    layer_forward(l, st, x);
+    {
+      TraceScope t("fwd layer " + std::to_string(l));
+      layer_forward(l, st, x);
+    }
     hook(after_unit, l + 1);
   }
   hook(before_unit, L + 1);
-  double loss = head_forward_backward(st, x, dx, grad_scale);
+  double loss;
+  {
+    TraceScope t("head fwd+bwd");
+    loss = head_forward_backward(st, x, dx, grad_scale);
+  }
   x = Tensor();
   hook(unit_grads_ready, L + 1);
   hook(after_unit, L + 1);
   for (int l = L - 1; l >= 0; l--) {
     hook(before_unit, l + 1);
-    layer_backward(l, st, dx);
+    {
+      TraceScope t("bwd layer " + std::to_string(l));
+      layer_backward(l, st, dx);
+    }
     hook(unit_grads_ready, l + 1);
     hook(after_unit, l + 1);
   }
-  embed_backward(st, dx);  // a scatter of dx: reads no weights, so no before/after_unit
+  {
+    TraceScope t("bwd embedding");
+    embed_backward(st, dx);  // a scatter of dx: reads no weights, so no before/after_unit
+  }
   hook(unit_grads_ready, 0);
   return loss;
 }

@@ -1,11 +1,15 @@
 // train.cu — flags, schedule, AdamW over flat ranges, memory predictions, the step log.
 #include "train.h"
 
+#include "checkpoint.h"
 #include "data.h"
+#include "trace.h"
 
 #include <cblas.h>
 #include <mpi.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdarg>
 
@@ -209,6 +213,7 @@ float clip_coefficient(double norm, double clip) {
 void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, long t, float clip_coef,
                  const RunConfig& rc) {
   ensure_state();
+  TraceScope trace("optimizer");
   AdamWParams p{float(lr), float(rc.beta1), float(rc.beta2), float(rc.eps), float(rc.weight_decay), t};
   for (const ParamEntry& e : m.table.entries) {
     int64_t b = std::max(begin, e.offset), en = std::min(end, e.offset + e.numel);
@@ -402,6 +407,75 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   mem["total_peak"] = int64_t(s.total_peak);
   return mem;
+}
+
+// ----- the shared loop ---------------------------------------------------------------------------
+
+long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights) {
+  Tensor w32 = Tensor::empty({e - b}, DType::F32, model.dev, Tag::Workspace);
+  long step = 0;
+  if (rc.resume_dir.empty()) {
+    Model::init_range(model.table, rc.seed, b, e, w32);
+  } else {
+    opt.ensure_state();
+    step = load_checkpoint(rc.resume_dir, rc.model, model.table, b, e, w32, &opt).step;
+  }
+  convert(weights, w32);  // a copy in fp32, a rounding to bf16 otherwise
+  opt.load_master(model, w32);
+  return step;
+}
+
+Tensor weights_f32(const Tensor& weights, const AdamW& opt) {
+  if (opt.master.defined()) return opt.master;
+  Tensor w = Tensor::empty(weights.shape, DType::F32, weights.device(), Tag::Workspace);
+  convert(w, weights);
+  return w;
+}
+
+void print_memory(RunLog& log, Device dev, long step, const char* when) {
+  const MemStats& s = mem_stats(dev);
+  auto b = [&](Tag t) { return human_bytes(double(s.current[int(t)])); };
+  log.line("  step %ld %-15s params %10s  grads %10s  optimizer %10s  activations %10s", step, when,
+           b(Tag::Params).c_str(), b(Tag::Grads).c_str(), b(Tag::Optimizer).c_str(), b(Tag::Activations).c_str());
+}
+
+void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop) {
+  const double peak = peak_tflops_for(dev, rc.dtype, rc.peak_tflops) * 1e12;
+  const double tokens = double(rc.batch) * rc.model.seq;
+  std::vector<double> tps;
+  double last_loss = NAN;
+  if (!rc.trace.empty()) Trace::get().enable();
+  for (long step = first; step < rc.steps; step++) {
+    set_current_step(step);
+    auto t0 = std::chrono::steady_clock::now();
+    StepResult r = loop.step(step);
+    device_sync(dev);
+    double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!std::isfinite(r.loss)) fatal("loss is %f at step %ld: the run diverged (try a lower --lr)", r.loss, step);
+    tps.push_back(tokens / secs);
+    last_loss = r.loss;
+    log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
+              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak});
+    if (!rc.save_dir.empty() && rc.save_every > 0 && (step + 1) % rc.save_every == 0 && step + 1 < rc.steps)
+      loop.save(step + 1);
+  }
+  set_current_step(-1);
+  if (!rc.save_dir.empty()) loop.save(std::max(first, rc.steps));
+
+  Json summary = Json::object();
+  summary["memory"] = memory_report(log, dev, loop.predicted);
+  summary["comm"] = loop.comm ? loop.comm() : Json::object();
+  summary["final_loss"] = last_loss;
+  summary["loss_floor"] = data.entropy_floor;
+  if (!tps.empty()) {
+    std::sort(tps.begin(), tps.end());
+    summary["tokens_per_s_median"] = tps[tps.size() / 2];
+    log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)", tps[tps.size() / 2], tps.size(),
+             last_loss, data.entropy_floor);
+  }
+  if (loop.extra) loop.extra(summary);
+  log.summary(summary);
+  if (!rc.trace.empty()) Trace::get().write(rc.trace);
 }
 
 }  // namespace ts

@@ -2,6 +2,7 @@
 // learning-rate schedule, AdamW over ranges of the flat buffers, gradient clipping, memory
 // predictions (the playbook's formulas for this model), the step log and the run summary.
 #pragma once
+#include <functional>
 #include <map>
 #include <string>
 #include <vector>
@@ -133,6 +134,31 @@ class RunLog {
   FILE* json_ = nullptr;
   bool rank0_;
 };
+
+// ----- the loop every technique shares ------------------------------------------------------------
+// Weights of the global range [b, e) from the counter-based init or --resume, into `weights`
+// (the compute copy: fp32, or bf16 rounded from fp32) and the optimizer's master copy.
+// Returns the first step to run.
+long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights);
+// fp32 values of a range of weights for checkpointing: the master copy when there is one.
+Tensor weights_f32(const Tensor& weights, const AdamW& opt);
+// Prints the current bytes per category (the first-step anomaly lines).
+void print_memory(RunLog& log, Device dev, long step, const char* when);
+
+struct StepResult {
+  double loss, grad_norm;
+};
+struct Loop {
+  std::function<StepResult(long step)> step;            // one optimizer step (the technique)
+  std::function<void(long next_step)> save;             // write a checkpoint (collective)
+  std::function<Json()> comm;                           // the summary's "comm" object
+  std::function<void(Json&)> extra;                     // anything else for the summary
+  MemoryPrediction predicted;
+};
+// Runs steps [first, rc.steps): timing, the step log (loss, lr, grad norm, tokens/s, MFU, peak
+// memory), NaN/inf detection, periodic and final checkpoints, then the summary with the memory
+// table. Collective: every rank calls it.
+void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop);
 
 // "1.23 MiB"
 std::string human_bytes(double b);

@@ -1,0 +1,230 @@
+// 02_data_parallel.cu — data parallelism: every rank holds the whole model and trains on its
+// slice of the global batch; gradients are averaged with all-reduce before the optimizer step.
+//
+// The playbook's DP chapter, from the naive version to the one real trainers use:
+//   --dp-mode naive     after backward, one blocking all-reduce per gradient tensor;
+//   --dp-mode bucketed  gradients grouped into buckets of --bucket-mb in reverse layer order;
+//                       each bucket's all-reduce starts asynchronously the moment its last
+//                       gradient is written, while backward goes on with the layers below
+//                       (overlap), and all are waited for before clipping and the optimizer.
+// With gradient accumulation only the last micro-batch communicates (the `no_sync` idea).
+//
+//   mpirun -np 4 ./build/02_data_parallel --dp 4 --batch 16 --steps 100
+#include <algorithm>
+#include <cmath>
+
+#include "checkpoint.h"
+#include "comm.h"
+#include "data.h"
+#include "mesh.h"
+#include "model.h"
+#include "trace.h"
+#include "train.h"
+
+using namespace ts;
+
+static const char* kDoc =
+    "02_data_parallel: data parallelism with bucketed all-reduce overlapped with backward.\n"
+    "usage: mpirun -np N 02_data_parallel --dp N [flags]";
+
+// ----- the gradient reducer ---------------------------------------------------------------------------
+
+// Averaging is exact and costs no extra pass: every rank scales its token losses by
+// 1/(global batch · seq) before backward, so a plain SUM all-reduce yields the mean gradient of
+// the global batch — the same number 01 computes, summed in a different order.
+class GradReducer {
+ public:
+  GradReducer(Model& m, Comm& dp, bool bucketed, double bucket_mb) : m_(m), dp_(dp), bucketed_(bucketed) {
+    // Buckets are ranges of the flat gradient buffer cut from its end, because backward
+    // finishes the head first and the embedding last: bucket 0 is ready first.
+    const int64_t size = std::max<int64_t>(1, int64_t(bucket_mb * 1024 * 1024 / 4));
+    for (int64_t end = m.table.total; end > 0; end -= size) buckets_.push_back({std::max<int64_t>(0, end - size), end});
+    if (bucketed_) m.unit_grads_ready = [this](int u) { on_unit_ready(u); };
+  }
+
+  // Gradient accumulation: only the last micro-batch of a step communicates.
+  void set_sync(bool sync) { sync_ = sync; }
+
+  // Called by the model as each unit's gradients complete: launch every bucket that now lies
+  // entirely in finished units, and poll the in-flight ones (MPI progresses when called).
+  void on_unit_ready(int u) {
+    if (!sync_) return;
+    const int64_t ready_from = m_.table.unit_begin[u];
+    for (Bucket& b : buckets_) {
+      if (!b.launched && b.begin >= ready_from) {
+        if (first_launch_ < 0) first_launch_ = Trace::get().now_us();
+        b.start = Trace::get().now_us();
+        b.work = dp_.all_reduce_async(m_.grads.view(b.begin, {b.end - b.begin}));
+        b.launched = true;
+      }
+    }
+    poll();
+  }
+
+  // After backward: wait for what is still in flight (bucketed) or reduce everything now (naive).
+  void finish() {
+    const double t0 = Trace::get().now_us();
+    if (bucketed_) {
+      for (Bucket& b : buckets_) {
+        TS_CHECK(b.launched, "bucket [%lld, %lld) was never launched", (long long)b.begin, (long long)b.end);
+        b.work.wait();
+        mark_done(b);
+      }
+      const double t1 = Trace::get().now_us();
+      exposed_us_ += t1 - t0;
+      span_us_ += t1 - first_launch_;
+    } else {
+      TraceScope t("all_reduce per tensor", Lane::Comm);
+      for (size_t i = 0; i < m_.table.entries.size(); i++) dp_.all_reduce(m_.grad(int(i)));
+      exposed_us_ += Trace::get().now_us() - t0;
+      span_us_ += Trace::get().now_us() - t0;
+    }
+    for (Bucket& b : buckets_) b.launched = b.done = false;
+    first_launch_ = -1;
+  }
+
+  // Fraction of communication time that ran behind backward compute.
+  double hidden_fraction() const { return span_us_ > 0 ? 1.0 - exposed_us_ / span_us_ : 0.0; }
+  size_t num_buckets() const { return buckets_.size(); }
+
+ private:
+  struct Bucket {
+    int64_t begin, end;
+    Work work;
+    bool launched = false, done = false;
+    double start = 0;
+  };
+  void poll() {
+    for (Bucket& b : buckets_)
+      if (b.launched && !b.done && b.work.done()) mark_done(b);
+  }
+  void mark_done(Bucket& b) {
+    if (b.done) return;
+    b.done = true;
+    Trace::get().add("all_reduce bucket [" + std::to_string(b.begin) + "," + std::to_string(b.end) + ")", Lane::Comm,
+                     b.start, Trace::get().now_us() - b.start);
+  }
+  Model& m_;
+  Comm& dp_;
+  bool bucketed_, sync_ = true;
+  std::vector<Bucket> buckets_;
+  double first_launch_ = -1, exposed_us_ = 0, span_us_ = 0;
+};
+
+// ----- one optimizer step ----------------------------------------------------------------------------
+
+// This rank's sequences of the global batch: a contiguous slice, in micro-batches (DESIGN.md).
+static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const TokenData& data, const RunConfig& rc,
+                             const Mesh& mesh, long step) {
+  const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
+  const int first_seq = mesh.dp_rank * local;
+  zero(model.grads);
+  double loss_sum = 0;
+  for (int s0 = 0; s0 < local; s0 += mb) {
+    dp.set_sync(s0 + mb == local);
+    MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
+    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+  }
+  dp.finish();
+  // The logged loss is the global mean (a metric outside the training math: not counted).
+  double global = 0;
+  MPI_Allreduce(&loss_sum, &global, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  const double norm = std::sqrt(sum_squares(model.grads));  // identical on every rank now
+  opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
+  return {global / (double(rc.batch) * T), norm};
+}
+
+// ----- predict: memory and communication per rank --------------------------------------------------
+
+static MemoryPrediction predict_memory(const RunConfig& rc) {
+  const int64_t psi = param_count(rc.model);
+  MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);  // a full replica per rank
+  p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);
+  return p;
+}
+
+// Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank.
+static double predict_allreduce_bytes(const RunConfig& rc, int dp) {
+  return 2.0 * (dp - 1) / dp * 4.0 * double(param_count(rc.model));
+}
+
+static Json comm_report(RunLog& log, Comm& dp, long steps, double predicted) {
+  Json group = Json::object();
+  for (auto& [op, s] : dp.stats()) {
+    Json o = Json::object();
+    o["calls"] = double(s.calls) / double(steps);
+    o["bytes"] = s.wire_bytes / double(steps);
+    o["payload_bytes"] = s.payload_bytes / double(steps);
+    if (op == "all_reduce") o["predicted"] = predicted;
+    log.line("comm %s %s per step: %.1f calls, %s sent per rank (predicted 2(N-1)/N·4Ψ = %s)", dp.name().c_str(),
+             op.c_str(), double(s.calls) / double(steps), human_bytes(s.wire_bytes / double(steps)).c_str(),
+             human_bytes(op == "all_reduce" ? predicted : 0).c_str());
+    group[op] = std::move(o);
+  }
+  Json c = Json::object();
+  c[dp.name()] = std::move(group);
+  return c;
+}
+
+// ----- main ---------------------------------------------------------------------------------------------
+
+int main(int argc, char** argv) {
+  comm_init(&argc, &argv);
+  Args args(argc, argv, kDoc);
+  RunConfig rc = parse_run_config(args);
+  MeshConfig mc;
+  mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
+  const std::string mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
+  const double bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)");
+  args.finish();
+  if (mode != "naive" && mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", mode.c_str());
+  if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
+  if (rc.micro_batch == 0) rc.micro_batch = rc.batch / std::max(1, mc.dp);
+  if (rc.batch % (mc.dp * rc.micro_batch))
+    config_error("--batch %d is not divisible by dp × micro-batch = %d × %d", rc.batch, mc.dp, rc.micro_batch);
+  set_comm_timeout(rc.timeout);
+  RunLog log(rc, Device::CPU);
+  if (rc.dry_run) {
+    MemoryPrediction p = predict_memory(rc);
+    log.line("per rank at dp %d: params %s, grads %s, optimizer %s, activations %s (micro-batch %d)", mc.dp,
+             human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
+             human_bytes(p.activations).c_str(), rc.micro_batch);
+    log.line("all-reduce per step and rank: 2(N-1)/N · 4Ψ = %s", human_bytes(predict_allreduce_bytes(rc, mc.dp)).c_str());
+    comm_finalize();
+    return 0;
+  }
+
+  const Device dev = parse_device(rc.device);
+  Mesh mesh = make_mesh(mc, dev);  // validates world == dp before any collective
+  if (dev == Device::CPU) check_blas_setup();
+  TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
+  log.line("device: %s | data: %s | dp %d, %s, %d sequences per rank per step", device_description(dev).c_str(),
+           data.description.c_str(), mc.dp, mode.c_str(), rc.batch / mc.dp);
+
+  Model model(rc.model, dev, rc.dtype, rc.recompute);
+  AdamW opt(model, 0, model.table.total, rc.master_weights);
+  // Every rank initialises (or loads) the same full weights: no broadcast needed.
+  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
+  GradReducer dp(model, mesh.dp(), mode == "bucketed", bucket_mb);
+  if (mode == "bucketed") log.line("%zu gradient buckets of up to %.3g MiB", dp.num_buckets(), bucket_mb);
+
+  Loop loop;
+  loop.predicted = predict_memory(rc);
+  loop.step = [&](long step) { return train_step(model, opt, dp, data, rc, mesh, step); };
+  loop.save = [&](long step) {
+    // Replicas are identical: rank 0 writes the whole model, the others nothing.
+    CheckpointSlice mine;
+    if (mesh.rank == 0) mine = {0, model.table.total, weights_f32(model.params, opt), &opt};
+    Json m = Json::object();
+    m["dp"] = mc.dp;
+    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
+  };
+  loop.comm = [&] { return comm_report(log, mesh.dp(), std::max(1L, rc.steps - first), predict_allreduce_bytes(rc, mc.dp)); };
+  loop.extra = [&](Json& s) {
+    s["comm_hidden_fraction"] = dp.hidden_fraction();
+    log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
+  };
+  train_loop(rc, dev, log, data, first, loop);
+  comm_finalize();
+  return 0;
+}

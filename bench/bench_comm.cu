@@ -1,0 +1,88 @@
+// bench_comm.cu — bus bandwidth of each collective over message sizes, reported the way
+// nccl-tests does:
+//   algbw = size / time
+//   busbw = algbw × factor, factor = 2(n-1)/n for all-reduce, (n-1)/n for all-gather,
+//           reduce-scatter and all-to-all, 1 for broadcast
+// so busbw is the per-link rate the ring achieves and is comparable across rank counts.
+// size is the full buffer: all-reduce's tensor, all-gather's output, reduce-scatter's input.
+//
+//   mpirun -np 4 build/bench/bench_comm [--device auto|cpu|cuda] [--min-bytes B] [--max-bytes B] [--dtype f32|bf16]
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "comm.h"
+#include "mesh.h"
+
+using namespace ts;
+
+struct Op {
+  const char* name;
+  double factor;  // busbw / algbw for n ranks, set below
+};
+
+static double now() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
+
+// One collective of `bytes` (the full buffer) on c.
+static void run_op(Comm& c, const std::string& op, const Tensor& full, const Tensor& part, const Tensor& other) {
+  if (op == "all_reduce") c.all_reduce(full);
+  else if (op == "all_gather") c.all_gather(full, part);
+  else if (op == "reduce_scatter") c.reduce_scatter(part, full);
+  else if (op == "broadcast") c.broadcast(full, 0);
+  else c.all_to_all(other, full);
+}
+
+int main(int argc, char** argv) {
+  comm_init(&argc, &argv);
+  std::string device = "auto";
+  DType dt = DType::F32;
+  double min_bytes = 4096, max_bytes = 16 << 20;
+  for (int i = 1; i < argc; i++) {
+    std::string a = argv[i];
+    if (a == "--device" && i + 1 < argc) device = argv[++i];
+    else if (a == "--min-bytes" && i + 1 < argc) min_bytes = atof(argv[++i]);
+    else if (a == "--max-bytes" && i + 1 < argc) max_bytes = atof(argv[++i]);
+    else if (a == "--dtype" && i + 1 < argc) dt = std::string(argv[++i]) == "bf16" ? DType::BF16 : DType::F32;
+    else config_error("bench_comm: unknown argument '%s' (--device --min-bytes --max-bytes --dtype)", a.c_str());
+  }
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  Device dev = parse_device(device);
+  Mesh mesh = make_mesh({world, 1, 1, 1, 1}, dev);
+  Comm& c = mesh.world_comm();
+  const int n = c.size();
+  const double ring = double(n - 1) / n;
+  std::vector<Op> ops = {{"all_reduce", 2 * ring}, {"all_gather", ring}, {"reduce_scatter", ring},
+                         {"broadcast", 1}, {"all_to_all", ring}};
+  const size_t es = dtype_size(dt);
+  if (mesh.rank == 0) {
+    printf("# bench_comm: %d ranks, %s %s tensors via %s; time = max over ranks of the mean of the timed iterations\n",
+           n, device_name(dev), dtype_name(dt), c.transport(dev));
+    printf("%-15s %12s %8s %12s %12s %12s\n", "op", "size(B)", "iters", "time(us)", "algbw(GB/s)", "busbw(GB/s)");
+  }
+  for (const Op& op : ops) {
+    for (double bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+      int64_t count = std::max<int64_t>(n, int64_t(bytes / es) / n * n);  // divisible into n chunks
+      Tensor full = Tensor::zeros({count}, dt, dev, Tag::Comm);
+      Tensor part = Tensor::zeros({count / n}, dt, dev, Tag::Comm);
+      Tensor other = Tensor::zeros({count}, dt, dev, Tag::Comm);
+      // Enough iterations for ~64 MiB of traffic, within [3, 50].
+      int iters = int(std::min(50.0, std::max(3.0, 64.0 * (1 << 20) / bytes)));
+      run_op(c, op.name, full, part, other);  // warm-up: connections, buffers
+      c.barrier();
+      double t0 = now();
+      for (int it = 0; it < iters; it++) run_op(c, op.name, full, part, other);
+      device_sync(dev);
+      double t = (now() - t0) / iters, tmax = 0;
+      MPI_CHECK(MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+      double size = double(count) * es, algbw = size / tmax / 1e9;
+      if (mesh.rank == 0)
+        printf("%-15s %12.0f %8d %12.1f %12.3f %12.3f\n", op.name, size, iters, tmax * 1e6, algbw, algbw * op.factor);
+    }
+  }
+  mesh = Mesh();
+  comm_finalize();
+  return 0;
+}

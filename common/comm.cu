@@ -1,0 +1,603 @@
+// comm.cu — collectives over MPI (CPU tensors; CUDA tensors staged through host memory) and NCCL
+// (CUDA tensors when every rank owns a GPU), with byte accounting and the watchdog.
+#include "comm.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <functional>
+
+namespace ts {
+
+// ----- set-up ----------------------------------------------------------------------------------
+
+static double g_timeout = 300;
+void set_comm_timeout(double seconds) {
+  TS_CHECK(seconds > 0, "--timeout must be positive (got %g)", seconds);
+  g_timeout = seconds;
+}
+double comm_timeout() { return g_timeout; }
+
+void comm_init(int* argc, char*** argv) {
+  int init = 0;
+  MPI_Initialized(&init);
+  if (!init) MPI_CHECK(MPI_Init(argc, argv));
+}
+
+void comm_finalize() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (init && !fin) MPI_Finalize();
+}
+
+// ----- bf16 on MPI: MPI has no bf16 type, so reductions are user-defined ops on 16-bit words ----
+
+void bf16_sum_into(bf16* inout, const bf16* in, int64_t n) {
+  for (int64_t i = 0; i < n; i++) inout[i] = float_to_bf16(bf16_to_float(inout[i]) + bf16_to_float(in[i]));
+}
+static void bf16_sum_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  bf16_sum_into(static_cast<bf16*>(inout), static_cast<const bf16*>(in), *len);
+}
+static void bf16_max_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  bf16* io = static_cast<bf16*>(inout);
+  const bf16* x = static_cast<const bf16*>(in);
+  for (int i = 0; i < *len; i++)
+    if (bf16_to_float(x[i]) > bf16_to_float(io[i])) io[i] = x[i];
+}
+
+static MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::F32: return MPI_FLOAT;
+    case DType::BF16: return MPI_UINT16_T;
+    case DType::I32: return MPI_INT;
+  }
+  return MPI_BYTE;
+}
+
+// Avg is a Sum on the wire, divided by N when the transfer completes.
+static MPI_Op mpi_op(DType t, ReduceOp op) {
+  if (t == DType::BF16) {
+    static MPI_Op sum = MPI_OP_NULL, max = MPI_OP_NULL;
+    if (sum == MPI_OP_NULL) {
+      MPI_CHECK(MPI_Op_create(bf16_sum_op, 1, &sum));
+      MPI_CHECK(MPI_Op_create(bf16_max_op, 1, &max));
+    }
+    return op == ReduceOp::Max ? max : sum;
+  }
+  return op == ReduceOp::Max ? MPI_MAX : MPI_SUM;
+}
+
+static int mpi_count(int64_t n) {
+  TS_CHECK(n >= 0 && n <= INT_MAX, "message of %lld elements exceeds MPI's int count", (long long)n);
+  return int(n);
+}
+
+static void divide_host(const Tensor& h, int n) {
+  float s = 1.f / float(n);
+  if (h.dtype == DType::F32) {
+    for (int64_t i = 0; i < h.numel(); i++) h.f32()[i] *= s;
+  } else {
+    for (int64_t i = 0; i < h.numel(); i++) h.b16()[i] = float_to_bf16(bf16_to_float(h.b16()[i]) * s);
+  }
+}
+
+#ifdef TS_CUDA
+static ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::F32: return ncclFloat32;
+    case DType::BF16: return ncclBfloat16;
+    case DType::I32: return ncclInt32;
+  }
+  return ncclFloat32;
+}
+static ncclRedOp_t nccl_op(ReduceOp op) {
+  return op == ReduceOp::Sum ? ncclSum : op == ReduceOp::Avg ? ncclAvg : ncclMax;
+}
+#endif
+
+// ----- in-flight transfers and the watchdog ----------------------------------------------------
+
+struct Work::Pending {
+  std::string what;                         // names the op for the watchdog
+  std::vector<Tensor> keep;                 // memory the transfer uses stays alive until it ends
+  std::vector<std::function<void()>> then;  // on completion: Avg's division, copies back to the GPU
+  virtual ~Pending() = default;
+  virtual bool test() = 0;  // progresses the transfer once; true when it has completed
+  virtual void abort() {}
+};
+
+struct MpiPending : Work::Pending {
+  std::vector<MPI_Request> reqs;
+  std::vector<int> arrays;  // Alltoallv's counts and displacements: MPI reads them until completion
+  bool test() override {
+    int flag = 0;
+    MPI_CHECK(MPI_Testall(int(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE));
+    return flag != 0;
+  }
+};
+
+#ifdef TS_CUDA
+struct NcclPending : Work::Pending {
+  cudaEvent_t done = nullptr;  // recorded on the group's stream after the NCCL call
+  ncclComm_t comm = nullptr;
+  ~NcclPending() override {
+    if (done) cudaEventDestroy(done);
+  }
+  bool test() override {
+    cudaError_t e = cudaEventQuery(done);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) CUDA_CHECK(e);
+    ncclResult_t r = ncclSuccess;
+    NCCL_CHECK(ncclCommGetAsyncError(comm, &r));
+    if (r != ncclSuccess && r != ncclInProgress)
+      fatal("NCCL failed in %s: %s", what.c_str(), ncclGetErrorString(r));
+    return false;
+  }
+  // A timed-out NCCL kernel never returns on its own; aborting the communicator releases it.
+  void abort() override { ncclCommAbort(comm); }
+};
+#endif
+
+static void complete(std::unique_ptr<Work::Pending>& p) {
+  std::unique_ptr<Work::Pending> q = std::move(p);
+  for (auto& f : q->then) f();
+}
+
+Work::Work() = default;
+Work::Work(std::unique_ptr<Pending> p) : p_(std::move(p)) {}
+Work::Work(Work&& o) noexcept = default;
+Work& Work::operator=(Work&& o) noexcept {
+  if (this != &o) {
+    wait();
+    p_ = std::move(o.p_);
+  }
+  return *this;
+}
+Work::~Work() { wait(); }
+
+bool Work::done() {
+  if (!p_) return true;
+  if (!p_->test()) return false;
+  complete(p_);
+  return true;
+}
+
+void Work::wait() {
+  if (!p_) return;
+  auto t0 = std::chrono::steady_clock::now();
+  while (!p_->test()) {
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (waited > g_timeout) {
+      p_->abort();
+      fatal("watchdog: rank %d waited %.1f s for %s at step %ld; aborting every rank", world_rank(), waited,
+            p_->what.c_str(), current_step());
+    }
+    // Yield while the wait is short: with more ranks than cores the peer needs this core to
+    // progress. Sleep once it is long, so a waiting rank stops competing for the CPU.
+    if (waited < 0.02)
+      sched_yield();
+    else
+      usleep(200);
+  }
+  complete(p_);
+}
+
+// ----- staging: the host memory MPI works on ---------------------------------------------------
+
+// What MPI reads: the tensor itself on the CPU; a host copy of a CUDA tensor.
+static Tensor host_in(const Tensor& t, Work::Pending& p) {
+  if (t.device() == Device::CPU) return t;
+  Tensor h = Tensor::empty(t.shape, t.dtype, Device::CPU, Tag::Comm);
+  copy(h, t);
+  p.keep.push_back(h);
+  return h;
+}
+
+// What MPI writes: the tensor itself on the CPU (unless `separate`); otherwise a host buffer
+// copied into the tensor when the transfer completes (after any division queued before it).
+static Tensor host_out(const Tensor& t, Work::Pending& p, bool separate = false) {
+  if (t.device() == Device::CPU && !separate) return t;
+  Tensor h = Tensor::empty(t.shape, t.dtype, Device::CPU, Tag::Comm);
+  p.keep.push_back(h);
+  return h;
+}
+static void copy_back(const Tensor& t, const Tensor& h, Work::Pending& p) {
+  if (t.raw() != h.raw()) p.then.push_back([t, h] { copy(t, h); });
+}
+
+static bool overlap(const Tensor& a, const Tensor& b) {
+  if (a.buf != b.buf) return false;
+  const char* a0 = static_cast<const char*>(a.raw());
+  const char* b0 = static_cast<const char*>(b.raw());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+static bool is_chunk(const Tensor& part, const Tensor& whole, int r) {
+  return part.buf == whole.buf && part.raw() == static_cast<char*>(whole.raw()) + size_t(r) * part.nbytes();
+}
+
+static void check_pair(const char* op, const Tensor& out, const Tensor& in) {
+  TS_CHECK(out.dtype == in.dtype && out.device() == in.device(), "%s: out %s and in %s differ in dtype or device",
+           op, out.str().c_str(), in.str().c_str());
+}
+
+static void check_reduce(const char* op, DType t, ReduceOp r) {
+  TS_CHECK(!(t == DType::I32 && r == ReduceOp::Avg), "%s: Avg of an i32 tensor is not defined", op);
+}
+
+// ----- Comm ------------------------------------------------------------------------------------
+
+Comm::Comm(std::string name, MPI_Comm comm, void* nccl) : name_(std::move(name)), comm_(comm), nccl_(nccl) {
+  MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+  MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  // Errors come back to MPI_CHECK (file:line and MPI's message) instead of MPI's silent abort.
+  MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+#ifdef TS_CUDA
+  if (nccl_) {
+    cudaStream_t s;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+  }
+#endif
+}
+
+Comm::~Comm() {
+#ifdef TS_CUDA
+  if (nccl_) ncclCommDestroy(static_cast<ncclComm_t>(nccl_));
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+#endif
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (!fin && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+}
+
+const char* Comm::transport(Device dev) const {
+  if (dev == Device::CPU) return "mpi";
+  return nccl_ ? "nccl" : "mpi-staged";
+}
+
+void Comm::count(const char* op, double payload, double wire) {
+  OpStats& s = stats_[op];
+  s.calls++;
+  s.payload_bytes += payload;
+  s.wire_bytes += size_ > 1 ? wire : 0;  // a group of one moves nothing
+}
+
+std::string Comm::label(const char* op, int tag) const {
+  char b[256];
+  if (tag >= 0)
+    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, tag %d)", op, seq_, name_.c_str(), size_, tag);
+  else
+    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, collective: no tag)", op, seq_, name_.c_str(), size_);
+  return b;
+}
+
+#ifdef TS_CUDA
+// NCCL runs on the group's own stream: it starts after the work queued on the compute stream so
+// far, and its completion event is what Work polls.
+#define NCCL_BEGIN()                                                            \
+  cudaStream_t s_ = static_cast<cudaStream_t>(stream_);                         \
+  ncclComm_t c_ = static_cast<ncclComm_t>(nccl_);                               \
+  {                                                                             \
+    cudaEvent_t ready;                                                          \
+    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));       \
+    CUDA_CHECK(cudaEventRecord(ready, compute_stream()));                       \
+    CUDA_CHECK(cudaStreamWaitEvent(s_, ready, 0));                              \
+    CUDA_CHECK(cudaEventDestroy(ready));                                        \
+  }
+static Work nccl_end(cudaStream_t s, ncclComm_t c, std::string what, std::vector<Tensor> keep) {
+  auto p = std::make_unique<NcclPending>();
+  p->what = std::move(what);
+  p->keep = std::move(keep);
+  p->comm = c;
+  CUDA_CHECK(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(p->done, s));
+  return Work(std::move(p));
+}
+#define USE_NCCL(t) ((t).device() == Device::CUDA && nccl_)
+#endif
+
+// ----- the collectives: each issued non-blocking; the blocking form waits on it ----------------
+
+Work Comm::all_reduce_async(const Tensor& t, ReduceOp op) { return all_reduce_async(t, t, op); }
+
+Work Comm::all_reduce_async(const Tensor& out, const Tensor& in, ReduceOp op) {
+  check_pair("all_reduce", out, in);
+  check_reduce("all_reduce", in.dtype, op);
+  TS_CHECK(out.numel() == in.numel(), "all_reduce: out %s, in %s", out.str().c_str(), in.str().c_str());
+  TS_CHECK(out.raw() == in.raw() || !overlap(out, in), "all_reduce: out and in partly overlap");
+  double K = double(in.nbytes()), N = size_;
+  count("all_reduce", K, 2 * (N - 1) / N * K);  // ring: reduce-scatter, then all-gather
+  seq_++;
+  if (size_ == 1) {
+    if (out.raw() != in.raw()) copy(out, in);
+    return Work();
+  }
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclAllReduce(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
+    return nccl_end(s_, c_, label("all_reduce", -1), {out, in});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("all_reduce", -1);
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
+  const void* send = hin.raw() == hout.raw() ? MPI_IN_PLACE : hin.raw();
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Iallreduce(send, hout.raw(), mpi_count(in.numel()), mpi_type(in.dtype), mpi_op(in.dtype, op),
+                           comm_, &p->reqs[0]));
+  if (op == ReduceOp::Avg) p->then.push_back([hout, n = size_] { divide_host(hout, n); });
+  copy_back(out, hout, *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp op) {
+  check_pair("reduce_scatter", out, in);
+  check_reduce("reduce_scatter", in.dtype, op);
+  TS_CHECK(in.numel() == size_ * out.numel(), "reduce_scatter: in %s must be %d x out %s", in.str().c_str(), size_,
+           out.str().c_str());
+  bool in_place = is_chunk(out, in, rank_);
+  TS_CHECK(in_place || !overlap(out, in), "reduce_scatter: out overlaps in other than as chunk %d", rank_);
+  double K = double(in.nbytes()), N = size_;
+  count("reduce_scatter", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
+  seq_++;
+  if (size_ == 1) {
+    if (!in_place) copy(out, in);
+    return Work();
+  }
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclReduceScatter(in.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
+    return nccl_end(s_, c_, label("reduce_scatter", -1), {out, in});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("reduce_scatter", -1);
+  // MPI's in-place reduce-scatter leaves the result at the start of the buffer, not at chunk r:
+  // an in-place call on the CPU receives into a separate buffer instead.
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p, in_place);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ireduce_scatter_block(hin.raw(), hout.raw(), mpi_count(out.numel()), mpi_type(in.dtype),
+                                      mpi_op(in.dtype, op), comm_, &p->reqs[0]));
+  if (op == ReduceOp::Avg) p->then.push_back([hout, n = size_] { divide_host(hout, n); });
+  copy_back(out, hout, *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::all_gather_async(const Tensor& out, const Tensor& in) {
+  check_pair("all_gather", out, in);
+  TS_CHECK(out.numel() == size_ * in.numel(), "all_gather: out %s must be %d x in %s", out.str().c_str(), size_,
+           in.str().c_str());
+  bool in_place = is_chunk(in, out, rank_);
+  TS_CHECK(in_place || !overlap(out, in), "all_gather: in overlaps out other than as chunk %d", rank_);
+  double K = double(out.nbytes()), N = size_;
+  count("all_gather", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
+  seq_++;
+  if (size_ == 1) {
+    if (!in_place) copy(out, in);
+    return Work();
+  }
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclAllGather(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), c_, s_));
+    return nccl_end(s_, c_, label("all_gather", -1), {out, in});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("all_gather", -1);
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
+  const void* send = is_chunk(hin, hout, rank_) ? MPI_IN_PLACE : hin.raw();
+  int n = mpi_count(in.numel());
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Iallgather(send, n, mpi_type(in.dtype), hout.raw(), n, mpi_type(in.dtype), comm_, &p->reqs[0]));
+  copy_back(out, hout, *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::broadcast_async(const Tensor& t, int root) {
+  TS_CHECK(root >= 0 && root < size_, "broadcast: root %d outside group '%s' of %d", root, name_.c_str(), size_);
+  // Pipelined ring from the root: every rank forwards K except the last one in the chain.
+  double K = double(t.nbytes());
+  bool last = (rank_ - root + size_) % size_ == size_ - 1;
+  count("broadcast", K, last ? 0 : K);
+  seq_++;
+  if (size_ == 1) return Work();
+#ifdef TS_CUDA
+  if (USE_NCCL(t)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype), root, c_, s_));
+    return nccl_end(s_, c_, label("broadcast", -1), {t});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("broadcast", -1);
+  Tensor h = rank_ == root ? host_in(t, *p) : host_out(t, *p);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ibcast(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), root, comm_, &p->reqs[0]));
+  if (rank_ != root) copy_back(t, h, *p);
+  p->keep.push_back(t);
+  return Work(std::move(p));
+}
+
+Work Comm::send_async(const Tensor& t, int peer, int tag) {
+  TS_CHECK(peer >= 0 && peer < size_, "send: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
+  count("send", double(t.nbytes()), peer == rank_ ? 0 : double(t.nbytes()));
+  seq_++;
+#ifdef TS_CUDA
+  if (USE_NCCL(t)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclSend(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
+    return nccl_end(s_, c_, label("send", tag), {t});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("send", tag);
+  Tensor h = host_in(t, *p);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Isend(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
+  p->keep.push_back(t);
+  return Work(std::move(p));
+}
+
+Work Comm::recv_async(const Tensor& t, int peer, int tag) {
+  TS_CHECK(peer >= 0 && peer < size_, "recv: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
+  count("recv", double(t.nbytes()), 0);  // the sender counts the wire bytes
+  seq_++;
+#ifdef TS_CUDA
+  if (USE_NCCL(t)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclRecv(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
+    return nccl_end(s_, c_, label("recv", tag), {t});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("recv", tag);
+  Tensor h = host_out(t, *p);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Irecv(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
+  copy_back(t, h, *p);
+  p->keep.push_back(t);
+  return Work(std::move(p));
+}
+
+Work Comm::send_recv_async(const Tensor& send, int dst, const Tensor& recv, int src, int tag) {
+  TS_CHECK(dst >= 0 && dst < size_ && src >= 0 && src < size_, "send_recv: dst %d / src %d outside group '%s' of %d",
+           dst, src, name_.c_str(), size_);
+  TS_CHECK(send.dtype == recv.dtype && send.device() == recv.device() && !overlap(send, recv),
+           "send_recv: send %s and recv %s must match in dtype and device and not overlap", send.str().c_str(),
+           recv.str().c_str());
+  count("send", double(send.nbytes()), dst == rank_ ? 0 : double(send.nbytes()));
+  count("recv", double(recv.nbytes()), 0);
+  seq_++;
+  if (size_ == 1) {
+    copy(recv, send);
+    return Work();
+  }
+#ifdef TS_CUDA
+  if (USE_NCCL(send)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclGroupStart());
+    NCCL_CHECK(ncclSend(send.raw(), size_t(send.numel()), nccl_type(send.dtype), dst, c_, s_));
+    NCCL_CHECK(ncclRecv(recv.raw(), size_t(recv.numel()), nccl_type(recv.dtype), src, c_, s_));
+    NCCL_CHECK(ncclGroupEnd());
+    return nccl_end(s_, c_, label("send_recv", tag), {send, recv});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("send_recv", tag);
+  Tensor hs = host_in(send, *p), hr = host_out(recv, *p);
+  p->reqs.resize(2);
+  MPI_CHECK(MPI_Irecv(hr.raw(), mpi_count(recv.numel()), mpi_type(recv.dtype), src, tag, comm_, &p->reqs[0]));
+  MPI_CHECK(MPI_Isend(hs.raw(), mpi_count(send.numel()), mpi_type(send.dtype), dst, tag, comm_, &p->reqs[1]));
+  copy_back(recv, hr, *p);
+  p->keep.insert(p->keep.end(), {send, recv});
+  return Work(std::move(p));
+}
+
+Work Comm::all_to_all_async(const Tensor& out, const Tensor& in) {
+  check_pair("all_to_all", out, in);
+  TS_CHECK(out.numel() == in.numel() && in.numel() % size_ == 0 && !overlap(out, in),
+           "all_to_all: out %s and in %s must be equal, separate and split into %d chunks", out.str().c_str(),
+           in.str().c_str(), size_);
+  std::vector<int64_t> counts(size_, in.numel() / size_);
+  return all_to_all_v_async(out, counts, in, counts);
+}
+
+Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& recv_counts, const Tensor& in,
+                              const std::vector<int64_t>& send_counts) {
+  check_pair("all_to_all", out, in);
+  TS_CHECK(int(recv_counts.size()) == size_ && int(send_counts.size()) == size_,
+           "all_to_all_v: need %d send and recv counts", size_);
+  TS_CHECK(!overlap(out, in), "all_to_all: out and in overlap");
+  std::vector<int64_t> sdispl(size_), rdispl(size_);
+  int64_t ssum = 0, rsum = 0;
+  for (int p = 0; p < size_; p++) {
+    TS_CHECK(send_counts[p] >= 0 && recv_counts[p] >= 0, "all_to_all_v: negative count for peer %d", p);
+    sdispl[p] = ssum, ssum += send_counts[p];
+    rdispl[p] = rsum, rsum += recv_counts[p];
+  }
+  TS_CHECK(ssum <= in.numel() && rsum <= out.numel(), "all_to_all_v: counts (send %lld, recv %lld) exceed in %s / out %s",
+           (long long)ssum, (long long)rsum, in.str().c_str(), out.str().c_str());
+  // Everything this rank holds leaves except its own chunk: (N-1)/N K for equal chunks.
+  double es = double(dtype_size(in.dtype));
+  count("all_to_all", ssum * es, (ssum - send_counts[rank_]) * es);
+  seq_++;
+  if (size_ == 1) {
+    if (ssum) copy(out.view(0, {ssum}), in.view(0, {ssum}));
+    return Work();
+  }
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    // NCCL has no all-to-all: one grouped send and receive per peer.
+    NCCL_BEGIN();
+    size_t e = dtype_size(in.dtype);
+    NCCL_CHECK(ncclGroupStart());
+    for (int p = 0; p < size_; p++) {
+      if (send_counts[p])
+        NCCL_CHECK(ncclSend(static_cast<char*>(in.raw()) + sdispl[p] * e, size_t(send_counts[p]), nccl_type(in.dtype),
+                            p, c_, s_));
+      if (recv_counts[p])
+        NCCL_CHECK(ncclRecv(static_cast<char*>(out.raw()) + rdispl[p] * e, size_t(recv_counts[p]),
+                            nccl_type(in.dtype), p, c_, s_));
+    }
+    NCCL_CHECK(ncclGroupEnd());
+    return nccl_end(s_, c_, label("all_to_all", -1), {out, in});
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("all_to_all", -1);
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
+  p->arrays.resize(4 * size_);
+  int* sc = p->arrays.data();
+  int *sd = sc + size_, *rc = sd + size_, *rd = rc + size_;
+  for (int q = 0; q < size_; q++) {
+    sc[q] = mpi_count(send_counts[q]), sd[q] = mpi_count(sdispl[q]);
+    rc[q] = mpi_count(recv_counts[q]), rd[q] = mpi_count(rdispl[q]);
+  }
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ialltoallv(hin.raw(), sc, sd, mpi_type(in.dtype), hout.raw(), rc, rd, mpi_type(in.dtype), comm_,
+                           &p->reqs[0]));
+  copy_back(out, hout, *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::barrier_async() {
+  count("barrier", 0, 0);
+  seq_++;
+  if (size_ == 1) return Work();
+  auto p = std::make_unique<MpiPending>();
+  p->what = label("barrier", -1);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ibarrier(comm_, &p->reqs[0]));
+  return Work(std::move(p));
+}
+
+void Comm::all_reduce(const Tensor& t, ReduceOp op) { all_reduce_async(t, t, op).wait(); }
+void Comm::all_reduce(const Tensor& out, const Tensor& in, ReduceOp op) { all_reduce_async(out, in, op).wait(); }
+void Comm::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) {
+  reduce_scatter_async(out, in, op).wait();
+}
+void Comm::all_gather(const Tensor& out, const Tensor& in) { all_gather_async(out, in).wait(); }
+void Comm::broadcast(const Tensor& t, int root) { broadcast_async(t, root).wait(); }
+void Comm::send(const Tensor& t, int peer, int tag) { send_async(t, peer, tag).wait(); }
+void Comm::recv(const Tensor& t, int peer, int tag) { recv_async(t, peer, tag).wait(); }
+void Comm::send_recv(const Tensor& send, int dst, const Tensor& recv, int src, int tag) {
+  send_recv_async(send, dst, recv, src, tag).wait();
+}
+void Comm::all_to_all(const Tensor& out, const Tensor& in) { all_to_all_async(out, in).wait(); }
+void Comm::all_to_all_v(const Tensor& out, const std::vector<int64_t>& recv_counts, const Tensor& in,
+                        const std::vector<int64_t>& send_counts) {
+  all_to_all_v_async(out, recv_counts, in, send_counts).wait();
+}
+void Comm::barrier() { barrier_async().wait(); }
+
+}  // namespace ts

@@ -1,0 +1,163 @@
+// mesh.cu — rank <-> coordinates, group membership, and the communicators of each group.
+#include "mesh.h"
+
+#include <cstdlib>
+
+namespace ts {
+
+const char* axis_name(Axis a) {
+  static const char* names[kNumAxes] = {"world", "dp", "pp", "cp", "tp", "ep", "dp_cp", "ep_dp"};
+  return names[int(a)];
+}
+
+int mesh_rank(const MeshConfig& c, int dp, int pp, int cp, int tp) { return ((dp * c.pp + pp) * c.cp + cp) * c.tp + tp; }
+
+MeshCoords mesh_coords(const MeshConfig& c, int rank) {
+  MeshCoords m;
+  m.tp = rank % c.tp;
+  m.cp = rank / c.tp % c.cp;
+  m.pp = rank / (c.tp * c.cp) % c.pp;
+  m.dp = rank / (c.tp * c.cp * c.pp);
+  m.ep = (m.dp * c.cp + m.cp) % c.ep;
+  return m;
+}
+
+std::vector<int> mesh_group(const MeshConfig& c, int rank, Axis a) {
+  MeshCoords m = mesh_coords(c, rank);
+  std::vector<int> g;
+  // j numbers the dp×cp ranks that share (pp, tp); EP blocks and EP_DP strides are ranges of j.
+  auto dpcp = [&](int j) { return mesh_rank(c, j / c.cp, m.pp, j % c.cp, m.tp); };
+  int j = m.dp * c.cp + m.cp, n = c.dp * c.cp;
+  switch (a) {
+    case Axis::World:
+      for (int r = 0; r < c.dp * c.pp * c.cp * c.tp; r++) g.push_back(r);
+      break;
+    case Axis::DP:
+      for (int i = 0; i < c.dp; i++) g.push_back(mesh_rank(c, i, m.pp, m.cp, m.tp));
+      break;
+    case Axis::PP:
+      for (int i = 0; i < c.pp; i++) g.push_back(mesh_rank(c, m.dp, i, m.cp, m.tp));
+      break;
+    case Axis::CP:
+      for (int i = 0; i < c.cp; i++) g.push_back(mesh_rank(c, m.dp, m.pp, i, m.tp));
+      break;
+    case Axis::TP:
+      for (int i = 0; i < c.tp; i++) g.push_back(mesh_rank(c, m.dp, m.pp, m.cp, i));
+      break;
+    case Axis::DP_CP:
+      for (int i = 0; i < n; i++) g.push_back(dpcp(i));
+      break;
+    case Axis::EP:
+      for (int i = j / c.ep * c.ep; i < (j / c.ep + 1) * c.ep; i++) g.push_back(dpcp(i));
+      break;
+    case Axis::EP_DP:
+      for (int i = j % c.ep; i < n; i += c.ep) g.push_back(dpcp(i));
+      break;
+  }
+  return g;
+}
+
+std::string mesh_config_problem(const MeshConfig& c, int world) {
+  char b[512];
+  if (c.dp < 1 || c.pp < 1 || c.cp < 1 || c.tp < 1 || c.ep < 1) {
+    snprintf(b, sizeof b, "every mesh degree must be at least 1 (got dp=%d pp=%d cp=%d tp=%d ep=%d)", c.dp, c.pp, c.cp,
+             c.tp, c.ep);
+    return b;
+  }
+  int prod = c.dp * c.pp * c.cp * c.tp;
+  if (prod != world) {
+    snprintf(b, sizeof b,
+             "the mesh dp=%d x pp=%d x cp=%d x tp=%d needs %d ranks but the job has %d (launch with mpirun -np %d)", c.dp,
+             c.pp, c.cp, c.tp, prod, world, prod);
+    return b;
+  }
+  if ((c.dp * c.cp) % c.ep != 0) {
+    snprintf(b, sizeof b, "ep=%d must divide dp x cp = %d: expert-parallel groups are carved out of the dp x cp ranks",
+             c.ep, c.dp * c.cp);
+    return b;
+  }
+  return "";
+}
+
+#ifdef TS_CUDA
+// NCCL refuses two ranks on one GPU: it is used only when every rank's local rank has a device.
+static bool every_rank_owns_a_gpu(int* local_rank, int* ngpu) {
+  MPI_Comm node;
+  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  MPI_CHECK(MPI_Comm_rank(node, local_rank));
+  MPI_CHECK(MPI_Comm_free(&node));
+  if (cudaGetDeviceCount(ngpu) != cudaSuccess) cudaGetLastError(), *ngpu = 0;
+  const char* env = getenv("TS_NCCL");
+  int mine = *local_rank < *ngpu && !(env && env[0] == '0'), all = 0;
+  MPI_CHECK(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
+  return all != 0;
+}
+#endif
+
+Mesh make_mesh(const MeshConfig& cfg, Device dev) {
+  comm_init(nullptr, nullptr);
+  Mesh m;
+  m.cfg = cfg;
+  m.device = dev;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &m.rank));
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &m.world));
+  std::string problem = mesh_config_problem(cfg, m.world);
+  if (!problem.empty()) config_error("%s", problem.c_str());
+  MeshCoords c = mesh_coords(cfg, m.rank);
+  m.dp_rank = c.dp, m.pp_rank = c.pp, m.cp_rank = c.cp, m.tp_rank = c.tp, m.ep_rank = c.ep;
+
+#ifdef TS_CUDA
+  void* nccl_world = nullptr;
+  if (dev == Device::CUDA) {
+    int local = 0, ngpu = 0;
+    bool nccl = every_rank_owns_a_gpu(&local, &ngpu);
+    TS_CHECK(ngpu > 0, "--device cuda but rank %d sees no GPU", m.rank);
+    CUDA_CHECK(cudaSetDevice(local % ngpu));
+    if (nccl && m.world > 1) {
+      // The unique id is NCCL's rendezvous address: rank 0 makes it, MPI carries it to all.
+      ncclUniqueId id;
+      if (m.rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
+      MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
+      ncclComm_t w;
+      NCCL_CHECK(ncclCommInitRank(&w, m.world, id, m.rank));
+      nccl_world = w;
+    }
+  }
+#endif
+  for (int a = 0; a < kNumAxes; a++) {
+    std::vector<int> g = mesh_group(cfg, m.rank, Axis(a));
+    int key = 0;
+    while (g[key] != m.rank) key++;
+    // Groups partition the world, so their first member names them (the split colour).
+    MPI_Comm mc;
+    MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, g[0], key, &mc));
+    void* nc = nullptr;
+#ifdef TS_CUDA
+    if (nccl_world && Axis(a) == Axis::World) {
+      nc = nccl_world;
+    } else if (nccl_world) {
+      // Every rank of the parent takes part in each split; groups of one get no communicator.
+      ncclComm_t sub = nullptr;
+      NCCL_CHECK(ncclCommSplit(static_cast<ncclComm_t>(nccl_world), g.size() > 1 ? g[0] : NCCL_SPLIT_NOCOLOR, key,
+                               &sub, nullptr));
+      nc = sub;
+    }
+#endif
+    m.groups[a] = std::make_shared<Comm>(axis_name(Axis(a)), mc, nc);
+  }
+  return m;
+}
+
+void print_mesh(const Mesh& m) {
+  if (m.rank != 0) return;
+  const MeshConfig& c = m.cfg;
+  printf("mesh: %d ranks = dp %d x pp %d x cp %d x tp %d (ep %d); %s tensors travel by %s\n", m.world, c.dp, c.pp, c.cp,
+         c.tp, c.ep, device_name(m.device), m.groups[0]->transport(m.device));
+  for (int r = 0; r < m.world; r++) {
+    MeshCoords x = mesh_coords(c, r);
+    printf("  rank %d: dp=%d pp=%d cp=%d tp=%d ep=%d\n", r, x.dp, x.pp, x.cp, x.tp, x.ep);
+  }
+  fflush(stdout);
+}
+
+}  // namespace ts

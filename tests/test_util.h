@@ -1,0 +1,121 @@
+// test_util.h — running the technique binaries from tests and reading what they report.
+//
+// End-to-end tests start the real binaries (under mpirun for several ranks), read their
+// --log-json output and compare numbers; error-path tests assert the exit status and message.
+#pragma once
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "json.h"
+#include "safetensors.h"
+
+namespace tst {
+
+inline std::string build_dir() {
+  const char* b = getenv("TS_BUILD");
+  return b ? b : "build";
+}
+
+// A scratch directory unique to this process.
+inline std::string scratch(const std::string& name) {
+  std::string d = "/tmp/ts_test_" + std::to_string(getpid());
+  std::string cmd = "mkdir -p " + d;
+  if (system(cmd.c_str()) != 0) abort();
+  return d + "/" + name;
+}
+
+struct Result {
+  int status = -1;  // exit status (128 + signal when killed)
+  std::string output;  // stdout and stderr together
+};
+
+// Runs a shell command, bounded by `timeout` seconds so that a hang fails instead of blocking.
+inline Result run(const std::string& cmd, int timeout_s = 300) {
+  std::string full = "OMP_NUM_THREADS=1 timeout " + std::to_string(timeout_s) + " " + cmd + " 2>&1";
+  Result r;
+  FILE* p = popen(full.c_str(), "r");
+  if (!p) return r;
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) r.output.append(buf, n);
+  int st = pclose(p);
+  r.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+  return r;
+}
+
+// `np` ranks of a technique binary (np 1 runs it directly).
+inline Result run_bin(const std::string& bin, const std::string& args, int np = 1, int timeout_s = 300,
+                      const std::string& extra_env = "") {
+  std::string exe = build_dir() + "/" + bin;
+  // Tests run inside an MPI job themselves; a child job must not inherit its PMI connection.
+  std::string env = "env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME -u MPI_LOCALRANKID "
+                    "-u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " + extra_env + " ";
+  if (np == 1) return run(env + exe + " " + args, timeout_s);
+  return run(env + "mpirun -np " + std::to_string(np) + " " + exe + " " + args, timeout_s);
+}
+
+// The JSON lines of a --log-json file: per-step records, then {"summary": ...}.
+struct Log {
+  std::vector<ts::Json> steps;
+  ts::Json summary;
+  std::vector<double> losses() const {
+    std::vector<double> v;
+    for (auto& s : steps) v.push_back(s.at("loss").as_double());
+    return v;
+  }
+};
+
+inline Log read_log(const std::string& path) {
+  Log l;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.empty()) continue;
+    ts::Json j = ts::Json::parse(line);
+    if (j.contains("summary")) l.summary = j.at("summary");
+    else l.steps.push_back(j);
+  }
+  return l;
+}
+
+inline double max_rel_diff(const std::vector<double>& a, const std::vector<double>& b) {
+  double m = a.size() == b.size() ? 0 : INFINITY;
+  for (size_t i = 0; i < a.size() && i < b.size(); i++)
+    m = std::max(m, std::fabs(a[i] - b[i]) / std::max(1e-30, std::fabs(b[i])));
+  return m;
+}
+
+// Every tensor of a safetensors file, as floats.
+inline std::vector<std::pair<std::string, std::vector<float>>> read_tensors(const std::string& path) {
+  ts::SafetensorsReader r(path);
+  std::vector<std::pair<std::string, std::vector<float>>> out;
+  for (const std::string& n : r.names()) {
+    std::vector<float> v(size_t(r.entry(n).numel()));
+    r.read(n, 0, v.data(), int64_t(v.size()));
+    out.push_back({n, v});
+  }
+  return out;
+}
+
+// Largest |a - b| / (atol/rtol-scaled) over two checkpoints' weights: returns max |a-b| and the
+// max of |b| seen, tensor by tensor, so tests can state their tolerance in one line.
+inline double max_abs_diff_files(const std::string& a, const std::string& b) {
+  auto ta = read_tensors(a), tb = read_tensors(b);
+  if (ta.size() != tb.size()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < ta.size(); i++) {
+    if (ta[i].first != tb[i].first || ta[i].second.size() != tb[i].second.size()) return INFINITY;
+    for (size_t k = 0; k < ta[i].second.size(); k++)
+      m = std::max(m, double(std::fabs(ta[i].second[k] - tb[i].second[k])));
+  }
+  return m;
+}
+
+}  // namespace tst
