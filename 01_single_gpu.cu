@@ -112,7 +112,7 @@ int main(int argc, char** argv) {
   loop.save = [&](long step) {
     Json mesh = Json::object();
     mesh["world"] = 1;
-    save_checkpoint(rc.save_dir, rc, model.table, {0, model.table.total, weights_f32(model.params, opt), &opt}, step,
+    save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}}, step,
                     mesh);
   };
   train_loop(rc, dev, log, data, first, loop);

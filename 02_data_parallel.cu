@@ -213,8 +213,8 @@ int main(int argc, char** argv) {
   loop.step = [&](long step) { return train_step(model, opt, dp, data, rc, mesh, step); };
   loop.save = [&](long step) {
     // Replicas are identical: rank 0 writes the whole model, the others nothing.
-    CheckpointSlice mine;
-    if (mesh.rank == 0) mine = {0, model.table.total, weights_f32(model.params, opt), &opt};
+    std::vector<CheckpointSlice> mine;
+    if (mesh.rank == 0) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
     Json m = Json::object();
     m["dp"] = mc.dp;
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);

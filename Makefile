@@ -94,12 +94,16 @@ $(BUILD)/tests/%.o: tests/%.cpp
 $(BUILD)/tests/test_%: $(BUILD)/tests/test_%.o $(BUILD)/tests/catch_main.o $(BUILD)/common.a
 	$(LD) $^ -o $@ $(LIBS)
 
+# A small program the watchdog tests start under mpirun (an unmatched collective, a fatal rank).
+$(BUILD)/tests/comm_error_prog: $(BUILD)/tests/comm_error_prog.o $(BUILD)/common.a
+	$(LD) $^ -o $@ $(LIBS)
+
 # Installs what a fresh Debian machine lacks (as root), or says the exact command (otherwise).
 deps:
 	@scripts/ensure-deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog
 	@BUILD=$(BUILD) tests/run_tests.sh
 
 NP ?= 1

@@ -5,6 +5,7 @@
 // Each op is warmed up, then timed over several repetitions; the median is reported as GFLOP/s
 // for the matmul-shaped ops and GB/s of compulsory traffic for the memory-bound ones.
 // On the CPU set OPENBLAS_CORETYPE=SkylakeX (DESIGN.md, "Measuring on these machines").
+// Usage: bench_kernels [substring]   (only the ops whose name contains it)
 #include <mpi.h>
 #include <omp.h>
 
@@ -124,6 +125,7 @@ std::vector<Op> make_ops(Device dev, DType dt) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
+  const std::string only = argc > 1 ? argv[1] : "";
   printf("kernel benchmark: batch %lld, seq %lld, dim %lld, heads %lld/%lld, head dim %lld, ffn %lld, vocab %lld\n",
          (long long)kBatch, (long long)kSeq, (long long)kDim, (long long)kHeads, (long long)kKVHeads,
          (long long)kHeadDim, (long long)kFFN, (long long)kVocab);
@@ -134,6 +136,7 @@ int main(int argc, char** argv) {
   for (Device dev : devs)
     for (DType dt : {DType::F32, DType::BF16})
       for (const Op& op : make_ops(dev, dt)) {
+        if (op.name.find(only) == std::string::npos) continue;
         const double ms = median_ms(op, dev);
         printf("%-24s %-5s %-5s %10.3f %8.1f %s\n", op.name.c_str(), device_name(dev), dtype_name(dt), ms,
                op.work / ms * 1e-6, op.flops ? "GFLOP/s" : "GB/s");

@@ -77,13 +77,14 @@ static void maybe_crash_midway() {
 }
 
 void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTable& table,
-                     const CheckpointSlice& mine, long step, const Json& mesh) {
+                     const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
   const bool rank0 = world_rank() == 0;
   const std::string tmp = dir + ".tmp";
   const std::vector<StEntry> model_e = entries_with_prefix(table, "");
   std::vector<StEntry> opt_e = entries_with_prefix(table, "exp_avg.");
   for (StEntry& e : entries_with_prefix(table, "exp_avg_sq.")) opt_e.push_back(e);
-  int any_opt = mine.opt != nullptr, all_opt = 0;
+  int any_opt = 0, all_opt = 0;
+  for (const CheckpointSlice& s : mine) any_opt |= s.opt != nullptr;
   MPI_Allreduce(&any_opt, &all_opt, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
 
   if (rank0) {
@@ -94,19 +95,25 @@ void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTab
     if (all_opt) SafetensorsWriter(tmp + "/optimizer.safetensors", opt_e, meta, true).sync_and_close();
   }
   MPI_Barrier(MPI_COMM_WORLD);
-  if (mine.end > mine.begin) {
+  if (!mine.empty()) {
     SafetensorsWriter w(tmp + "/model.safetensors", model_e, {{"format", "pt"}}, false);
-    std::vector<float> v = to_host_f32(mine.weights);
-    int64_t half = mine.begin + (mine.end - mine.begin) / 2;
-    write_range(w, table, "", mine.begin, half, v);
-    maybe_crash_midway();
-    std::vector<float> rest(v.begin() + (half - mine.begin), v.end());
-    write_range(w, table, "", half, mine.end, rest);
+    for (size_t i = 0; i < mine.size(); i++) {
+      const CheckpointSlice& sl = mine[i];
+      std::vector<float> v = to_host_f32(sl.weights);
+      int64_t half = sl.begin + (sl.end - sl.begin) / 2;
+      write_range(w, table, "", sl.begin, half, v);
+      if (i == 0) maybe_crash_midway();
+      std::vector<float> rest(v.begin() + (half - sl.begin), v.end());
+      write_range(w, table, "", half, sl.end, rest);
+    }
     w.sync_and_close();
-    if (mine.opt) {
+    if (any_opt) {
       SafetensorsWriter o(tmp + "/optimizer.safetensors", opt_e, {{"format", "pt"}}, false);
-      write_range(o, table, "exp_avg.", mine.begin, mine.end, to_host_f32(mine.opt->m1));
-      write_range(o, table, "exp_avg_sq.", mine.begin, mine.end, to_host_f32(mine.opt->m2));
+      for (const CheckpointSlice& sl : mine) {
+        if (!sl.opt) continue;
+        write_range(o, table, "exp_avg.", sl.begin, sl.end, to_host_f32(sl.opt->m1));
+        write_range(o, table, "exp_avg_sq.", sl.begin, sl.end, to_host_f32(sl.opt->m2));
+      }
       o.sync_and_close();
     }
   }

@@ -18,16 +18,16 @@
 
 namespace ts {
 
-// What one rank contributes: the fp32 values of the global parameter range [begin, end) (weights
-// and, when opt is set, its moments over the same range). A rank with nothing to write passes an
-// empty range. Collective over MPI_COMM_WORLD.
+// What one rank contributes: fp32 values of global parameter ranges [begin, end) of `table`
+// (weights and, when opt is set, the moments over the same range). A rank with nothing to
+// write passes no slices. Collective over MPI_COMM_WORLD.
 struct CheckpointSlice {
   int64_t begin = 0, end = 0;
   Tensor weights;       // fp32 [end - begin] (any device)
   const AdamW* opt = nullptr;  // its m1/m2 cover exactly [begin, end)
 };
 void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTable& table,
-                     const CheckpointSlice& mine, long step, const Json& mesh);
+                     const std::vector<CheckpointSlice>& mine, long step, const Json& mesh);
 
 struct CheckpointInfo {
   long step = 0;

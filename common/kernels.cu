@@ -116,13 +116,12 @@ const float* as_f32(const Tensor& t, Tensor& tmp) {
   return tmp.f32();
 }
 
-// C[m, :N] (+)= sum_k A(m, k) * B[k, :N] for m < M, with A(m, k) = A[m*a_rs + k*a_cs]. The small
-// per-head products of attention; axpy form so the innermost loop runs over contiguous C and B.
-void small_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
-                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+// C[m, :N] += sum_k A(m, k) * B[k, :N] for m < M, with A(m, k) = A[m*a_rs + k*a_cs]: the small
+// per-head products of attention. Axpy form, so the innermost loop runs over contiguous C and B.
+void axpy_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+               int64_t ldb, float* C, int64_t ldc) {
   for (int64_t m = 0; m < M; m++) {
     float* __restrict c = C + m * ldc;
-    if (!accumulate) std::fill(c, c + N, 0.0f);
     for (int64_t k = 0; k < K; k++) {
       const float a = A[m * a_rs + k * a_cs];
       const float* __restrict b = B + k * ldb;
@@ -130,6 +129,40 @@ void small_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, i
       for (int64_t n = 0; n < N; n++) c[n] += a * b[n];
     }
   }
+}
+
+// The same product for an MR x NR block of C held in registers across the whole k loop (axpy
+// form reloads and stores C for every k: ~4x slower). Each C element still sums k in order.
+template <int MR, int NR>
+void micro_gemm(int64_t K, const float* __restrict A, int64_t a_rs, int64_t a_cs, const float* __restrict B,
+                int64_t ldb, float* __restrict C, int64_t ldc) {
+  float acc[MR][NR];
+  for (int r = 0; r < MR; r++)
+    for (int n = 0; n < NR; n++) acc[r][n] = C[r * ldc + n];
+  for (int64_t k = 0; k < K; k++) {
+    const float* b = B + k * ldb;
+    for (int r = 0; r < MR; r++) {
+      const float a = A[r * a_rs + k * a_cs];
+      for (int n = 0; n < NR; n++) acc[r][n] += a * b[n];
+    }
+  }
+  for (int r = 0; r < MR; r++)
+    for (int n = 0; n < NR; n++) C[r * ldc + n] = acc[r][n];
+}
+
+// C (+)= A B in micro blocks, the ragged right and bottom edges in axpy form.
+void small_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  constexpr int MR = 4, NR = 32;
+  if (!accumulate)
+    for (int64_t m = 0; m < M; m++) std::fill(C + m * ldc, C + m * ldc + N, 0.0f);
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) {
+    int64_t n = 0;
+    for (; n + NR <= N; n += NR) micro_gemm<MR, NR>(K, A + m * a_rs, a_rs, a_cs, B + n, ldb, C + m * ldc + n, ldc);
+    if (n < N) axpy_gemm(MR, N - n, K, A + m * a_rs, a_rs, a_cs, B + n, ldb, C + m * ldc + n, ldc);
+  }
+  if (m < M) axpy_gemm(M - m, N, K, A + m * a_rs, a_rs, a_cs, B, ldb, C + m * ldc, ldc);
 }
 
 // ===== elementwise ==============================================================================
@@ -201,6 +234,7 @@ void rmsnorm_forward_cpu(T* y, float* rstd, const T* x, const float* w, float ep
     const T* __restrict xr = x + n * D;
     T* __restrict yr = y + n * D;
     double ss = 0;
+#pragma omp simd reduction(+ : ss)
     for (int64_t d = 0; d < D; d++) ss += double(ld(xr[d])) * ld(xr[d]);
     const float r = float(1.0 / std::sqrt(ss / double(D) + double(eps)));
     rstd[n] = r;
@@ -218,13 +252,14 @@ void rmsnorm_backward_cpu(T* dx, float* dw, const T* dy, const T* x, const float
     const T* __restrict xr = x + n * D;
     const float r = rstd[n];
     double dot = 0;
+#pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; d++) dot += double(w[d] * ld(dyr[d])) * (ld(xr[d]) * r);
     const float c = float(dot / double(D));
     T* __restrict dxr = dx + n * D;
     for (int64_t d = 0; d < D; d++) dxr[d] = st<T>(r * (w[d] * ld(dyr[d]) - ld(xr[d]) * r * c));
   }
   // dw: threads own column ranges and walk the rows in order (fixed order for any thread count).
-  constexpr int64_t kCols = 16;
+  constexpr int64_t kCols = 64;
   const int64_t nblocks = (D + kCols - 1) / kCols;
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < nblocks; blk++) {
@@ -337,17 +372,23 @@ void gather_head(float* dst, const T* src, int64_t b, int64_t h, int64_t S, int6
   }
 }
 
-// Which key tiles hold any key visible to some query of rows [i0, i1): kpos[j] <= max qpos.
-void visible_tiles(std::vector<char>& vis, const int32_t* qpos, const int32_t* kpos, int64_t i0, int64_t i1,
-                   int64_t S) {
+// Which key tiles hold a key visible to some query of rows [i0, i1) (kpos[j] <= max qpos);
+// returns the end of the last such tile: score columns past it are never formed nor read.
+int64_t visible_tiles(std::vector<char>& vis, const int32_t* qpos, const int32_t* kpos, int64_t i0, int64_t i1,
+                      int64_t S) {
   const int32_t qmax = *std::max_element(qpos + i0, qpos + i1);
   vis.assign((S + kKTile - 1) / kKTile, 0);
+  int64_t end = 0;
   for (int64_t j = 0; j < S; j++)
-    if (kpos[j] <= qmax) vis[j / kKTile] = 1;
+    if (kpos[j] <= qmax) {
+      vis[j / kKTile] = 1;
+      end = std::min(S, (j / kKTile + 1) * kKTile);
+    }
+  return end;
 }
 
-// scores[i0:i1, :] = (scale * Q) K^T over the visible key tiles, masked to -inf elsewhere.
-void masked_scores(float* sc, const float* Qs, const float* Kt, const std::vector<char>& vis,
+// scores[i0:i0+rows, :jend] = (scale * Q) K^T on the visible key tiles, -inf where masked.
+void masked_scores(float* sc, const float* Qs, const float* Kt, const std::vector<char>& vis, int64_t jend,
                    const int32_t* qpos, const int32_t* kpos, int64_t i0, int64_t rows, int64_t S, int64_t hd) {
   for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
     if (!vis[jt]) continue;
@@ -358,37 +399,48 @@ void masked_scores(float* sc, const float* Qs, const float* Kt, const std::vecto
   for (int64_t r = 0; r < rows; r++) {
     const int32_t qp = qpos[i0 + r];
     float* __restrict row = sc + r * S;
-    for (int64_t j = 0; j < S; j++) row[j] = kpos[j] <= qp ? row[j] : ninf;
+#pragma omp simd
+    for (int64_t j = 0; j < jend; j++) row[j] = kpos[j] <= qp ? row[j] : ninf;
   }
 }
-
 
 // exp(row - lse) in place: the probabilities, recomputed from the saved statistic. A row with
 // no visible key has lse = -inf; subtracting +inf instead makes that row exactly 0.
-void probs_from_lse(float* row, float lse, int64_t S) {
+void probs_from_lse(float* row, float lse, int64_t n) {
   const float l = lse == -std::numeric_limits<float>::infinity() ? -lse : lse;
 #pragma omp simd
-  for (int64_t j = 0; j < S; j++) row[j] = exp_approx(row[j] - l);
+  for (int64_t j = 0; j < n; j++) row[j] = exp_approx(row[j] - l);
 }
 
-// Softmax of one masked score row in place; returns its log-sum-exp (-inf if nothing is visible).
-float softmax_row(float* row, int64_t S) {
-  const float ninf = -std::numeric_limits<float>::infinity();
-  float mx = ninf;
-  for (int64_t j = 0; j < S; j++) mx = std::max(mx, row[j]);
-  if (mx == ninf) {
-    std::fill(row, row + S, 0.0f);
-    return ninf;
-  }
+// The max, exp and sum passes of a softmax row. Three plain loops: fused into one, the compiler
+// no longer vectorises them (~4x slower).
+float row_max(const float* row, int64_t n) {
+  float mx = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mx)
+  for (int64_t j = 0; j < n; j++) mx = mx > row[j] ? mx : row[j];
+  return mx;
+}
+
+double exp_sum(float* e, const float* row, float mx, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; j++) e[j] = exp_approx(row[j] - mx);
   double sum = 0;
 #pragma omp simd reduction(+ : sum)
-  for (int64_t j = 0; j < S; j++) {
-    row[j] = exp_approx(row[j] - mx);
-    sum += row[j];
+  for (int64_t j = 0; j < n; j++) sum += e[j];
+  return sum;
+}
+
+// exp(row - max(row)) in place for a masked score row; returns the row's log-sum-exp and sets
+// inv_sum = 1 / sum (-inf and 0 when no key is visible: the row is then all zeros).
+float exp_row(float* row, int64_t n, float& inv_sum) {
+  const float mx = row_max(row, n);
+  if (mx == -std::numeric_limits<float>::infinity()) {
+    std::fill(row, row + n, 0.0f);
+    inv_sum = 0.0f;
+    return mx;
   }
-  const float inv = float(1.0 / sum);
-#pragma omp simd
-  for (int64_t j = 0; j < S; j++) row[j] *= inv;
+  const double sum = exp_sum(row, row, mx, n);
+  inv_sum = float(1.0 / sum);
   return mx + float(std::log(sum));
 }
 
@@ -408,20 +460,21 @@ void attention_forward_cpu(T* out, float* lse, const T* q, const T* k, const T* 
     gather_head(Kt, k, b, kvh, S, a.KVH, hd, 1.0f, true);
     gather_head(V, v, b, kvh, S, a.KVH, hd, 1.0f, false);
     std::vector<char> vis;
+    float inv_sum[kQTile];
     for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
       const int64_t rows = std::min(kQTile, S - i0);
-      visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
-      masked_scores(sc, Qs, Kt, vis, qpos, kpos, i0, rows, S, hd);
-      for (int64_t r = 0; r < rows; r++) lse[bh * S + i0 + r] = softmax_row(sc + r * S, S);
+      const int64_t jend = visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
+      masked_scores(sc, Qs, Kt, vis, jend, qpos, kpos, i0, rows, S, hd);
+      for (int64_t r = 0; r < rows; r++) lse[bh * S + i0 + r] = exp_row(sc + r * S, jend, inv_sum[r]);
       std::fill(ob, ob + rows * hd, 0.0f);
       for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
         if (!vis[jt]) continue;
         const int64_t j0 = jt * kKTile, nj = std::min(kKTile, S - j0);
         small_gemm(rows, hd, nj, sc + j0, S, 1, V + j0 * hd, hd, ob, hd, true);
       }
-      for (int64_t r = 0; r < rows; r++) {
+      for (int64_t r = 0; r < rows; r++) {  // O = (exp(S - max) V) / sum: normalised once, at the end
         T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
-        for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ob[r * hd + d]);
+        for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ob[r * hd + d] * inv_sum[r]);
       }
     }
   }
@@ -462,9 +515,9 @@ void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, co
     std::vector<char> vis;
     for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
       const int64_t rows = std::min(kQTile, S - i0);
-      visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
-      masked_scores(P, Qs, Kt, vis, qpos, kpos, i0, rows, S, hd);
-      for (int64_t r = 0; r < rows; r++) probs_from_lse(P + r * S, lse[bh * S + i0 + r], S);
+      const int64_t jend = visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
+      masked_scores(P, Qs, Kt, vis, jend, qpos, kpos, i0, rows, S, hd);
+      for (int64_t r = 0; r < rows; r++) probs_from_lse(P + r * S, lse[bh * S + i0 + r], jend);
       std::fill(dQt, dQt + rows * hd, 0.0f);
       for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
         if (!vis[jt]) continue;
@@ -537,21 +590,23 @@ template <class T> void swiglu_backward_cpu(T* dg, T* du, const T* dh, const T* 
 template <class T>
 void cross_entropy_cpu(float* losses, T* dl, const T* logits, const int32_t* tgt, float grad_scale, int64_t N,
                        int64_t V) {
-#pragma omp parallel for schedule(static)
-  for (int64_t n = 0; n < N; n++) {
-    const T* x = logits + n * V;
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t j = 0; j < V; j++) mx = std::max(mx, ld(x[j]));
-    double sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t j = 0; j < V; j++) sum += exp_approx(ld(x[j]) - mx);
-    const int64_t t = tgt[n];
-    const double lse = double(mx) + std::log(sum);
-    losses[n] = float(lse - double(ld(x[t])));
-    if (!dl) continue;
-    const float inv = float(1.0 / sum);
-    T* d = dl + n * V;
-    for (int64_t j = 0; j < V; j++) d[j] = st<T>((exp_approx(ld(x[j]) - mx) * inv - float(j == t)) * grad_scale);
+#pragma omp parallel
+  {
+    std::vector<float> x(V);  // the row in fp32, then its exp(x - max)
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const T* xr = logits + n * V;
+      for (int64_t j = 0; j < V; j++) x[j] = ld(xr[j]);
+      const int64_t t = tgt[n];
+      const float mx = row_max(x.data(), V), xt = x[t];
+      const double sum = exp_sum(x.data(), x.data(), mx, V);
+      losses[n] = float(double(mx) + std::log(sum) - double(xt));
+      if (!dl) continue;
+      const float inv = float(1.0 / sum);
+      T* d = dl + n * V;
+#pragma omp simd
+      for (int64_t j = 0; j < V; j++) d[j] = st<T>((x[j] * inv - float(j == t)) * grad_scale);
+    }
   }
 }
 
@@ -563,8 +618,6 @@ void adamw_cpu(float* p, const float* grad, float* m, float* v, const AdamWParam
   const float bc1 = float(1.0 - std::pow(double(hp.beta1), double(hp.step)));
   const float bc2 = float(1.0 - std::pow(double(hp.beta2), double(hp.step)));
   const float wd = decay ? hp.weight_decay : 0.0f, b1 = hp.beta1, b2 = hp.beta2;
-  float* pc32 = param_copy.defined() && param_copy.dtype == DType::F32 ? param_copy.f32() : nullptr;
-  bf16* pc16 = param_copy.defined() && param_copy.dtype == DType::BF16 ? param_copy.b16() : nullptr;
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; i++) {
     const float g = grad[i] * grad_scale;
@@ -572,9 +625,9 @@ void adamw_cpu(float* p, const float* grad, float* m, float* v, const AdamWParam
     v[i] = b2 * v[i] + (1.0f - b2) * g * g;
     const float mhat = m[i] / bc1, vhat = v[i] / bc2;
     p[i] -= hp.lr * (mhat / (std::sqrt(vhat) + hp.eps) + wd * p[i]);
-    if (pc32) pc32[i] = p[i];
-    if (pc16) pc16[i] = float_to_bf16(p[i]);
   }
+  if (param_copy.defined())  // the compute copy of the weights, rounded once from the master
+    by_dtype(param_copy.dtype, [&](auto t) { convert_cpu(param_copy.data<decltype(t)>(), p, n); });
 }
 
 // Fixed chunks (not per thread) summed in chunk order: the same double for any thread count.

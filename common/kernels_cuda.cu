@@ -192,17 +192,18 @@ __global__ void embedding_forward_kernel(T* out, const T* table, const int32_t* 
   }
 }
 
-// Thread (d, slice) owns column d of the vocab rows r with r % slices == slice and walks the tokens
-// in order, so every dtable element accumulates in token order, as on the CPU, without atomics.
-// The slices only add parallelism: a thread's tokens are a subsequence of the token order.
+// Thread (d, slice) owns column d of the table rows [r0, r1) of its slice and walks the tokens in
+// order, so every dtable element accumulates in token order, as on the CPU, without atomics. The
+// slices (grid.y) only add parallelism: a thread's tokens are a subsequence of the token order.
 template <class T>
 __global__ void embedding_backward_kernel(float* dtable, const T* dout, const int32_t* tokens, int64_t N,
-                                          int64_t V, int64_t D, int64_t vocab_start, int slices) {
+                                          int64_t V, int64_t D, int64_t vocab_start, int64_t rows_per_slice) {
   int64_t d = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (d >= D) return;
+  const int64_t r0 = int64_t(blockIdx.y) * rows_per_slice, r1 = min(V, r0 + rows_per_slice);
   for (int64_t n = 0; n < N; n++) {
     int64_t row = int64_t(tokens[n]) - vocab_start;
-    if (row < 0 || row >= V || row % slices != int64_t(blockIdx.y)) continue;
+    if (row < r0 || row >= r1) continue;  // another slice's row, or another vocab shard's token
     dtable[row * D + d] += ld(dout[n * D + d]);
   }
 }
@@ -220,12 +221,12 @@ void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& tok
 void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& tokens, int64_t vocab_start) {
   int64_t N = tokens.numel(), V = dtable.size(0), D = dtable.size(1);
   if (N == 0 || V == 0 || D == 0) return;
-  int slices = int(V < 128 ? V : 128);
+  int64_t slices = V < 128 ? V : 128, rows_per_slice = (V + slices - 1) / slices;
   dim3 grid(unsigned((D + kBlock - 1) / kBlock), unsigned(slices));
   with_dtype(dout.dtype, "embedding_backward", [&](auto t) {
     using T = decltype(t);
     embedding_backward_kernel<<<grid, kBlock, 0, compute_stream()>>>(dtable.f32(), dout.data<T>(), tokens.i32(), N, V,
-                                                                     D, vocab_start, slices);
+                                                                     D, vocab_start, rows_per_slice);
     KERNEL_CHECK();
   });
 }
@@ -542,7 +543,7 @@ __global__ void __launch_bounds__(kAttnThreads)
   float* dOs = Qs + BR * hd;          // [BR][hd]
   float* Ks = dOs + BR * hd;          // [kTile][hd + 1]
   float* Vs = Ks + kTile * (hd + 1);  // [kTile][hd + 1]
-  float* dSs = Vs + kTile * (hd + 1); // [BR][kTile]
+  float* dSs = Vs + kTile * (hd + 1);  // [BR][kTile]
   const int b = blockIdx.z, h = blockIdx.y, q0 = blockIdx.x * BR, kvh = h / (H / KVH);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t qs = int64_t(H) * hd, ks = int64_t(KVH) * hd;

@@ -14,8 +14,12 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
   fatal("no parameter named '%s'", name.c_str());
 }
 
-ParamTable Model::make_table(const ModelConfig& c) {
+ParamTable Model::make_table(const ModelConfig& c, int align) {
   ParamTable t;
+  auto next_unit = [&] {
+    t.total = (t.total + align - 1) / align * align;
+    t.unit_begin.push_back(t.total);
+  };
   auto add = [&](const std::string& name, std::vector<int64_t> shape, int unit, bool norm) {
     ParamEntry e;
     e.name = name;
@@ -30,10 +34,10 @@ ParamTable Model::make_table(const ModelConfig& c) {
     t.entries.push_back(e);
   };
   const int64_t D = c.dim, KV = c.kv_dim(), F = c.ffn;
-  t.unit_begin.push_back(0);
+  next_unit();
   add("model.embed_tokens.weight", {c.vocab, D}, 0, false);
   for (int l = 0; l < c.layers; l++) {
-    t.unit_begin.push_back(t.total);
+    next_unit();
     std::string p = "model.layers." + std::to_string(l) + ".";
     add(p + "input_layernorm.weight", {D}, l + 1, true);
     add(p + "self_attn.q_proj.weight", {D, D}, l + 1, false);
@@ -45,10 +49,10 @@ ParamTable Model::make_table(const ModelConfig& c) {
     add(p + "mlp.up_proj.weight", {F, D}, l + 1, false);
     add(p + "mlp.down_proj.weight", {D, F}, l + 1, false);
   }
-  t.unit_begin.push_back(t.total);
+  next_unit();
   add("model.norm.weight", {D}, c.layers + 1, true);
   add("lm_head.weight", {c.vocab, D}, c.layers + 1, false);
-  t.unit_begin.push_back(t.total);
+  next_unit();
   return t;
 }
 
@@ -93,24 +97,25 @@ struct LocalAttention : AttentionCore {
   }
 };
 
-Model::Model(const ModelConfig& c, Device d, DType dt, Recompute rc, StageSpec stage)
-    : cfg(c), dev(d), dtype(dt), recompute(rc), table(make_table(c)) {
+Model::Model(const ModelConfig& c, Device d, DType dt, Recompute rc, ModelLayout layout)
+    : cfg(c), dev(d), dtype(dt), recompute(rc), table(make_table(c, layout.align)) {
   if (c.dim % c.heads) config_error("--dim %d is not divisible by --heads %d", c.dim, c.heads);
   if (c.heads % c.kv_heads)
     config_error("--heads %d is not divisible by --kv-heads %d (GQA groups query heads per kv head)", c.heads,
                  c.kv_heads);
   if (c.head_dim() % 2) config_error("head dim %d must be even for RoPE", c.head_dim());
-  unit_begin = stage.unit_begin;
-  unit_end = stage.unit_end < 0 ? table.num_units() : stage.unit_end;
+  unit_begin = layout.unit_begin;
+  unit_end = layout.unit_end < 0 ? table.num_units() : layout.unit_end;
   local_begin = table.unit_begin[unit_begin];
   local_end = table.unit_begin[unit_end];
-  params = Tensor::empty({local_end - local_begin}, dtype, dev, Tag::Params);
-  grads = Tensor::zeros({local_end - local_begin}, DType::F32, dev, Tag::Grads);
   w_.resize(table.entries.size());
   g_.resize(table.entries.size());
+  // Zeroed so that the padding between units (ZeRO) is zero and stays zero.
+  if (layout.hold_params) params = Tensor::zeros({local_end - local_begin}, dtype, dev, Tag::Params);
+  if (layout.hold_grads) grads = Tensor::zeros({local_end - local_begin}, DType::F32, dev, Tag::Grads);
   for (int u = unit_begin; u < unit_end; u++) {
-    bind_unit(u, range(params, table.unit_begin[u], table.unit_begin[u + 1]));
-    bind_unit_grads(u, range(grads, table.unit_begin[u], table.unit_begin[u + 1]));
+    if (layout.hold_params) bind_unit(u, range(params, table.unit_begin[u], table.unit_begin[u + 1]));
+    if (layout.hold_grads) bind_unit_grads(u, range(grads, table.unit_begin[u], table.unit_begin[u + 1]));
   }
   emb_ = e_idx("model.embed_tokens.weight");
   normf_ = e_idx("model.norm.weight");
@@ -137,6 +142,11 @@ Tensor Model::range(const Tensor& flat, int64_t b, int64_t e) const {
 
 static void bind_views(std::vector<Tensor>& views, const ParamTable& t, int u, const Tensor& flat) {
   int64_t base = t.unit_begin[u];
+  if (!flat.defined()) {
+    for (size_t i = 0; i < t.entries.size(); i++)
+      if (t.entries[i].unit == u) views[i] = Tensor();
+    return;
+  }
   TS_CHECK(flat.numel() == t.unit_begin[u + 1] - base, "bind: unit %d needs %lld elements, got %lld", u,
            (long long)(t.unit_begin[u + 1] - base), (long long)flat.numel());
   for (size_t i = 0; i < t.entries.size(); i++) {
@@ -335,6 +345,7 @@ double Model::forward_backward(const Tensor& inputs, const Tensor& targets, int 
     hook(after_unit, l + 1);
   }
   hook(before_unit, L + 1);
+  hook(before_backward, L + 1);
   double loss;
   {
     TraceScope t("head fwd+bwd");
@@ -345,6 +356,7 @@ double Model::forward_backward(const Tensor& inputs, const Tensor& targets, int 
   hook(after_unit, L + 1);
   for (int l = L - 1; l >= 0; l--) {
     hook(before_unit, l + 1);
+    hook(before_backward, l + 1);
     {
       TraceScope t("bwd layer " + std::to_string(l));
       layer_backward(l, st, dx);
@@ -352,6 +364,7 @@ double Model::forward_backward(const Tensor& inputs, const Tensor& targets, int 
     hook(unit_grads_ready, l + 1);
     hook(after_unit, l + 1);
   }
+  hook(before_backward, 0);
   {
     TraceScope t("bwd embedding");
     embed_backward(st, dx);  // a scatter of dx: reads no weights, so no before/after_unit

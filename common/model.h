@@ -52,9 +52,12 @@ struct ParamTable {
   int num_units() const { return int(unit_begin.size()) - 1; }
 };
 
-// Which units this rank holds: everything by default; a pipeline stage holds a run of them.
-struct StageSpec {
-  int unit_begin = 0, unit_end = -1;  // [begin, end); -1 = through the head
+// How this rank lays out and holds the model.
+struct ModelLayout {
+  int unit_begin = 0, unit_end = -1;  // units held: [begin, end); -1 = through the head (pipeline stages)
+  int align = 1;            // every unit's range padded to a multiple of this (ZeRO shards units N ways)
+  bool hold_params = true;  // false under ZeRO-3: weights are bound unit by unit when gathered
+  bool hold_grads = true;   // false under ZeRO-2/3: gradient buffers are bound per unit in backward
 };
 
 // Saved activations of one decoder layer for one micro-batch (Tag::Activations).
@@ -92,11 +95,12 @@ struct AttentionCore {
 
 class Model {
  public:
-  Model(const ModelConfig& cfg, Device dev, DType compute, Recompute rc, StageSpec stage = {});
+  Model(const ModelConfig& cfg, Device dev, DType compute, Recompute rc, ModelLayout layout = {});
 
   // ----- parameters ------------------------------------------------------------------------
   // Builds the table for this configuration (pure function of the shapes; used by --dry-run).
-  static ParamTable make_table(const ModelConfig& cfg);
+  // align > 1 pads each unit's range to a multiple of align (the padding belongs to no tensor).
+  static ParamTable make_table(const ModelConfig& cfg, int align = 1);
   // Counter-based init of entry e into a fp32 tensor holding elements [elem0, elem0+n) of it.
   static void init_entry(const ParamEntry& e, uint64_t seed, const Tensor& dst, int64_t elem0);
   // Initialises the global range [b, e) of the flat parameters into dst (fp32, e - b elements).
@@ -115,7 +119,8 @@ class Model {
   Tensor params, grads;
   Tensor weight(int entry) const { return w_[entry]; }
   Tensor grad(int entry) const { return g_[entry]; }
-  // Points unit u's weight views at `flat`, a buffer holding exactly the unit's range.
+  // Points unit u's weight views at `flat`, a buffer holding exactly the unit's range
+  // (an undefined tensor unbinds them, releasing a gathered buffer).
   void bind_unit(int u, const Tensor& flat);
   // Points unit u's gradient views at `flat` (ZeRO-2/3 use per-unit gradient buffers).
   void bind_unit_grads(int u, const Tensor& flat);
@@ -124,6 +129,7 @@ class Model {
 
   // ----- hooks -------------------------------------------------------------------------------
   std::function<void(int unit)> before_unit;       // before a unit's weights are read
+  std::function<void(int unit)> before_backward;   // before a unit's gradients are written
   std::function<void(int unit)> unit_grads_ready;  // after a unit's gradients are complete
   std::function<void(int unit)> after_unit;        // after a unit's forward/backward has used its weights
   std::function<void()> after_forward;             // loss computed, backward not yet started

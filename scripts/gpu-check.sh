@@ -8,14 +8,14 @@
 # For a machine with nvcc but without the Debian packages and without a mirror: carry .debs/
 # (scripts/fetch-gpu-debs.sh); they are unpacked with dpkg -x into /tmp/debroot, no install.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 START=$(date +%s)
 BUDGET=${GPU_CHECK_BUDGET:-470}  # seconds for everything, a margin under 8 minutes
 BUILD=build-gpu
 LOG=${OUT:-$BUILD/gpu-check}
 mkdir -p "$LOG" "$BUILD"
 JOBS=$(nproc)
-MAKEVARS=(BUILD=$BUILD CUDA=1 CUDA_ARCH=90)
+MAKEVARS=("BUILD=$BUILD" CUDA=1 CUDA_ARCH=90)
 rows=()
 
 left() { echo $((BUDGET - ($(date +%s) - START))); }
@@ -48,8 +48,9 @@ detail() {
   local f="$LOG/$1.log"
   case $1 in
     tests) tail -n 1 "$f" ;;
+    build) grep -E 'error:|\*\*\*' "$f" | head -n 1 | cut -c1-110 ;;
     cuda_twins) grep -E '^(All tests passed|test cases:)|no GPU visible' "$f" | head -n 1 ;;
-    01_*) grep -iE '^ *step' "$f" | tail -n 1 | cut -c1-110 ;;
+    01_*) grep -E '^step +[0-9]+ \|' "$f" | tail -n 1 | cut -c1-120 ;;
     *) grep -iE 'error|fail' "$f" | head -n 1 | cut -c1-110 ;;
   esac
 }
@@ -69,7 +70,7 @@ setup_deps() {
     export CPATH=$R/usr/include:$R/usr/include/x86_64-linux-gnu/openblas-pthread${CPATH:+:$CPATH}
     # The mpicxx wrapper would print the packaged paths: name the unpacked ones instead.
     MAKEVARS+=("MPI_INC=-I$R/usr/include/x86_64-linux-gnu/mpich" "MPI_LIB=-L$L -lmpichcxx -lmpich")
-    echo "unpacked $(ls .debs/*.deb | wc -l) packages into $R"
+    echo "unpacked .debs/ into $R"
   else
     echo "no .debs/: using the system's mpich, OpenBLAS and Catch2"
   fi
@@ -90,25 +91,17 @@ setup_deps() {
       echo "warning: no nccl.h found"
     fi
   fi
+  [ -e "$cuda_home/lib64/libcublas.so" ] || echo "warning: no libcublas.so in $cuda_home/lib64"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   nvcc --version | tail -n 2
 }
 
 # ----- the steps ---------------------------------------------------------------------------------
+setup_deps >"$LOG/deps.log" 2>&1 || rows+=("deps|FAIL|0|see $LOG/deps.log")
 tests_bins=$(for f in tests/test_*.cpp; do echo "$BUILD/tests/$(basename "$f" .cpp)"; done)
-
-build() {
-  setup_deps || return 1
-  make -j"$JOBS" "${MAKEVARS[@]}" all $tests_bins
-}
-
-# The same environment for the steps after the build: setup_deps exported it in a subshell.
-run build 240 bash -c "$(declare -f setup_deps build); MAKEVARS=(${MAKEVARS[*]}); tests_bins='$tests_bins'; \
-  BUILD=$BUILD JOBS=$JOBS build; rc=\$?; declare -p PATH LD_LIBRARY_PATH LIBRARY_PATH CPATH 2>/dev/null \
-  | sed 's/^declare -x/export/' >$BUILD/gpu-env.sh; exit \$rc"
+# shellcheck disable=SC2086
+run build 240 make -j"$JOBS" "${MAKEVARS[@]}" all $tests_bins
 built=$?
-# shellcheck disable=SC1091
-[ -f $BUILD/gpu-env.sh ] && . $BUILD/gpu-env.sh
 
 if [ $built -eq 0 ]; then
   export OMP_NUM_THREADS=4

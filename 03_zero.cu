@@ -1,0 +1,368 @@
+// 03_zero.cu — ZeRO: data parallelism that shards what every DP rank would otherwise replicate.
+//
+// The playbook's ZeRO chapter, all three stages over --dp N ranks:
+//   --zero 1  optimizer states (and the fp32 master weights under bf16) sharded: gradients are
+//             reduce-scattered after backward, each rank updates its shard, and the updated
+//             weights are all-gathered;
+//   --zero 2  gradients sharded too: each unit's gradients are reduce-scattered during backward
+//             as soon as they are complete (overlapped with the units below), so the full
+//             gradient buffer is never held;
+//   --zero 3  weights sharded too (FSDP-style): a unit's weights are all-gathered just before
+//             its forward and again before its backward and dropped after use; --prefetch 1
+//             gathers the next unit while the current one computes.
+//
+// Sharding is per unit (embedding, each layer, the head), FSDP-style: a unit's range of the flat
+// buffers, padded to a multiple of N, splits into N equal chunks and rank r owns chunk r of every
+// unit. Each unit is then one reduce-scatter and one all-gather with no re-layout.
+//
+//   mpirun -np 4 ./build/03_zero --dp 4 --zero 3 --batch 16 --steps 100
+#include <algorithm>
+#include <cmath>
+
+#include "checkpoint.h"
+#include "comm.h"
+#include "data.h"
+#include "mesh.h"
+#include "model.h"
+#include "trace.h"
+#include "train.h"
+
+using namespace ts;
+
+static const char* kDoc =
+    "03_zero: ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP-style, with prefetch) over data-parallel ranks.\n"
+    "usage: mpirun -np N 03_zero --dp N --zero 1|2|3 [flags]";
+
+// ----- the shard layout ----------------------------------------------------------------------------
+
+// Rank r's chunk of unit u: [begin(u), begin(u) + size(u)) of the (padded) flat buffers.
+struct Shards {
+  const ParamTable& t;
+  int n, r;
+  int64_t size(int u) const { return (t.unit_begin[u + 1] - t.unit_begin[u]) / n; }
+  int64_t begin(int u) const { return t.unit_begin[u] + r * size(u); }
+  int64_t unit_size(int u) const { return t.unit_begin[u + 1] - t.unit_begin[u]; }
+  // Where unit u's chunk sits in this rank's shard buffers (chunks of all units, in order).
+  int64_t local(int u) const {
+    int64_t o = 0;
+    for (int v = 0; v < u; v++) o += size(v);
+    return o;
+  }
+  int64_t total() const { return t.total / n; }
+};
+
+// ----- ZeRO -----------------------------------------------------------------------------------------
+
+class Zero {
+ public:
+  Zero(Model& m, Comm& dp, int stage, bool prefetch, const RunConfig& rc)
+      : m_(m), dp_(dp), stage_(stage), prefetch_(prefetch), sh_{m.table, dp.size(), dp.rank()} {
+    const int U = m.table.num_units();
+    for (int u = 0; u < U; u++) opt_.emplace_back(m, sh_.begin(u), sh_.begin(u) + sh_.size(u), rc.master_weights);
+    if (stage_ >= 2) grad_shard_ = Tensor::zeros({sh_.total()}, DType::F32, m.dev, Tag::Grads);
+    if (stage_ == 3) {
+      param_shard_ = Tensor::zeros({sh_.total()}, m.dtype, m.dev, Tag::Params);
+      gathered_.resize(U);
+      m.before_unit = [this](int u) { gather_for_use(u); };
+      m.after_unit = [this](int u) { release(u); };
+    }
+    if (stage_ >= 2) {
+      m.before_backward = [this](int u) { new_unit_grads(u); };
+      m.unit_grads_ready = [this](int u) { reduce_scatter_unit(u); };
+    }
+  }
+
+  // This rank's chunk of unit u of the weights (compute dtype) and of the gradients (fp32).
+  Tensor weights(int u) const {
+    return stage_ == 3 ? param_shard_.view(sh_.local(u), {sh_.size(u)}) : m_.params.view(sh_.begin(u), {sh_.size(u)});
+  }
+  Tensor grads(int u) const {
+    return stage_ >= 2 ? grad_shard_.view(sh_.local(u), {sh_.size(u)}) : m_.grads.view(sh_.begin(u), {sh_.size(u)});
+  }
+  AdamW& opt(int u) { return opt_[size_t(u)]; }
+  int units() const { return m_.table.num_units(); }
+
+  // Stages 1 and 2 keep full weights: fill the other ranks' chunks after init or resume.
+  void all_gather_weights() {
+    if (stage_ == 3) return;
+    TraceScope t("all_gather weights", Lane::Comm);
+    for (int u = 0; u < units(); u++) dp_.all_gather(unit_view(m_.params, u), weights(u));
+  }
+
+  void begin_step() {
+    if (stage_ >= 2) zero(grad_shard_);
+    else zero(m_.grads);
+  }
+  void begin_microbatch() { use_pos_ = 0; }
+
+  // After the micro-batch's backward: stage 1 reduce-scatters now (only after the last
+  // micro-batch: the full gradient buffer accumulates them), stages 2/3 finish the last unit.
+  void end_microbatch(bool last) {
+    if (stage_ >= 2) {
+      finish_pending();
+    } else if (last) {
+      TraceScope t("reduce_scatter gradients", Lane::Comm);
+      for (int u = 0; u < units(); u++) dp_.reduce_scatter(grads(u), unit_view(m_.grads, u));
+    }
+  }
+
+  // Clipping over sharded gradients is exact: each rank sums the squares of its chunks, and one
+  // all-reduce of that scalar (8 bytes, a metric outside the counted collectives) gives the norm.
+  double grad_norm() {
+    double mine = 0, all = 0;
+    for (int u = 0; u < units(); u++) mine += sum_squares(grads(u));
+    MPI_Allreduce(&mine, &all, 1, MPI_DOUBLE, MPI_SUM, dp_.mpi());
+    return std::sqrt(all);
+  }
+
+  // Each rank updates its chunks; stages 1/2 then all-gather the updated weights.
+  void optimizer_step(const RunConfig& rc, long step, double norm) {
+    const float clip = clip_coefficient(norm, rc.clip);
+    for (int u = 0; u < units(); u++) opt_[size_t(u)].step(m_, weights(u), grads(u), lr_at(rc, step), step + 1, clip, rc);
+    all_gather_weights();
+  }
+
+ private:
+  Tensor unit_view(const Tensor& flat, int u) const { return flat.view(m_.table.unit_begin[u], {sh_.unit_size(u)}); }
+
+  // ---- stages 2 and 3: per-unit gradient buffers, reduce-scattered as soon as complete -------
+  struct PendingGrad {
+    int u = -1;
+    Tensor full, chunk;
+    Work work;
+  };
+  void new_unit_grads(int u) {
+    unit_grads_ = Tensor::zeros({sh_.unit_size(u)}, DType::F32, m_.dev, Tag::Grads);
+    m_.bind_unit_grads(u, unit_grads_);
+  }
+  void reduce_scatter_unit(int u) {
+    finish_pending();  // the unit above: at most two unit buffers live at once
+    pending_.u = u;
+    pending_.full = unit_grads_;
+    unit_grads_ = Tensor();
+    m_.bind_unit_grads(u, Tensor());
+    pending_.chunk = Tensor::empty({sh_.size(u)}, DType::F32, m_.dev, Tag::Comm);
+    pending_.work = dp_.reduce_scatter_async(pending_.chunk, pending_.full);
+    pending_start_ = Trace::get().now_us();
+  }
+  void finish_pending() {
+    if (pending_.u < 0) return;
+    pending_.work.wait();
+    Trace::get().add("reduce_scatter unit " + std::to_string(pending_.u), Lane::Comm, pending_start_,
+                     Trace::get().now_us() - pending_start_);
+    add_inplace(grads(pending_.u), pending_.chunk);  // accumulate over micro-batches
+    pending_ = PendingGrad();
+  }
+
+  // ---- stage 3: gather a unit's weights before use, prefetch the next, drop after use ------
+  struct Gathered {
+    Tensor full;
+    Work work;
+    bool in_flight = false;
+    double start = 0;
+  };
+  // The order in which a micro-batch reads unit weights: forward 0..L+1 (the head runs its
+  // backward at once), then the layers' backward L..1 (the embedding's backward reads none).
+  int use_sequence(int pos) const {
+    const int L = m_.cfg.layers;
+    if (pos <= L + 1) return pos;
+    int u = 2 * (L + 1) - pos;
+    return u >= 1 ? u : -1;
+  }
+  void start_gather(int u) {
+    Gathered& g = gathered_[size_t(u)];
+    if (g.full.defined()) return;
+    g.full = Tensor::empty({sh_.unit_size(u)}, m_.dtype, m_.dev, Tag::Params);
+    g.work = dp_.all_gather_async(g.full, weights(u));
+    g.in_flight = true;
+    g.start = Trace::get().now_us();
+  }
+  void gather_for_use(int u) {
+    TS_CHECK(use_sequence(use_pos_) == u, "ZeRO-3: unit %d used out of the expected order", u);
+    start_gather(u);
+    Gathered& g = gathered_[size_t(u)];
+    if (g.in_flight) {
+      g.work.wait();
+      g.in_flight = false;
+      Trace::get().add("all_gather unit " + std::to_string(u), Lane::Comm, g.start, Trace::get().now_us() - g.start);
+    }
+    m_.bind_unit(u, g.full);
+    const int next = use_sequence(++use_pos_);
+    if (prefetch_ && next >= 0) start_gather(next);
+  }
+  void release(int u) {
+    m_.bind_unit(u, Tensor());
+    gathered_[size_t(u)] = Gathered();
+  }
+
+  Model& m_;
+  Comm& dp_;
+  int stage_;
+  bool prefetch_;
+  Shards sh_;
+  std::vector<AdamW> opt_;
+  Tensor grad_shard_, param_shard_;
+  Tensor unit_grads_;  // the unit whose backward is running
+  PendingGrad pending_;
+  double pending_start_ = 0;
+  std::vector<Gathered> gathered_;
+  int use_pos_ = 0;
+};
+
+// ----- one optimizer step ----------------------------------------------------------------------------
+
+static StepResult train_step(Model& model, Zero& zero, const TokenData& data, const RunConfig& rc, const Mesh& mesh,
+                             long step) {
+  const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
+  const int first_seq = mesh.dp_rank * local;
+  zero.begin_step();
+  double loss_sum = 0;
+  for (int s0 = 0; s0 < local; s0 += mb) {
+    zero.begin_microbatch();
+    MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
+    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+    zero.end_microbatch(s0 + mb == local);
+  }
+  double global = 0;
+  MPI_Allreduce(&loss_sum, &global, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+  const double norm = zero.grad_norm();
+  zero.optimizer_step(rc, step, norm);
+  return {global / (double(rc.batch) * T), norm};
+}
+
+// ----- predict: memory and communication per rank (notes/03 derives each line) ---------------------
+
+struct ZeroPlan {
+  int stage, n, micro_batches;
+  bool prefetch;
+  ParamTable table;  // padded per unit to a multiple of n
+};
+
+static MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
+  const double e = double(dtype_size(rc.dtype)), P = double(p.table.total), S = P / p.n;
+  const double master = rc.dtype != DType::F32 && rc.master_weights ? 4.0 : 0.0;
+  const int U = p.table.num_units();
+  auto unit = [&](int u) { return double(p.table.unit_begin[u + 1] - p.table.unit_begin[u]); };
+  double pair = 0, largest = 0;  // the largest two consecutive units, and the largest unit
+  for (int u = 0; u < U; u++) {
+    largest = std::max(largest, unit(u));
+    if (u + 1 < U) pair = std::max(pair, unit(u) + unit(u + 1));
+  }
+  MemoryPrediction m;
+  m.optimizer = (8.0 + master) * S;                               // Adam m, v (+ master): 12Ψ/N_d in bf16
+  m.grads = p.stage == 1 ? 4.0 * P : 4.0 * (S + pair);           // stage 2/3: shard + two unit buffers in flight
+  m.params = p.stage < 3 ? e * P : e * (S + (p.prefetch ? pair : largest));  // stage 3: shard + gathered units
+  m.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);
+  return m;
+}
+
+// Wire bytes per rank per step, ring algorithm: reduce-scatter and all-gather each (N-1)/N·K.
+static std::map<std::string, double> predict_comm(const RunConfig& rc, const ZeroPlan& p) {
+  const double f = double(p.n - 1) / p.n, e = double(dtype_size(rc.dtype)), P = double(p.table.total);
+  const int L = rc.model.layers;
+  const double layers = double(p.table.unit_begin[L + 1] - p.table.unit_begin[1]);
+  std::map<std::string, double> c;
+  // Stage 1 reduces the accumulated gradients once; stages 2/3 hold no full buffer to
+  // accumulate in, so every micro-batch is reduce-scattered.
+  c["reduce_scatter"] = f * 4.0 * P * (p.stage == 1 ? 1 : p.micro_batches);
+  // Stages 1/2 gather the updated weights once; stage 3 gathers every unit for the forward and
+  // the layers again for the backward, per micro-batch: ≈ 2Ψ + Ψ (reduce-scatter) = the playbook's 3Ψ.
+  c["all_gather"] = p.stage < 3 ? f * e * P : f * e * (P + layers) * p.micro_batches;
+  return c;
+}
+
+static Json comm_report(RunLog& log, Comm& dp, long steps, const std::map<std::string, double>& pred) {
+  Json group = Json::object();
+  for (auto& [op, s] : dp.stats()) {
+    Json o = Json::object();
+    o["calls"] = double(s.calls) / double(steps);
+    o["bytes"] = s.wire_bytes / double(steps);
+    o["payload_bytes"] = s.payload_bytes / double(steps);
+    double p = pred.count(op) ? pred.at(op) : 0.0;
+    o["predicted"] = p;
+    log.line("comm %s %-14s per step: %6.1f calls, %12s sent per rank, predicted %12s", dp.name().c_str(), op.c_str(),
+             double(s.calls) / double(steps), human_bytes(s.wire_bytes / double(steps)).c_str(), human_bytes(p).c_str());
+    group[op] = std::move(o);
+  }
+  Json c = Json::object();
+  c[dp.name()] = std::move(group);
+  return c;
+}
+
+static void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
+  const MemoryPrediction m = predict_memory(rc, p);
+  const int64_t psi = param_count(rc.model);
+  log.line("ZeRO-%d over %d ranks: Ψ = %lld parameters, padded per unit to %lld (%lld padding)", p.stage, p.n,
+           (long long)psi, (long long)p.table.total, (long long)(p.table.total - psi));
+  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s (micro-batch %d)",
+           human_bytes(m.params).c_str(), human_bytes(m.grads).c_str(), human_bytes(m.optimizer).c_str(),
+           human_bytes(m.activations).c_str(), rc.micro_batch);
+  for (auto& [op, b] : predict_comm(rc, p)) log.line("per-rank %s per step: %s", op.c_str(), human_bytes(b).c_str());
+}
+
+// ----- main ---------------------------------------------------------------------------------------------
+
+int main(int argc, char** argv) {
+  comm_init(&argc, &argv);
+  Args args(argc, argv, kDoc);
+  RunConfig rc = parse_run_config(args);
+  MeshConfig mc;
+  mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
+  const int stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
+  const bool prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
+  args.finish();
+  if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
+  if (mc.dp < 1) config_error("--dp must be >= 1");
+  if (rc.micro_batch == 0) rc.micro_batch = rc.batch / mc.dp;
+  if (rc.micro_batch < 1 || rc.batch % (mc.dp * rc.micro_batch))
+    config_error("--batch %d is not divisible by dp × micro-batch = %d × %d", rc.batch, mc.dp, rc.micro_batch);
+  set_comm_timeout(rc.timeout);
+  RunLog log(rc, Device::CPU);
+  ZeroPlan plan{stage, mc.dp, rc.batch / mc.dp / rc.micro_batch, prefetch, Model::make_table(rc.model, mc.dp)};
+  if (rc.dry_run) {
+    print_plan(log, rc, plan);
+    comm_finalize();
+    return 0;
+  }
+
+  const Device dev = parse_device(rc.device);
+  Mesh mesh = make_mesh(mc, dev);  // validates world == dp before any collective
+  if (dev == Device::CPU) check_blas_setup();
+  TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
+  log.line("device: %s | data: %s", device_description(dev).c_str(), data.description.c_str());
+  print_plan(log, rc, plan);
+
+  ModelLayout layout;
+  layout.align = mc.dp;
+  layout.hold_params = stage < 3;
+  layout.hold_grads = stage < 2;
+  Model model(rc.model, dev, rc.dtype, rc.recompute, layout);
+  Zero zero(model, mesh.dp(), stage, prefetch, rc);
+  long first = 0;
+  for (int u = 0; u < zero.units(); u++) {
+    const AdamW& o = zero.opt(u);
+    first = init_or_resume(model, zero.opt(u), rc, o.begin, o.end, zero.weights(u));
+  }
+  zero.all_gather_weights();
+  mesh.dp().reset_stats();  // count the training steps only
+
+  Loop loop;
+  loop.predicted = predict_memory(rc, plan);
+  loop.step = [&](long step) { return train_step(model, zero, data, rc, mesh, step); };
+  loop.save = [&](long step) {
+    // Every rank writes its chunks: the checkpoint does not depend on dp or the stage.
+    std::vector<CheckpointSlice> mine;
+    for (int u = 0; u < zero.units(); u++) {
+      const AdamW& o = zero.opt(u);
+      mine.push_back({o.begin, o.end, weights_f32(zero.weights(u), o), &o});
+    }
+    Json m = Json::object();
+    m["dp"] = mc.dp;
+    m["zero"] = stage;
+    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
+  };
+  loop.comm = [&] { return comm_report(log, mesh.dp(), std::max(1L, rc.steps - first), predict_comm(rc, plan)); };
+  train_loop(rc, dev, log, data, first, loop);
+  comm_finalize();
+  return 0;
+}
