@@ -263,11 +263,16 @@ void rmsnorm_backward_cpu(T* dx, float* dw, const T* dy, const T* x, const float
   const int64_t nblocks = (D + kCols - 1) / kCols;
 #pragma omp parallel for schedule(static)
   for (int64_t blk = 0; blk < nblocks; blk++) {
-    const int64_t c0 = blk * kCols, c1 = std::min(D, c0 + kCols);
+    const int64_t c0 = blk * kCols, nc = std::min(D - c0, kCols);
+    float acc[kCols];  // dw's columns stay in registers across the rows
+    std::copy(dw + c0, dw + c0 + nc, acc);
     for (int64_t n = 0; n < N; n++) {
       const float r = rstd[n];
-      for (int64_t d = c0; d < c1; d++) dw[d] += ld(dy[n * D + d]) * (ld(x[n * D + d]) * r);
+      const T* __restrict dyr = dy + n * D + c0;
+      const T* __restrict xr = x + n * D + c0;
+      for (int64_t d = 0; d < nc; d++) acc[d] += ld(dyr[d]) * (ld(xr[d]) * r);
     }
+    std::copy(acc, acc + nc, dw + c0);
   }
 }
 
