@@ -35,7 +35,7 @@ endif
 
 # The CPU kernels rely on the compiler's vectoriser; binaries are built where they run.
 CPU_ARCH ?= -march=native
-HOST_FLAGS := -O3 $(CPU_ARCH) -fopenmp -Wall -Wno-unknown-pragmas
+HOST_FLAGS := -O3 $(CPU_ARCH) -fno-math-errno -fopenmp -Wall -Wno-unknown-pragmas
 CPPFLAGS := -Icommon $(MPI_INC)
 LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
 

@@ -17,6 +17,7 @@
 #include <limits>
 
 #include "rng.h"
+#include "trace.h"
 #ifdef TS_CUDA
 #include "kernels_cuda.h"
 #endif
@@ -84,7 +85,8 @@ Tensor workspace(int64_t n) { return Tensor::empty({n}, DType::F32, Device::CPU,
 // ===== shared numerics ==========================================================================
 
 // exp(x) in plain float arithmetic (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial,
-// ~1 ulp) so that softmax loops vectorise; results below FLT_MIN flush to 0, so exp(-inf) = 0.
+// ~1 ulp) so that softmax loops vectorise. x below about -87.7 (results under FLT_MIN) gives 0,
+// so exp(-inf) = 0; x is clamped at 88 above.
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -88.0f), 88.0f);
   float t = x * 1.44269504088896341f + 12582912.0f;  // 1.5 * 2^23: rounds x*log2(e) to an integer
@@ -696,6 +698,7 @@ void check_numel(const char* op, const char* name, const Tensor& t, int64_t n, D
 // ===== public ops ===============================================================================
 
 void add(const Tensor& y, const Tensor& a, const Tensor& b) {
+  TS_PROFILE_OP("add", y);
   check_float("add", "y", y);
   check_like("add", "a", a, y, "y");
   check_like("add", "b", b, y, "y");
@@ -707,6 +710,7 @@ void add(const Tensor& y, const Tensor& a, const Tensor& b) {
 }
 
 void add_inplace(const Tensor& y, const Tensor& x) {
+  TS_PROFILE_OP("add_inplace", y);
   check_float("add_inplace", "y", y);
   check_like("add_inplace", "x", x, y, "y");
   if (common_device("add_inplace", {&y, &x}) == Device::CUDA) return CUDA_TWIN(add_inplace(y, x));
@@ -717,6 +721,7 @@ void add_inplace(const Tensor& y, const Tensor& x) {
 }
 
 void scale_inplace(const Tensor& y, float s) {
+  TS_PROFILE_OP("scale_inplace", y);
   check_float("scale_inplace", "y", y);
   if (y.device() == Device::CUDA) return CUDA_TWIN(scale_inplace(y, s));
   by_dtype(y.dtype, [&](auto t) {
@@ -726,6 +731,7 @@ void scale_inplace(const Tensor& y, float s) {
 }
 
 void convert(const Tensor& dst, const Tensor& src) {
+  TS_PROFILE_OP("convert", dst);
   check_float("convert", "dst", dst);
   check_float("convert", "src", src);
   TS_CHECK(dst.numel() == src.numel(), "convert: %s <- %s: element counts differ", dst.str().c_str(),
@@ -739,18 +745,21 @@ void convert(const Tensor& dst, const Tensor& src) {
 }
 
 void fill(const Tensor& t, float value) {
+  TS_PROFILE_OP("fill", t);
   check_float("fill", "t", t);
   if (t.device() == Device::CUDA) return CUDA_TWIN(fill(t, value));
   by_dtype(t.dtype, [&](auto tag) { fill_cpu(t.data<decltype(tag)>(), value, t.numel()); });
 }
 
 void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& tokens, int64_t vocab_start) {
+  TS_PROFILE_OP("embedding_forward", out);
   const char* op = "embedding_forward";
   check_float(op, "table", table);
   TS_CHECK(table.dim() == 2, "%s: table must be [V, D], got %s", op, table.str().c_str());
   check_dtype(op, "tokens", tokens, DType::I32);
   const int64_t V = table.size(0), D = table.size(1), N = tokens.numel();
-  check_shape(op, "out", out, {N, D});
+  TS_CHECK(rows_of(op, "out", out, D) == N, "%s: out %s must hold one row per token (%lld tokens)", op,
+           out.str().c_str(), (long long)N);
   check_same_dtype(op, out, "out", table, "table");
   if (common_device(op, {&out, &table, &tokens}) == Device::CUDA)
     return CUDA_TWIN(embedding_forward(out, table, tokens, vocab_start));
@@ -761,14 +770,15 @@ void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& tok
 }
 
 void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& tokens, int64_t vocab_start) {
+  TS_PROFILE_OP("embedding_backward", dtable);
   const char* op = "embedding_backward";
   check_dtype(op, "dtable", dtable, DType::F32);
   TS_CHECK(dtable.dim() == 2, "%s: dtable must be [V, D], got %s", op, dtable.str().c_str());
   check_dtype(op, "tokens", tokens, DType::I32);
   const int64_t V = dtable.size(0), D = dtable.size(1), N = tokens.numel();
   check_float(op, "dout", dout);
-  TS_CHECK(dout.shape == std::vector<int64_t>({N, D}), "%s: dout must be [%lld, %lld], got %s", op,
-           (long long)N, (long long)D, dout.str().c_str());
+  TS_CHECK(rows_of(op, "dout", dout, D) == N, "%s: dout %s must hold one row per token (%lld tokens)", op,
+           dout.str().c_str(), (long long)N);
   if (common_device(op, {&dtable, &dout, &tokens}) == Device::CUDA)
     return CUDA_TWIN(embedding_backward(dtable, dout, tokens, vocab_start));
   by_dtype(dout.dtype, [&](auto t) {
@@ -778,6 +788,7 @@ void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& 
 }
 
 void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const Tensor& w, float eps) {
+  TS_PROFILE_OP("rmsnorm_forward", y);
   const char* op = "rmsnorm_forward";
   check_float(op, "x", x);
   check_dtype(op, "w", w, DType::F32);
@@ -794,6 +805,7 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
 
 void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& w,
                       const Tensor& rstd) {
+  TS_PROFILE_OP("rmsnorm_backward", dx);
   const char* op = "rmsnorm_backward";
   check_float(op, "x", x);
   check_dtype(op, "w", w, DType::F32);
@@ -823,6 +835,7 @@ void check_rope(const char* op, const Tensor& x, const Tensor& pos) {
 }  // namespace
 
 void rope_forward(const Tensor& x, const Tensor& pos, float theta) {
+  TS_PROFILE_OP("rope_forward", x);
   check_rope("rope_forward", x, pos);
   if (common_device("rope_forward", {&x, &pos}) == Device::CUDA) return CUDA_TWIN(rope_forward(x, pos, theta));
   by_dtype(x.dtype, [&](auto t) {
@@ -831,6 +844,7 @@ void rope_forward(const Tensor& x, const Tensor& pos, float theta) {
 }
 
 void rope_backward(const Tensor& dx, const Tensor& pos, float theta) {
+  TS_PROFILE_OP("rope_backward", dx);
   check_rope("rope_backward", dx, pos);
   if (common_device("rope_backward", {&dx, &pos}) == Device::CUDA) return CUDA_TWIN(rope_backward(dx, pos, theta));
   by_dtype(dx.dtype, [&](auto t) {
@@ -839,6 +853,7 @@ void rope_backward(const Tensor& dx, const Tensor& pos, float theta) {
 }
 
 void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool transB, float alpha, float beta) {
+  TS_PROFILE_OP("matmul", C);
   const char* op = "matmul";
   check_float(op, "A", A);
   check_same_dtype(op, A, "A", B, "B");
@@ -857,10 +872,14 @@ void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool
   matmul_cpu(C, A, transA, B, transB, alpha, beta, M, N, K);
 }
 
-void linear_forward(const Tensor& y, const Tensor& x, const Tensor& W) { matmul(y, x, false, W, true); }
+void linear_forward(const Tensor& y, const Tensor& x, const Tensor& W) {
+  TS_PROFILE_OP("linear_forward", x);
+  matmul(y, x, false, W, true);
+}
 
 void linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                      bool accumulate_dx) {
+  TS_PROFILE_OP("linear_backward", dy);
   if (dx.defined()) matmul(dx, dy, false, W, false, 1.0f, accumulate_dx ? 1.0f : 0.0f);  // dx = dy W
   if (dW.defined()) {
     check_dtype("linear_backward", "dW", dW, DType::F32);
@@ -893,6 +912,7 @@ AttnShape check_attention(const char* op, const Tensor& out, const Tensor& lse, 
 
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                        const Tensor& qpos, const Tensor& kpos) {
+  TS_PROFILE_OP("attention_forward", out);
   const char* op = "attention_forward";
   const AttnShape a = check_attention(op, out, lse, q, k, v, qpos, kpos);
   if (common_device(op, {&out, &lse, &q, &k, &v, &qpos, &kpos}) == Device::CUDA)
@@ -907,6 +927,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
                         const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos,
                         const Tensor& kpos) {
+  TS_PROFILE_OP("attention_backward", dq);
   const char* op = "attention_backward";
   const AttnShape a = check_attention(op, out, lse, q, k, v, qpos, kpos);
   check_like(op, "dq", dq, q, "q");
@@ -923,6 +944,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
 }
 
 void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u) {
+  TS_PROFILE_OP("swiglu_forward", h);
   const char* op = "swiglu_forward";
   check_float(op, "g", g);
   check_like(op, "u", u, g, "g");
@@ -935,6 +957,7 @@ void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u) {
 }
 
 void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const Tensor& g, const Tensor& u) {
+  TS_PROFILE_OP("swiglu_backward", dg);
   const char* op = "swiglu_backward";
   check_float(op, "g", g);
   check_like(op, "u", u, g, "g");
@@ -950,6 +973,7 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
 
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, float grad_scale) {
+  TS_PROFILE_OP("cross_entropy_forward_backward", losses);
   const char* op = "cross_entropy_forward_backward";
   check_float(op, "logits", logits);
   TS_CHECK(logits.dim() >= 1, "%s: logits must be [N, V], got %s", op, logits.str().c_str());
@@ -971,6 +995,7 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p,
                 bool decay, float grad_scale, const Tensor& param_copy) {
+  TS_PROFILE_OP("adamw_step", param);
   const char* op = "adamw_step";
   check_dtype(op, "param", param, DType::F32);
   const int64_t n = param.numel();
@@ -989,6 +1014,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
 }
 
 double sum_squares(const Tensor& x) {
+  TS_PROFILE_OP("sum_squares", x);
   check_dtype("sum_squares", "x", x, DType::F32);
 #ifdef TS_CUDA
   if (x.device() == Device::CUDA) return cuda::sum_squares(x);
@@ -997,6 +1023,7 @@ double sum_squares(const Tensor& x) {
 }
 
 void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t col0, int64_t global_cols) {
+  TS_PROFILE_OP("init_normal", t);
   const char* op = "init_normal";
   check_dtype(op, "t", t, DType::F32);
   TS_CHECK(t.dim() == 1 || t.dim() == 2, "%s: t must be 1-D or 2-D, got %s", op, t.str().c_str());

@@ -445,6 +445,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   std::vector<double> tps;
   double last_loss = NAN;
   if (!rc.trace.empty()) Trace::get().enable();
+  ProfileScope::reset();
   for (long step = first; step < rc.steps; step++) {
     set_current_step(step);
     auto t0 = std::chrono::steady_clock::now();
@@ -476,6 +477,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   if (loop.extra) loop.extra(summary);
   log.summary(summary);
   if (!rc.trace.empty()) Trace::get().write(rc.trace);
+  ProfileScope::print();
 }
 
 }  // namespace ts

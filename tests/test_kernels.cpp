@@ -344,6 +344,10 @@ TEST_CASE("embedding forward gathers rows, zeros outside the vocab shard", "[emb
       const float want = row >= 0 && row < V ? table[row * D + d] : 0.0f;
       REQUIRE(got[n * D + d] == want);
     }
+  // [B, S] tokens into [B, S, D] activations: the same rows.
+  Tensor out3 = Tensor::empty({1, 7, D}, DType::F32, Device::CPU, Tag::Activations);
+  embedding_forward(out3, make({V, D}, table), ints(tok).reshape({1, 7}), vstart);
+  REQUIRE(bitwise_equal(host(out3), got));
 }
 
 TEST_CASE("embedding backward accumulates in token order into fp32", "[embedding]") {
