@@ -143,27 +143,10 @@ static MemoryPrediction predict_memory(const RunConfig& rc) {
   return p;
 }
 
-// Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank.
+// Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank
+// (the same in naive and bucketed mode: bucketing changes when, not how much).
 static double predict_allreduce_bytes(const RunConfig& rc, int dp) {
   return 2.0 * (dp - 1) / dp * 4.0 * double(param_count(rc.model));
-}
-
-static Json comm_report(RunLog& log, Comm& dp, long steps, double predicted) {
-  Json group = Json::object();
-  for (auto& [op, s] : dp.stats()) {
-    Json o = Json::object();
-    o["calls"] = double(s.calls) / double(steps);
-    o["bytes"] = s.wire_bytes / double(steps);
-    o["payload_bytes"] = s.payload_bytes / double(steps);
-    if (op == "all_reduce") o["predicted"] = predicted;
-    log.line("comm %s %s per step: %.1f calls, %s sent per rank (predicted 2(N-1)/N·4Ψ = %s)", dp.name().c_str(),
-             op.c_str(), double(s.calls) / double(steps), human_bytes(s.wire_bytes / double(steps)).c_str(),
-             human_bytes(op == "all_reduce" ? predicted : 0).c_str());
-    group[op] = std::move(o);
-  }
-  Json c = Json::object();
-  c[dp.name()] = std::move(group);
-  return c;
 }
 
 // ----- main ---------------------------------------------------------------------------------------------
@@ -177,8 +160,10 @@ int main(int argc, char** argv) {
   const std::string mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
   const double bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)");
   args.finish();
+  if (mc.dp < 1) config_error("--dp must be >= 1 (got %d)", mc.dp);
   if (mode != "naive" && mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", mode.c_str());
   if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
+  if (rc.batch % mc.dp) config_error("--batch %d is not divisible by --dp %d", rc.batch, mc.dp);
   if (rc.micro_batch == 0) rc.micro_batch = rc.batch / std::max(1, mc.dp);
   if (rc.batch % (mc.dp * rc.micro_batch))
     config_error("--batch %d is not divisible by dp × micro-batch = %d × %d", rc.batch, mc.dp, rc.micro_batch);
@@ -219,7 +204,9 @@ int main(int argc, char** argv) {
     m["dp"] = mc.dp;
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
   };
-  loop.comm = [&] { return comm_report(log, mesh.dp(), std::max(1L, rc.steps - first), predict_allreduce_bytes(rc, mc.dp)); };
+  loop.comm = [&] {
+    return comm_report(log, mesh.dp(), rc.steps - first, {{"all_reduce", predict_allreduce_bytes(rc, mc.dp)}});
+  };
   loop.extra = [&](Json& s) {
     s["comm_hidden_fraction"] = dp.hidden_fraction();
     log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());

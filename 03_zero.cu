@@ -148,7 +148,8 @@ class Zero {
   void finish_pending() {
     if (pending_.u < 0) return;
     pending_.work.wait();
-    Trace::get().add("reduce_scatter unit " + std::to_string(pending_.u), Lane::Comm, pending_start_,
+    // Its own lane: under ZeRO-3 it runs alongside the prefetching all-gathers.
+    Trace::get().add("reduce_scatter unit " + std::to_string(pending_.u), Lane::Comm2, pending_start_,
                      Trace::get().now_us() - pending_start_);
     add_inplace(grads(pending_.u), pending_.chunk);  // accumulate over micro-batches
     pending_ = PendingGrad();
@@ -271,24 +272,6 @@ static std::map<std::string, double> predict_comm(const RunConfig& rc, const Zer
   return c;
 }
 
-static Json comm_report(RunLog& log, Comm& dp, long steps, const std::map<std::string, double>& pred) {
-  Json group = Json::object();
-  for (auto& [op, s] : dp.stats()) {
-    Json o = Json::object();
-    o["calls"] = double(s.calls) / double(steps);
-    o["bytes"] = s.wire_bytes / double(steps);
-    o["payload_bytes"] = s.payload_bytes / double(steps);
-    double p = pred.count(op) ? pred.at(op) : 0.0;
-    o["predicted"] = p;
-    log.line("comm %s %-14s per step: %6.1f calls, %12s sent per rank, predicted %12s", dp.name().c_str(), op.c_str(),
-             double(s.calls) / double(steps), human_bytes(s.wire_bytes / double(steps)).c_str(), human_bytes(p).c_str());
-    group[op] = std::move(o);
-  }
-  Json c = Json::object();
-  c[dp.name()] = std::move(group);
-  return c;
-}
-
 static void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
   const MemoryPrediction m = predict_memory(rc, p);
   const int64_t psi = param_count(rc.model);
@@ -312,7 +295,8 @@ int main(int argc, char** argv) {
   const bool prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
   args.finish();
   if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
-  if (mc.dp < 1) config_error("--dp must be >= 1");
+  if (mc.dp < 1) config_error("--dp must be >= 1 (got %d)", mc.dp);
+  if (rc.batch % mc.dp) config_error("--batch %d is not divisible by --dp %d", rc.batch, mc.dp);
   if (rc.micro_batch == 0) rc.micro_batch = rc.batch / mc.dp;
   if (rc.micro_batch < 1 || rc.batch % (mc.dp * rc.micro_batch))
     config_error("--batch %d is not divisible by dp × micro-batch = %d × %d", rc.batch, mc.dp, rc.micro_batch);
@@ -361,7 +345,7 @@ int main(int argc, char** argv) {
     m["zero"] = stage;
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
   };
-  loop.comm = [&] { return comm_report(log, mesh.dp(), std::max(1L, rc.steps - first), predict_comm(rc, plan)); };
+  loop.comm = [&] { return comm_report(log, mesh.dp(), rc.steps - first, predict_comm(rc, plan)); };
   train_loop(rc, dev, log, data, first, loop);
   comm_finalize();
   return 0;

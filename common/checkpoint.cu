@@ -109,10 +109,12 @@ void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTab
     w.sync_and_close();
     if (any_opt) {
       SafetensorsWriter o(tmp + "/optimizer.safetensors", opt_e, {{"format", "pt"}}, false);
+      // Moments not yet allocated (a save before the first step, --steps 0) are zeros.
+      auto moments = [](const Tensor& t, int64_t n) { return t.defined() ? to_host_f32(t) : std::vector<float>(size_t(n)); };
       for (const CheckpointSlice& sl : mine) {
         if (!sl.opt) continue;
-        write_range(o, table, "exp_avg.", sl.begin, sl.end, to_host_f32(sl.opt->m1));
-        write_range(o, table, "exp_avg_sq.", sl.begin, sl.end, to_host_f32(sl.opt->m2));
+        write_range(o, table, "exp_avg.", sl.begin, sl.end, moments(sl.opt->m1, sl.end - sl.begin));
+        write_range(o, table, "exp_avg_sq.", sl.begin, sl.end, moments(sl.opt->m2, sl.end - sl.begin));
       }
       o.sync_and_close();
     }

@@ -86,6 +86,45 @@ double flops_per_token(const ModelConfig& c) {
 
 // ----- construction ------------------------------------------------------------------------------
 
+// The default MLP: down(silu(gate(h)) * up(h)). Saves gate and up outputs and their product;
+// under selective recompute the product is dropped and rebuilt in backward (no matmul needed).
+struct SwiGluMlp : MlpBlock {
+  struct Idx {
+    int gate, up, down;
+  };
+  std::vector<Idx> idx;
+  explicit SwiGluMlp(const Model& m) {
+    for (int l = 0; l < m.cfg.layers; l++) {
+      std::string p = "model.layers." + std::to_string(l) + ".mlp.";
+      idx.push_back({m.entry(p + "gate_proj.weight"), m.entry(p + "up_proj.weight"), m.entry(p + "down_proj.weight")});
+    }
+  }
+  void forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) override {
+    const int64_t N = h.size(0), F = m.cfg.ffn;
+    a.g = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+    a.u = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+    linear_forward(a.g, h, m.weight(idx[l].gate));
+    linear_forward(a.u, h, m.weight(idx[l].up));
+    a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+    swiglu_forward(a.act, a.g, a.u);
+    linear_forward(y, a.act, m.weight(idx[l].down));
+  }
+  void backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) override {
+    const int64_t N = h.size(0), F = m.cfg.ffn;
+    if (!a.act.defined()) {  // selective recompute
+      a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+      swiglu_forward(a.act, a.g, a.u);
+    }
+    auto work = [&] { return Tensor::empty({N, F}, m.dtype, m.dev, Tag::Workspace); };
+    Tensor dact = work(), dg = work(), du = work();
+    linear_backward(dact, m.grad(idx[l].down), dy, a.act, m.weight(idx[l].down));
+    swiglu_backward(dg, du, dact, a.g, a.u);
+    linear_backward(dh, m.grad(idx[l].gate), dg, h, m.weight(idx[l].gate));
+    linear_backward(dh, m.grad(idx[l].up), du, h, m.weight(idx[l].up), /*accumulate_dx=*/true);
+  }
+  void drop_recomputable(LayerActs& a) override { a.act = Tensor(); }
+};
+
 struct LocalAttention : AttentionCore {
   void forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
                const Tensor& pos) override {
@@ -124,11 +163,13 @@ Model::Model(const ModelConfig& c, Device d, DType dt, Recompute rc, ModelLayout
     std::string p = "model.layers." + std::to_string(l) + ".";
     li_.push_back({e_idx(p + "input_layernorm.weight"), e_idx(p + "self_attn.q_proj.weight"),
                    e_idx(p + "self_attn.k_proj.weight"), e_idx(p + "self_attn.v_proj.weight"),
-                   e_idx(p + "self_attn.o_proj.weight"), e_idx(p + "post_attention_layernorm.weight"),
-                   e_idx(p + "mlp.gate_proj.weight"), e_idx(p + "mlp.up_proj.weight"), e_idx(p + "mlp.down_proj.weight")});
+                   e_idx(p + "self_attn.o_proj.weight"), e_idx(p + "post_attention_layernorm.weight")});
   }
   attention = std::make_unique<LocalAttention>();
+  mlp = std::make_unique<SwiGluMlp>(*this);
 }
+
+int Model::entry(const std::string& name) const { return e_idx(name); }
 
 int Model::e_idx(const std::string& name) const {
   for (size_t i = 0; i < table.entries.size(); i++)
@@ -214,17 +255,11 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, const Tensor& pos) {
   a.h2 = act({N, cfg.dim});
   a.rstd2 = Tensor::empty({N}, DType::F32, dev, Tag::Activations);
   rmsnorm_forward(a.h2, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
-  a.g = act({N, cfg.ffn});
-  a.u = act({N, cfg.ffn});
-  linear_forward(a.g, a.h2, w_[L.gate]);
-  linear_forward(a.u, a.h2, w_[L.up]);
-  a.act = act({N, cfg.ffn});
-  swiglu_forward(a.act, a.g, a.u);
   Tensor out = act({N, cfg.dim});
   {
-    Tensor down = work({N, cfg.dim});
-    linear_forward(down, a.act, w_[L.down]);
-    add(out, a.x_mid, down);
+    Tensor y2 = work({N, cfg.dim});
+    mlp->forward(*this, l, y2, a.h2, a);
+    add(out, a.x_mid, y2);
   }
   return out;
 }
@@ -235,7 +270,8 @@ void Model::layer_forward(int l, ForwardState& st, Tensor& x) {
   a.x = x;
   Tensor out = layer_compute(l, a, st.B, st.pos);
   if (recompute == Recompute::Selective) {
-    a.h1 = a.h2 = a.act = Tensor();
+    a.h1 = a.h2 = Tensor();
+    mlp->drop_recomputable(a);
   } else if (recompute == Recompute::Full) {
     Tensor keep = a.x;
     a.release();
@@ -276,7 +312,7 @@ double Model::head_forward_backward(ForwardState& st, const Tensor& x, Tensor& d
 void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
   const LayerIdx& L = li_[l];
   LayerActs& a = st.layers[l];
-  const int64_t N = a.x.size(0), F = cfg.ffn;
+  const int64_t N = a.x.size(0);
   if (recompute == Recompute::Full) {
     layer_compute(l, a, st.B, st.pos);  // rerun the forward; the output itself is not needed
   } else if (recompute == Recompute::Selective) {
@@ -284,17 +320,12 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
     rmsnorm_forward(a.h1, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
     a.h2 = act({N, cfg.dim});
     rmsnorm_forward(a.h2, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
-    a.act = act({N, F});
-    swiglu_forward(a.act, a.g, a.u);
   }
-  // MLP: out = x_mid + down(silu(gate(h2)) * up(h2)), h2 = RMSNorm(x_mid).
+  // MLP: out = x_mid + MLP(h2), h2 = RMSNorm(x_mid).
   Tensor tmp = work({N, cfg.dim});
   {
-    Tensor dact = work({N, F}), dg = work({N, F}), du = work({N, F}), dh2 = work({N, cfg.dim});
-    linear_backward(dact, g_[L.down], dx, a.act, w_[L.down]);
-    swiglu_backward(dg, du, dact, a.g, a.u);
-    linear_backward(dh2, g_[L.gate], dg, a.h2, w_[L.gate]);
-    linear_backward(dh2, g_[L.up], du, a.h2, w_[L.up], /*accumulate_dx=*/true);
+    Tensor dh2 = work({N, cfg.dim});
+    mlp->backward(*this, l, dh2, dx, a.h2, a);
     rmsnorm_backward(tmp, g_[L.ln2], dh2, a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
     add_inplace(dx, tmp);  // dx := d x_mid (residual path + norm path)
   }

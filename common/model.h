@@ -68,7 +68,7 @@ struct LayerActs {
   Tensor y, lse;            // attention output [N, H*hd] and its log-sum-exp [B, H, S]
   Tensor x_mid;             // x + o_proj(y)
   Tensor h2, rstd2;         // post_attention_layernorm
-  Tensor g, u, act;         // gate, up, silu(g)*u (act not kept under selective)
+  Tensor g, u, act;         // SwiGLU's gate, up, silu(g)*u (act not kept under selective)
   void release() { *this = LayerActs(); }
 };
 
@@ -91,6 +91,20 @@ struct AttentionCore {
   virtual void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
                         const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& pos) = 0;
+};
+
+class Model;
+
+// The MLP block (post-attention RMSNorm output h -> the residual branch) is swappable: expert
+// parallelism replaces SwiGLU by a routed mixture of experts.
+struct MlpBlock {
+  virtual ~MlpBlock() = default;
+  // y [N, D] = MLP_layer(h); saves in `a` what backward needs (Tag::Activations).
+  virtual void forward(Model& m, int layer, const Tensor& y, const Tensor& h, LayerActs& a) = 0;
+  // dh [N, D] := dy·dy/dh (overwritten); the block's weight gradients accumulate.
+  virtual void backward(Model& m, int layer, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) = 0;
+  // Selective recompute: drops the saved tensors backward can rebuild without a matmul.
+  virtual void drop_recomputable(LayerActs& a) = 0;
 };
 
 class Model {
@@ -117,6 +131,7 @@ class Model {
   // The compute weights (dtype) and fp32 gradients, as flat buffers over [local_begin, local_end).
   // Each is addressed through weight(e) / grad(e), which ZeRO-3 can re-point (bind_unit).
   Tensor params, grads;
+  int entry(const std::string& name) const;  // index into table.entries
   Tensor weight(int entry) const { return w_[entry]; }
   Tensor grad(int entry) const { return g_[entry]; }
   // Points unit u's weight views at `flat`, a buffer holding exactly the unit's range
@@ -134,6 +149,7 @@ class Model {
   std::function<void(int unit)> after_unit;        // after a unit's forward/backward has used its weights
   std::function<void()> after_forward;             // loss computed, backward not yet started
   std::unique_ptr<AttentionCore> attention;        // default: local causal attention
+  std::unique_ptr<MlpBlock> mlp;                   // default: SwiGLU
 
   // ----- forward and backward of one micro-batch ---------------------------------------------
   // inputs/targets: int32 [B*S] on dev. Whole model on this rank: returns the sum over tokens of
@@ -152,7 +168,7 @@ class Model {
  private:
   int e_idx(const std::string& name) const;
   struct LayerIdx {
-    int ln1, q, k, v, o, ln2, gate, up, down;
+    int ln1, q, k, v, o, ln2;
   };
   std::vector<LayerIdx> li_;
   int emb_ = -1, normf_ = -1, head_ = -1;

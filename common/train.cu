@@ -2,6 +2,7 @@
 #include "train.h"
 
 #include "checkpoint.h"
+#include "comm.h"
 #include "data.h"
 #include "trace.h"
 
@@ -385,6 +386,25 @@ void RunLog::summary(Json s) {
   j["summary"] = std::move(s);
   fprintf(json_, "%s\n", j.dump().c_str());
   fflush(json_);
+}
+
+Json comm_report(RunLog& log, const Comm& group, long steps, const std::map<std::string, double>& predicted) {
+  Json ops = Json::object();
+  const double n = double(std::max(1L, steps));
+  for (auto& [op, s] : group.stats()) {
+    Json o = Json::object();
+    o["calls"] = double(s.calls) / n;
+    o["bytes"] = s.wire_bytes / n;
+    o["payload_bytes"] = s.payload_bytes / n;
+    const double p = predicted.count(op) ? predicted.at(op) : 0.0;
+    o["predicted"] = p;
+    log.line("comm %-6s %-14s per step: %6.1f calls, %12s sent per rank, predicted %12s", group.name().c_str(),
+             op.c_str(), double(s.calls) / n, human_bytes(s.wire_bytes / n).c_str(), human_bytes(p).c_str());
+    ops[op] = std::move(o);
+  }
+  Json c = Json::object();
+  c[group.name()] = std::move(ops);
+  return c;
 }
 
 Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {

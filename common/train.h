@@ -160,6 +160,10 @@ struct Loop {
 // table. Collective: every rank calls it.
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop);
 
+// The summary's "comm" object for one group: per op, calls, wire bytes and payload bytes per step
+// (the group's counters divided by the steps run) next to the predicted wire bytes per step.
+Json comm_report(RunLog& log, const class Comm& group, long steps, const std::map<std::string, double>& predicted);
+
 // "1.23 MiB"
 std::string human_bytes(double b);
 // The memory table: each category measured (this rank's allocator, per-category peak) next to the

@@ -212,6 +212,14 @@ TEST_CASE("checkpoints: 10 steps straight equal 5 steps, save, resume, 5 steps â
   CHECK(ts::Json::parse(ts::read_text_file(full + "/trainer.json")).at("step").as_int() == 10);
 }
 
+TEST_CASE("--steps 0 --save writes the initial weights, and training from them equals training from init", "[01][e2e][ckpt]") {
+  std::string d0 = tst::scratch("ck_init");
+  train("--steps 0 --save " + d0, "init0");
+  CHECK(ts::Json::parse(ts::read_text_file(d0 + "/trainer.json")).at("step").as_int() == 0);
+  std::vector<double> a = train("--steps 4", "init_a").losses(), b = train("--steps 4 --resume " + d0, "init_b").losses();
+  CHECK(a == b);
+}
+
 TEST_CASE("an interrupted save leaves the previous checkpoint loadable", "[01][e2e][ckpt]") {
   std::string dir = tst::scratch("ck_crash");
   train("--steps 3 --save " + dir, "crash_a");
