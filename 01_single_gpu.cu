@@ -93,12 +93,7 @@ int main(int argc, char** argv) {
   }
 
   const Device dev = parse_device(rc.device);
-  if (dev == Device::CPU) check_blas_setup();
-  TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
-  log.line("device: %s | data: %s", device_description(dev).c_str(), data.description.c_str());
-  if (std::isfinite(data.entropy_floor))
-    log.line("loss floor (entropy rate of the source): %.4f nats/token; ln(vocab) = %.4f", data.entropy_floor,
-             std::log(double(rc.model.vocab)));
+  TokenData data = open_data(rc, dev, log);
   print_prediction(log, rc);
 
   Model model(rc.model, dev, rc.dtype, rc.recompute);

@@ -181,10 +181,8 @@ int main(int argc, char** argv) {
 
   const Device dev = parse_device(rc.device);
   Mesh mesh = make_mesh(mc, dev);  // validates world == dp before any collective
-  if (dev == Device::CPU) check_blas_setup();
-  TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
-  log.line("device: %s | data: %s | dp %d, %s, %d sequences per rank per step", device_description(dev).c_str(),
-           data.description.c_str(), mc.dp, mode.c_str(), rc.batch / mc.dp);
+  TokenData data = open_data(rc, dev, log);
+  log.line("dp %d, %s, %d sequences per rank per step", mc.dp, mode.c_str(), rc.batch / mc.dp);
 
   Model model(rc.model, dev, rc.dtype, rc.recompute);
   AdamW opt(model, 0, model.table.total, rc.master_weights);

@@ -311,9 +311,7 @@ int main(int argc, char** argv) {
 
   const Device dev = parse_device(rc.device);
   Mesh mesh = make_mesh(mc, dev);  // validates world == dp before any collective
-  if (dev == Device::CPU) check_blas_setup();
-  TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
-  log.line("device: %s | data: %s", device_description(dev).c_str(), data.description.c_str());
+  TokenData data = open_data(rc, dev, log);
   print_plan(log, rc, plan);
 
   ModelLayout layout;

@@ -431,6 +431,16 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
 
 // ----- the shared loop ---------------------------------------------------------------------------
 
+TokenData open_data(const RunConfig& rc, Device dev, RunLog& log) {
+  if (dev == Device::CPU) check_blas_setup();
+  TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
+  log.line("device: %s | data: %s", device_description(dev).c_str(), data.description.c_str());
+  if (std::isfinite(data.entropy_floor))
+    log.line("loss floor (entropy rate of the source): %.4f nats/token; ln(vocab) = %.4f", data.entropy_floor,
+             std::log(double(rc.model.vocab)));
+  return data;
+}
+
 long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights) {
   Tensor w32 = Tensor::empty({e - b}, DType::F32, model.dev, Tag::Workspace);
   long step = 0;

@@ -135,7 +135,11 @@ class RunLog {
   bool rank0_;
 };
 
-// ----- the loop every technique shares ------------------------------------------------------------
+// ----- the start and the loop every technique shares ------------------------------------------------------------
+// The training data (every rank loads the same tokens and reads its own windows), after the
+// BLAS check on the CPU; prints the device, the source and its loss floor.
+TokenData open_data(const RunConfig& rc, Device dev, RunLog& log);
+
 // Weights of the global range [b, e) from the counter-based init or --resume, into `weights`
 // (the compute copy: fp32, or bf16 rounded from fp32) and the optimizer's master copy.
 // Returns the first step to run.
