@@ -76,8 +76,9 @@ class GradReducer {
     } else {
       TraceScope t("all_reduce per tensor", Lane::Comm);
       for (size_t i = 0; i < m_.table.entries.size(); i++) dp_.all_reduce(m_.grad(int(i)));
-      exposed_us_ += Trace::get().now_us() - t0;
-      span_us_ += Trace::get().now_us() - t0;
+      const double t1 = Trace::get().now_us();
+      exposed_us_ += t1 - t0;  // naive: every microsecond of communication is exposed
+      span_us_ += t1 - t0;
     }
     for (Bucket& b : buckets_) b.launched = b.done = false;
     first_launch_ = -1;
@@ -188,6 +189,7 @@ int main(int argc, char** argv) {
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   // Every rank initialises (or loads) the same full weights: no broadcast needed.
   const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
+  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
   GradReducer dp(model, mesh.dp(), mode == "bucketed", bucket_mb);
   if (mode == "bucketed") log.line("%zu gradient buckets of up to %.3g MiB", dp.num_buckets(), bucket_mb);
 
