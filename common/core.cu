@@ -2,6 +2,7 @@
 #include "core.h"
 
 #include <mpi.h>
+#include <unistd.h>
 
 #include <cstdarg>
 #include <cstdlib>
@@ -40,8 +41,12 @@ void fatal_at(const char* file, int line, const char* fmt, ...) {
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
   // MPI_Abort takes every rank of the job down with a non-zero status: an error on one rank
-  // must never leave the others waiting in a collective.
-  if (init && !fin) MPI_Abort(MPI_COMM_WORLD, 1);
+  // must never leave the others waiting in a collective. The pause first lets the launcher
+  // forward the message: mpirun stops relaying output as soon as the abort reaches it.
+  if (init && !fin) {
+    usleep(300 * 1000);
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
   exit(1);
 }
 

@@ -11,28 +11,15 @@
 #include <numeric>
 
 #include "data.h"
+#include "test_util.h"
 #include "json.h"
 
 using namespace ts;
+using tst::TempDir;
+using tst::write_bytes;
 using Catch::Matchers::Contains;
 
 namespace {
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/ts_data_XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(bytes.data(), std::streamsize(bytes.size()));
-}
 
 // An llm.c shard: the 1024-byte header (magic, version, count) then uint16 tokens; `count`
 // overrides the header's token count (-1: the true count).

@@ -11,30 +11,16 @@
 #include <random>
 
 #include "core.h"
+#include "test_util.h"
 #include "json.h"
 #include "safetensors.h"
 
 using namespace ts;
+using tst::TempDir;
+using tst::write_bytes;
 using Catch::Matchers::Contains;
 
 namespace {
-
-// A fresh directory under /tmp, removed with everything in it at the end of the test.
-struct TempDir {
-  std::string path;
-  TempDir() {
-    char tmpl[] = "/tmp/ts_formats_XXXXXX";
-    REQUIRE(mkdtemp(tmpl) != nullptr);
-    path = tmpl;
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-  std::string file(const std::string& name) const { return path + "/" + name; }
-};
-
-void write_bytes(const std::string& path, const std::string& bytes) {
-  std::ofstream f(path, std::ios::binary);
-  f.write(bytes.data(), std::streamsize(bytes.size()));
-}
 
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);

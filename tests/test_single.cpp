@@ -283,3 +283,14 @@ TEST_CASE("--dry-run predicts the 8B model without allocating it", "[01]") {
   CHECK(r.output.find("parameters: 8030.") != std::string::npos);  // Llama-3-8B: 8.03B parameters
   CHECK(r.output.find("activations") != std::string::npos);
 }
+
+TEST_CASE("01 on CUDA reproduces 01 on the CPU (run when a GPU is visible)", "[01][cuda]") {
+  if (!ts::cuda_available()) {
+    WARN("no GPU visible: 01 on CUDA not compared with the CPU here (scripts/gpu-check.sh runs it)");
+    return;
+  }
+  std::vector<double> cpu = train("--steps 8 --device cpu", "dev_cpu").losses();
+  std::vector<double> gpu = train("--steps 8 --device cuda", "dev_gpu").losses();
+  // Same math, different summation orders (cuBLAS, warp reductions): fp32 rounding only.
+  CHECK(tst::max_rel_diff(gpu, cpu) <= 1e-5);
+}
