@@ -6,6 +6,8 @@
 
 #include <cstdarg>
 #include <cstdlib>
+#include <algorithm>
+#include <map>
 #include <mutex>
 
 namespace ts {
@@ -150,27 +152,51 @@ static void account(Device dev, Tag tag, size_t bytes, bool add) {
   }
 }
 
-void* mem_alloc(size_t bytes, Device dev, Tag tag) {
+// Freed blocks are kept for reuse, by exact (rounded) size: a training step allocates the same
+// activation sizes every step, and handing them back each time costs a few percent of a step
+// (CPU: munmap and a page fault per 4 KiB on the next touch; CUDA: cudaFree synchronises the
+// device). The accounting counts what tensors hold, not this cache.
+static std::multimap<size_t, void*> g_cache[2];
+
+static void* raw_alloc(size_t n, Device dev) {
   void* p = nullptr;
-  size_t n = bytes ? bytes : 1;
-  if (dev == Device::CPU) {
-    // 64-byte alignment: whole cache lines, and what vector loads like.
-    p = aligned_alloc(64, (n + 63) / 64 * 64);
-    if (!p) fatal("out of host memory allocating %zu bytes for %s", bytes, tag_name(tag));
-  } else {
+  if (dev == Device::CPU) return aligned_alloc(64, n);  // whole cache lines, what vector loads like
 #ifdef TS_CUDA
-    cudaError_t e = cudaMalloc(&p, n);
-    if (e != cudaSuccess) {
+  if (cudaMalloc(&p, n) != cudaSuccess) {
+    cudaGetLastError();
+    // Out of memory: give the cached blocks back and try once more.
+    for (auto& [sz, q] : g_cache[int(dev)]) cudaFree(q);
+    g_cache[int(dev)].clear();
+    if (cudaMalloc(&p, n) != cudaSuccess) {
       cudaGetLastError();
-      const MemStats& s = g_stats[int(Device::CUDA)];
-      fprintf(stderr, "CUDA out of memory allocating %zu bytes for %s; allocated now by category:\n", bytes,
-              tag_name(tag));
-      for (int i = 0; i < kNumTags; i++) fprintf(stderr, "  %-12s %12zu bytes\n", tag_name(Tag(i)), s.current[i]);
-      fatal("CUDA out of memory (%s)", cudaGetErrorString(e));
+      p = nullptr;
     }
-#else
-    fatal("CUDA allocation in a CPU-only build");
+  }
 #endif
+  return p;
+}
+
+void* mem_alloc(size_t bytes, Device dev, Tag tag) {
+#ifndef TS_CUDA
+  if (dev == Device::CUDA) fatal("CUDA allocation in a CPU-only build");
+#endif
+  const size_t n = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+  void* p = nullptr;
+  {
+    std::lock_guard<std::mutex> lk(g_mem_mu);
+    auto it = g_cache[int(dev)].find(n);
+    if (it != g_cache[int(dev)].end()) {
+      p = it->second;
+      g_cache[int(dev)].erase(it);
+    }
+  }
+  if (!p) p = raw_alloc(n, dev);
+  if (!p) {
+    const MemStats& s = g_stats[int(dev)];
+    fprintf(stderr, "out of %s memory allocating %zu bytes for %s; allocated now by category:\n",
+            dev == Device::CPU ? "host" : "CUDA", bytes, tag_name(tag));
+    for (int i = 0; i < kNumTags; i++) fprintf(stderr, "  %-12s %12zu bytes\n", tag_name(Tag(i)), s.current[i]);
+    fatal("out of %s memory", dev == Device::CPU ? "host" : "CUDA");
   }
   account(dev, tag, bytes, true);
   return p;
@@ -178,14 +204,10 @@ void* mem_alloc(size_t bytes, Device dev, Tag tag) {
 
 void mem_free(void* p, size_t bytes, Device dev, Tag tag) {
   if (!p) return;
-  if (dev == Device::CPU) {
-    free(p);
-  } else {
-#ifdef TS_CUDA
-    cudaFree(p);
-#endif
-  }
   account(dev, tag, bytes, false);
+  const size_t n = (std::max<size_t>(bytes, 1) + 255) / 256 * 256;
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  g_cache[int(dev)].insert({n, p});
 }
 
 const MemStats& mem_stats(Device dev) { return g_stats[int(dev)]; }
