@@ -118,55 +118,6 @@ const float* as_f32(const Tensor& t, Tensor& tmp) {
   return tmp.f32();
 }
 
-// C[m, :N] += sum_k A(m, k) * B[k, :N] for m < M, with A(m, k) = A[m*a_rs + k*a_cs]: the small
-// per-head products of attention. Axpy form, so the innermost loop runs over contiguous C and B.
-void axpy_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
-               int64_t ldb, float* C, int64_t ldc) {
-  for (int64_t m = 0; m < M; m++) {
-    float* __restrict c = C + m * ldc;
-    for (int64_t k = 0; k < K; k++) {
-      const float a = A[m * a_rs + k * a_cs];
-      const float* __restrict b = B + k * ldb;
-#pragma omp simd
-      for (int64_t n = 0; n < N; n++) c[n] += a * b[n];
-    }
-  }
-}
-
-// The same product for an MR x NR block of C held in registers across the whole k loop (axpy
-// form reloads and stores C for every k: ~4x slower). Each C element still sums k in order.
-template <int MR, int NR>
-void micro_gemm(int64_t K, const float* __restrict A, int64_t a_rs, int64_t a_cs, const float* __restrict B,
-                int64_t ldb, float* __restrict C, int64_t ldc) {
-  float acc[MR][NR];
-  for (int r = 0; r < MR; r++)
-    for (int n = 0; n < NR; n++) acc[r][n] = C[r * ldc + n];
-  for (int64_t k = 0; k < K; k++) {
-    const float* b = B + k * ldb;
-    for (int r = 0; r < MR; r++) {
-      const float a = A[r * a_rs + k * a_cs];
-      for (int n = 0; n < NR; n++) acc[r][n] += a * b[n];
-    }
-  }
-  for (int r = 0; r < MR; r++)
-    for (int n = 0; n < NR; n++) C[r * ldc + n] = acc[r][n];
-}
-
-// C (+)= A B in micro blocks, the ragged right and bottom edges in axpy form.
-void small_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
-                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  constexpr int MR = 4, NR = 32;
-  if (!accumulate)
-    for (int64_t m = 0; m < M; m++) std::fill(C + m * ldc, C + m * ldc + N, 0.0f);
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) {
-    int64_t n = 0;
-    for (; n + NR <= N; n += NR) micro_gemm<MR, NR>(K, A + m * a_rs, a_rs, a_cs, B + n, ldb, C + m * ldc + n, ldc);
-    if (n < N) axpy_gemm(MR, N - n, K, A + m * a_rs, a_rs, a_cs, B + n, ldb, C + m * ldc + n, ldc);
-  }
-  if (m < M) axpy_gemm(M - m, N, K, A + m * a_rs, a_rs, a_cs, B, ldb, C + m * ldc, ldc);
-}
-
 // ===== elementwise ==============================================================================
 
 template <class T> void add_cpu(T* y, const T* a, const T* b, int64_t n) {
@@ -354,69 +305,122 @@ void matmul_cpu(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, 
 
 // ===== attention ================================================================================
 
-// Query rows and keys are processed in tiles; a key tile none of whose positions is visible to
-// any query of the row tile is skipped (half the work for causal masks).
-constexpr int64_t kQTile = 32, kKTile = 64;
+// The per-head products are small (S x hd, hd ~ 32): a BLAS call each would cost more in overhead
+// than in arithmetic, so attention has its own register-tiled kernel on GCC vector types (one
+// vfloat = one AVX-512 register). Operands are gathered into zero-padded fp32 buffers — rows and
+// keys to a multiple of kPad, the head dim to a multiple of kLanes — so the kernel has no ragged
+// edges: padded head columns are zeros and add exact zeros, padded keys are masked, padded query
+// rows are computed and dropped.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int kMR = 8;           // rows of a register tile: 8 x 2 vectors = 16 accumulators
+constexpr int64_t kPad = 16;     // a multiple of kMR and kLanes
+constexpr int64_t kQTile = 32;   // backward: query rows whose P and dS rows stay in L1 together
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// C[kMR, NV vectors] (+)= sum_k A(r, k) B[k, :], A(r, k) = A[r*a_rs + k*a_cs]. The C tile stays in
+// registers for the whole k loop: per k, NV + kMR loads feed NV * kMR FMAs. Each element of C
+// sums k in order.
+template <int NV>
+void tile_gemm(int64_t K, const float* __restrict A, int64_t a_rs, int64_t a_cs, const float* __restrict B,
+               int64_t ldb, float* __restrict C, int64_t ldc, bool accumulate) {
+  vfloat acc[kMR][NV];
+  for (int r = 0; r < kMR; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = accumulate ? vload(C + r * ldc + v * kLanes) : vfloat{};
+  for (int64_t k = 0; k < K; k++) {
+    vfloat b[NV];
+    for (int v = 0; v < NV; v++) b[v] = vload(B + k * ldb + v * kLanes);
+    for (int r = 0; r < kMR; r++) {
+      const float a = A[r * a_rs + k * a_cs];
+      for (int v = 0; v < NV; v++) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < kMR; r++)
+    for (int v = 0; v < NV; v++) vstore(C + r * ldc + v * kLanes, acc[r][v]);
+}
+
+// C[M, N] (+)= A B (A as in tile_gemm, B and C row-major) for M a multiple of kMR, N of kLanes.
+void tiled_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < M; m += kMR) {
+    const float* Am = A + m * a_rs;
+    float* Cm = C + m * ldc;
+    int64_t n = 0;
+    for (; n + 2 * kLanes <= N; n += 2 * kLanes) tile_gemm<2>(K, Am, a_rs, a_cs, B + n, ldb, Cm + n, ldc, accumulate);
+    if (n < N) tile_gemm<1>(K, Am, a_rs, a_cs, B + n, ldb, Cm + n, ldc, accumulate);
+  }
+}
 
 struct AttnShape {
   int64_t B, S, H, KVH, hd;
   int64_t group() const { return H / KVH; }
+  int64_t Sp() const { return round_up(S, kPad); }
+  int64_t Dp() const { return round_up(hd, kLanes); }
 };
 
-// One head's slice of a [B, S, heads, hd] tensor as a contiguous fp32 [S, hd] matrix (times mul),
-// or transposed to [hd, S] so that score rows are contiguous axpy targets.
+// One head's slice of a [B, S, heads, hd] tensor as fp32 (times mul), zero-padded to [Sp, Dp], or
+// transposed to [Dp, Sp] so that a row of scores is a sum of contiguous key rows.
 template <class T>
-void gather_head(float* dst, const T* src, int64_t b, int64_t h, int64_t S, int64_t heads, int64_t hd, float mul,
+void gather_head(float* dst, const T* src, int64_t heads, int64_t b, int64_t h, const AttnShape& a, float mul,
                  bool transpose) {
+  const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp();
+  std::fill(dst, dst + Sp * Dp, 0.0f);
   for (int64_t s = 0; s < S; s++) {
     const T* row = src + ((b * S + s) * heads + h) * hd;
     for (int64_t d = 0; d < hd; d++) {
       if (transpose)
-        dst[d * S + s] = ld(row[d]) * mul;
+        dst[d * Sp + s] = ld(row[d]) * mul;
       else
-        dst[s * hd + d] = ld(row[d]) * mul;
+        dst[s * Dp + d] = ld(row[d]) * mul;
     }
   }
 }
 
-// Which key tiles hold a key visible to some query of rows [i0, i1) (kpos[j] <= max qpos);
-// returns the end of the last such tile: score columns past it are never formed nor read.
-int64_t visible_tiles(std::vector<char>& vis, const int32_t* qpos, const int32_t* kpos, int64_t i0, int64_t i1,
-                      int64_t S) {
-  const int32_t qmax = *std::max_element(qpos + i0, qpos + i1);
-  vis.assign((S + kKTile - 1) / kKTile, 0);
-  int64_t end = 0;
-  for (int64_t j = 0; j < S; j++)
-    if (kpos[j] <= qmax) {
-      vis[j / kKTile] = 1;
-      end = std::min(S, (j / kKTile + 1) * kKTile);
+// The keys a block of query rows needs. Scores are formed only for columns [0, end): end is past
+// the last key visible to some row, rounded up to kPad (half the work for causal masks). Columns
+// before mask_from are visible to every row of the block, so only [mask_from, end) is masked:
+// the diagonal tiles for causal masks.
+struct KeyRange {
+  int64_t end, mask_from;
+};
+
+std::vector<KeyRange> key_ranges(const int32_t* qpos, const int32_t* kpos, const AttnShape& a, int64_t block) {
+  std::vector<KeyRange> r;
+  for (int64_t i0 = 0; i0 < a.S; i0 += block) {
+    const int64_t i1 = std::min(a.S, i0 + block);
+    const int32_t qmin = *std::min_element(qpos + i0, qpos + i1), qmax = *std::max_element(qpos + i0, qpos + i1);
+    int64_t end = 0, mask_from = a.S;
+    for (int64_t j = 0; j < a.S; j++) {
+      if (kpos[j] <= qmax) end = j + 1;
+      if (kpos[j] > qmin) mask_from = std::min(mask_from, j);
     }
-  return end;
+    end = round_up(end, kPad);
+    r.push_back({end, std::min(end, mask_from / kPad * kPad)});
+  }
+  return r;
 }
 
-// scores[i0:i0+rows, :jend] = (scale * Q) K^T on the visible key tiles, -inf where masked.
-void masked_scores(float* sc, const float* Qs, const float* Kt, const std::vector<char>& vis, int64_t jend,
-                   const int32_t* qpos, const int32_t* kpos, int64_t i0, int64_t rows, int64_t S, int64_t hd) {
-  for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
-    if (!vis[jt]) continue;
-    const int64_t j0 = jt * kKTile, nj = std::min(kKTile, S - j0);
-    small_gemm(rows, nj, hd, Qs + i0 * hd, hd, 1, Kt + j0, S, sc + j0, S, false);
-  }
+// Scores of query rows [i0, i0 + rows) (row stride Sp) to -inf where kpos[j] > qpos[i] or j is padding.
+void mask_scores(float* sc, int64_t Sp, const KeyRange& kr, const int32_t* qpos, const int32_t* kpos, int64_t i0,
+                 int64_t rows, int64_t S) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < rows; r++) {
+  for (int64_t r = 0; r < rows && i0 + r < S; r++) {
     const int32_t qp = qpos[i0 + r];
-    float* __restrict row = sc + r * S;
-#pragma omp simd
-    for (int64_t j = 0; j < jend; j++) row[j] = kpos[j] <= qp ? row[j] : ninf;
+    float* row = sc + r * Sp;
+    for (int64_t j = kr.mask_from; j < kr.end; j++)
+      if (j >= S || kpos[j] > qp) row[j] = ninf;
   }
-}
-
-// exp(row - lse) in place: the probabilities, recomputed from the saved statistic. A row with
-// no visible key has lse = -inf; subtracting +inf instead makes that row exactly 0.
-void probs_from_lse(float* row, float lse, int64_t n) {
-  const float l = lse == -std::numeric_limits<float>::infinity() ? -lse : lse;
-#pragma omp simd
-  for (int64_t j = 0; j < n; j++) row[j] = exp_approx(row[j] - l);
 }
 
 // The max, exp and sum passes of a softmax row. Three plain loops: fused into one, the compiler
@@ -437,133 +441,162 @@ double exp_sum(float* e, const float* row, float mx, int64_t n) {
   return sum;
 }
 
-// exp(row - max(row)) in place for a masked score row; returns the row's log-sum-exp and sets
-// inv_sum = 1 / sum (-inf and 0 when no key is visible: the row is then all zeros).
+// exp_approx on kLanes floats at once: the same steps and constants.
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+inline vfloat exp_vec(vfloat x) {
+  const vfloat lo = vfloat{} - 88.0f, hi = vfloat{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vfloat t = x * 1.44269504088896341f + 12582912.0f;
+  const vint n = (vint)t - 0x4B400000;
+  const vfloat fn = t - 12582912.0f;
+  const vfloat r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * (vfloat)((n + 127) << 23);
+}
+
+// exp(row - lse) in place over n (a multiple of kLanes): the probabilities, recomputed from the
+// saved statistic. A row with no visible key has lse = -inf; subtracting +inf instead makes
+// that row exactly 0.
+void probs_from_lse(float* row, float lse, int64_t n) {
+  const float l = lse == -std::numeric_limits<float>::infinity() ? -lse : lse;
+  for (int64_t j = 0; j < n; j += kLanes) vstore(row + j, exp_vec(vload(row + j) - l));
+}
+
+// exp(row - max(row)) in place for a masked score row of n (a multiple of kLanes); returns the
+// row's log-sum-exp and sets inv_sum = 1 / sum (-inf and 0 when no key is visible: the row is
+// then all zeros). Each lane sums its n / kLanes terms in fp32, the lanes are added in double.
 float exp_row(float* row, int64_t n, float& inv_sum) {
-  const float mx = row_max(row, n);
-  if (mx == -std::numeric_limits<float>::infinity()) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+  vfloat vmx = vfloat{} + ninf;
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const vfloat x = vload(row + j);
+    vmx = x > vmx ? x : vmx;
+  }
+  float mx = ninf;
+  for (int l = 0; l < kLanes; l++) mx = std::max(mx, vmx[l]);
+  if (mx == ninf) {
     std::fill(row, row + n, 0.0f);
     inv_sum = 0.0f;
     return mx;
   }
-  const double sum = exp_sum(row, row, mx, n);
+  vfloat vsum{};
+  for (int64_t j = 0; j < n; j += kLanes) {
+    const vfloat e = exp_vec(vload(row + j) - mx);
+    vstore(row + j, e);
+    vsum += e;
+  }
+  double sum = 0;
+  for (int l = 0; l < kLanes; l++) sum += vsum[l];
   inv_sum = float(1.0 / sum);
-  return mx + float(std::log(sum));
+  return mx + std::log(float(sum));
 }
 
 // Per (b, h): O = softmax(scale Q K^T + mask) V, lse = log sum_j exp(scale q.k_j) over visible j.
+// Threads take (b, kv head) pairs, so K and V are gathered once for the heads of a GQA group.
+// Each block of kMR query rows runs scores, softmax and P V back to back on an L1-resident row of
+// scores (kMR x Sp), with the P V accumulators in registers across all its keys.
 template <class T>
 void attention_forward_cpu(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* qpos,
                            const int32_t* kpos, const AttnShape& a) {
-  const int64_t S = a.S, hd = a.hd, per_thread = 3 * S * hd + kQTile * S + kQTile * hd;
+  const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp(), per_thread = 3 * Sp * Dp + kMR * Sp + kMR * Dp;
   const float scale = 1.0f / std::sqrt(float(hd));
+  const std::vector<KeyRange> ranges = key_ranges(qpos, kpos, a, kMR);
   Tensor ws = workspace(per_thread * omp_get_max_threads());
 #pragma omp parallel for schedule(static)
-  for (int64_t bh = 0; bh < a.B * a.H; bh++) {
-    const int64_t b = bh / a.H, h = bh % a.H, kvh = h / a.group();
-    float* Qs = ws.f32() + per_thread * omp_get_thread_num();
-    float *Kt = Qs + S * hd, *V = Kt + S * hd, *sc = V + S * hd, *ob = sc + kQTile * S;
-    gather_head(Qs, q, b, h, S, a.H, hd, scale, false);
-    gather_head(Kt, k, b, kvh, S, a.KVH, hd, 1.0f, true);
-    gather_head(V, v, b, kvh, S, a.KVH, hd, 1.0f, false);
-    std::vector<char> vis;
-    float inv_sum[kQTile];
-    for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
-      const int64_t rows = std::min(kQTile, S - i0);
-      const int64_t jend = visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
-      masked_scores(sc, Qs, Kt, vis, jend, qpos, kpos, i0, rows, S, hd);
-      for (int64_t r = 0; r < rows; r++) lse[bh * S + i0 + r] = exp_row(sc + r * S, jend, inv_sum[r]);
-      std::fill(ob, ob + rows * hd, 0.0f);
-      for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
-        if (!vis[jt]) continue;
-        const int64_t j0 = jt * kKTile, nj = std::min(kKTile, S - j0);
-        small_gemm(rows, hd, nj, sc + j0, S, 1, V + j0 * hd, hd, ob, hd, true);
-      }
-      for (int64_t r = 0; r < rows; r++) {  // O = (exp(S - max) V) / sum: normalised once, at the end
-        T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
-        for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ob[r * hd + d] * inv_sum[r]);
+  for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
+    const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
+    float* Kt = ws.f32() + per_thread * omp_get_thread_num();
+    float *V = Kt + Sp * Dp, *Qs = V + Sp * Dp, *sc = Qs + Sp * Dp, *ob = sc + kMR * Sp;
+    gather_head(Kt, k, a.KVH, b, kvh, a, 1.0f, true);
+    gather_head(V, v, a.KVH, b, kvh, a, 1.0f, false);
+    for (int64_t h = kvh * a.group(); h < (kvh + 1) * a.group(); h++) {
+      gather_head(Qs, q, a.H, b, h, a, scale, false);
+      for (int64_t i0 = 0; i0 < S; i0 += kMR) {
+        const KeyRange& kr = ranges[i0 / kMR];
+        const int64_t rows = std::min<int64_t>(kMR, S - i0);
+        tiled_gemm(kMR, kr.end, Dp, Qs + i0 * Dp, Dp, 1, Kt, Sp, sc, Sp, false);
+        mask_scores(sc, Sp, kr, qpos, kpos, i0, rows, S);
+        float inv_sum[kMR];
+        for (int64_t r = 0; r < rows; r++) lse[(b * a.H + h) * S + i0 + r] = exp_row(sc + r * Sp, kr.end, inv_sum[r]);
+        tiled_gemm(kMR, Dp, kr.end, sc, Sp, 1, V, Dp, ob, Dp, false);  // padded rows: garbage, dropped
+        for (int64_t r = 0; r < rows; r++) {  // O = (exp(S - max) V) / sum: normalised once, at the end
+          T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
+          for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ob[r * Dp + d] * inv_sum[r]);
+        }
       }
     }
   }
 }
 
 // Per (b, h), from P = exp(S - lse): dP = dO V^T, dS = P (dP - rowsum(dO * O)),
-// dQ = scale dS K, dK_h = scale dS^T Q, dV_h = P^T dO. The per-head dK_h, dV_h go to a
-// [B, H, S, hd] workspace and are summed over each GQA group afterwards, heads in order.
+// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO. Threads take (b, kv head) pairs and run the
+// group's heads in order, summing their dK, dV in fp32 buffers: the GQA sum in a fixed order.
+// Per tile of kQTile query rows, P and dS (kQTile x Sp) are formed once and feed all three
+// products; dK, dV accumulate over the tile's rows with their tiles in registers.
 template <class T>
 void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q,
                             const T* k, const T* v, const int32_t* qpos, const int32_t* kpos, const AttnShape& a) {
-  const int64_t S = a.S, hd = a.hd;
-  const int64_t per_thread = 5 * S * hd + S + 2 * kQTile * S + kQTile * hd;
+  const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp();
+  const int64_t per_thread = 7 * Sp * Dp + Sp + 2 * kQTile * Sp + kQTile * Dp;
   const float scale = 1.0f / std::sqrt(float(hd));
+  const std::vector<KeyRange> ranges = key_ranges(qpos, kpos, a, kQTile);
   Tensor ws = workspace(per_thread * omp_get_max_threads());
-  Tensor dkv = workspace(2 * a.B * a.H * S * hd);
-  float *dKh_all = dkv.f32(), *dVh_all = dKh_all + a.B * a.H * S * hd;
 #pragma omp parallel for schedule(static)
-  for (int64_t bh = 0; bh < a.B * a.H; bh++) {
-    const int64_t b = bh / a.H, h = bh % a.H, kvh = h / a.group();
-    float* Qs = ws.f32() + per_thread * omp_get_thread_num();
-    float *K = Qs + S * hd, *Kt = K + S * hd, *Vt = Kt + S * hd, *dO = Vt + S * hd, *Drow = dO + S * hd;
-    float *P = Drow + S, *dS = P + kQTile * S, *dQt = dS + kQTile * S;
-    float *dKh = dKh_all + bh * S * hd, *dVh = dVh_all + bh * S * hd;
-    gather_head(Qs, q, b, h, S, a.H, hd, scale, false);
-    gather_head(K, k, b, kvh, S, a.KVH, hd, 1.0f, false);
-    gather_head(Kt, k, b, kvh, S, a.KVH, hd, 1.0f, true);
-    gather_head(Vt, v, b, kvh, S, a.KVH, hd, 1.0f, true);
-    gather_head(dO, dout, b, h, S, a.H, hd, 1.0f, false);
-    for (int64_t i = 0; i < S; i++) {  // D_i = rowsum(dO * O), the softmax-backward correction
-      const T* o = out + ((b * S + i) * a.H + h) * hd;
-      double dot = 0;
-      for (int64_t d = 0; d < hd; d++) dot += double(dO[i * hd + d]) * ld(o[d]);
-      Drow[i] = float(dot);
-    }
-    std::fill(dKh, dKh + S * hd, 0.0f);
-    std::fill(dVh, dVh + S * hd, 0.0f);
-    std::vector<char> vis;
-    for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
-      const int64_t rows = std::min(kQTile, S - i0);
-      const int64_t jend = visible_tiles(vis, qpos, kpos, i0, i0 + rows, S);
-      masked_scores(P, Qs, Kt, vis, jend, qpos, kpos, i0, rows, S, hd);
-      for (int64_t r = 0; r < rows; r++) probs_from_lse(P + r * S, lse[bh * S + i0 + r], jend);
-      std::fill(dQt, dQt + rows * hd, 0.0f);
-      for (int64_t jt = 0; jt < int64_t(vis.size()); jt++) {
-        if (!vis[jt]) continue;
-        const int64_t j0 = jt * kKTile, nj = std::min(kKTile, S - j0);
-        small_gemm(rows, nj, hd, dO + i0 * hd, hd, 1, Vt + j0, S, dS + j0, S, false);  // dP
+  for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
+    const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
+    float* K = ws.f32() + per_thread * omp_get_thread_num();
+    float *Kt = K + Sp * Dp, *Vt = Kt + Sp * Dp, *dK = Vt + Sp * Dp, *dV = dK + Sp * Dp, *Qs = dV + Sp * Dp;
+    float *dO = Qs + Sp * Dp, *Drow = dO + Sp * Dp, *P = Drow + Sp, *dS = P + kQTile * Sp, *dQt = dS + kQTile * Sp;
+    gather_head(K, k, a.KVH, b, kvh, a, 1.0f, false);
+    gather_head(Kt, k, a.KVH, b, kvh, a, 1.0f, true);
+    gather_head(Vt, v, a.KVH, b, kvh, a, 1.0f, true);
+    std::fill(dK, dK + 2 * Sp * Dp, 0.0f);  // dK and dV
+    for (int64_t h = kvh * a.group(); h < (kvh + 1) * a.group(); h++) {
+      const float* lse_h = lse + (b * a.H + h) * S;
+      gather_head(Qs, q, a.H, b, h, a, scale, false);
+      gather_head(dO, dout, a.H, b, h, a, 1.0f, false);
+      std::fill(Drow, Drow + Sp, 0.0f);
+      for (int64_t i = 0; i < S; i++) {  // D_i = rowsum(dO * O), the softmax-backward correction
+        const T* o = out + ((b * S + i) * a.H + h) * hd;
+        double dot = 0;
+        for (int64_t d = 0; d < hd; d++) dot += double(dO[i * Dp + d]) * ld(o[d]);
+        Drow[i] = float(dot);
+      }
+      for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
+        const KeyRange& kr = ranges[i0 / kQTile];
+        const int64_t rows = std::min(kQTile, Sp - i0), n = kr.end;
+        tiled_gemm(rows, n, Dp, Qs + i0 * Dp, Dp, 1, Kt, Sp, P, Sp, false);
+        mask_scores(P, Sp, kr, qpos, kpos, i0, rows, S);
+        for (int64_t r = 0; r < rows; r++)  // padded rows get lse -inf: P = 0
+          probs_from_lse(P + r * Sp, i0 + r < S ? lse_h[i0 + r] : -std::numeric_limits<float>::infinity(), n);
+        tiled_gemm(rows, n, Dp, dO + i0 * Dp, Dp, 1, Vt, Sp, dS, Sp, false);  // dP
         for (int64_t r = 0; r < rows; r++) {
-          const float* p = P + r * S + j0;
-          float* ds = dS + r * S + j0;
+          const float* p = P + r * Sp;
+          float* ds = dS + r * Sp;
           const float Di = Drow[i0 + r];
-#pragma omp simd
-          for (int64_t j = 0; j < nj; j++) ds[j] = p[j] * (ds[j] - Di);
+          for (int64_t j = 0; j < n; j += kLanes) vstore(ds + j, vload(p + j) * (vload(ds + j) - Di));
         }
-        small_gemm(rows, hd, nj, dS + j0, S, 1, K + j0 * hd, hd, dQt, hd, true);
-        small_gemm(nj, hd, rows, dS + j0, 1, S, Qs + i0 * hd, hd, dKh + j0 * hd, hd, true);
-        small_gemm(nj, hd, rows, P + j0, 1, S, dO + i0 * hd, hd, dVh + j0 * hd, hd, true);
-      }
-      for (int64_t r = 0; r < rows; r++) {
-        T* o = dq + ((b * S + i0 + r) * a.H + h) * hd;
-        for (int64_t d = 0; d < hd; d++) o[d] = st<T>(dQt[r * hd + d] * scale);
+        tiled_gemm(rows, Dp, n, dS, Sp, 1, K, Dp, dQt, Dp, false);
+        tiled_gemm(n, Dp, rows, dS, 1, Sp, Qs + i0 * Dp, Dp, dK, Dp, true);
+        tiled_gemm(n, Dp, rows, P, 1, Sp, dO + i0 * Dp, Dp, dV, Dp, true);
+        for (int64_t r = 0; r < rows && i0 + r < S; r++) {
+          T* o = dq + ((b * S + i0 + r) * a.H + h) * hd;
+          for (int64_t d = 0; d < hd; d++) o[d] = st<T>(dQt[r * Dp + d] * scale);
+        }
       }
     }
-  }
-  // GQA: a kv head's gradient is the sum over the query heads of its group, in head order.
-  const int64_t G = a.group();
-#pragma omp parallel for schedule(static)
-  for (int64_t bs = 0; bs < a.B * S; bs++) {
-    const int64_t b = bs / S, s = bs % S;
-    for (int64_t g = 0; g < a.KVH; g++) {
-      T* dko = dk + (bs * a.KVH + g) * hd;
-      T* dvo = dv + (bs * a.KVH + g) * hd;
+    for (int64_t s = 0; s < S; s++) {
+      T* dko = dk + ((b * S + s) * a.KVH + kvh) * hd;
+      T* dvo = dv + ((b * S + s) * a.KVH + kvh) * hd;
       for (int64_t d = 0; d < hd; d++) {
-        float sk = 0, sv = 0;
-        for (int64_t r = 0; r < G; r++) {
-          const int64_t off = ((b * a.H + g * G + r) * S + s) * hd + d;
-          sk += dKh_all[off];
-          sv += dVh_all[off];
-        }
-        dko[d] = st<T>(sk);
-        dvo[d] = st<T>(sv);
+        dko[d] = st<T>(dK[s * Dp + d]);
+        dvo[d] = st<T>(dV[s * Dp + d]);
       }
     }
   }

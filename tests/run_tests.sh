@@ -7,7 +7,10 @@ BUILD=${BUILD:-build}
 TIMEOUT=${TEST_TIMEOUT:-900}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TS_BUILD=$BUILD
-passed=0; failed=0; failures=()
+passed=0; failed=0; not_run=0; failures=()
+# Test cases tagged [cuda] compare the CUDA backend with the CPU one. Without a visible GPU they are
+# not run, and the driver says how many, rather than counting them as passed.
+if nvidia-smi -L >/dev/null 2>&1; then gpu=1; filter=(); else gpu=0; filter=("~[cuda]"); fi
 log=$(mktemp); trap 'rm -f "$log"' EXIT
 for src in tests/test_*.cpp; do
   name=$(basename "$src" .cpp)
@@ -16,7 +19,7 @@ for src in tests/test_*.cpp; do
   for np in ${ranks:-1}; do
     label="$name (np $np)"
     start=$(date +%s)
-    timeout "$TIMEOUT" mpirun -np "$np" "$bin" >"$log" 2>&1
+    timeout "$TIMEOUT" mpirun -np "$np" "$bin" "${filter[@]}" >"$log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     # Catch2 prints one summary per rank; rank 0's comes first.
@@ -36,10 +39,16 @@ for src in tests/test_*.cpp; do
       sed 's/^/    /' "$log" | tail -n 80
       failures+=("$label")
     else
-      echo "ok   $label: $n test cases (${secs}s)"
+      skipped=""
+      if [ $gpu = 0 ]; then
+        k=$("$bin" --list-test-names-only "[cuda]" 2>/dev/null | grep -c . || true)
+        if [ "$k" -gt 0 ]; then skipped=", $k CUDA test cases not run (no GPU)"; not_run=$((not_run + k)); fi
+      fi
+      echo "ok   $label: $n test cases (${secs}s)$skipped"
     fi
   done
 done
 [ ${#failures[@]} -gt 0 ] && printf 'failed: %s\n' "${failures[@]}"
+[ $not_run -gt 0 ] && echo "no GPU visible: $not_run CUDA test cases not run (scripts/gpu-check.sh runs them on a GPU machine)"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
