@@ -317,9 +317,10 @@ constexpr int kLanes = 16;
 constexpr int kLanes = 8;
 #endif
 typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-constexpr int kMR = 8;           // rows of a register tile: 8 x 2 vectors = 16 accumulators
-constexpr int64_t kPad = 16;     // a multiple of kMR and kLanes
-constexpr int64_t kQTile = 32;   // backward: query rows whose P and dS rows stay in L1 together
+constexpr int kMR = 8;  // rows of a register tile: 8 x 2 vectors = 16 accumulators
+constexpr int64_t kPad = 16;
+constexpr int64_t kQTile = 32;  // backward query rows per tile (16 and 64 measured slower)
+static_assert(kPad % kMR == 0 && kPad % kLanes == 0 && kQTile % kPad == 0, "tiles must nest");
 
 inline vfloat vload(const float* p) {
   vfloat v;
@@ -327,6 +328,10 @@ inline vfloat vload(const float* p) {
   return v;
 }
 inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline vfloat splat(float x) {  // not vfloat{} + x: that crashes the host front end of nvcc 13
+  vfloat v = {};
+  return v + x;
+}
 constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 // C[kMR, NV vectors] (+)= sum_k A(r, k) B[k, :], A(r, k) = A[r*a_rs + k*a_cs]. The C tile stays in
@@ -357,7 +362,8 @@ void tiled_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, i
     const float* Am = A + m * a_rs;
     float* Cm = C + m * ldc;
     int64_t n = 0;
-    for (; n + 2 * kLanes <= N; n += 2 * kLanes) tile_gemm<2>(K, Am, a_rs, a_cs, B + n, ldb, Cm + n, ldc, accumulate);
+    for (; n + 2 * kLanes <= N; n += 2 * kLanes)
+      tile_gemm<2>(K, Am, a_rs, a_cs, B + n, ldb, Cm + n, ldc, accumulate);
     if (n < N) tile_gemm<1>(K, Am, a_rs, a_cs, B + n, ldb, Cm + n, ldc, accumulate);
   }
 }
@@ -370,7 +376,7 @@ struct AttnShape {
 };
 
 // One head's slice of a [B, S, heads, hd] tensor as fp32 (times mul), zero-padded to [Sp, Dp], or
-// transposed to [Dp, Sp] so that a row of scores is a sum of contiguous key rows.
+// transposed to [Dp, Sp] for the products whose output columns are keys (Q K^T, dO V^T).
 template <class T>
 void gather_head(float* dst, const T* src, int64_t heads, int64_t b, int64_t h, const AttnShape& a, float mul,
                  bool transpose) {
@@ -444,7 +450,7 @@ double exp_sum(float* e, const float* row, float mx, int64_t n) {
 // exp_approx on kLanes floats at once: the same steps and constants.
 typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 inline vfloat exp_vec(vfloat x) {
-  const vfloat lo = vfloat{} - 88.0f, hi = vfloat{} + 88.0f;
+  const vfloat lo = splat(-88.0f), hi = splat(88.0f);
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   const vfloat t = x * 1.44269504088896341f + 12582912.0f;
@@ -468,33 +474,55 @@ void probs_from_lse(float* row, float lse, int64_t n) {
   for (int64_t j = 0; j < n; j += kLanes) vstore(row + j, exp_vec(vload(row + j) - l));
 }
 
-// exp(row - max(row)) in place for a masked score row of n (a multiple of kLanes); returns the
-// row's log-sum-exp and sets inv_sum = 1 / sum (-inf and 0 when no key is visible: the row is
-// then all zeros). Each lane sums its n / kLanes terms in fp32, the lanes are added in double.
-float exp_row(float* row, int64_t n, float& inv_sum) {
+// Reduces t[0, W) with op as a balanced tree: log2 W dependent steps instead of W.
+template <int W, class F, class Op> inline __attribute__((always_inline)) F tree_reduce(const F* t, Op op) {
+  if constexpr (W == 1)
+    return t[0];
+  else
+    return op(tree_reduce<W / 2>(t, op), tree_reduce<W / 2>(t + W / 2, op));
+}
+
+// Horizontal max and sum of a vector; the sum in double.
+float lanes_max(vfloat v) {
+  float t[kLanes];
+  vstore(t, v);
+  return tree_reduce<kLanes>(t, [](float x, float y) { return std::max(x, y); });
+}
+
+double lanes_sum(vfloat v) {
+  double t[kLanes];
+  for (int l = 0; l < kLanes; l++) t[l] = v[l];
+  return tree_reduce<kLanes>(t, [](double x, double y) { return x + y; });
+}
+
+// exp(row - max(row)) in place for the kMR masked score rows of a block (stride Sp, n columns, a
+// multiple of kLanes); sets each row's log-sum-exp and inv_sum = 1 / sum (-inf and 0 when no key
+// is visible: the row is then all zeros). Each lane sums its n / kLanes terms in fp32, the lanes
+// are added in double. Each pass runs over all rows so that their dependency chains overlap.
+void softmax_block(float* sc, int64_t Sp, int64_t n, float* lse, float* inv_sum) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  vfloat vmx = vfloat{} + ninf;
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const vfloat x = vload(row + j);
-    vmx = x > vmx ? x : vmx;
+  float mx[kMR];
+  for (int r = 0; r < kMR; r++) {
+    vfloat m = splat(ninf);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const vfloat x = vload(sc + r * Sp + j);
+      m = x > m ? x : m;
+    }
+    mx[r] = lanes_max(m);
   }
-  float mx = ninf;
-  for (int l = 0; l < kLanes; l++) mx = std::max(mx, vmx[l]);
-  if (mx == ninf) {
-    std::fill(row, row + n, 0.0f);
-    inv_sum = 0.0f;
-    return mx;
+  for (int r = 0; r < kMR; r++) {
+    float* row = sc + r * Sp;
+    const float m = mx[r] == ninf ? 0.0f : mx[r];  // an all -inf row: exp(-inf) = 0, sum 0
+    vfloat sum{};
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const vfloat e = exp_vec(vload(row + j) - m);
+      vstore(row + j, e);
+      sum += e;
+    }
+    const double s = lanes_sum(sum);
+    inv_sum[r] = s > 0 ? float(1.0 / s) : 0.0f;
+    lse[r] = s > 0 ? mx[r] + std::log(float(s)) : ninf;
   }
-  vfloat vsum{};
-  for (int64_t j = 0; j < n; j += kLanes) {
-    const vfloat e = exp_vec(vload(row + j) - mx);
-    vstore(row + j, e);
-    vsum += e;
-  }
-  double sum = 0;
-  for (int l = 0; l < kLanes; l++) sum += vsum[l];
-  inv_sum = float(1.0 / sum);
-  return mx + std::log(float(sum));
 }
 
 // Per (b, h): O = softmax(scale Q K^T + mask) V, lse = log sum_j exp(scale q.k_j) over visible j.
@@ -522,8 +550,9 @@ void attention_forward_cpu(T* out, float* lse, const T* q, const T* k, const T* 
         const int64_t rows = std::min<int64_t>(kMR, S - i0);
         tiled_gemm(kMR, kr.end, Dp, Qs + i0 * Dp, Dp, 1, Kt, Sp, sc, Sp, false);
         mask_scores(sc, Sp, kr, qpos, kpos, i0, rows, S);
-        float inv_sum[kMR];
-        for (int64_t r = 0; r < rows; r++) lse[(b * a.H + h) * S + i0 + r] = exp_row(sc + r * Sp, kr.end, inv_sum[r]);
+        float lse_b[kMR], inv_sum[kMR];
+        softmax_block(sc, Sp, kr.end, lse_b, inv_sum);
+        std::copy(lse_b, lse_b + rows, lse + (b * a.H + h) * S + i0);
         tiled_gemm(kMR, Dp, kr.end, sc, Sp, 1, V, Dp, ob, Dp, false);  // padded rows: garbage, dropped
         for (int64_t r = 0; r < rows; r++) {  // O = (exp(S - max) V) / sum: normalised once, at the end
           T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
@@ -565,6 +594,7 @@ void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, co
       for (int64_t i = 0; i < S; i++) {  // D_i = rowsum(dO * O), the softmax-backward correction
         const T* o = out + ((b * S + i) * a.H + h) * hd;
         double dot = 0;
+#pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < hd; d++) dot += double(dO[i * Dp + d]) * ld(o[d]);
         Drow[i] = float(dot);
       }
