@@ -241,7 +241,7 @@ TEST_CASE("every collective on every group of every mesh, fp32 and bf16") { run_
 
 // With a GPU: NCCL when every rank owns one, else MPI staged through host memory (TS_NCCL=0
 // forces the staged path).
-TEST_CASE("every collective on CUDA tensors") {
+TEST_CASE("every collective on CUDA tensors", "[cuda]") {
   if (!cuda_available()) {
     WARN("no GPU visible: the CUDA transports were not exercised");
     return;
