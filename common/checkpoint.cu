@@ -47,18 +47,16 @@ static std::vector<StEntry> entries_with_prefix(const ParamTable& t, const std::
 // Writes the part of `src` (global range [b, e)) that falls in each tensor, at its offset.
 static void write_range(SafetensorsWriter& w, const ParamTable& t, const std::string& prefix, int64_t b,
                         int64_t e, const std::vector<float>& src) {
-  for (const ParamEntry& p : t.entries) {
-    int64_t lo = std::max(b, p.offset), hi = std::min(e, p.offset + p.numel);
-    if (lo < hi) w.write(prefix + p.name, lo - p.offset, src.data() + (lo - b), hi - lo);
-  }
+  t.for_each_overlap(b, e, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
+    w.write(prefix + p.name, lo - p.offset, src.data() + (lo - b), hi - lo);
+  });
 }
 
 static void read_range(const SafetensorsReader& r, const ParamTable& t, const std::string& prefix, int64_t b,
                        int64_t e, std::vector<float>& dst) {
-  for (const ParamEntry& p : t.entries) {
-    int64_t lo = std::max(b, p.offset), hi = std::min(e, p.offset + p.numel);
-    if (lo < hi) r.read(prefix + p.name, lo - p.offset, dst.data() + (lo - b), hi - lo);
-  }
+  t.for_each_overlap(b, e, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
+    r.read(prefix + p.name, lo - p.offset, dst.data() + (lo - b), hi - lo);
+  });
 }
 
 static bool exists(const std::string& p) {

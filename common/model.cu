@@ -67,10 +67,9 @@ void Model::init_entry(const ParamEntry& e, uint64_t seed, const Tensor& dst, in
 }
 
 void Model::init_range(const ParamTable& t, uint64_t seed, int64_t b, int64_t e, const Tensor& dst) {
-  for (const ParamEntry& p : t.entries) {
-    int64_t lo = std::max(b, p.offset), hi = std::min(e, p.offset + p.numel);
-    if (lo < hi) init_entry(p, seed, dst.view(lo - b, {hi - lo}), lo - p.offset);
-  }
+  t.for_each_overlap(b, e, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
+    init_entry(p, seed, dst.view(lo - b, {hi - lo}), lo - p.offset);
+  });
 }
 
 int64_t param_count(const ModelConfig& c, bool with_embedding) {

@@ -10,6 +10,7 @@
 // run of units. Hooks fire when a unit's gradients are complete (DP/ZeRO communication) and
 // before a unit's parameters are used (ZeRO-3 gathering).
 #pragma once
+#include <algorithm>
 #include <functional>
 #include <string>
 #include <vector>
@@ -50,6 +51,14 @@ struct ParamTable {
   int64_t total = 0;
   const ParamEntry& find(const std::string& name) const;
   int num_units() const { return int(unit_begin.size()) - 1; }
+  // Calls f(entry, lo, hi) for every parameter overlapping the range [b, e) of the flat buffers,
+  // [lo, hi) being the overlap: how shards and checkpoint slices that cut tensors visit them.
+  template <class F> void for_each_overlap(int64_t b, int64_t e, F f) const {
+    for (const ParamEntry& p : entries) {
+      const int64_t lo = std::max(b, p.offset), hi = std::min(e, p.offset + p.numel);
+      if (lo < hi) f(p, lo, hi);
+    }
+  }
 };
 
 // How this rank lays out and holds the model.

@@ -216,10 +216,8 @@ void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, lo
   ensure_state();
   TraceScope trace("optimizer");
   AdamWParams p{float(lr), float(rc.beta1), float(rc.beta2), float(rc.eps), float(rc.weight_decay), t};
-  for (const ParamEntry& e : m.table.entries) {
-    int64_t b = std::max(begin, e.offset), en = std::min(end, e.offset + e.numel);
-    if (b >= en) continue;
-    int64_t o = b - begin, n = en - b;
+  m.table.for_each_overlap(begin, end, [&](const ParamEntry& e, int64_t lo, int64_t hi) {
+    const int64_t o = lo - begin, n = hi - lo;
     if (master.defined()) {
       adamw_step(master.view(o, {n}), g.view(o, {n}), m1.view(o, {n}), m2.view(o, {n}), p, e.decay, clip_coef,
                  w.view(o, {n}));
@@ -232,7 +230,7 @@ void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, lo
       convert(tmp, w.view(o, {n}));
       adamw_step(tmp, g.view(o, {n}), m1.view(o, {n}), m2.view(o, {n}), p, e.decay, clip_coef, w.view(o, {n}));
     }
-  }
+  });
 }
 
 // ----- data --------------------------------------------------------------------------------------
