@@ -110,7 +110,7 @@ struct MlpBlock {
   virtual ~MlpBlock() = default;
   // y [N, D] = MLP_layer(h); saves in `a` what backward needs (Tag::Activations).
   virtual void forward(Model& m, int layer, const Tensor& y, const Tensor& h, LayerActs& a) = 0;
-  // dh [N, D] := dy·dy/dh (overwritten); the block's weight gradients accumulate.
+  // dh [N, D] := (dy/dh)^T · dy, overwritten; the block's weight gradients accumulate.
   virtual void backward(Model& m, int layer, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) = 0;
   // Selective recompute: drops the saved tensors backward can rebuild without a matmul.
   virtual void drop_recomputable(LayerActs& a) = 0;
