@@ -82,9 +82,7 @@ int main(int argc, char** argv) {
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
   if (world != 1) config_error("01_single_gpu runs on one rank (got %d); see 02_data_parallel for more", world);
-  if (rc.micro_batch == 0) rc.micro_batch = rc.batch;
-  if (rc.batch % rc.micro_batch)
-    config_error("--batch %d is not divisible by --micro-batch %d", rc.batch, rc.micro_batch);
+  resolve_batch(rc, 1);
   RunLog log(rc, Device::CPU);
   if (rc.dry_run) {
     print_prediction(log, rc);

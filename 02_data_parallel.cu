@@ -161,13 +161,9 @@ int main(int argc, char** argv) {
   const std::string mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
   const double bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)");
   args.finish();
-  if (mc.dp < 1) config_error("--dp must be >= 1 (got %d)", mc.dp);
+  resolve_batch(rc, mc.dp);
   if (mode != "naive" && mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", mode.c_str());
   if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
-  if (rc.batch % mc.dp) config_error("--batch %d is not divisible by --dp %d", rc.batch, mc.dp);
-  if (rc.micro_batch == 0) rc.micro_batch = rc.batch / std::max(1, mc.dp);
-  if (rc.batch % (mc.dp * rc.micro_batch))
-    config_error("--batch %d is not divisible by dp × micro-batch = %d × %d", rc.batch, mc.dp, rc.micro_batch);
   set_comm_timeout(rc.timeout);
   RunLog log(rc, Device::CPU);
   if (rc.dry_run) {

@@ -295,11 +295,7 @@ int main(int argc, char** argv) {
   const bool prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
   args.finish();
   if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
-  if (mc.dp < 1) config_error("--dp must be >= 1 (got %d)", mc.dp);
-  if (rc.batch % mc.dp) config_error("--batch %d is not divisible by --dp %d", rc.batch, mc.dp);
-  if (rc.micro_batch == 0) rc.micro_batch = rc.batch / mc.dp;
-  if (rc.micro_batch < 1 || rc.batch % (mc.dp * rc.micro_batch))
-    config_error("--batch %d is not divisible by dp × micro-batch = %d × %d", rc.batch, mc.dp, rc.micro_batch);
+  resolve_batch(rc, mc.dp);
   set_comm_timeout(rc.timeout);
   RunLog log(rc, Device::CPU);
   ZeroPlan plan{stage, mc.dp, rc.batch / mc.dp / rc.micro_batch, prefetch, Model::make_table(rc.model, mc.dp)};

@@ -181,6 +181,15 @@ RunConfig parse_run_config(Args& a) {
   return rc;
 }
 
+void resolve_batch(RunConfig& rc, int dp) {
+  if (dp < 1) config_error("--dp must be >= 1 (got %d)", dp);
+  if (rc.batch % dp) config_error("--batch %d is not divisible by --dp %d", rc.batch, dp);
+  if (rc.micro_batch == 0) rc.micro_batch = rc.batch / dp;
+  if (rc.batch % (dp * rc.micro_batch) == 0) return;
+  if (dp == 1) config_error("--batch %d is not divisible by --micro-batch %d", rc.batch, rc.micro_batch);
+  config_error("--batch %d is not divisible by dp × micro-batch = %d × %d", rc.batch, dp, rc.micro_batch);
+}
+
 double lr_at(const RunConfig& rc, long step) {
   if (step < rc.warmup_steps) return rc.lr * double(step + 1) / double(rc.warmup_steps);
   if (rc.lr_schedule == "constant" || rc.steps <= rc.warmup_steps + 1) return rc.lr;

@@ -60,6 +60,9 @@ struct RunConfig {
 };
 // Reads the flags shared by every technique (not finish(): the technique adds its own first).
 RunConfig parse_run_config(Args& a);
+// The global batch split: dp ranks × micro-batches × --micro-batch sequences. Defaults the
+// micro-batch to the whole local batch and validates the split (config_error on every rank).
+void resolve_batch(RunConfig& rc, int dp);
 // Named shapes: tiny (the test fixture's), small (the benchmark's), 124m, 1b, 8b (Llama-3-8B).
 bool apply_preset(const std::string& name, ModelConfig& m);
 const char* recompute_name(Recompute r);
