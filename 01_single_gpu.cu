@@ -58,8 +58,8 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   zero(model.grads);
   double loss_sum = 0;
   const bool show = step < 2 && !rc.quiet;  // the first two steps print their memory
-  model.after_forward = show ? std::function<void()>([&] { print_memory(log, model.dev, step, "after forward"); })
-                             : std::function<void()>();
+  model.after_forward.clear();
+  if (show) model.after_forward.add([&] { print_memory(log, model.dev, step, "after forward"); });
   for (int s0 = 0; s0 < rc.batch; s0 += mb) {
     MicroBatch b = make_microbatch(data, step, rc.batch, T, s0, mb, model.dev);
     loss_sum += model.forward_backward(b.inputs, b.targets, mb, scale);

@@ -39,7 +39,7 @@ class GradReducer {
     // finishes the head first and the embedding last: bucket 0 is ready first.
     const int64_t size = std::max<int64_t>(1, int64_t(bucket_mb * 1024 * 1024 / 4));
     for (int64_t end = m.table.total; end > 0; end -= size) buckets_.push_back({std::max<int64_t>(0, end - size), end});
-    if (bucketed_) m.unit_grads_ready = [this](int u) { on_unit_ready(u); };
+    if (bucketed_) m.unit_grads_ready.add([this](int u) { on_unit_ready(u); });
   }
 
   // Gradient accumulation: only the last micro-batch of a step communicates.

@@ -63,12 +63,12 @@ class Zero {
     if (stage_ == 3) {
       param_shard_ = Tensor::zeros({sh_.total()}, m.dtype, m.dev, Tag::Params);
       gathered_.resize(U);
-      m.before_unit = [this](int u) { gather_for_use(u); };
-      m.after_unit = [this](int u) { release(u); };
+      m.before_unit.add([this](int u) { gather_for_use(u); });
+      m.after_unit.add([this](int u) { release(u); });
     }
     if (stage_ >= 2) {
-      m.before_backward = [this](int u) { new_unit_grads(u); };
-      m.unit_grads_ready = [this](int u) { reduce_scatter_unit(u); };
+      m.before_backward.add([this](int u) { new_unit_grads(u); });
+      m.unit_grads_ready.add([this](int u) { reduce_scatter_unit(u); });
     }
   }
 

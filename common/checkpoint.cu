@@ -44,18 +44,19 @@ static std::vector<StEntry> entries_with_prefix(const ParamTable& t, const std::
   return v;
 }
 
-// Writes the part of `src` (global range [b, e)) that falls in each tensor, at its offset.
+// Writes the part of `src` (local range [b, e) of the flat buffers) that falls in each tensor, at
+// its global offsets. Of a tensor replicated over a group, only the copy that counts is written.
 static void write_range(SafetensorsWriter& w, const ParamTable& t, const std::string& prefix, int64_t b,
                         int64_t e, const std::vector<float>& src) {
-  t.for_each_overlap(b, e, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
-    w.write(prefix + p.name, lo - p.offset, src.data() + (lo - b), hi - lo);
+  t.for_each_global_run(b, e, [&](const ParamEntry& p, int64_t flat, int64_t global, int64_t n) {
+    if (p.counts) w.write(prefix + p.name, global, src.data() + (flat - b), n);
   });
 }
 
 static void read_range(const SafetensorsReader& r, const ParamTable& t, const std::string& prefix, int64_t b,
                        int64_t e, std::vector<float>& dst) {
-  t.for_each_overlap(b, e, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
-    r.read(prefix + p.name, lo - p.offset, dst.data() + (lo - b), hi - lo);
+  t.for_each_global_run(b, e, [&](const ParamEntry& p, int64_t flat, int64_t global, int64_t n) {
+    r.read(prefix + p.name, global, dst.data() + (flat - b), n);
   });
 }
 

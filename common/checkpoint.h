@@ -18,9 +18,10 @@
 
 namespace ts {
 
-// What one rank contributes: fp32 values of global parameter ranges [begin, end) of `table`
-// (weights and, when opt is set, the moments over the same range). A rank with nothing to
-// write passes no slices. Collective over MPI_COMM_WORLD.
+// What one rank contributes: fp32 values of ranges [begin, end) of its flat buffers (weights
+// and, when opt is set, the moments over the same range), written at the global offsets the
+// table maps them to (tensor-parallel blocks land inside the full tensors). A rank with nothing
+// to write passes no slices. Collective over MPI_COMM_WORLD.
 struct CheckpointSlice {
   int64_t begin = 0, end = 0;
   Tensor weights;       // fp32 [end - begin] (any device)

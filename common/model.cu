@@ -14,18 +14,40 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
   fatal("no parameter named '%s'", name.c_str());
 }
 
-ParamTable Model::make_table(const ModelConfig& c, int align) {
+// Column-parallel linears and the vocabulary tables split their rows tp ways, row-parallel
+// linears their columns; norm weights are whole on every tp rank. Units another pipeline stage
+// owns are kept in the table with nothing held, so indices agree on every rank.
+ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& sh) {
   ParamTable t;
+  int unit = 0;
   auto next_unit = [&] {
     t.total = (t.total + align - 1) / align * align;
     t.unit_begin.push_back(t.total);
   };
-  auto add = [&](const std::string& name, std::vector<int64_t> shape, int unit, bool norm) {
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, Split split, bool norm) {
     ParamEntry e;
     e.name = name;
     e.shape = shape;
+    e.global_numel = 1;
+    for (int64_t d : shape) e.global_numel *= d;
+    e.local_shape = shape;
+    if (!sh.holds(unit)) split = Split::None;
+    e.split = split;
+    if (split == Split::Rows || split == Split::Cols) {
+      const int dim = split == Split::Rows ? 0 : 1;
+      if (shape[dim] % sh.tp)
+        config_error("%s: dimension %lld is not divisible by tp %d", name.c_str(), (long long)shape[dim], sh.tp);
+      e.parts = sh.tp;
+      e.part = sh.tp_rank;
+      e.local_shape[dim] /= sh.tp;
+    } else if (split == Split::Whole && sh.tp > 1) {
+      e.replicated_over = "tp";
+      e.counts = sh.tp_rank == 0;
+    } else if (split == Split::None) {
+      e.local_shape[0] = 0;
+    }
     e.numel = 1;
-    for (int64_t d : shape) e.numel *= d;
+    for (int64_t d : e.local_shape) e.numel *= d;
     e.offset = t.total;
     e.unit = unit;
     e.is_norm = norm;
@@ -34,47 +56,50 @@ ParamTable Model::make_table(const ModelConfig& c, int align) {
     t.entries.push_back(e);
   };
   const int64_t D = c.dim, KV = c.kv_dim(), F = c.ffn;
+  const Split col = Split::Rows, row = Split::Cols;  // column-parallel linears hold rows of [out, in]
   next_unit();
-  add("model.embed_tokens.weight", {c.vocab, D}, 0, false);
+  add("model.embed_tokens.weight", {c.vocab, D}, Split::Rows, false);
   for (int l = 0; l < c.layers; l++) {
+    unit = l + 1;
     next_unit();
     std::string p = "model.layers." + std::to_string(l) + ".";
-    add(p + "input_layernorm.weight", {D}, l + 1, true);
-    add(p + "self_attn.q_proj.weight", {D, D}, l + 1, false);
-    add(p + "self_attn.k_proj.weight", {KV, D}, l + 1, false);
-    add(p + "self_attn.v_proj.weight", {KV, D}, l + 1, false);
-    add(p + "self_attn.o_proj.weight", {D, D}, l + 1, false);
-    add(p + "post_attention_layernorm.weight", {D}, l + 1, true);
-    add(p + "mlp.gate_proj.weight", {F, D}, l + 1, false);
-    add(p + "mlp.up_proj.weight", {F, D}, l + 1, false);
-    add(p + "mlp.down_proj.weight", {D, F}, l + 1, false);
+    add(p + "input_layernorm.weight", {D}, Split::Whole, true);
+    add(p + "self_attn.q_proj.weight", {D, D}, col, false);
+    add(p + "self_attn.k_proj.weight", {KV, D}, col, false);
+    add(p + "self_attn.v_proj.weight", {KV, D}, col, false);
+    add(p + "self_attn.o_proj.weight", {D, D}, row, false);
+    add(p + "post_attention_layernorm.weight", {D}, Split::Whole, true);
+    add(p + "mlp.gate_proj.weight", {F, D}, col, false);
+    add(p + "mlp.up_proj.weight", {F, D}, col, false);
+    add(p + "mlp.down_proj.weight", {D, F}, row, false);
   }
+  unit = c.layers + 1;
   next_unit();
-  add("model.norm.weight", {D}, c.layers + 1, true);
-  add("lm_head.weight", {c.vocab, D}, c.layers + 1, false);
+  add("model.norm.weight", {D}, Split::Whole, true);
+  add("lm_head.weight", {c.vocab, D}, Split::Rows, false);
   next_unit();
   return t;
 }
 
-// DESIGN.md init: matrices N(0, 0.02) from the counter-based RNG keyed by the HF name, norm
-// weights 1. Any slice computes exactly its part of the full tensor.
-void Model::init_entry(const ParamEntry& e, uint64_t seed, const Tensor& dst, int64_t elem0) {
-  if (e.is_norm) {
-    fill(dst, 1.f);
-    return;
-  }
-  init_normal(dst.reshape({dst.numel()}), rng_key(seed, e.name), 0.02f, 0, elem0, e.numel);
-}
-
+// DESIGN.md init: matrices N(0, 0.02) from the counter-based RNG keyed by the HF name and the
+// global element index, norm weights 1. Any block computes exactly its part of the full tensor.
 void Model::init_range(const ParamTable& t, uint64_t seed, int64_t b, int64_t e, const Tensor& dst) {
-  t.for_each_overlap(b, e, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
-    init_entry(p, seed, dst.view(lo - b, {hi - lo}), lo - p.offset);
+  t.for_each_global_run(b, e, [&](const ParamEntry& p, int64_t flat, int64_t global, int64_t n) {
+    const Tensor d = dst.view(flat - b, {n});
+    if (p.is_norm) fill(d, 1.f);
+    else init_normal(d, rng_key(seed, p.name), 0.02f, 0, global, p.global_numel);
   });
 }
 
 int64_t param_count(const ModelConfig& c, bool with_embedding) {
   int64_t n = Model::make_table(c).total;
   return with_embedding ? n : n - int64_t(c.vocab) * c.dim;
+}
+
+int64_t local_param_count(const ParamTable& t) {
+  int64_t n = 0;
+  for (const ParamEntry& e : t.entries) n += e.numel;
+  return n;
 }
 
 // Playbook: training FLOPs per token = 6N (forward 2N, backward 4N) + 12·L·h·s for attention
@@ -87,6 +112,8 @@ double flops_per_token(const ModelConfig& c) {
 
 // The default MLP: down(silu(gate(h)) * up(h)). Saves gate and up outputs and their product;
 // under selective recompute the product is dropped and rebuilt in backward (no matmul needed).
+// Under tensor parallelism gate/up hold ffn/tp rows and down ffn/tp columns: the widths below
+// come from the weights, and the output is a partial sum that g completes.
 struct SwiGluMlp : MlpBlock {
   struct Idx {
     int gate, up, down;
@@ -99,7 +126,7 @@ struct SwiGluMlp : MlpBlock {
     }
   }
   void forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) override {
-    const int64_t N = h.size(0), F = m.cfg.ffn;
+    const int64_t N = h.size(0), F = m.weight(idx[l].gate).size(0);
     a.g = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
     a.u = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
     linear_forward(a.g, h, m.weight(idx[l].gate));
@@ -109,17 +136,17 @@ struct SwiGluMlp : MlpBlock {
     linear_forward(y, a.act, m.weight(idx[l].down));
   }
   void backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) override {
-    const int64_t N = h.size(0), F = m.cfg.ffn;
+    const int64_t N = h.size(0), F = a.g.size(1);
     if (!a.act.defined()) {  // selective recompute
       a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
       swiglu_forward(a.act, a.g, a.u);
     }
     auto work = [&] { return Tensor::empty({N, F}, m.dtype, m.dev, Tag::Workspace); };
     Tensor dact = work(), dg = work(), du = work();
-    linear_backward(dact, m.grad(idx[l].down), dy, a.act, m.weight(idx[l].down));
+    m.linear_backward(dact, m.grad(idx[l].down), dy, a.act, m.weight(idx[l].down));
     swiglu_backward(dg, du, dact, a.g, a.u);
-    linear_backward(dh, m.grad(idx[l].gate), dg, h, m.weight(idx[l].gate));
-    linear_backward(dh, m.grad(idx[l].up), du, h, m.weight(idx[l].up), /*accumulate_dx=*/true);
+    m.linear_backward(dh, m.grad(idx[l].gate), dg, h, m.weight(idx[l].gate));
+    m.linear_backward(dh, m.grad(idx[l].up), du, h, m.weight(idx[l].up), /*accumulate_dx=*/true);
   }
   void drop_recomputable(LayerActs& a) override { a.act = Tensor(); }
 };
@@ -135,25 +162,32 @@ struct LocalAttention : AttentionCore {
   }
 };
 
+// The fused softmax-cross-entropy over the whole vocabulary (one rank holds every logit).
+struct CrossEntropyLoss : LossFn {
+  void forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                        int64_t vocab_start, float grad_scale) override {
+    TS_CHECK(vocab_start == 0, "the plain cross-entropy needs the whole vocabulary on this rank");
+    cross_entropy_forward_backward(losses, dlogits, logits, targets, grad_scale);
+  }
+};
+
 Model::Model(const ModelConfig& c, Device d, DType dt, Recompute rc, ModelLayout layout)
-    : cfg(c), dev(d), dtype(dt), recompute(rc), table(make_table(c, layout.align)) {
+    : cfg(c), dev(d), dtype(dt), recompute(rc), table(make_table(c, layout.align, layout.shard)), shard(layout.shard) {
   if (c.dim % c.heads) config_error("--dim %d is not divisible by --heads %d", c.dim, c.heads);
   if (c.heads % c.kv_heads)
     config_error("--heads %d is not divisible by --kv-heads %d (GQA groups query heads per kv head)", c.heads,
                  c.kv_heads);
   if (c.head_dim() % 2) config_error("head dim %d must be even for RoPE", c.head_dim());
-  unit_begin = layout.unit_begin;
-  unit_end = layout.unit_end < 0 ? table.num_units() : layout.unit_end;
-  local_begin = table.unit_begin[unit_begin];
-  local_end = table.unit_begin[unit_end];
   w_.resize(table.entries.size());
   g_.resize(table.entries.size());
   // Zeroed so that the padding between units (ZeRO) is zero and stays zero.
-  if (layout.hold_params) params = Tensor::zeros({local_end - local_begin}, dtype, dev, Tag::Params);
-  if (layout.hold_grads) grads = Tensor::zeros({local_end - local_begin}, DType::F32, dev, Tag::Grads);
-  for (int u = unit_begin; u < unit_end; u++) {
-    if (layout.hold_params) bind_unit(u, range(params, table.unit_begin[u], table.unit_begin[u + 1]));
-    if (layout.hold_grads) bind_unit_grads(u, range(grads, table.unit_begin[u], table.unit_begin[u + 1]));
+  if (layout.hold_params) params = Tensor::zeros({table.total}, dtype, dev, Tag::Params);
+  if (layout.hold_grads) grads = Tensor::zeros({table.total}, DType::F32, dev, Tag::Grads);
+  for (int u = 0; u < table.num_units(); u++) {
+    if (!holds(u)) continue;
+    const int64_t b = table.unit_begin[u], e = table.unit_begin[u + 1];
+    if (layout.hold_params) bind_unit(u, params.view(b, {e - b}));
+    if (layout.hold_grads) bind_unit_grads(u, grads.view(b, {e - b}));
   }
   emb_ = e_idx("model.embed_tokens.weight");
   normf_ = e_idx("model.norm.weight");
@@ -164,8 +198,16 @@ Model::Model(const ModelConfig& c, Device d, DType dt, Recompute rc, ModelLayout
                    e_idx(p + "self_attn.k_proj.weight"), e_idx(p + "self_attn.v_proj.weight"),
                    e_idx(p + "self_attn.o_proj.weight"), e_idx(p + "post_attention_layernorm.weight")});
   }
+  // Local sizes come from the blocks this rank holds (every rank computes them alike).
+  const int tp = layout.shard.tp, r = layout.shard.tp_rank;
+  local_heads = c.heads / tp;
+  local_kv_heads = c.kv_heads / tp;
+  local_vocab = c.vocab / tp;
+  vocab_start = int64_t(r) * local_vocab;
   attention = std::make_unique<LocalAttention>();
   mlp = std::make_unique<SwiGluMlp>(*this);
+  this->tp = std::make_unique<TpOps>();
+  loss = std::make_unique<CrossEntropyLoss>();
 }
 
 int Model::entry(const std::string& name) const { return e_idx(name); }
@@ -174,10 +216,6 @@ int Model::e_idx(const std::string& name) const {
   for (size_t i = 0; i < table.entries.size(); i++)
     if (table.entries[i].name == name) return int(i);
   fatal("no parameter named '%s'", name.c_str());
-}
-
-Tensor Model::range(const Tensor& flat, int64_t b, int64_t e) const {
-  return flat.view(b - local_begin, {e - b});
 }
 
 static void bind_views(std::vector<Tensor>& views, const ParamTable& t, int u, const Tensor& flat) {
@@ -191,11 +229,18 @@ static void bind_views(std::vector<Tensor>& views, const ParamTable& t, int u, c
            (long long)(t.unit_begin[u + 1] - base), (long long)flat.numel());
   for (size_t i = 0; i < t.entries.size(); i++) {
     const ParamEntry& e = t.entries[i];
-    if (e.unit == u) views[i] = flat.view(e.offset - base, e.shape);
+    if (e.unit == u && e.held()) views[i] = flat.view(e.offset - base, e.local_shape);
   }
 }
 void Model::bind_unit(int u, const Tensor& flat) { bind_views(w_, table, u, flat); }
 void Model::bind_unit_grads(int u, const Tensor& flat) { bind_views(g_, table, u, flat); }
+
+void Model::linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
+                            bool accumulate_dx) {
+  if (!defer_) return ts::linear_backward(dx, dW, dy, x, W, accumulate_dx);
+  ts::linear_backward(dx, Tensor(), dy, x, W, accumulate_dx);
+  defer_->push_back({dW, dy, x});
+}
 
 // ----- forward -------------------------------------------------------------------------------------
 
@@ -208,57 +253,74 @@ static Tensor fp32_weight(const Tensor& w) {
   return t;
 }
 
-ForwardState Model::begin_microbatch(const Tensor& inputs, const Tensor& targets, int B) {
+ForwardState Model::begin_microbatch(const Tensor& inputs, const Tensor& targets, int B, const Tensor& pos) {
   ForwardState st;
   st.B = B;
+  st.S = int(inputs.numel() / B);
   st.inputs = inputs;
   st.targets = targets;
-  std::vector<float> p(cfg.seq);
-  for (int i = 0; i < cfg.seq; i++) p[i] = float(i);
-  st.pos = Tensor::empty({cfg.seq}, DType::I32, dev, Tag::Workspace);
-  from_host_f32(st.pos, p.data());
+  if (pos.defined()) {
+    TS_CHECK(pos.numel() == st.S, "begin_microbatch: %lld positions for %d tokens per sequence", (long long)pos.numel(),
+             st.S);
+    st.pos = pos;
+  } else {
+    std::vector<float> p(st.S);
+    for (int i = 0; i < st.S; i++) p[i] = float(i);
+    st.pos = Tensor::empty({st.S}, DType::I32, dev, Tag::Workspace);
+    from_host_f32(st.pos, p.data());
+  }
   st.layers.resize(cfg.layers);
   return st;
 }
 
+// The vocabulary-parallel embedding: this rank looks up the tokens it owns (zero rows for the
+// others) and g sums the partial rows over tp (reduce-scatters them under sequence parallelism).
 void Model::embed_forward(ForwardState& st, Tensor& x) {
-  x = act({int64_t(st.B) * cfg.seq, cfg.dim});
-  embedding_forward(x, w_[emb_], st.inputs);
+  Tensor part = act({int64_t(st.B) * st.S, cfg.dim});
+  embedding_forward(part, w_[emb_], st.inputs, vocab_start);
+  x = tp->g_forward(part);
 }
 
 // One decoder layer's forward from a.x, filling every activation field of `a`; returns the
-// layer output. RMSNorm -> q,k,v -> RoPE -> attention -> o_proj -> +x -> RMSNorm -> SwiGLU -> +x.
-Tensor Model::layer_compute(int l, LayerActs& a, int B, const Tensor& pos) {
+// layer output. RMSNorm -> f -> q,k,v -> RoPE -> attention -> o_proj -> g -> +x
+//                -> RMSNorm -> f -> MLP -> g -> +x.
+Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos) {
   const LayerIdx& L = li_[l];
-  const int64_t N = a.x.size(0), S = cfg.seq, H = cfg.heads, KVH = cfg.kv_heads, hd = cfg.head_dim();
-  a.h1 = act({N, cfg.dim});
-  a.rstd1 = Tensor::empty({N}, DType::F32, dev, Tag::Activations);
-  rmsnorm_forward(a.h1, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
+  const int64_t Nr = a.x.size(0), N = int64_t(B) * S, H = local_heads, KVH = local_kv_heads, hd = cfg.head_dim();
+  {
+    Tensor h = act({Nr, cfg.dim});
+    a.rstd1 = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
+    rmsnorm_forward(h, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
+    a.h1 = tp->f_forward(h);
+  }
   a.q = act({B, S, H, hd});
   a.k = act({B, S, KVH, hd});
   a.v = act({B, S, KVH, hd});
-  linear_forward(a.q.reshape({N, cfg.dim}), a.h1, w_[L.q]);
-  linear_forward(a.k.reshape({N, cfg.kv_dim()}), a.h1, w_[L.k]);
-  linear_forward(a.v.reshape({N, cfg.kv_dim()}), a.h1, w_[L.v]);
+  linear_forward(a.q.reshape({N, H * hd}), a.h1, w_[L.q]);
+  linear_forward(a.k.reshape({N, KVH * hd}), a.h1, w_[L.k]);
+  linear_forward(a.v.reshape({N, KVH * hd}), a.h1, w_[L.v]);
   rope_forward(a.q, pos, cfg.rope_theta);
   rope_forward(a.k, pos, cfg.rope_theta);
   a.y = act({B, S, H, hd});
   a.lse = Tensor::empty({B, H, S}, DType::F32, dev, Tag::Activations);
   attention->forward(a.y, a.lse, a.q, a.k, a.v, pos);
-  a.x_mid = act({N, cfg.dim});
+  a.x_mid = act({Nr, cfg.dim});
   {
     Tensor o = work({N, cfg.dim});
-    linear_forward(o, a.y.reshape({N, cfg.dim}), w_[L.o]);
-    add(a.x_mid, a.x, o);
+    linear_forward(o, a.y.reshape({N, H * hd}), w_[L.o]);
+    add(a.x_mid, a.x, tp->g_forward(o));
   }
-  a.h2 = act({N, cfg.dim});
-  a.rstd2 = Tensor::empty({N}, DType::F32, dev, Tag::Activations);
-  rmsnorm_forward(a.h2, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
-  Tensor out = act({N, cfg.dim});
+  {
+    Tensor h = act({Nr, cfg.dim});
+    a.rstd2 = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
+    rmsnorm_forward(h, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
+    a.h2 = tp->f_forward(h);
+  }
+  Tensor out = act({Nr, cfg.dim});
   {
     Tensor y2 = work({N, cfg.dim});
     mlp->forward(*this, l, y2, a.h2, a);
-    add(out, a.x_mid, y2);
+    add(out, a.x_mid, tp->g_forward(y2));
   }
   return out;
 }
@@ -267,7 +329,8 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, const Tensor& pos) {
 void Model::layer_forward(int l, ForwardState& st, Tensor& x) {
   LayerActs& a = st.layers[l];
   a.x = x;
-  Tensor out = layer_compute(l, a, st.B, st.pos);
+  Tensor out = layer_compute(l, a, st.B, st.S, st.pos);
+  st.aux_loss += a.aux_loss;
   if (recompute == Recompute::Selective) {
     a.h1 = a.h2 = Tensor();
     mlp->drop_recomputable(a);
@@ -279,128 +342,148 @@ void Model::layer_forward(int l, ForwardState& st, Tensor& x) {
   x = out;
 }
 
-// The head: final RMSNorm, LM head, fused softmax-cross-entropy, and straight back through the
-// LM head and the norm. Returns the summed token losses; dx receives d(loss)/d(head input).
-double Model::head_forward_backward(ForwardState& st, const Tensor& x, Tensor& dx, float grad_scale) {
-  const int64_t N = x.size(0);
+// The head: final RMSNorm, f, LM head (column-parallel by vocabulary), the loss, and straight
+// back through the LM head, f and the norm. Sets st.loss to the summed token losses; x leaves
+// holding d(loss)/d(head input).
+void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale) {
+  const int64_t Nr = x.size(0), N = int64_t(st.B) * st.S;
   st.xf = x;
-  st.hf = act({N, cfg.dim});
-  st.rstdf = Tensor::empty({N}, DType::F32, dev, Tag::Activations);
+  st.rstdf = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
   Tensor wn = fp32_weight(w_[normf_]);
-  rmsnorm_forward(st.hf, st.rstdf, st.xf, wn, cfg.norm_eps);
-  st.logits = act({N, cfg.vocab});
+  {
+    Tensor h = act({Nr, cfg.dim});
+    rmsnorm_forward(h, st.rstdf, st.xf, wn, cfg.norm_eps);
+    st.hf = tp->f_forward(h);
+  }
+  st.logits = act({N, int64_t(local_vocab)});
   linear_forward(st.logits, st.hf, w_[head_]);
   Tensor losses = Tensor::empty({N}, DType::F32, dev, Tag::Workspace);
-  cross_entropy_forward_backward(losses, st.logits, st.logits, st.targets, grad_scale);
+  loss->forward_backward(losses, st.logits, st.logits, st.targets, vocab_start, grad_scale);
   // Summed in double in token order on the host: the same value on every backend and mesh.
   std::vector<float> l = to_host_f32(losses);
   double sum = 0;
   for (float v : l) sum += v;
-  if (after_forward) after_forward();
+  st.loss = sum;
+  after_forward();
 
   Tensor dh = work({N, cfg.dim});
   linear_backward(dh, g_[head_], st.logits, st.hf, w_[head_]);
   st.logits = st.hf = Tensor();
-  dx = work({N, cfg.dim});
-  rmsnorm_backward(dx, g_[normf_], dh, st.xf, wn, st.rstdf);
+  Tensor dhr = tp->f_backward(dh);
+  x = work({Nr, cfg.dim});
+  rmsnorm_backward(x, g_[normf_], dhr, st.xf, wn, st.rstdf);
   st.xf = st.rstdf = Tensor();
-  return sum;
 }
+
+// ----- backward -------------------------------------------------------------------------------------
 
 // Backward of one layer: dx holds d(loss)/d(layer output) and leaves holding d(loss)/d(input).
 void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
   const LayerIdx& L = li_[l];
   LayerActs& a = st.layers[l];
-  const int64_t N = a.x.size(0);
+  const int64_t Nr = a.x.size(0), N = int64_t(st.B) * st.S, H = local_heads, KVH = local_kv_heads, hd = cfg.head_dim();
   if (recompute == Recompute::Full) {
-    layer_compute(l, a, st.B, st.pos);  // rerun the forward; the output itself is not needed
+    layer_compute(l, a, st.B, st.S, st.pos);  // rerun the forward; the output itself is not needed
   } else if (recompute == Recompute::Selective) {
-    a.h1 = act({N, cfg.dim});
-    rmsnorm_forward(a.h1, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
-    a.h2 = act({N, cfg.dim});
-    rmsnorm_forward(a.h2, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
+    Tensor h = act({Nr, cfg.dim});
+    rmsnorm_forward(h, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
+    a.h1 = tp->f_forward(h);
+    h = act({Nr, cfg.dim});
+    rmsnorm_forward(h, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
+    a.h2 = tp->f_forward(h);
   }
-  // MLP: out = x_mid + MLP(h2), h2 = RMSNorm(x_mid).
-  Tensor tmp = work({N, cfg.dim});
+  // MLP: out = x_mid + g(MLP(f(h2))), h2 = RMSNorm(x_mid).
+  Tensor tmp = work({Nr, cfg.dim});
   {
     Tensor dh2 = work({N, cfg.dim});
-    mlp->backward(*this, l, dh2, dx, a.h2, a);
-    rmsnorm_backward(tmp, g_[L.ln2], dh2, a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
+    mlp->backward(*this, l, dh2, tp->g_backward(dx), a.h2, a);
+    rmsnorm_backward(tmp, g_[L.ln2], tp->f_backward(dh2), a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
     add_inplace(dx, tmp);  // dx := d x_mid (residual path + norm path)
   }
   a.h2 = a.g = a.u = a.act = a.x_mid = a.rstd2 = Tensor();
-  // Attention: x_mid = x + o_proj(attn(rope(q(h1)), rope(k(h1)), v(h1))), h1 = RMSNorm(x).
+  a.mlp_state.clear();
+  // Attention: x_mid = x + g(o_proj(attn(rope(q(h1)), rope(k(h1)), v(h1)))), h1 = f(RMSNorm(x)).
   {
     Tensor dy = work(a.y.shape), dq = work(a.q.shape), dk = work(a.k.shape), dv = work(a.v.shape);
-    linear_backward(dy.reshape({N, cfg.dim}), g_[L.o], dx, a.y.reshape({N, cfg.dim}), w_[L.o]);
+    linear_backward(dy.reshape({N, H * hd}), g_[L.o], tp->g_backward(dx), a.y.reshape({N, H * hd}), w_[L.o]);
     attention->backward(dq, dk, dv, dy, a.y, a.lse, a.q, a.k, a.v, st.pos);
     rope_backward(dq, st.pos, cfg.rope_theta);
     rope_backward(dk, st.pos, cfg.rope_theta);
     Tensor dh1 = work({N, cfg.dim});
-    linear_backward(dh1, g_[L.q], dq.reshape({N, cfg.dim}), a.h1, w_[L.q]);
-    linear_backward(dh1, g_[L.k], dk.reshape({N, cfg.kv_dim()}), a.h1, w_[L.k], true);
-    linear_backward(dh1, g_[L.v], dv.reshape({N, cfg.kv_dim()}), a.h1, w_[L.v], true);
-    rmsnorm_backward(tmp, g_[L.ln1], dh1, a.x, fp32_weight(w_[L.ln1]), a.rstd1);
+    linear_backward(dh1, g_[L.q], dq.reshape({N, H * hd}), a.h1, w_[L.q]);
+    linear_backward(dh1, g_[L.k], dk.reshape({N, KVH * hd}), a.h1, w_[L.k], true);
+    linear_backward(dh1, g_[L.v], dv.reshape({N, KVH * hd}), a.h1, w_[L.v], true);
+    rmsnorm_backward(tmp, g_[L.ln1], tp->f_backward(dh1), a.x, fp32_weight(w_[L.ln1]), a.rstd1);
     add_inplace(dx, tmp);  // dx := d x
   }
   a.release();
 }
 
+// g's backward gives every rank the full token gradient; the scatter adds the rows this rank owns.
 void Model::embed_backward(ForwardState& st, const Tensor& dx) {
-  embedding_backward(g_[emb_], dx, st.inputs);
+  embedding_backward(g_[emb_], tp->g_backward(dx), st.inputs, vocab_start);
+}
+
+// ----- units -------------------------------------------------------------------------------------
+
+void Model::unit_forward(int u, ForwardState& st, Tensor& x, float grad_scale) {
+  const int L = cfg.layers;
+  before_unit(u);
+  if (u == 0) {
+    TraceScope t("fwd embedding");
+    embed_forward(st, x);
+  } else if (u <= L) {
+    TraceScope t("fwd layer " + std::to_string(u - 1));
+    layer_forward(u - 1, st, x);
+  } else {
+    before_backward(u);
+    {
+      TraceScope t("head fwd+bwd");
+      head_forward_backward(st, x, grad_scale);
+    }
+    unit_grads_ready(u);
+  }
+  after_unit(u);
+}
+
+void Model::unit_backward(int u, ForwardState& st, Tensor& dx, bool defer_weights) {
+  TS_CHECK(u <= cfg.layers, "unit_backward: the head's backward runs inside its unit_forward");
+  if (u > 0) before_unit(u);  // the embedding's backward is a scatter of dx: it reads no weights
+  before_backward(u);
+  defer_ = defer_weights ? &st.deferred : nullptr;
+  if (u == 0) {
+    TraceScope t("bwd embedding");
+    embed_backward(st, dx);  // a scatter, no matmul: nothing to defer
+  } else {
+    TraceScope t(std::string(defer_weights ? "bwd input layer " : "bwd layer ") + std::to_string(u - 1));
+    layer_backward(u - 1, st, dx);
+  }
+  defer_ = nullptr;
+  if (defer_weights && u > 0) return;
+  unit_grads_ready(u);
+  if (u > 0) after_unit(u);
+}
+
+void Model::unit_backward_weights(int u, ForwardState& st) {
+  {
+    TraceScope t("bwd weights layer " + std::to_string(u - 1));
+    for (const DeferredGrad& d : st.deferred) ts::linear_backward(Tensor(), d.dW, d.dy, d.x, Tensor());
+  }
+  st.deferred.clear();
+  unit_grads_ready(u);
+  after_unit(u);
 }
 
 // The whole model on one rank, unit by unit, firing the hooks in the order the techniques rely
-// on: forward 0..L+1, then backward L+1..0 with unit_grads_ready as each unit's gradients finish.
-double Model::forward_backward(const Tensor& inputs, const Tensor& targets, int B, float grad_scale) {
-  TS_CHECK(unit_begin == 0 && unit_end == table.num_units(), "forward_backward needs the whole model");
-  auto hook = [](const std::function<void(int)>& f, int u) {
-    if (f) f(u);
-  };
-  const int L = cfg.layers;
-  ForwardState st = begin_microbatch(inputs, targets, B);
-  Tensor x, dx;
-  hook(before_unit, 0);
-  {
-    TraceScope t("fwd embedding");
-    embed_forward(st, x);
-  }
-  hook(after_unit, 0);
-  for (int l = 0; l < L; l++) {
-    hook(before_unit, l + 1);
-    {
-      TraceScope t("fwd layer " + std::to_string(l));
-      layer_forward(l, st, x);
-    }
-    hook(after_unit, l + 1);
-  }
-  hook(before_unit, L + 1);
-  hook(before_backward, L + 1);
-  double loss;
-  {
-    TraceScope t("head fwd+bwd");
-    loss = head_forward_backward(st, x, dx, grad_scale);
-  }
-  x = Tensor();
-  hook(unit_grads_ready, L + 1);
-  hook(after_unit, L + 1);
-  for (int l = L - 1; l >= 0; l--) {
-    hook(before_unit, l + 1);
-    hook(before_backward, l + 1);
-    {
-      TraceScope t("bwd layer " + std::to_string(l));
-      layer_backward(l, st, dx);
-    }
-    hook(unit_grads_ready, l + 1);
-    hook(after_unit, l + 1);
-  }
-  hook(before_backward, 0);
-  {
-    TraceScope t("bwd embedding");
-    embed_backward(st, dx);  // a scatter of dx: reads no weights, so no before/after_unit
-  }
-  hook(unit_grads_ready, 0);
-  return loss;
+// on: forward 0..L+1 (the head runs its backward at once), then backward L..0 with
+// unit_grads_ready as each unit's gradients finish.
+double Model::forward_backward(const Tensor& inputs, const Tensor& targets, int B, float grad_scale, const Tensor& pos) {
+  for (int u = 0; u < table.num_units(); u++) TS_CHECK(holds(u), "forward_backward needs the whole model");
+  ForwardState st = begin_microbatch(inputs, targets, B, pos);
+  Tensor x;
+  for (int u = 0; u <= cfg.layers + 1; u++) unit_forward(u, st, x, grad_scale);
+  for (int u = cfg.layers; u >= 0; u--) unit_backward(u, st, x);
+  return st.loss;
 }
 
 }  // namespace ts
