@@ -7,6 +7,8 @@
 //
 //   ./build/01_single_gpu --preset tiny --steps 200
 //   ./build/01_single_gpu --dry-run --preset 8b --micro-batch 1 --dtype bf16 --recompute full
+#ifndef TS_01_SINGLE_GPU_CU
+#define TS_01_SINGLE_GPU_CU
 #include <cmath>
 
 #include "checkpoint.h"
@@ -23,20 +25,9 @@ static const char* kDoc =
 
 // ----- predict: the playbook's memory formulas for this model, before anything is allocated ----
 
-static MemoryPrediction predict(const RunConfig& rc) {
-  const int64_t psi = param_count(rc.model);
-  MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);
-  p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);
-  return p;
-}
-
 static void print_prediction(RunLog& log, const RunConfig& rc) {
-  const ModelConfig& m = rc.model;
-  const MemoryPrediction p = predict(rc);
-  log.line("model: dim %d, layers %d, heads %d (kv %d), ffn %d, vocab %d, seq %d", m.dim, m.layers, m.heads,
-           m.kv_heads, m.ffn, m.vocab, m.seq);
-  log.line("parameters: %.3fM (%.3fM without the embedding); %.3f GFLOP per token (6N + 12·L·h·s)",
-           param_count(m) / 1e6, param_count(m, false) / 1e6, flops_per_token(m) / 1e9);
+  const MemoryPrediction p = predict_replica(rc, param_count(rc.model));
+  print_model(log, rc.model);
   log.line("predicted memory (%s, micro-batch %d, recompute %s):", dtype_name(rc.dtype), rc.micro_batch,
            recompute_name(rc.recompute));
   log.line("  params      %12s", human_bytes(p.params).c_str());
@@ -65,50 +56,43 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
     loss_sum += model.forward_backward(b.inputs, b.targets, mb, scale);
   }
   if (show) print_memory(log, model.dev, step, "after backward");
-  const double loss = loss_sum / (double(rc.batch) * T);
-  const double norm = std::sqrt(sum_squares(model.grads));
+  const double loss = global_mean_loss(loss_sum, double(rc.batch) * T, {});
+  const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   if (show) print_memory(log, model.dev, step, "after optimizer");
   return {loss, norm};
 }
 
 // ----- main -----------------------------------------------------------------------------------------
-
+#if TS_PROGRAM == 1
 int main(int argc, char** argv) {
-  comm_init(&argc, &argv);
-  Args args(argc, argv, kDoc);
-  RunConfig rc = parse_run_config(args);
-  args.finish();
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
-  if (world != 1) config_error("01_single_gpu runs on one rank (got %d); see 02_data_parallel for more", world);
-  resolve_batch(rc, 1);
-  RunLog log(rc, Device::CPU);
-  if (rc.dry_run) {
-    print_prediction(log, rc);
-    comm_finalize();
-    return 0;
-  }
-
-  const Device dev = parse_device(rc.device);
-  TokenData data = open_data(rc, dev, log);
+  Program prog(argc, argv, kDoc, [](Args&, RunConfig&, MeshConfig&) {
+    int world = 1;
+    MPI_Comm_size(MPI_COMM_WORLD, &world);
+    if (world != 1) config_error("01_single_gpu runs on one rank (got %d); see 02_data_parallel for more", world);
+  });
+  RunConfig& rc = prog.rc;
+  RunLog& log = prog.log();
+  if (prog.dry_run([&] { print_prediction(log, rc); })) return 0;
+  prog.open();
   print_prediction(log, rc);
 
-  Model model(rc.model, dev, rc.dtype, rc.recompute);
+  Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
 
   Loop loop;
-  loop.predicted = predict(rc);
-  loop.step = [&](long step) { return train_step(model, opt, data, rc, step, log); };
+  loop.predicted = predict_replica(rc, param_count(rc.model));
+  loop.step = [&](long step) { return train_step(model, opt, prog.data, rc, step, log); };
   loop.save = [&](long step) {
     Json mesh = Json::object();
     mesh["world"] = 1;
     save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}}, step,
                     mesh);
   };
-  train_loop(rc, dev, log, data, first, loop);
-  comm_finalize();
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }
+#endif  // TS_PROGRAM == 1
+#endif  // TS_01_SINGLE_GPU_CU

@@ -10,6 +10,8 @@
 // With gradient accumulation only the last micro-batch communicates (the `no_sync` idea).
 //
 //   mpirun -np 4 ./build/02_data_parallel --dp 4 --batch 16 --steps 100
+#ifndef TS_02_DATA_PARALLEL_CU
+#define TS_02_DATA_PARALLEL_CU
 #include <algorithm>
 #include <cmath>
 
@@ -21,11 +23,8 @@
 #include "trace.h"
 #include "train.h"
 
+namespace dp {
 using namespace ts;
-
-static const char* kDoc =
-    "02_data_parallel: data parallelism with bucketed all-reduce overlapped with backward.\n"
-    "usage: mpirun -np N 02_data_parallel --dp N [flags]";
 
 // ----- the gradient reducer ---------------------------------------------------------------------------
 
@@ -112,14 +111,36 @@ class GradReducer {
   double first_launch_ = -1, exposed_us_ = 0, span_us_ = 0;
 };
 
+// ----- predict: memory and communication per rank --------------------------------------------------
+
+// A full replica per rank: the same memory as 01.
+inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_replica(rc, param_count(rc.model)); }
+
+// Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank
+// (the same in naive and bucketed mode: bucketing changes when, not how much).
+inline double predict_allreduce_bytes(const RunConfig& rc, int dp) {
+  return 2.0 * (dp - 1) / dp * 4.0 * double(param_count(rc.model));
+}
+
+}  // namespace dp
+
+// ----- the program ------------------------------------------------------------------------------------
+#if TS_PROGRAM == 2
+using namespace ts;
+using dp::GradReducer;
+
+static const char* kDoc =
+    "02_data_parallel: data parallelism with bucketed all-reduce overlapped with backward.\n"
+    "usage: mpirun -np N 02_data_parallel --dp N [flags]";
+
 // ----- one optimizer step ----------------------------------------------------------------------------
 
 // This rank's sequences of the global batch: a contiguous slice, in micro-batches (DESIGN.md).
 static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const TokenData& data, const RunConfig& rc,
-                             const Mesh& mesh, long step) {
+                             Mesh& mesh, long step) {
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
   const int first_seq = mesh.dp_rank * local;
-  zero(model.grads);
+  ts::zero(model.grads);
   double loss_sum = 0;
   for (int s0 = 0; s0 < local; s0 += mb) {
     dp.set_sync(s0 + mb == local);
@@ -127,61 +148,41 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
     loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
   }
   dp.finish();
-  // The logged loss is the global mean (a metric outside the training math: not counted).
-  double global = 0;
-  MPI_Allreduce(&loss_sum, &global, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  const double norm = std::sqrt(sum_squares(model.grads));  // identical on every rank now
+  // Gradients are identical on every rank now: the norm needs no communication.
+  const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
-  return {global / (double(rc.batch) * T), norm};
+  return {global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.dp().mpi()}), norm};
 }
-
-// ----- predict: memory and communication per rank --------------------------------------------------
-
-static MemoryPrediction predict_memory(const RunConfig& rc) {
-  const int64_t psi = param_count(rc.model);
-  MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);  // a full replica per rank
-  p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);
-  return p;
-}
-
-// Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank
-// (the same in naive and bucketed mode: bucketing changes when, not how much).
-static double predict_allreduce_bytes(const RunConfig& rc, int dp) {
-  return 2.0 * (dp - 1) / dp * 4.0 * double(param_count(rc.model));
-}
-
-// ----- main ---------------------------------------------------------------------------------------------
 
 int main(int argc, char** argv) {
-  comm_init(&argc, &argv);
-  Args args(argc, argv, kDoc);
-  RunConfig rc = parse_run_config(args);
-  MeshConfig mc;
-  mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
-  const std::string mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
-  const double bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)");
-  args.finish();
-  resolve_batch(rc, mc.dp);
+  std::string mode;
+  double bucket_mb = 0;
+  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
+    mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
+    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)");
+  });
+  RunConfig& rc = prog.rc;
+  const MeshConfig& mc = prog.mc;
+  RunLog& log = prog.log();
   if (mode != "naive" && mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", mode.c_str());
   if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
-  set_comm_timeout(rc.timeout);
-  RunLog log(rc, Device::CPU);
-  if (rc.dry_run) {
-    MemoryPrediction p = predict_memory(rc);
+  auto print_plan = [&] {
+    const MemoryPrediction p = dp::predict_memory(rc);
+    print_model(log, rc.model);
     log.line("per rank at dp %d: params %s, grads %s, optimizer %s, activations %s (micro-batch %d)", mc.dp,
              human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
              human_bytes(p.activations).c_str(), rc.micro_batch);
-    log.line("all-reduce per step and rank: 2(N-1)/N · 4Ψ = %s", human_bytes(predict_allreduce_bytes(rc, mc.dp)).c_str());
-    comm_finalize();
-    return 0;
-  }
-
-  const Device dev = parse_device(rc.device);
-  Mesh mesh = make_mesh(mc, dev);  // validates world == dp before any collective
-  TokenData data = open_data(rc, dev, log);
+    log.line("all-reduce per step and rank: 2(N-1)/N · 4Ψ = %s",
+             human_bytes(dp::predict_allreduce_bytes(rc, mc.dp)).c_str());
+  };
+  if (prog.dry_run(print_plan)) return 0;
+  prog.open();  // validates world == dp before any collective
+  Mesh& mesh = prog.mesh;
+  print_plan();
   log.line("dp %d, %s, %d sequences per rank per step", mc.dp, mode.c_str(), rc.batch / mc.dp);
 
-  Model model(rc.model, dev, rc.dtype, rc.recompute);
+  Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   // Every rank initialises (or loads) the same full weights: no broadcast needed.
   const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
@@ -190,8 +191,8 @@ int main(int argc, char** argv) {
   if (mode == "bucketed") log.line("%zu gradient buckets of up to %.3g MiB", dp.num_buckets(), bucket_mb);
 
   Loop loop;
-  loop.predicted = predict_memory(rc);
-  loop.step = [&](long step) { return train_step(model, opt, dp, data, rc, mesh, step); };
+  loop.predicted = dp::predict_memory(rc);
+  loop.step = [&](long step) { return train_step(model, opt, dp, prog.data, rc, mesh, step); };
   loop.save = [&](long step) {
     // Replicas are identical: rank 0 writes the whole model, the others nothing.
     std::vector<CheckpointSlice> mine;
@@ -201,13 +202,14 @@ int main(int argc, char** argv) {
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
   };
   loop.comm = [&] {
-    return comm_report(log, mesh.dp(), rc.steps - first, {{"all_reduce", predict_allreduce_bytes(rc, mc.dp)}});
+    return comm_report(log, mesh.dp(), rc.steps - first, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.dp)}});
   };
   loop.extra = [&](Json& s) {
     s["comm_hidden_fraction"] = dp.hidden_fraction();
     log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
   };
-  train_loop(rc, dev, log, data, first, loop);
-  comm_finalize();
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }
+#endif  // TS_PROGRAM == 2
+#endif  // TS_02_DATA_PARALLEL_CU

@@ -16,6 +16,8 @@
 // unit. Each unit is then one reduce-scatter and one all-gather with no re-layout.
 //
 //   mpirun -np 4 ./build/03_zero --dp 4 --zero 3 --batch 16 --steps 100
+#ifndef TS_03_ZERO_CU
+#define TS_03_ZERO_CU
 #include <algorithm>
 #include <cmath>
 
@@ -27,11 +29,8 @@
 #include "trace.h"
 #include "train.h"
 
+namespace zero {
 using namespace ts;
-
-static const char* kDoc =
-    "03_zero: ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP-style, with prefetch) over data-parallel ranks.\n"
-    "usage: mpirun -np N 03_zero --dp N --zero 1|2|3 [flags]";
 
 // ----- the shard layout ----------------------------------------------------------------------------
 
@@ -90,8 +89,8 @@ class Zero {
   }
 
   void begin_step() {
-    if (stage_ >= 2) zero(grad_shard_);
-    else zero(m_.grads);
+    if (stage_ >= 2) ts::zero(grad_shard_);
+    else ts::zero(m_.grads);
   }
   void begin_microbatch() { use_pos_ = 0; }
 
@@ -109,10 +108,9 @@ class Zero {
   // Clipping over sharded gradients is exact: each rank sums the squares of its chunks, and one
   // all-reduce of that scalar (8 bytes, a metric outside the counted collectives) gives the norm.
   double grad_norm() {
-    double mine = 0, all = 0;
-    for (int u = 0; u < units(); u++) mine += sum_squares(grads(u));
-    MPI_Allreduce(&mine, &all, 1, MPI_DOUBLE, MPI_SUM, dp_.mpi());
-    return std::sqrt(all);
+    std::vector<GradRange> mine;
+    for (int u = 0; u < units(); u++) mine.push_back({sh_.begin(u), grads(u)});
+    return global_grad_norm(m_.table, mine, {dp_.mpi()});
   }
 
   // Each rank updates its chunks; stages 1/2 then all-gather the updated weights.
@@ -210,27 +208,6 @@ class Zero {
   int use_pos_ = 0;
 };
 
-// ----- one optimizer step ----------------------------------------------------------------------------
-
-static StepResult train_step(Model& model, Zero& zero, const TokenData& data, const RunConfig& rc, const Mesh& mesh,
-                             long step) {
-  const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
-  const int first_seq = mesh.dp_rank * local;
-  zero.begin_step();
-  double loss_sum = 0;
-  for (int s0 = 0; s0 < local; s0 += mb) {
-    zero.begin_microbatch();
-    MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
-    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
-    zero.end_microbatch(s0 + mb == local);
-  }
-  double global = 0;
-  MPI_Allreduce(&loss_sum, &global, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  const double norm = zero.grad_norm();
-  zero.optimizer_step(rc, step, norm);
-  return {global / (double(rc.batch) * T), norm};
-}
-
 // ----- predict: memory and communication per rank (notes/03 derives each line) ---------------------
 
 struct ZeroPlan {
@@ -239,7 +216,7 @@ struct ZeroPlan {
   ParamTable table;  // padded per unit to a multiple of n
 };
 
-static MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
+inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
   const double e = double(dtype_size(rc.dtype)), P = double(p.table.total), S = P / p.n;
   const double master = rc.dtype != DType::F32 && rc.master_weights ? 4.0 : 0.0;
   const int U = p.table.num_units();
@@ -258,7 +235,7 @@ static MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
 }
 
 // Wire bytes per rank per step, ring algorithm: reduce-scatter and all-gather each (N-1)/N·K.
-static std::map<std::string, double> predict_comm(const RunConfig& rc, const ZeroPlan& p) {
+inline std::map<std::string, double> predict_comm(const RunConfig& rc, const ZeroPlan& p) {
   const double f = double(p.n - 1) / p.n, e = double(dtype_size(rc.dtype)), P = double(p.table.total);
   const int L = rc.model.layers;
   const double layers = double(p.table.unit_begin[L + 1] - p.table.unit_begin[1]);
@@ -272,8 +249,9 @@ static std::map<std::string, double> predict_comm(const RunConfig& rc, const Zer
   return c;
 }
 
-static void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
+inline void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
   const MemoryPrediction m = predict_memory(rc, p);
+  print_model(log, rc.model);
   const int64_t psi = param_count(rc.model);
   log.line("ZeRO-%d over %d ranks: Ψ = %lld parameters, padded per unit to %lld (%lld padding)", p.stage, p.n,
            (long long)psi, (long long)p.table.total, (long long)(p.table.total - psi));
@@ -283,38 +261,61 @@ static void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
   for (auto& [op, b] : predict_comm(rc, p)) log.line("per-rank %s per step: %s", op.c_str(), human_bytes(b).c_str());
 }
 
+}  // namespace zero
+
+// ----- the program ------------------------------------------------------------------------------------
+#if TS_PROGRAM == 3
+using namespace ts;
+using namespace zero;
+
+static const char* kDoc =
+    "03_zero: ZeRO-1, ZeRO-2 and ZeRO-3 (FSDP-style, with prefetch) over data-parallel ranks.\n"
+    "usage: mpirun -np N 03_zero --dp N --zero 1|2|3 [flags]";
+
+// ----- one optimizer step ----------------------------------------------------------------------------
+
+static StepResult train_step(Model& model, Zero& zero, const TokenData& data, const RunConfig& rc, Mesh& mesh,
+                             long step) {
+  const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
+  const int first_seq = mesh.dp_rank * local;
+  zero.begin_step();
+  double loss_sum = 0;
+  for (int s0 = 0; s0 < local; s0 += mb) {
+    zero.begin_microbatch();
+    MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
+    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+    zero.end_microbatch(s0 + mb == local);
+  }
+  const double norm = zero.grad_norm();
+  zero.optimizer_step(rc, step, norm);
+  return {global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.dp().mpi()}), norm};
+}
+
 // ----- main ---------------------------------------------------------------------------------------------
 
 int main(int argc, char** argv) {
-  comm_init(&argc, &argv);
-  Args args(argc, argv, kDoc);
-  RunConfig rc = parse_run_config(args);
-  MeshConfig mc;
-  mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
-  const int stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
-  const bool prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
-  args.finish();
-  if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
-  resolve_batch(rc, mc.dp);
-  set_comm_timeout(rc.timeout);
-  RunLog log(rc, Device::CPU);
+  int stage = 1;
+  bool prefetch = true;
+  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
+    stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
+    prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
+    if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
+  });
+  RunConfig& rc = prog.rc;
+  const MeshConfig& mc = prog.mc;
+  RunLog& log = prog.log();
   ZeroPlan plan{stage, mc.dp, rc.batch / mc.dp / rc.micro_batch, prefetch, Model::make_table(rc.model, mc.dp)};
-  if (rc.dry_run) {
-    print_plan(log, rc, plan);
-    comm_finalize();
-    return 0;
-  }
-
-  const Device dev = parse_device(rc.device);
-  Mesh mesh = make_mesh(mc, dev);  // validates world == dp before any collective
-  TokenData data = open_data(rc, dev, log);
+  if (prog.dry_run([&] { print_plan(log, rc, plan); })) return 0;
+  prog.open();  // validates world == dp before any collective
+  Mesh& mesh = prog.mesh;
   print_plan(log, rc, plan);
 
   ModelLayout layout;
   layout.align = mc.dp;
   layout.hold_params = stage < 3;
   layout.hold_grads = stage < 2;
-  Model model(rc.model, dev, rc.dtype, rc.recompute, layout);
+  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
   Zero zero(model, mesh.dp(), stage, prefetch, rc);
   long first = 0;
   for (int u = 0; u < zero.units(); u++) {
@@ -326,7 +327,7 @@ int main(int argc, char** argv) {
 
   Loop loop;
   loop.predicted = predict_memory(rc, plan);
-  loop.step = [&](long step) { return train_step(model, zero, data, rc, mesh, step); };
+  loop.step = [&](long step) { return train_step(model, zero, prog.data, rc, mesh, step); };
   loop.save = [&](long step) {
     // Every rank writes its chunks: the checkpoint does not depend on dp or the stage.
     std::vector<CheckpointSlice> mine;
@@ -340,7 +341,8 @@ int main(int argc, char** argv) {
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
   };
   loop.comm = [&] { return comm_report(log, mesh.dp(), rc.steps - first, predict_comm(rc, plan)); };
-  train_loop(rc, dev, log, data, first, loop);
-  comm_finalize();
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }
+#endif  // TS_PROGRAM == 3
+#endif  // TS_03_ZERO_CU

@@ -73,6 +73,12 @@ $(BUILD)/%.o: %.cu
 	@mkdir -p $(dir $@)
 	$(CU) $(CPPFLAGS) -MMD -MP -c $< -o $@
 
+# A technique file is a module and a program: its main() compiles only where TS_PROGRAM names it
+# (01 -> 1, ..., 08 -> 8), so other files and tests can include its technique.
+$(BUILD)/0%.o: 0%.cu
+	@mkdir -p $(dir $@)
+	$(CU) $(CPPFLAGS) -DTS_PROGRAM=$(firstword $(subst _, ,$*)) -MMD -MP -c $< -o $@
+
 $(BUILD)/common.a: $(COMMON_OBJ)
 	rm -f $@ && ar rcs $@ $^
 

@@ -218,6 +218,42 @@ float clip_coefficient(double norm, double clip) {
   return float(std::min(1.0, clip / (norm + 1e-6)));
 }
 
+double global_mean_loss(double local_sum, double global_tokens, const std::vector<MPI_Comm>& token_groups) {
+  double v = local_sum;
+  for (MPI_Comm c : token_groups) {
+    double all = 0;
+    MPI_Allreduce(&v, &all, 1, MPI_DOUBLE, MPI_SUM, c);
+    v = all;
+  }
+  return v / global_tokens;
+}
+
+// Copies that do not count are cut out of each range; what remains is summed in pieces as long
+// as possible (one piece per range when nothing is replicated: the order 01 uses).
+double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& ranges,
+                        const std::vector<MPI_Comm>& shard_groups) {
+  double sq = 0;
+  for (const GradRange& r : ranges) {
+    const int64_t end = r.begin + r.grads.numel();
+    int64_t from = r.begin;
+    auto piece = [&](int64_t upto) {
+      if (upto > from) sq += sum_squares(r.grads.view(from - r.begin, {upto - from}));
+    };
+    t.for_each_overlap(r.begin, end, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
+      if (p.counts) return;
+      piece(lo);
+      from = hi;
+    });
+    piece(end);
+  }
+  for (MPI_Comm c : shard_groups) {
+    double all = 0;
+    MPI_Allreduce(&sq, &all, 1, MPI_DOUBLE, MPI_SUM, c);
+    sq = all;
+  }
+  return std::sqrt(sq);
+}
+
 // The range may cut through tensors (ZeRO shards): each parameter's intersection with it is
 // updated with that parameter's weight-decay rule.
 void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, long t, float clip_coef,
@@ -283,6 +319,12 @@ MemoryPrediction predict_states(int64_t psi, int64_t psi_opt, DType dt, bool mas
   p.params = double(psi) * dtype_size(dt);
   p.grads = 4.0 * psi;  // fp32 gradients (accumulated in fp32 under bf16 too)
   p.optimizer = 8.0 * psi_opt + (dt != DType::F32 && master_weights ? 4.0 * psi_opt : 0.0);
+  return p;
+}
+
+MemoryPrediction predict_replica(const RunConfig& rc, int64_t psi) {
+  MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);
+  p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);
   return p;
 }
 
@@ -434,6 +476,44 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   mem["total_peak"] = int64_t(s.total_peak);
   return mem;
+}
+
+// ----- the shared start ----------------------------------------------------------------------------
+
+Program::Program(int argc, char** argv, const char* doc, const std::function<void(Args&, RunConfig&, MeshConfig&)>& own) {
+  comm_init(&argc, &argv);
+  Args args(argc, argv, doc);
+  rc = parse_run_config(args);
+  own(args, rc, mc);
+  args.finish();
+  resolve_batch(rc, mc.dp);
+  set_comm_timeout(rc.timeout);
+  log_ = std::make_unique<RunLog>(rc, Device::CPU);
+}
+
+Program::~Program() {
+  log_.reset();
+  mesh = Mesh();  // communicators go before MPI does
+  comm_finalize();
+}
+
+bool Program::dry_run(const std::function<void()>& print) {
+  if (!rc.dry_run) return false;
+  print();
+  return true;
+}
+
+void Program::open() {
+  dev = parse_device(rc.device);
+  mesh = make_mesh(mc, dev);
+  data = open_data(rc, dev, log());
+}
+
+void print_model(RunLog& log, const ModelConfig& m) {
+  log.line("model: dim %d, layers %d, heads %d (kv %d), ffn %d, vocab %d, seq %d", m.dim, m.layers, m.heads,
+           m.kv_heads, m.ffn, m.vocab, m.seq);
+  log.line("parameters: %.3fM (%.3fM without the embedding); %.3f GFLOP per token (6N + 12·L·h·s)",
+           param_count(m) / 1e6, param_count(m, false) / 1e6, flops_per_token(m) / 1e9);
 }
 
 // ----- the shared loop ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@
 #include "core.h"
 #include "data.h"
 #include "json.h"
+#include "mesh.h"
 #include "model.h"
 
 namespace ts {
@@ -93,6 +94,23 @@ class AdamW {
 // min(1, clip / (norm + 1e-6)); 1 when clipping is off.
 float clip_coefficient(double grad_norm, double clip);
 
+// ----- loss and gradient norm across the mesh ------------------------------------------------
+// The step's mean token loss: each rank's summed token losses, summed over `token_groups` (the
+// ranks that hold different tokens: dp × cp; tp ranks hold the same value and are not summed),
+// divided by the global token count. A metric: its 8 bytes are not counted with the collectives.
+double global_mean_loss(double local_sum, double global_tokens, const std::vector<MPI_Comm>& token_groups);
+// The global L2 norm of the gradients: squares of this rank's gradient ranges (each a local flat
+// range [begin, begin + numel) of `t`, in order) summed in double, skipping the copies of
+// replicated tensors that do not count (so a tp-replicated norm weight counts once), then summed
+// over `shard_groups` (every group whose ranks hold different parameters or gradient shards:
+// tp, pp, and dp under ZeRO).
+struct GradRange {
+  int64_t begin;
+  Tensor grads;
+};
+double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& ranges,
+                        const std::vector<MPI_Comm>& shard_groups);
+
 // ----- data on the device ----------------------------------------------------------------------
 struct MicroBatch {
   Tensor inputs, targets;  // int32 [nseq * seq]
@@ -111,6 +129,9 @@ struct MemoryPrediction {
 // Per-rank bytes of parameters (Ψ local), gradients and optimizer states, fp32 or bf16 mixed
 // precision (bf16 weights + fp32 gradients + fp32 master/m/v = 2Ψ + 4Ψ + 12Ψ).
 MemoryPrediction predict_states(int64_t psi_local, int64_t psi_optimizer, DType dt, bool master_weights);
+// A rank holding Ψ_local parameters whole (no optimizer sharding) with activations of one
+// micro-batch of the whole model: 01 and 02 exactly.
+MemoryPrediction predict_replica(const RunConfig& rc, int64_t psi_local);
 // Peak bytes of saved activations for one micro-batch of b sequences (see notes/01).
 double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc);
 
@@ -138,7 +159,32 @@ class RunLog {
   bool rank0_;
 };
 
-// ----- the start and the loop every technique shares ------------------------------------------------------------
+// ----- the start every technique's main() shares ------------------------------------------------
+// In order: MPI, the shared flags, the technique's own flags and checks (`own`, which sets the
+// mesh degrees), the unknown-flag check, the batch split over the dp ranks, the watchdog timeout
+// and the log. Then either dry_run() (predictions only) or open() (device, mesh, data).
+class Program {
+ public:
+  Program(int argc, char** argv, const char* doc, const std::function<void(Args&, RunConfig&, MeshConfig&)>& own);
+  ~Program();  // releases the mesh's communicators, then finalises MPI
+  RunConfig rc;
+  MeshConfig mc;
+  Device dev = Device::CPU;
+  Mesh mesh;
+  TokenData data;
+  RunLog& log() { return *log_; }
+  // --dry-run: calls print (the technique's predictions) and returns true: main returns 0.
+  bool dry_run(const std::function<void()>& print);
+  // The device, the mesh (validated against the world before any collective), the data.
+  void open();
+
+ private:
+  std::unique_ptr<RunLog> log_;
+};
+// The model's shape, Ψ and FLOPs per token (the first lines of every run).
+void print_model(RunLog& log, const ModelConfig& m);
+
+// ----- the loop every technique shares ------------------------------------------------------------
 // The training data (every rank loads the same tokens and reads its own windows), after the
 // BLAS check on the CPU; prints the device, the source and its loss floor.
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log);
