@@ -287,18 +287,18 @@ void Model::embed_forward(ForwardState& st, Tensor& x) {
 Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos) {
   const LayerIdx& L = li_[l];
   const int64_t Nr = a.x.size(0), N = int64_t(B) * S, H = local_heads, KVH = local_kv_heads, hd = cfg.head_dim();
-  {
-    Tensor h = act({Nr, cfg.dim});
-    a.rstd1 = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
-    rmsnorm_forward(h, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
-    a.h1 = tp->f_forward(h);
-  }
+  a.h1 = act({Nr, cfg.dim});
+  a.rstd1 = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
+  rmsnorm_forward(a.h1, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
   a.q = act({B, S, H, hd});
   a.k = act({B, S, KVH, hd});
   a.v = act({B, S, KVH, hd});
-  linear_forward(a.q.reshape({N, H * hd}), a.h1, w_[L.q]);
-  linear_forward(a.k.reshape({N, KVH * hd}), a.h1, w_[L.k]);
-  linear_forward(a.v.reshape({N, KVH * hd}), a.h1, w_[L.v]);
+  {
+    const Tensor h = tp->f_forward(a.h1);
+    linear_forward(a.q.reshape({N, H * hd}), h, w_[L.q]);
+    linear_forward(a.k.reshape({N, KVH * hd}), h, w_[L.k]);
+    linear_forward(a.v.reshape({N, KVH * hd}), h, w_[L.v]);
+  }
   rope_forward(a.q, pos, cfg.rope_theta);
   rope_forward(a.k, pos, cfg.rope_theta);
   a.y = act({B, S, H, hd});
@@ -310,16 +310,13 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos
     linear_forward(o, a.y.reshape({N, H * hd}), w_[L.o]);
     add(a.x_mid, a.x, tp->g_forward(o));
   }
-  {
-    Tensor h = act({Nr, cfg.dim});
-    a.rstd2 = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
-    rmsnorm_forward(h, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
-    a.h2 = tp->f_forward(h);
-  }
+  a.h2 = act({Nr, cfg.dim});
+  a.rstd2 = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
+  rmsnorm_forward(a.h2, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
   Tensor out = act({Nr, cfg.dim});
   {
     Tensor y2 = work({N, cfg.dim});
-    mlp->forward(*this, l, y2, a.h2, a);
+    mlp->forward(*this, l, y2, tp->f_forward(a.h2), a);
     add(out, a.x_mid, tp->g_forward(y2));
   }
   return out;
@@ -350,13 +347,11 @@ void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale)
   st.xf = x;
   st.rstdf = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
   Tensor wn = fp32_weight(w_[normf_]);
-  {
-    Tensor h = act({Nr, cfg.dim});
-    rmsnorm_forward(h, st.rstdf, st.xf, wn, cfg.norm_eps);
-    st.hf = tp->f_forward(h);
-  }
+  st.hf = act({Nr, cfg.dim});
+  rmsnorm_forward(st.hf, st.rstdf, st.xf, wn, cfg.norm_eps);
+  const Tensor h = tp->f_forward(st.hf);
   st.logits = act({N, int64_t(local_vocab)});
-  linear_forward(st.logits, st.hf, w_[head_]);
+  linear_forward(st.logits, h, w_[head_]);
   Tensor losses = Tensor::empty({N}, DType::F32, dev, Tag::Workspace);
   loss->forward_backward(losses, st.logits, st.logits, st.targets, vocab_start, grad_scale);
   // Summed in double in token order on the host: the same value on every backend and mesh.
@@ -367,7 +362,7 @@ void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale)
   after_forward();
 
   Tensor dh = work({N, cfg.dim});
-  linear_backward(dh, g_[head_], st.logits, st.hf, w_[head_]);
+  linear_backward(dh, g_[head_], st.logits, h, w_[head_]);
   st.logits = st.hf = Tensor();
   Tensor dhr = tp->f_backward(dh);
   x = work({Nr, cfg.dim});
@@ -385,24 +380,24 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
   if (recompute == Recompute::Full) {
     layer_compute(l, a, st.B, st.S, st.pos);  // rerun the forward; the output itself is not needed
   } else if (recompute == Recompute::Selective) {
-    Tensor h = act({Nr, cfg.dim});
-    rmsnorm_forward(h, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
-    a.h1 = tp->f_forward(h);
-    h = act({Nr, cfg.dim});
-    rmsnorm_forward(h, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
-    a.h2 = tp->f_forward(h);
+    a.h1 = act({Nr, cfg.dim});
+    rmsnorm_forward(a.h1, a.rstd1, a.x, fp32_weight(w_[L.ln1]), cfg.norm_eps);
+    a.h2 = act({Nr, cfg.dim});
+    rmsnorm_forward(a.h2, a.rstd2, a.x_mid, fp32_weight(w_[L.ln2]), cfg.norm_eps);
   }
-  // MLP: out = x_mid + g(MLP(f(h2))), h2 = RMSNorm(x_mid).
+  // MLP: out = x_mid + g(MLP(f(h2))), h2 = RMSNorm(x_mid). The column-parallel input f(h2) is
+  // rebuilt rather than stored: under sequence parallelism that is a second all-gather, and
+  // only the 1/tp token block is kept (Korthikanti et al.'s sbh/t·(34 + 5as/h)).
   Tensor tmp = work({Nr, cfg.dim});
   {
     Tensor dh2 = work({N, cfg.dim});
-    mlp->backward(*this, l, dh2, tp->g_backward(dx), a.h2, a);
+    mlp->backward(*this, l, dh2, tp->g_backward(dx), tp->f_forward(a.h2), a);
     rmsnorm_backward(tmp, g_[L.ln2], tp->f_backward(dh2), a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
     add_inplace(dx, tmp);  // dx := d x_mid (residual path + norm path)
   }
   a.h2 = a.g = a.u = a.act = a.x_mid = a.rstd2 = Tensor();
   a.mlp_state.clear();
-  // Attention: x_mid = x + g(o_proj(attn(rope(q(h1)), rope(k(h1)), v(h1)))), h1 = f(RMSNorm(x)).
+  // Attention: x_mid = x + g(o_proj(attn(rope(q(f(h1))), rope(k(f(h1))), v(f(h1))))), h1 = RMSNorm(x).
   {
     Tensor dy = work(a.y.shape), dq = work(a.q.shape), dk = work(a.k.shape), dv = work(a.v.shape);
     linear_backward(dy.reshape({N, H * hd}), g_[L.o], tp->g_backward(dx), a.y.reshape({N, H * hd}), w_[L.o]);
@@ -410,9 +405,10 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
     rope_backward(dq, st.pos, cfg.rope_theta);
     rope_backward(dk, st.pos, cfg.rope_theta);
     Tensor dh1 = work({N, cfg.dim});
-    linear_backward(dh1, g_[L.q], dq.reshape({N, H * hd}), a.h1, w_[L.q]);
-    linear_backward(dh1, g_[L.k], dk.reshape({N, KVH * hd}), a.h1, w_[L.k], true);
-    linear_backward(dh1, g_[L.v], dv.reshape({N, KVH * hd}), a.h1, w_[L.v], true);
+    const Tensor h1 = tp->f_forward(a.h1);
+    linear_backward(dh1, g_[L.q], dq.reshape({N, H * hd}), h1, w_[L.q]);
+    linear_backward(dh1, g_[L.k], dk.reshape({N, KVH * hd}), h1, w_[L.k], true);
+    linear_backward(dh1, g_[L.v], dv.reshape({N, KVH * hd}), h1, w_[L.v], true);
     rmsnorm_backward(tmp, g_[L.ln1], tp->f_backward(dh1), a.x, fp32_weight(w_[L.ln1]), a.rstd1);
     add_inplace(dx, tmp);  // dx := d x
   }

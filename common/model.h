@@ -139,16 +139,16 @@ template <class... A> class Hook {
   std::vector<std::function<void(A...)>> subs_;
 };
 
-// Saved activations of one decoder layer for one micro-batch (Tag::Activations). Token counts:
-// N = this rank's tokens of the micro-batch; under sequence parallelism the residual stream and
-// the norms hold N/tp of them and the column-parallel inputs (h1, h2) all N.
+// Saved activations of one decoder layer for one micro-batch (Tag::Activations). Under sequence
+// parallelism the residual stream and the norms (x, h1, x_mid, h2, rstd) hold 1/tp of the
+// micro-batch's tokens; f rebuilds the full-token inputs of the column-parallel matmuls.
 struct LayerActs {
   Tensor x;                 // layer input (the residual stream)
-  Tensor h1, rstd1;         // input to q/k/v: f(input_layernorm(x)) (not kept under selective), and 1/rms
+  Tensor h1, rstd1;         // input_layernorm output (not kept under selective) and its 1/rms
   Tensor q, k, v;           // after RoPE, this rank's heads
   Tensor y, lse;            // attention output [B, S, H_local, hd] and its log-sum-exp [B, H_local, S]
   Tensor x_mid;             // x + g(o_proj(y))
-  Tensor h2, rstd2;         // input to the MLP: f(post_attention_layernorm(x_mid)), and 1/rms
+  Tensor h2, rstd2;         // post_attention_layernorm
   Tensor g, u, act;         // SwiGLU's gate, up, silu(g)*u (act not kept under selective)
   std::vector<Tensor> mlp_state;  // what a swapped-in MLP block saves (MoE routing)
   double aux_loss = 0;      // the MLP block's auxiliary loss for this micro-batch (MoE balance), weighted

@@ -328,26 +328,29 @@ MemoryPrediction predict_replica(const RunConfig& rc, int64_t psi) {
   return p;
 }
 
-// Bytes per token saved by one decoder layer (notes/01 derives each term). e = bytes per
-// element of the compute dtype; statistics (two 1/rms, one lse per head) are fp32.
-static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc) {
-  const double D = c.dim, KV = c.kv_dim(), F = c.ffn, stats = 4.0 * (2 + c.heads);
-  const double all = (6 * D + 2 * KV + 3 * F) * e + stats;  // x,h1,q,k,v,y,x_mid,h2 + g,u,act
-  if (rc == Recompute::None) return all;
-  if (rc == Recompute::Selective) return all - (2 * D + F) * e;  // minus h1, h2, act
-  return D * e;  // full: the layer input only
+// Bytes per token of the micro-batch saved by one decoder layer (notes/01 and notes/04 derive
+// each term). e = bytes per element of the compute dtype; statistics (two 1/rms, one lse per
+// head) are fp32. Tensor parallelism keeps 1/t of the head- and ffn-sized tensors; sequence
+// parallelism also keeps 1/t of the norm-region ones (r = 1/t), plain TP all of them (r = 1).
+static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc, double t, double r) {
+  const double D = c.dim, KV = c.kv_dim(), F = c.ffn, H = c.heads;
+  const double region = r * (4 * D * e + 8);                      // x, h1, x_mid, h2 + rstd1, rstd2
+  const double split = ((2 * D + 2 * KV + 3 * F) * e + 4 * H) / t;  // q, y, k, v, g, u, act + lse
+  if (rc == Recompute::None) return region + split;
+  if (rc == Recompute::Selective) return region + split - r * 2 * D * e - F * e / t;  // minus h1, h2, act
+  return r * D * e;  // full: the layer input only
 }
 
 // The peak of saved activations is the larger of two moments:
-//  A) the end of the forward: every layer's saved set + the head's (final norm output, logits);
+//  A) the end of the forward: every layer's saved set + the head's (final norm in/out, logits);
 //  F) the forward of the last layer: L-1 saved sets + that layer's complete set + its output.
-double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc) {
-  const double e = double(dtype_size(dt)), tokens = double(b) * c.seq;
-  const double saved = layer_saved_per_token(c, e, rc);
-  const double all = layer_saved_per_token(c, e, Recompute::None);
-  const double head = (2.0 * c.dim + c.vocab) * e + 4.0;  // xf (last output), hf, logits, rstd
+double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp, bool sp) {
+  const double e = double(dtype_size(dt)), tokens = double(b) * c.seq, t = tp, r = sp ? 1.0 / tp : 1.0;
+  const double saved = layer_saved_per_token(c, e, rc, t, r);
+  const double all = layer_saved_per_token(c, e, Recompute::None, t, r);
+  const double head = r * (2.0 * c.dim * e + 4.0) + c.vocab * e / t;  // xf, hf, rstd; logits [N, V/t]
   const double A = c.layers * saved + head;
-  const double F = (c.layers - 1) * saved + all + c.dim * e;
+  const double F = (c.layers - 1) * saved + all + r * c.dim * e;
   return tokens * std::max(A, F);
 }
 

@@ -132,8 +132,9 @@ MemoryPrediction predict_states(int64_t psi_local, int64_t psi_optimizer, DType 
 // A rank holding Ψ_local parameters whole (no optimizer sharding) with activations of one
 // micro-batch of the whole model: 01 and 02 exactly.
 MemoryPrediction predict_replica(const RunConfig& rc, int64_t psi_local);
-// Peak bytes of saved activations for one micro-batch of b sequences (see notes/01).
-double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc);
+// Peak bytes of saved activations for one micro-batch of b sequences (see notes/01), at tensor
+// parallelism tp with or without sequence parallelism (notes/04).
+double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp = 1, bool sp = false);
 
 // ----- reporting ----------------------------------------------------------------------------------
 // The per-step record, printed as a line and written as a JSON line.

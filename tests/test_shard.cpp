@@ -6,6 +6,8 @@
 #include <catch2/catch.hpp>
 #include <mpi.h>
 
+#include <array>
+#include <cstdio>
 #include <fstream>
 #include <iterator>
 
@@ -29,6 +31,14 @@ std::vector<float> init_all(const ParamTable& t, uint64_t seed) {
 std::string file_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// A scratch path every rank agrees on (tst::scratch is per process).
+std::string shared_scratch(const std::string& name) {
+  char buf[256] = {0};
+  if (world_rank() == 0) snprintf(buf, sizeof buf, "%s", tst::scratch(name).c_str());
+  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  return buf;
 }
 
 int world_size() {
@@ -120,7 +130,7 @@ TEST_CASE("tp blocks saved by every rank give the same model and optimizer bytes
   rc.model = kCfg;
   Json mesh = Json::object();
   // The reference: the whole model from rank 0 alone (the others contribute nothing).
-  const std::string ref = tst::scratch("shard_ref"), sharded = tst::scratch("shard_tp");
+  const std::string ref = shared_scratch("shard_ref"), sharded = shared_scratch("shard_tp");
   {
     Model m(kCfg, Device::CPU, DType::F32, Recompute::None);
     AdamW opt(m, 0, m.table.total, false);
