@@ -438,9 +438,13 @@ float row_max(const float* row, int64_t n) {
   return mx;
 }
 
-double exp_sum(float* e, const float* row, float mx, int64_t n) {
+void exp_shifted(float* e, const float* row, float mx, int64_t n) {
 #pragma omp simd
   for (int64_t j = 0; j < n; j++) e[j] = exp_approx(row[j] - mx);
+}
+
+double exp_sum(float* e, const float* row, float mx, int64_t n) {
+  exp_shifted(e, row, mx, n);
   double sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t j = 0; j < n; j++) sum += e[j];
@@ -655,29 +659,69 @@ template <class T> void swiglu_backward_cpu(T* dg, T* du, const T* dh, const T* 
 
 // ===== cross-entropy ============================================================================
 
+// Runs f(n, x) for every row n of logits [N, V], x the row widened to fp32 in a per-thread buffer
+// that f may overwrite; rows are split over the threads.
+template <class T, class F> void for_rows_f32(const T* logits, int64_t N, int64_t V, F&& f) {
+#pragma omp parallel
+  {
+    std::vector<float> x(V);
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+      const T* xr = logits + n * V;
+      for (int64_t j = 0; j < V; j++) x[j] = ld(xr[j]);
+      f(n, x.data());
+    }
+  }
+}
+
+// logsumexp - x[t] from the max and the sum of exp(x - max), in double.
+inline float ce_loss(float mx, double sum, float xt) { return float(double(mx) + std::log(sum) - double(xt)); }
+
+// A row of dlogits = (softmax - onehot(t)) * scale from e = exp(x - max) and inv = 1 / sum; t may
+// lie outside [0, V) (another rank owns the target).
+template <class T> void ce_grad_row(T* d, const float* e, float inv, int64_t t, float scale, int64_t V) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; j++) d[j] = st<T>((e[j] * inv - float(j == t)) * scale);
+}
+
 // loss = logsumexp(x) - x[t] with the row max subtracted; dlogits = (softmax(x) - onehot(t)) * scale,
 // written over the row after it has been read (dlogits may alias logits; dl null: loss only).
 template <class T>
 void cross_entropy_cpu(float* losses, T* dl, const T* logits, const int32_t* tgt, float grad_scale, int64_t N,
                        int64_t V) {
-#pragma omp parallel
-  {
-    std::vector<float> x(V);  // the row in fp32, then its exp(x - max)
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; n++) {
-      const T* xr = logits + n * V;
-      for (int64_t j = 0; j < V; j++) x[j] = ld(xr[j]);
-      const int64_t t = tgt[n];
-      const float mx = row_max(x.data(), V), xt = x[t];
-      const double sum = exp_sum(x.data(), x.data(), mx, V);
-      losses[n] = float(double(mx) + std::log(sum) - double(xt));
-      if (!dl) continue;
-      const float inv = float(1.0 / sum);
-      T* d = dl + n * V;
-#pragma omp simd
-      for (int64_t j = 0; j < V; j++) d[j] = st<T>((x[j] * inv - float(j == t)) * grad_scale);
-    }
-  }
+  for_rows_f32(logits, N, V, [&](int64_t n, float* x) {
+    const int64_t t = tgt[n];
+    const float mx = row_max(x, V), xt = x[t];
+    const double sum = exp_sum(x, x, mx, V);  // x now holds exp(x - mx)
+    losses[n] = ce_loss(mx, sum, xt);
+    if (dl) ce_grad_row(dl + n * V, x, float(1.0 / sum), t, grad_scale, V);
+  });
+}
+
+// The vocabulary-parallel steps on a local block [N, V] whose first column is vocabulary row vs.
+template <class T> void vocab_ce_max_cpu(float* mx, const T* logits, int64_t N, int64_t V) {
+  for_rows_f32(logits, N, V, [&](int64_t n, float* x) { mx[n] = row_max(x, V); });
+}
+
+template <class T>
+void vocab_ce_stats_cpu(float* stats, const T* logits, const float* mx, const int32_t* tgt, int64_t vs, int64_t N,
+                        int64_t V) {
+  for_rows_f32(logits, N, V, [&](int64_t n, float* x) {
+    const int64_t t = tgt[n] - vs;
+    stats[N + n] = t >= 0 && t < V ? x[t] : 0.0f;  // exact through the sum: every other rank adds 0
+    stats[n] = float(exp_sum(x, x, mx[n], V));
+  });
+}
+
+template <class T>
+void vocab_ce_finish_cpu(float* losses, T* dl, const T* logits, const float* mx, const float* stats,
+                         const int32_t* tgt, int64_t vs, float grad_scale, int64_t N, int64_t V) {
+  for_rows_f32(logits, N, V, [&](int64_t n, float* x) {
+    losses[n] = ce_loss(mx[n], stats[n], stats[N + n]);
+    if (!dl) return;
+    exp_shifted(x, x, mx[n], V);
+    ce_grad_row(dl + n * V, x, float(1.0 / double(stats[n])), tgt[n] - vs, grad_scale, V);
+  });
 }
 
 // ===== optimizer and norms ======================================================================
@@ -747,6 +791,22 @@ void check_like(const char* op, const char* name, const Tensor& t, const Tensor&
 void check_numel(const char* op, const char* name, const Tensor& t, int64_t n, DType dt) {
   check_dtype(op, name, t, dt);
   TS_CHECK(t.numel() == n, "%s: %s must have %lld elements, got %s", op, name, (long long)n, t.str().c_str());
+}
+
+// The arguments the vocab_ce steps share: logits [N, Vl] (T) and max [N] fp32, then for steps 2
+// and 3 (stats defined) stats [2, N] fp32 and targets int32 [N]. Returns N and sets Vl.
+int64_t check_vocab_ce(const char* op, const Tensor& logits, const Tensor& max, const Tensor& stats,
+                       const Tensor& targets, int64_t& Vl) {
+  check_float(op, "logits", logits);
+  TS_CHECK(logits.dim() >= 1, "%s: logits must be [N, Vl], got %s", op, logits.str().c_str());
+  Vl = logits.size(-1);
+  const int64_t N = rows_of(op, "logits", logits, Vl);
+  check_numel(op, "max", max, N, DType::F32);
+  if (!stats.defined()) return N;
+  check_dtype(op, "stats", stats, DType::F32);
+  check_shape(op, "stats", stats, {2, N});
+  check_numel(op, "targets", targets, N, DType::I32);
+  return N;
 }
 
 }  // namespace
@@ -1053,6 +1113,47 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
     using T = decltype(t);
     cross_entropy_cpu(losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(),
                       targets.i32(), grad_scale, N, V);
+  });
+}
+
+void vocab_ce_max(const Tensor& max, const Tensor& logits) {
+  TS_PROFILE_OP("vocab_ce_max", max);
+  const char* op = "vocab_ce_max";
+  int64_t V;
+  const int64_t N = check_vocab_ce(op, logits, max, Tensor(), Tensor(), V);
+  if (common_device(op, {&max, &logits}) == Device::CUDA) return CUDA_TWIN(vocab_ce_max(max, logits));
+  by_dtype(logits.dtype, [&](auto t) { vocab_ce_max_cpu(max.f32(), logits.data<decltype(t)>(), N, V); });
+}
+
+void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
+                    int64_t vocab_start) {
+  TS_PROFILE_OP("vocab_ce_stats", stats);
+  const char* op = "vocab_ce_stats";
+  int64_t V;
+  const int64_t N = check_vocab_ce(op, logits, max, stats, targets, V);
+  if (common_device(op, {&stats, &logits, &max, &targets}) == Device::CUDA)
+    return CUDA_TWIN(vocab_ce_stats(stats, logits, max, targets, vocab_start));
+  for (int64_t n = 0; n < N; n++)  // no rank would own it: its logit would silently read as 0
+    TS_CHECK(targets.i32()[n] >= 0, "%s: target %d of row %lld is negative", op, targets.i32()[n], (long long)n);
+  by_dtype(logits.dtype, [&](auto t) {
+    vocab_ce_stats_cpu(stats.f32(), logits.data<decltype(t)>(), max.f32(), targets.i32(), vocab_start, N, V);
+  });
+}
+
+void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
+                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale) {
+  TS_PROFILE_OP("vocab_ce_finish", losses);
+  const char* op = "vocab_ce_finish";
+  int64_t V;
+  const int64_t N = check_vocab_ce(op, logits, max, stats, targets, V);
+  check_numel(op, "losses", losses, N, DType::F32);
+  if (dlogits.defined()) check_like(op, "dlogits", dlogits, logits, "logits");
+  if (common_device(op, {&losses, &dlogits, &logits, &max, &stats, &targets}) == Device::CUDA)
+    return CUDA_TWIN(vocab_ce_finish(losses, dlogits, logits, max, stats, targets, vocab_start, grad_scale));
+  by_dtype(logits.dtype, [&](auto t) {
+    using T = decltype(t);
+    vocab_ce_finish_cpu(losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(), max.f32(),
+                        stats.f32(), targets.i32(), vocab_start, grad_scale, N, V);
   });
 }
 

@@ -74,6 +74,22 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, float grad_scale);
 
+// ----- vocabulary-parallel cross-entropy (Megatron's VocabParallelCrossEntropy) ----------------
+// Under tp the LM head is split by vocabulary: this rank holds logits [N, Vl] (T) for the vocabulary
+// rows [vocab_start, vocab_start + Vl) and the full [N, V] is never gathered. targets int32 [N] are
+// global ids. Three steps, with the caller's collectives over the tp group between them:
+//   1. vocab_ce_max:    max [N] fp32 = the local row max.          all-reduce MAX of max -> M
+//   2. vocab_ce_stats:  stats [2, N] fp32 = (sum over the local row of exp(x - M),
+//                       x[target] where this rank owns the target, else 0).  all-reduce SUM -> (S, z)
+//   3. vocab_ce_finish: losses [N] fp32 = log S + M - z; dlogits [N, Vl] (T, may alias logits) =
+//                       (exp(x - M) / S - onehot(target)) * grad_scale; undefined: losses only.
+// With one rank (vocab_start 0, no collectives) this is cross_entropy_forward_backward.
+void vocab_ce_max(const Tensor& max, const Tensor& logits);
+void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
+                    int64_t vocab_start);
+void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
+                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale);
+
 // ----- optimizer and norms ---------------------------------------------------------------------
 struct AdamWParams {
   float lr, beta1, beta2, eps, weight_decay;

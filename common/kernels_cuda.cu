@@ -840,6 +840,28 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
 
 constexpr int kCeThreads = 512;
 
+// The passes over one row that the cross-entropy kernels share, one block per row: the row max,
+// the sum of exp(x - max) in double, and the gradient row (softmax - onehot(tgt)) * scale, each
+// thread writing only the entries it read (tgt outside [0, V): another rank owns the target).
+template <class T> __device__ float ce_row_max(const T* row, int64_t V, float* sh) {
+  float mx = -INFINITY;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, ld(row[i]));
+  return block_max(mx, sh);
+}
+template <class T> __device__ double ce_exp_sum(const T* row, int64_t V, float mx, double* sh) {
+  double sum = 0.0;
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) sum += expf(ld(row[i]) - mx);
+  return block_sum(sum, sh);
+}
+template <class T>
+__device__ void ce_grad_row(T* drow, const T* row, int64_t V, float mx, float inv, int64_t tgt, float scale) {
+  for (int64_t i = threadIdx.x; i < V; i += blockDim.x)
+    drow[i] = st<T>((expf(ld(row[i]) - mx) * inv - (i == tgt ? 1.f : 0.f)) * scale);
+}
+__device__ __forceinline__ float ce_loss(float mx, double sum, float xt) {
+  return float(double(mx) + log(sum) - double(xt));
+}
+
 // One block per row: max, then sum of exp(x - max) (stable for any logit range), then the loss
 // and the gradient (softmax - onehot) * grad_scale. The probabilities are never stored.
 // A target outside [0, V) gives a NaN loss, which the run's NaN check reports with its step.
@@ -851,21 +873,14 @@ __global__ void __launch_bounds__(kCeThreads)
   __shared__ double dsh[32];
   const int64_t n = blockIdx.x;
   const T* row = logits + n * V;
-  float mx = -INFINITY;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) mx = fmaxf(mx, ld(row[i]));
-  mx = block_max(mx, sh);
-  double sum = 0.0;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x) sum += expf(ld(row[i]) - mx);
-  sum = block_sum(sum, dsh);
+  const float mx = ce_row_max(row, V, sh);
+  const double sum = ce_exp_sum(row, V, mx, dsh);
   const int64_t tgt = targets[n];
   const bool valid = tgt >= 0 && tgt < V;
-  if (threadIdx.x == 0) losses[n] = valid ? float(double(mx) + log(sum) - double(ld(row[tgt]))) : NAN;
+  if (threadIdx.x == 0) losses[n] = valid ? ce_loss(mx, sum, ld(row[tgt])) : NAN;
   if (!dlogits) return;
   __syncthreads();  // row[tgt] is read before dlogits, which may alias logits, is written
-  const float inv = float(1.0 / sum);
-  T* drow = dlogits + n * V;
-  for (int64_t i = threadIdx.x; i < V; i += blockDim.x)
-    drow[i] = st<T>((expf(ld(row[i]) - mx) * inv - (i == tgt ? 1.f : 0.f)) * grad_scale);
+  ce_grad_row(dlogits + n * V, row, V, mx, float(1.0 / sum), tgt, grad_scale);
 }
 
 // An undefined dlogits computes the losses only (evaluation).
@@ -877,6 +892,78 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
     using T = decltype(t);
     cross_entropy_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(
         losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(), targets.i32(), V, grad_scale);
+    KERNEL_CHECK();
+  });
+}
+
+// ----- vocabulary-parallel cross-entropy -------------------------------------------------------
+// The three steps of the fused kernel on a local block [N, Vl] whose first column is vocabulary
+// row vs, one block per row; the caller reduces max and stats over the tp group in between.
+
+template <class T>
+__global__ void __launch_bounds__(kCeThreads) vocab_ce_max_kernel(float* mx, const T* logits, int64_t V) {
+  __shared__ float sh[32];
+  const float m = ce_row_max(logits + blockIdx.x * V, V, sh);
+  if (threadIdx.x == 0) mx[blockIdx.x] = m;
+}
+
+// A negative target belongs to no rank: its logit is NaN, so the loss is NaN and the run's NaN
+// check reports it with its step.
+template <class T>
+__global__ void __launch_bounds__(kCeThreads)
+    vocab_ce_stats_kernel(float* stats, const T* logits, const float* mx, const int32_t* targets, int64_t vs,
+                          int64_t N, int64_t V) {
+  __shared__ double dsh[32];
+  const int64_t n = blockIdx.x, t = targets[n] - vs;
+  const T* row = logits + n * V;
+  const double sum = ce_exp_sum(row, V, mx[n], dsh);
+  if (threadIdx.x != 0) return;
+  stats[n] = float(sum);
+  stats[N + n] = targets[n] < 0 ? NAN : t >= 0 && t < V ? ld(row[t]) : 0.f;
+}
+
+template <class T>
+__global__ void __launch_bounds__(kCeThreads)
+    vocab_ce_finish_kernel(float* losses, T* dlogits, const T* logits, const float* mx, const float* stats,
+                           const int32_t* targets, int64_t vs, int64_t N, int64_t V, float grad_scale) {
+  const int64_t n = blockIdx.x;
+  const double sum = stats[n];
+  if (threadIdx.x == 0) losses[n] = ce_loss(mx[n], sum, stats[N + n]);
+  if (dlogits) ce_grad_row(dlogits + n * V, logits + n * V, V, mx[n], float(1.0 / sum), targets[n] - vs, grad_scale);
+}
+
+void vocab_ce_max(const Tensor& max, const Tensor& logits) {
+  int64_t V = last_dim(logits), N = lead_dims(logits);
+  if (N == 0) return;
+  with_dtype(logits.dtype, "vocab_ce_max", [&](auto t) {
+    using T = decltype(t);
+    vocab_ce_max_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(max.f32(), logits.data<T>(), V);
+    KERNEL_CHECK();
+  });
+}
+
+void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
+                    int64_t vocab_start) {
+  int64_t V = last_dim(logits), N = lead_dims(logits);
+  if (N == 0) return;
+  with_dtype(logits.dtype, "vocab_ce_stats", [&](auto t) {
+    using T = decltype(t);
+    vocab_ce_stats_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(
+        stats.f32(), logits.data<T>(), max.f32(), targets.i32(), vocab_start, N, V);
+    KERNEL_CHECK();
+  });
+}
+
+// An undefined dlogits computes the losses only (evaluation).
+void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
+                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale) {
+  int64_t V = last_dim(logits), N = lead_dims(logits);
+  if (N == 0) return;
+  with_dtype(logits.dtype, "vocab_ce_finish", [&](auto t) {
+    using T = decltype(t);
+    vocab_ce_finish_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(
+        losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(), max.f32(), stats.f32(),
+        targets.i32(), vocab_start, N, V, grad_scale);
     KERNEL_CHECK();
   });
 }

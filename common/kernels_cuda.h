@@ -23,6 +23,9 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
 void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u);
 void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const Tensor& g, const Tensor& u);
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& targets, float grad_scale);
+void vocab_ce_max(const Tensor& max, const Tensor& logits);
+void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets, int64_t vocab_start);
+void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max, const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale);
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p, bool decay, float grad_scale, const Tensor& param_copy);
 double sum_squares(const Tensor& x);
 void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t col0, int64_t global_cols);

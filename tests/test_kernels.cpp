@@ -685,6 +685,88 @@ TEST_CASE("cross-entropy softmax is accurate element by element", "[cross_entrop
   REQUIRE(worst <= 3e-7);  // about 2.5 fp32 ulps
 }
 
+// ===== vocabulary-parallel cross-entropy =========================================================
+
+namespace {
+// The three vocab-parallel steps over tp column blocks of logits [N, V] in one process (block r
+// holds columns [r*V/tp, (r+1)*V/tp)), the host standing in for the tp collectives: MAX, then SUM in
+// rank order. Each block's dlogits overwrite it (in place) and are reassembled into dl; every
+// block must report the same losses, and the same again when it computes the losses alone.
+void vocab_parallel_ce(Vec& losses, Vec& dl, const Vec& x, const IVec& t, int tp, DType dt, float scale,
+                       int64_t N, int64_t V) {
+  auto start = [&](int r) { return r * V / tp; };
+  auto f32 = [](std::vector<int64_t> shape) {
+    return Tensor::empty(std::move(shape), DType::F32, Device::CPU, Tag::Activations);
+  };
+  std::vector<Tensor> blocks;
+  for (int r = 0; r < tp; r++) {
+    const int64_t c0 = start(r), Vl = start(r + 1) - c0;
+    Vec b(N * Vl);
+    for (int64_t n = 0; n < N; n++) std::copy_n(x.begin() + n * V + c0, Vl, b.begin() + n * Vl);
+    blocks.push_back(make({N, Vl}, b, dt));
+  }
+  const Tensor tg = ints(t);
+  Vec M(N, -std::numeric_limits<float>::infinity()), S(2 * N, 0.0f);
+  Tensor mx = f32({N}), stats = f32({2, N});
+  for (int r = 0; r < tp; r++) {
+    vocab_ce_max(mx, blocks[r]);
+    for (int64_t n = 0; n < N; n++) M[n] = std::max(M[n], mx.f32()[n]);
+  }
+  const Tensor Mt = make({N}, M);
+  for (int r = 0; r < tp; r++) {
+    vocab_ce_stats(stats, blocks[r], Mt, tg, start(r));
+    for (int64_t i = 0; i < 2 * N; i++) S[i] += stats.f32()[i];
+  }
+  const Tensor St = make({2, N}, S);
+  dl.assign(N * V, 0.0f);
+  for (int r = 0; r < tp; r++) {
+    Tensor l = f32({N});
+    vocab_ce_finish(l, Tensor(), blocks[r], Mt, St, tg, start(r), scale);
+    const Vec alone = host(l);
+    vocab_ce_finish(l, blocks[r], blocks[r], Mt, St, tg, start(r), scale);
+    if (r == 0) losses = host(l);
+    REQUIRE(bitwise_equal(host(l), losses));
+    REQUIRE(bitwise_equal(alone, losses));
+    const int64_t c0 = start(r), Vl = start(r + 1) - c0;
+    const Vec d = host(blocks[r]);
+    for (int64_t n = 0; n < N; n++) std::copy_n(d.begin() + n * Vl, Vl, dl.begin() + n * V + c0);
+  }
+}
+}  // namespace
+
+TEST_CASE("vocab-parallel cross-entropy over tp blocks equals the fused kernel", "[cross_entropy]") {
+  // Targets only in the first and last quarter of the vocabulary, so that at tp = 4 the middle
+  // blocks own none; rows of +-80 where a block's own max would overflow exp or underflow its sum.
+  const int64_t N = 9;
+  for (int64_t V : {64, 97})  // 97: blocks of unequal width
+    for (DType dt : {DType::F32, DType::BF16})
+      for (int tp : {1, 2, 4}) {
+        INFO("V " << V << " tp " << tp << " " << dtype_name(dt));
+        Vec x = randn(N * V, 621 + V, 3.0f);
+        IVec t(N);
+        for (int64_t n = 0; n < N; n++) t[n] = int32_t(n % 2 ? (n * 5) % (V / 4) : V - 1 - (n * 3) % (V / 4));
+        for (int64_t j = 0; j < V; j += 3) x[2 * V + j] = 80.0f;  // row 2: target at -80 among +80s
+        t[2] = 1;
+        x[2 * V + 1] = -80.0f;
+        for (int64_t j = 0; j < V; j++) x[3 * V + j] = j % 2 ? 80.0f : -80.0f;
+        for (int64_t j = 0; j < V; j++) x[6 * V + j] = j == V - 2 ? 80.0f : -80.0f;  // one +80, in the last block
+        const float scale = 1.0f / N;
+        Tensor fl = Tensor::empty({N}, DType::F32, Device::CPU, Tag::Activations), fd = make({N, V}, x, dt);
+        cross_entropy_forward_backward(fl, fd, fd, ints(t), scale);
+        Vec losses, dl;
+        vocab_parallel_ce(losses, dl, x, t, tp, dt, scale, N, V);
+        const Vec want_l = host(fl), want_d = host(fd);
+        REQUIRE(want_l[2] > 159.0f);
+        // Only S differs from the fused kernel's: summed in fp32 over the blocks and rounded to fp32
+        // before 1/S. Losses: 1e-6 norm-wise relative. dlogits: 2e-7 * grad_scale absolute (about two
+        // fp32 ulps of 1); in bf16 one bf16 step, 2^-8, where a last-bit difference flips the rounding.
+        CHECK(rel_err(losses, want_l) <= 1e-6);
+        double worst = 0;
+        for (int64_t i = 0; i < N * V; i++) worst = std::max(worst, std::fabs(double(dl[i]) - want_d[i]) / scale);
+        CHECK(worst <= (dt == DType::BF16 ? 1.0 / 256 : 2e-7));
+      }
+}
+
 // ===== optimizer and norms =======================================================================
 
 TEST_CASE("adamw: bias correction, decoupled decay, grad scale, bf16 copy", "[adamw]") {
@@ -904,6 +986,14 @@ std::vector<Named> run_all_ops(DType dt) {
   cross_entropy_forward_backward(losses, logits, logits, tok, 1.0f / N);
   r.push_back({"cross_entropy loss", host(losses)});
   r.push_back({"cross_entropy dlogits", host(logits)});
+  // One vocabulary shard starting at row 10: rows whose target is below it own no target.
+  Tensor shard = act({N, V}, 15, 3.0f), mx = f32({N}), stats = f32({2, N}), vlosses = f32({N});
+  vocab_ce_max(mx, shard);
+  vocab_ce_stats(stats, shard, mx, tok, 10);
+  vocab_ce_finish(vlosses, shard, shard, mx, stats, tok, 10, 1.0f / N);
+  r.push_back({"vocab_ce stats", host(stats)});
+  r.push_back({"vocab_ce loss", host(vlosses)});
+  r.push_back({"vocab_ce dlogits", host(shard)});
 
   Tensor s = like(x);
   add(s, x, y);
@@ -1109,6 +1199,30 @@ TEST_CASE("cuda twin: swiglu and cross-entropy", "[cuda]") {
     Tensor logits = make({N, V}, lg, dt), losses = make({N}, Vec(N, 0.f));
     twin("cross_entropy", {losses, logits, ints(tg)}, {0, 1},
          [](auto& t) { cross_entropy_forward_backward(t[0], t[1], t[1], t[2], 0.25f); }, tol_for(dt, 1e-5));
+  }
+}
+
+TEST_CASE("cuda twin: vocabulary-parallel cross-entropy", "[cuda]") {
+  if (!gpu_visible()) return;
+  // A shard of 1000 vocabulary rows (wider than a block) from row 500; targets in [0, 2000).
+  const int64_t N = 37, Vl = 1000, vs = 500;
+  Vec lg = randn(N * Vl, 25, 4.f);
+  lg[5] = 80.f;
+  lg[6] = -80.f;
+  IVec tg(N);
+  for (int64_t n = 0; n < N; n++) tg[n] = int32_t((n * 173) % 2000);
+  const Tensor tgt = ints(tg);
+  for (DType dt : {DType::F32, DType::BF16}) {
+    Tensor logits = make({N, Vl}, lg, dt), mx = make({N}, Vec(N, 0.f)), stats = make({2, N}, Vec(2 * N, 0.f));
+    Tensor losses = make({N}, Vec(N, 0.f));
+    twin("vocab_ce_max", {mx, logits}, {0}, [](auto& t) { vocab_ce_max(t[0], t[1]); }, 0);
+    vocab_ce_max(mx, logits);
+    scale_inplace(mx, 1.25f);  // a global max above this shard's own, as from another rank
+    twin("vocab_ce_stats", {stats, logits, mx, tgt}, {0},
+         [=](auto& t) { vocab_ce_stats(t[0], t[1], t[2], t[3], vs); }, 1e-5);
+    vocab_ce_stats(stats, logits, mx, tgt, vs);
+    twin("vocab_ce_finish", {losses, logits, mx, stats, tgt}, {0, 1},
+         [=](auto& t) { vocab_ce_finish(t[0], t[1], t[1], t[2], t[3], t[4], vs, 0.25f); }, tol_for(dt, 1e-5));
   }
 }
 
