@@ -278,7 +278,7 @@ ForwardState Model::begin_microbatch(const Tensor& inputs, const Tensor& targets
 void Model::embed_forward(ForwardState& st, Tensor& x) {
   Tensor part = act({int64_t(st.B) * st.S, cfg.dim});
   embedding_forward(part, w_[emb_], st.inputs, vocab_start);
-  x = tp->g_forward(part);
+  x = tp->g_forward(part, Tag::Activations);
 }
 
 // One decoder layer's forward from a.x, filling every activation field of `a`; returns the

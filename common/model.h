@@ -213,7 +213,8 @@ struct TpOps {
   virtual ~TpOps() = default;
   virtual Tensor f_forward(const Tensor& x) { return x; }
   virtual Tensor f_backward(const Tensor& dx) { return dx; }
-  virtual Tensor g_forward(const Tensor& y) { return y; }
+  // `tag`: what a new output is counted as (the embedding's becomes the saved residual stream).
+  virtual Tensor g_forward(const Tensor& y, Tag tag = Tag::Workspace) { (void)tag; return y; }
   virtual Tensor g_backward(const Tensor& dy) { return dy; }
 };
 

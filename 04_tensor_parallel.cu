@@ -1,0 +1,255 @@
+// 04_tensor_parallel.cu — tensor parallelism (Megatron-LM), with sequence parallelism.
+//
+// The playbook's tensor-parallel chapter, runnable. Every rank reads the same micro-batches; the
+// model's matrices are split across the --tp ranks instead:
+//   attention  q, k, v column-parallel by heads (heads/tp query heads and kv_heads/tp kv heads
+//              per rank, so each GQA group stays on one rank), o_proj row-parallel;
+//   MLP        gate and up column-parallel, down_proj row-parallel;
+//   embedding  vocabulary-parallel (vocab/tp rows per rank), combined by g;
+//   LM head    column-parallel by vocabulary, with a vocabulary-parallel cross-entropy that
+//              never gathers the logits.
+// The conjugate operators f (identity forward, all-reduce backward) and g (all-reduce forward,
+// identity backward) sit before each column-parallel pair and after each row-parallel matmul:
+// two all-reduces per layer forward, two backward.
+//
+// --sequence-parallel: in the RMSNorm/residual regions each rank keeps only its contiguous block
+// of the micro-batch's tokens; g becomes a reduce-scatter and f an all-gather (the same bytes as
+// the all-reduce they replace), and those activations are stored at 1/tp.
+//
+//   mpirun -np 4 ./build/04_tensor_parallel --tp 4 --sequence-parallel
+//   ./build/04_tensor_parallel --dry-run --preset 8b --tp 8 --micro-batch 1 --dtype bf16
+#ifndef TS_04_TENSOR_PARALLEL_CU
+#define TS_04_TENSOR_PARALLEL_CU
+#include <map>
+
+#include "checkpoint.h"
+#include "comm.h"
+#include "data.h"
+#include "mesh.h"
+#include "model.h"
+#include "trace.h"
+#include "train.h"
+
+namespace tp {
+using namespace ts;
+
+// ----- f and g ---------------------------------------------------------------------------------------
+
+// The model calls f and g at the region boundaries; this fills them with the tp group's
+// collectives. Without sequence parallelism: f = (identity, all-reduce), g = (all-reduce,
+// identity). With it the token dimension is split outside the column/row-parallel pair:
+// f = (all-gather, reduce-scatter), g = (reduce-scatter, all-gather).
+class TensorParallel : public TpOps {
+ public:
+  TensorParallel(Comm& group, bool sequence_parallel) : tp_(group), sp_(sequence_parallel) {}
+  Tensor f_forward(const Tensor& x) override { return sp_ ? all_gather(x, "f") : x; }
+  Tensor f_backward(const Tensor& dx) override { return sp_ ? reduce_scatter(dx, "f'") : all_reduce(dx, "f'"); }
+  Tensor g_forward(const Tensor& y, Tag tag) override { return sp_ ? reduce_scatter(y, "g", tag) : all_reduce(y, "g"); }
+  Tensor g_backward(const Tensor& dy) override { return sp_ ? all_gather(dy, "g'") : dy; }
+  bool sequence_parallel() const { return sp_; }
+
+ private:
+  Tensor all_reduce(const Tensor& t, const char* op) {
+    TraceScope s(std::string("tp all_reduce (") + op + ")", Lane::Comm);
+    tp_.all_reduce(t);  // in place: the partial sums become the full sum on every rank
+    return t;
+  }
+  // [N/tp, D] -> [N, D]: rank r's rows are tokens [r·N/tp, (r+1)·N/tp) of the micro-batch.
+  Tensor all_gather(const Tensor& x, const char* op) {
+    TraceScope s(std::string("tp all_gather (") + op + ")", Lane::Comm);
+    Tensor out = Tensor::empty({x.size(0) * tp_.size(), x.size(1)}, x.dtype, x.device(), Tag::Workspace);
+    tp_.all_gather(out, x);
+    return out;
+  }
+  // [N, D] partial sums -> this rank's [N/tp, D] block of the full sums.
+  Tensor reduce_scatter(const Tensor& y, const char* op, Tag tag = Tag::Workspace) {
+    TraceScope s(std::string("tp reduce_scatter (") + op + ")", Lane::Comm);
+    Tensor out = Tensor::empty({y.size(0) / tp_.size(), y.size(1)}, y.dtype, y.device(), tag);
+    tp_.reduce_scatter(out, y);
+    return out;
+  }
+  Comm& tp_;
+  bool sp_;
+};
+
+// ----- the vocabulary-parallel cross-entropy ---------------------------------------------------------
+
+// Rank r holds the logits of vocabulary rows [vocab_start, vocab_start + V/tp) for every token.
+// Softmax needs the row max and the sum of exponentials over the whole vocabulary, and the loss
+// the target's logit, which one rank holds: one MAX all-reduce of N floats and one SUM
+// all-reduce of 2N floats (sum of exp, target logit), and no rank ever holds [N, V].
+class VocabParallelCrossEntropy : public LossFn {
+ public:
+  explicit VocabParallelCrossEntropy(Comm& group) : tp_(group) {}
+  void forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& targets,
+                        int64_t vocab_start, float grad_scale) override {
+    const int64_t N = logits.size(0);
+    Tensor max = Tensor::empty({N}, DType::F32, logits.device(), Tag::Workspace);
+    Tensor stats = Tensor::empty({2, N}, DType::F32, logits.device(), Tag::Workspace);
+    vocab_ce_max(max, logits);
+    {
+      TraceScope s("tp all_reduce (max logit)", Lane::Comm);
+      tp_.all_reduce(max, ReduceOp::Max);
+    }
+    vocab_ce_stats(stats, logits, max, targets, vocab_start);
+    {
+      TraceScope s("tp all_reduce (sum exp, target logit)", Lane::Comm);
+      tp_.all_reduce(stats);
+    }
+    vocab_ce_finish(losses, dlogits, logits, max, stats, targets, vocab_start, grad_scale);
+  }
+
+ private:
+  Comm& tp_;
+};
+
+// Installs tensor parallelism into a model built with the tp shard spec.
+inline void install(Model& m, Comm& group, bool sequence_parallel) {
+  m.tp = std::make_unique<TensorParallel>(group, sequence_parallel);
+  m.loss = std::make_unique<VocabParallelCrossEntropy>(group);
+}
+
+// Under sequence parallelism a norm weight sees only this rank's tokens, so its gradient is a
+// partial sum: all-reduced over tp once per step, after the last micro-batch.
+inline void reduce_norm_grads(Model& m, Comm& group) {
+  TraceScope s("tp all_reduce (norm weight grads)", Lane::Comm);
+  for (size_t i = 0; i < m.table.entries.size(); i++)
+    if (m.table.entries[i].replicated_over == "tp") group.all_reduce(m.grad(int(i)));
+}
+
+// The shard spec and the checks every rank makes before any collective.
+inline ShardSpec shard_spec(int tp, int tp_rank) { return ShardSpec{tp, tp_rank, {}}; }
+
+inline void validate(const RunConfig& rc, int tp, bool sp) {
+  const ModelConfig& m = rc.model;
+  if (tp < 1) config_error("--tp must be >= 1 (got %d)", tp);
+  if (m.heads % tp) config_error("--heads %d is not divisible by --tp %d (q_proj is split by heads)", m.heads, tp);
+  if (m.kv_heads % tp)
+    config_error("--kv-heads %d is not divisible by --tp %d (each rank needs whole kv heads for its GQA groups)",
+                 m.kv_heads, tp);
+  if (m.ffn % tp) config_error("--ffn %d is not divisible by --tp %d (gate/up/down are split by ffn)", m.ffn, tp);
+  if (m.vocab % tp) config_error("--vocab %d is not divisible by --tp %d (embedding and lm_head are split by vocabulary)", m.vocab, tp);
+  if (sp && (int64_t(rc.micro_batch) * m.seq) % tp)
+    config_error("--sequence-parallel: %d tokens per micro-batch (micro-batch %d × seq %d) are not divisible by --tp %d",
+                 rc.micro_batch * m.seq, rc.micro_batch, m.seq, tp);
+}
+
+// ----- predict: memory and communication per rank (notes/04 derives each line) ----------------------
+
+inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
+  const int64_t psi = local_param_count(Model::make_table(rc.model, 1, shard_spec(tp, 0)));
+  MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);
+  p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute, tp, sp);
+  return p;
+}
+
+// Wire bytes per rank per step under the ring algorithm: all-reduce 2(t−1)/t·K, all-gather and
+// reduce-scatter (t−1)/t·K each, K = one [tokens, dim] activation of a micro-batch.
+inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp) {
+  const ModelConfig& m = rc.model;
+  const double t = tp, f = (t - 1) / t, L = m.layers, mbs = double(rc.batch) / rc.micro_batch;
+  const double tokens = double(rc.micro_batch) * m.seq, K = tokens * m.dim * dtype_size(rc.dtype);
+  const double full = rc.recompute == Recompute::Full ? 1 : 0;  // the layer forward runs again in backward
+  const double loss = 2 * f * tokens * 4 * 3;                     // max (N floats) + stats (2N floats)
+  std::map<std::string, double> c;
+  if (!sp) {
+    // Forward: g after the embedding and 2 per layer; backward: f before the head and 2 per layer.
+    c["all_reduce"] = mbs * (2 * f * K * (2 + 4 * L + 2 * L * full) + loss);
+    return c;
+  }
+  // Forward per layer: f, g, f, g = 2 all-gathers + 2 reduce-scatters (+ g after the embedding,
+  // f before the head). Backward per layer: g' and f' for each region (2 + 2), plus f again to
+  // rebuild each column-parallel input (+2 all-gathers); the head's f', the embedding's g'.
+  c["all_gather"] = mbs * f * K * (6 * L + 2 + 2 * L * full);
+  c["reduce_scatter"] = mbs * f * K * (4 * L + 2 + 2 * L * full);
+  const double norms = (2 * L + 1) * m.dim * 4.0;  // fp32 norm-weight gradients, once per step
+  c["all_reduce"] = mbs * loss + 2 * f * norms;
+  return c;
+}
+
+inline void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp) {
+  const MemoryPrediction p = predict_memory(rc, tp, sp);
+  print_model(log, rc.model);
+  const ModelConfig& m = rc.model;
+  log.line("tp %d%s: per rank %d of %d heads, %d of %d kv heads, ffn %d of %d, vocab %d of %d", tp,
+           sp ? " + sequence parallel" : "", m.heads / tp, m.heads, m.kv_heads / tp, m.kv_heads, m.ffn / tp, m.ffn,
+           m.vocab / tp, m.vocab);
+  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s (micro-batch %d, recompute %s)",
+           human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
+           human_bytes(p.activations).c_str(), rc.micro_batch, recompute_name(rc.recompute));
+  const double K = double(rc.micro_batch) * m.seq * m.dim * dtype_size(rc.dtype), f = (tp - 1.0) / tp;
+  log.line("per layer and micro-batch: K = b·s·h·bytes = %s; %s sent per rank forward, %s backward",
+           human_bytes(K).c_str(), human_bytes(4 * f * K).c_str(), human_bytes((sp ? 6 : 4) * f * K).c_str());
+  for (auto& [op, b] : predict_comm(rc, tp, sp)) log.line("per-rank %s per step: %s", op.c_str(), human_bytes(b).c_str());
+}
+
+}  // namespace tp
+
+// ----- the program ------------------------------------------------------------------------------------
+#if TS_PROGRAM == 4
+using namespace ts;
+
+static const char* kDoc =
+    "04_tensor_parallel: Megatron tensor parallelism (column/row-parallel linears, vocabulary-parallel\n"
+    "embedding and cross-entropy) with optional sequence parallelism.\n"
+    "usage: mpirun -np T 04_tensor_parallel --tp T [--sequence-parallel] [flags]";
+
+// Every tp rank runs the same micro-batches through its shard of the model; the loss is the same
+// number on every rank (the vocabulary-parallel cross-entropy reduced it), so only the gradient
+// norm needs the group: each rank's blocks are different parameters.
+static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, const RunConfig& rc, Mesh& mesh,
+                             bool sp, long step) {
+  const int T = rc.model.seq, mb = rc.micro_batch;
+  ts::zero(model.grads);
+  double loss_sum = 0;
+  for (int s0 = 0; s0 < rc.batch; s0 += mb) {
+    MicroBatch b = make_microbatch(data, step, rc.batch, T, s0, mb, model.dev);
+    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+  }
+  if (sp) tp::reduce_norm_grads(model, mesh.tp());
+  const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.tp().mpi()});
+  opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
+  return {global_mean_loss(loss_sum, double(rc.batch) * T, {}), norm};
+}
+
+int main(int argc, char** argv) {
+  bool sp = false;
+  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)");
+    sp = args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
+  });
+  RunConfig& rc = prog.rc;
+  const MeshConfig& mc = prog.mc;
+  RunLog& log = prog.log();
+  tp::validate(rc, mc.tp, sp);
+  if (prog.dry_run([&] { tp::print_plan(log, rc, mc.tp, sp); })) return 0;
+  prog.open();  // validates world == tp before any collective
+  Mesh& mesh = prog.mesh;
+  tp::print_plan(log, rc, mc.tp, sp);
+
+  ModelLayout layout;
+  layout.shard = tp::shard_spec(mc.tp, mesh.tp_rank);
+  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
+  tp::install(model, mesh.tp(), sp);
+  AdamW opt(model, 0, model.table.total, rc.master_weights);
+  // Each rank initialises (or loads) exactly its blocks of the full model: no broadcast.
+  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
+  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
+
+  Loop loop;
+  loop.predicted = tp::predict_memory(rc, mc.tp, sp);
+  loop.step = [&](long step) { return train_step(model, opt, prog.data, rc, mesh, sp, step); };
+  loop.save = [&](long step) {
+    // Every rank writes its blocks at their global offsets (a replicated norm weight once).
+    Json m = Json::object();
+    m["tp"] = mc.tp;
+    m["sequence_parallel"] = sp;
+    save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}},
+                    step, m);
+  };
+  loop.comm = [&] { return comm_report(log, mesh.tp(), rc.steps - first, tp::predict_comm(rc, mc.tp, sp)); };
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
+  return 0;
+}
+#endif  // TS_PROGRAM == 4
+#endif  // TS_04_TENSOR_PARALLEL_CU
