@@ -16,29 +16,8 @@ namespace {
 const std::string kTiny = "--preset tiny --kv-heads 4 --quiet --lr-schedule constant ";
 const int kSteps = 6;
 
-struct Run {
-  tst::Log log;
-  std::string output, ckpt;
-};
-
-// Runs are cached by their command line: several test cases read the same run.
-const Run& run(const std::string& bin, int np, const std::string& args) {
-  static std::map<std::string, Run> cache;
-  const std::string key = bin + " " + std::to_string(np) + " " + args;
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  const std::string tag = "t" + std::to_string(cache.size());
-  Run r;
-  r.ckpt = tst::scratch(tag + "_ck");
-  const std::string log = tst::scratch(tag + ".jsonl");
-  tst::Result res = tst::run_bin(bin, kTiny + args + " --save " + r.ckpt + " --log-json " + log, np, 180);
-  INFO(key << "\n" << res.output);
-  REQUIRE(res.status == 0);
-  r.output = res.output;
-  r.log = tst::read_log(log);
-  REQUIRE(r.log.steps.size() > 0);
-  return cache[key] = r;
-}
+using Run = tst::CachedRun;
+const Run& run(const std::string& bin, int np, const std::string& args) { return tst::cached_run(bin, np, kTiny + args); }
 
 std::string steps_args(int batch, int micro) {
   return "--steps " + std::to_string(kSteps) + " --batch " + std::to_string(batch) + " --micro-batch " +
@@ -173,23 +152,12 @@ TEST_CASE("--dry-run predicts Llama-3-8B at tp 8 on one rank", "[04]") {
 }
 
 TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[04][errors]") {
-  struct Case {
-    int np;
-    std::string args, message;
-  } cases[] = {
+  tst::check_errors("04_tensor_parallel", kTiny + "--steps 2 ", {
       {2, "--tp 2 --heads 2 --kv-heads 1 --dim 64", "--kv-heads 1 is not divisible by --tp 2"},
       {4, "--tp 4 --heads 2 --kv-heads 2", "--heads 2 is not divisible by --tp 4"},
       {2, "--tp 2 --ffn 161", "--ffn 161 is not divisible by --tp 2"},
       {2, "--tp 2 --vocab 255", "--vocab 255 is not divisible by --tp 2"},
       {2, "--tp 2 --sequence-parallel --seq 33 --micro-batch 1 --batch 1", "tokens per micro-batch"},
       {2, "--tp 4", "needs 4 ranks but the job has 2"},
-  };
-  for (const Case& c : cases) {
-    tst::Result r = tst::run_bin("04_tensor_parallel", kTiny + "--steps 2 " + c.args, c.np, 60);
-    INFO(c.args << "\n" << r.output);
-    CHECK(r.status != 0);
-    CHECK(r.status != 124);  // the timeout: a hang
-    CHECK(r.output.find(c.message) != std::string::npos);
-    CHECK(r.output.find("error") != std::string::npos);
-  }
+  });
 }

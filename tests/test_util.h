@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -134,6 +135,49 @@ inline double max_abs_diff_files(const std::string& a, const std::string& b) {
       m = std::max(m, double(std::fabs(ta[i].second[k] - tb[i].second[k])));
   }
   return m;
+}
+
+// ----- shared end-to-end pieces (need Catch2's macros: include after catch.hpp) -----------------
+
+// A run of a technique binary with --save and --log-json into scratch space; runs are cached by
+// their command line, because several test cases read the same run.
+struct CachedRun {
+  Log log;
+  std::string output, ckpt;
+};
+inline const CachedRun& cached_run(const std::string& bin, int np, const std::string& args, int timeout_s = 180) {
+  static std::map<std::string, CachedRun> cache;
+  const std::string key = bin + " " + std::to_string(np) + " " + args;
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  const std::string tag = "run" + std::to_string(cache.size());
+  CachedRun r;
+  r.ckpt = scratch(tag + "_ck");
+  const std::string log = scratch(tag + ".jsonl");
+  Result res = run_bin(bin, args + " --save " + r.ckpt + " --log-json " + log, np, timeout_s);
+  INFO(key << "\n" << res.output);
+  REQUIRE(res.status == 0);
+  r.output = res.output;
+  r.log = read_log(log);
+  REQUIRE(r.log.steps.size() > 0);
+  return cache[key] = r;
+}
+
+// Bad input: each case exits non-zero on every rank without hanging (124 is the timeout) and
+// prints an error containing `message`.
+struct ErrorCase {
+  int np;
+  std::string args, message;
+};
+inline void check_errors(const std::string& bin, const std::string& prefix, const std::vector<ErrorCase>& cases) {
+  for (const ErrorCase& c : cases) {
+    Result r = run_bin(bin, prefix + c.args, c.np, 60);
+    INFO("mpirun -np " << c.np << " " << bin << " " << c.args << "\n" << r.output);
+    CHECK(r.status != 0);
+    CHECK(r.status != 124);
+    CHECK(r.output.find(c.message) != std::string::npos);
+    CHECK(r.output.find("error") != std::string::npos);
+  }
 }
 
 }  // namespace tst

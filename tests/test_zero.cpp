@@ -22,29 +22,8 @@ const int kSteps = 6;
 const int64_t kEmb = 256 * 64, kLayer = 2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64, kHead = 64 + 256 * 64;
 const int64_t kPsi = kEmb + 2 * kLayer + kHead;  // 119104
 
-struct Run {
-  tst::Log log;
-  std::string output, ckpt;
-};
-
-// Runs are cached by their command line: several test cases read the same run.
-const Run& run(const std::string& bin, int np, const std::string& args) {
-  static std::map<std::string, Run> cache;
-  const std::string key = bin + " " + std::to_string(np) + " " + args;
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  const std::string tag = "r" + std::to_string(cache.size());
-  Run r;
-  r.ckpt = tst::scratch(tag + "_ck");
-  const std::string log = tst::scratch(tag + ".jsonl");
-  tst::Result res = tst::run_bin(bin, kTiny + args + " --save " + r.ckpt + " --log-json " + log, np, 120);
-  INFO(key << "\n" << res.output);
-  REQUIRE(res.status == 0);
-  r.output = res.output;
-  r.log = tst::read_log(log);
-  REQUIRE(r.log.steps.size() > 0);
-  return cache[key] = r;
-}
+using Run = tst::CachedRun;
+const Run& run(const std::string& bin, int np, const std::string& args) { return tst::cached_run(bin, np, kTiny + args, 120); }
 
 // 01 on the same global batch, and stage `stage` of 03 at dp `dp` with `accum` micro-batches.
 const Run& single(const std::string& args) { return run("01_single_gpu", 1, args); }
@@ -247,21 +226,10 @@ TEST_CASE("a checkpoint saved by ZeRO-3 at dp 4 resumes under ZeRO-1 at dp 2 on 
 // ----- bad input ---------------------------------------------------------------------------------------
 
 TEST_CASE("bad input: a clear message, a non-zero exit, no hang", "[03][errors]") {
-  struct Case {
-    int np;
-    std::string args, message;
-  } cases[] = {
+  tst::check_errors("03_zero", kTiny + "--steps 2 ", {
       {2, "--dp 2 --zero 4", "--zero must be 1, 2 or 3"},
       {2, "--dp 4 --zero 1", "needs 4 ranks but the job has 2"},
       {2, "--dp 2 --zero 2 --batch 8 --micro-batch 3", "not divisible by dp × micro-batch"},
       {2, "--dp 2 --zero 3 --batch 7", "--batch 7 is not divisible"},
-  };
-  for (const Case& c : cases) {
-    tst::Result r = tst::run_bin("03_zero", kTiny + "--steps 2 " + c.args, c.np, 60);
-    INFO(c.args << "\n" << r.output);
-    CHECK(r.status != 0);
-    CHECK(r.status != 124);  // the timeout: a hang
-    CHECK(r.output.find(c.message) != std::string::npos);
-    CHECK(r.output.find("error") != std::string::npos);
-  }
+  });
 }
