@@ -4,6 +4,7 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "data.h"
+#include "threads.h"
 #include "trace.h"
 
 #include <cblas.h>
@@ -169,12 +170,14 @@ RunConfig parse_run_config(Args& a) {
   rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job");
   rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)");
   rc.quiet = a.get_bool("--quiet", "no per-step lines");
+  rc.threads = a.get_int("--threads", 0, "CPU threads per rank (0: OMP_NUM_THREADS, else the node's cores / its ranks)");
 
   if (m.dim < 1 || m.layers < 1 || m.heads < 1 || m.kv_heads < 1 || m.ffn < 1 || m.vocab < 2 || m.seq < 1)
     config_error("model dimensions must be positive");
   if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
   if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
   if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
+  if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
   if (rc.batch < 1 || rc.steps < 0 || rc.micro_batch < 0) config_error("--batch must be >= 1, --steps and --micro-batch >= 0");
   if (rc.lr_schedule != "constant" && rc.lr_schedule != "cosine")
     config_error("--lr-schedule must be constant or cosine (got '%s')", rc.lr_schedule.c_str());
@@ -439,6 +442,8 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
 // ----- the shared loop ---------------------------------------------------------------------------
 
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log) {
+  const ThreadChoice threads = setup_threads(rc.threads);
+  log.line("threads: %s", describe(threads).c_str());
   if (dev == Device::CPU) check_blas_setup();
   TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
   log.line("device: %s | data: %s", device_description(dev).c_str(), data.description.c_str());

@@ -57,6 +57,7 @@ struct RunConfig {
   bool dry_run = false;
   double timeout = 300, peak_tflops = 0;
   bool quiet = false;  // no per-step lines (tests)
+  int threads = 0;     // CPU threads per rank (0: chosen from the cores, see threads.h)
 };
 // Reads the flags shared by every technique (not finish(): the technique adds its own first).
 RunConfig parse_run_config(Args& a);
@@ -139,8 +140,9 @@ class RunLog {
 };
 
 // ----- the start and the loop every technique shares ------------------------------------------------------------
-// The training data (every rank loads the same tokens and reads its own windows), after the
-// BLAS check on the CPU; prints the device, the source and its loss floor.
+// The training data (every rank loads the same tokens and reads its own windows), after choosing
+// the threads per rank (collective) and the BLAS check on the CPU; prints the threads, the
+// device, the source and its loss floor.
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log);
 
 // Weights of the global range [b, e) from the counter-based init or --resume, into `weights`

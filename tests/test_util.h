@@ -68,6 +68,10 @@ inline Result run(const std::string& cmd, int timeout_s = 300) {
   return r;
 }
 
+// run() pins every binary to one OpenMP thread; pass this as run_bin's extra_env to let the binary
+// choose its threads itself, as it does for a user.
+inline const std::string kOwnThreads = "-u OMP_NUM_THREADS";
+
 // `np` ranks of a technique binary (np 1 runs it directly).
 inline Result run_bin(const std::string& bin, const std::string& args, int np = 1, int timeout_s = 300,
                       const std::string& extra_env = "") {
