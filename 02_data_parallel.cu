@@ -201,8 +201,8 @@ int main(int argc, char** argv) {
     m["dp"] = mc.dp;
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
   };
-  loop.comm = [&] {
-    return comm_report(log, mesh.dp(), rc.steps - first, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.dp)}});
+  loop.comm = [&](long steps_run) {
+    return comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.dp)}});
   };
   loop.extra = [&](Json& s) {
     s["comm_hidden_fraction"] = dp.hidden_fraction();

@@ -340,7 +340,7 @@ int main(int argc, char** argv) {
     m["zero"] = stage;
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
   };
-  loop.comm = [&] { return comm_report(log, mesh.dp(), rc.steps - first, predict_comm(rc, plan)); };
+  loop.comm = [&](long steps_run) { return comm_report(log, mesh.dp(), steps_run, predict_comm(rc, plan)); };
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -247,7 +247,7 @@ int main(int argc, char** argv) {
     save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}},
                     step, m);
   };
-  loop.comm = [&] { return comm_report(log, mesh.tp(), rc.steps - first, tp::predict_comm(rc, mc.tp, sp)); };
+  loop.comm = [&](long steps_run) { return comm_report(log, mesh.tp(), steps_run, tp::predict_comm(rc, mc.tp, sp)); };
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

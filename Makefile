@@ -115,7 +115,7 @@ test: deps
 NP ?= 1
 demo: deps
 	@$(MAKE) --no-print-directory $(BUILD)/01_single_gpu
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
+	$(BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
 
 bench: deps
 	@$(MAKE) --no-print-directory all

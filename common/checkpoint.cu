@@ -7,10 +7,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
+#include <filesystem>
 
 #include "safetensors.h"
 
@@ -65,6 +67,42 @@ static bool exists(const std::string& p) {
   return stat(p.c_str(), &st) == 0;
 }
 
+static void remove_tree(const std::string& p) {
+  std::error_code ec;
+  std::filesystem::remove_all(p, ec);
+  if (ec) fatal("cannot remove %s: %s", p.c_str(), ec.message().c_str());
+}
+
+static std::string step_dir(const std::string& dir, long step) {
+  char name[32];
+  snprintf(name, sizeof name, "/step_%06ld", step);
+  return dir + name;
+}
+
+std::vector<std::pair<long, std::string>> step_checkpoints(const std::string& dir) {
+  std::vector<std::pair<long, std::string>> found;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    char* end = nullptr;
+    if (name.rfind("step_", 0) != 0 || !e.is_directory()) continue;
+    const long step = strtol(name.c_str() + 5, &end, 10);
+    if (end != name.c_str() + 5 && *end == 0) found.push_back({step, e.path().string()});
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+std::string resolve_checkpoint(const std::string& dir) {
+  if (!exists(dir)) config_error("--resume %s: no such checkpoint directory", dir.c_str());
+  if (exists(dir + "/model.safetensors")) return dir;
+  auto steps = step_checkpoints(dir);
+  if (steps.empty())
+    config_error("--resume %s: neither a checkpoint (no model.safetensors) nor a directory of step_ checkpoints",
+                 dir.c_str());
+  return steps.back().second;
+}
+
 // A test hook: TS_CRASH_IN_SAVE=1 kills the process after the first half of the weights is
 // written, the way a node failure would, to prove the previous checkpoint survives.
 static void maybe_crash_midway() {
@@ -75,9 +113,10 @@ static void maybe_crash_midway() {
   }
 }
 
-void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTable& table,
+void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const ParamTable& table,
                      const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
   const bool rank0 = world_rank() == 0;
+  const std::string dir = rc.keep_last > 0 ? step_dir(save_dir, step) : save_dir;
   const std::string tmp = dir + ".tmp";
   const std::vector<StEntry> model_e = entries_with_prefix(table, "");
   std::vector<StEntry> opt_e = entries_with_prefix(table, "exp_avg.");
@@ -87,7 +126,9 @@ void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTab
   MPI_Allreduce(&any_opt, &all_opt, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
 
   if (rank0) {
-    if (exists(tmp) && system(("rm -rf '" + tmp + "'").c_str()) != 0) fatal("cannot remove stale %s", tmp.c_str());
+    if (rc.keep_last > 0 && !exists(save_dir) && mkdir(save_dir.c_str(), 0755) != 0)
+      fatal("cannot create checkpoint directory %s: %s", save_dir.c_str(), strerror(errno));
+    if (exists(tmp)) remove_tree(tmp);
     if (mkdir(tmp.c_str(), 0755) != 0) fatal("cannot create checkpoint directory %s", tmp.c_str());
     std::map<std::string, std::string> meta = {{"format", "pt"}};
     SafetensorsWriter(tmp + "/model.safetensors", model_e, meta, true).sync_and_close();
@@ -129,6 +170,11 @@ void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTab
     tj["seed"] = int64_t(rc.seed);
     tj["data"] = rc.data.empty() ? std::string("synthetic") : rc.data;
     tj["dtype"] = dtype_name(rc.dtype);
+    tj["lr_schedule"] = rc.lr_schedule;
+    tj["steps"] = rc.steps;
+    tj["lr"] = rc.lr;
+    tj["warmup_steps"] = rc.warmup_steps;
+    tj["min_lr"] = rc.min_lr;
     tj["mesh"] = mesh;
     write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
     fsync_dir(tmp);
@@ -137,12 +183,17 @@ void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTab
     if (exists(dir)) {
       if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
         fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
-      if (system(("rm -rf '" + tmp + "'").c_str()) != 0) fatal("cannot remove old checkpoint %s", tmp.c_str());
+      remove_tree(tmp);
     } else if (rename(tmp.c_str(), dir.c_str()) != 0) {
       fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
     }
     std::string parent = dir.find('/') == std::string::npos ? "." : dir.substr(0, dir.rfind('/'));
     fsync_dir(parent.empty() ? "/" : parent);
+    // Only once the new checkpoint is published does the oldest one go.
+    if (rc.keep_last > 0) {
+      auto steps = step_checkpoints(save_dir);
+      for (size_t i = 0; i + size_t(rc.keep_last) < steps.size(); i++) remove_tree(steps[i].second);
+    }
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

@@ -3,7 +3,10 @@
 //   DIR/model.safetensors      fp32 master weights, HF names, full global shapes
 //   DIR/optimizer.safetensors  AdamW first and second moments ("exp_avg.<name>", "exp_avg_sq.<name>")
 //   DIR/config.json            HF LlamaConfig fields: `transformers` loads the model as it is
-//   DIR/trainer.json           step, data position, mesh and flags
+//   DIR/trainer.json           step, data position, the learning-rate schedule, mesh and flags
+//
+// With --keep-last N, DIR holds the last N checkpoints as DIR/step_000400, DIR/step_000800, …
+// (six digits, more past a million steps), each laid out as above.
 //
 // Every rank writes the slices it owns at their global offsets, so a checkpoint does not depend
 // on the mesh that wrote it and resumes on another one. The files are written into a temporary
@@ -40,6 +43,12 @@ struct CheckpointInfo {
 // into `weights` (fp32) and, when opt is given and the optimizer file exists, of the moments.
 CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, const ParamTable& table,
                                int64_t begin, int64_t end, const Tensor& weights, AdamW* opt);
+
+// The complete step_ checkpoints under dir (an unfinished save is still a .tmp), oldest first.
+std::vector<std::pair<long, std::string>> step_checkpoints(const std::string& dir);
+// What --resume DIR names: DIR itself when it is a checkpoint, else the newest complete step_
+// checkpoint under it; a config_error when there is neither.
+std::string resolve_checkpoint(const std::string& dir);
 
 // config.json for the HF LlamaConfig of this model.
 Json hf_config(const ModelConfig& c);

@@ -1,6 +1,7 @@
 // comm.cu — collectives over MPI (CPU tensors; CUDA tensors staged through host memory) and NCCL
 // (CUDA tensors when every rank owns a GPU), with byte accounting and the watchdog.
 #include "comm.h"
+#include "threads.h"
 
 #include <sched.h>
 #include <unistd.h>
@@ -24,7 +25,9 @@ double comm_timeout() { return g_timeout; }
 void comm_init(int* argc, char*** argv) {
   int init = 0;
   MPI_Initialized(&init);
-  if (!init) MPI_CHECK(MPI_Init(argc, argv));
+  if (init) return;
+  prepare_thread_env(*argv);
+  MPI_CHECK(MPI_Init(argc, argv));
 }
 
 // Every Comm not yet destroyed, in creation order. Tearing down an NCCL communicator waits for

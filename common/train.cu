@@ -4,14 +4,19 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "data.h"
+#include "run.h"
+#include "safetensors.h"
+#include "threads.h"
 #include "trace.h"
 
 #include <cblas.h>
 #include <mpi.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <csignal>
 #include <cstdarg>
 
 namespace ts {
@@ -164,20 +169,38 @@ RunConfig parse_run_config(Args& a) {
   rc.trace = a.get_str("--trace", "", "write a Chrome trace (Perfetto) here");
   rc.save_dir = a.get_str("--save", "", "checkpoint directory written at the end (and every --save-every steps)");
   rc.save_every = a.get_long("--save-every", 0, "checkpoint period in steps (0: only at the end)");
-  rc.resume_dir = a.get_str("--resume", "", "checkpoint directory to resume from");
+  rc.keep_last = a.get_int("--keep-last", 0, "keep the last N checkpoints as DIR/step_NNNNNN (0: DIR is one checkpoint, overwritten)");
+  rc.resume_dir = a.get_str("--resume", "", "checkpoint to resume from: a checkpoint directory, or a --keep-last DIR (its newest step_)");
+  rc.reschedule = a.get_bool("--reschedule", "resume even if this run's lr schedule differs from the checkpoint's");
   rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
   rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job");
   rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)");
   rc.quiet = a.get_bool("--quiet", "no per-step lines");
+  rc.threads = a.get_int("--threads", 0, "CPU threads per rank (0: OMP_NUM_THREADS, else the node's cores / its ranks)");
 
   if (m.dim < 1 || m.layers < 1 || m.heads < 1 || m.kv_heads < 1 || m.ffn < 1 || m.vocab < 2 || m.seq < 1)
     config_error("model dimensions must be positive");
   if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
   if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
   if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
+  if (rc.keep_last < 0) config_error("--keep-last must be >= 0 (got %d)", rc.keep_last);
+  if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
   if (rc.batch < 1 || rc.steps < 0 || rc.micro_batch < 0) config_error("--batch must be >= 1, --steps and --micro-batch >= 0");
   if (rc.lr_schedule != "constant" && rc.lr_schedule != "cosine")
     config_error("--lr-schedule must be constant or cosine (got '%s')", rc.lr_schedule.c_str());
+  if (!rc.resume_dir.empty()) {
+    rc.resume_dir = resolve_checkpoint(rc.resume_dir);
+    const std::string tj = rc.resume_dir + "/trainer.json";
+    if (access(tj.c_str(), F_OK) == 0) {
+      Json trainer;
+      try {
+        trainer = Json::parse(read_text_file(tj));
+      } catch (const FormatError& e) {
+        config_error("checkpoint %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
+      }
+      check_resume_schedule(rc, trainer, long(trainer.at("step").as_int()));
+    }
+  }
   return rc;
 }
 
@@ -195,6 +218,48 @@ double lr_at(const RunConfig& rc, long step) {
   if (rc.lr_schedule == "constant" || rc.steps <= rc.warmup_steps + 1) return rc.lr;
   double t = double(step - rc.warmup_steps) / double(rc.steps - rc.warmup_steps - 1);
   return rc.min_lr + 0.5 * (rc.lr - rc.min_lr) * (1.0 + std::cos(M_PI * t));
+}
+
+// Compares the two curves over the steps still to run rather than the parameters: a constant
+// schedule may be extended, and parameters that no remaining step reads do not matter.
+void check_resume_schedule(const RunConfig& rc, const Json& trainer, long step) {
+  RunConfig rec = rc;
+  try {
+    if (!trainer.contains("lr_schedule")) {
+      if (world_rank() == 0) printf("checkpoint %s records no schedule; using this run's\n", rc.resume_dir.c_str());
+      return;
+    }
+    rec.lr_schedule = trainer.at("lr_schedule").as_string();
+    rec.steps = long(trainer.at("steps").as_int());
+    rec.lr = trainer.at("lr").as_double();
+    rec.warmup_steps = long(trainer.at("warmup_steps").as_int());
+    rec.min_lr = trainer.at("min_lr").as_double();
+  } catch (const FormatError& e) {
+    config_error("checkpoint %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
+  }
+  long bent = -1;
+  for (long s = step; s < rc.steps && bent < 0; s++)
+    if (lr_at(rec, s) != lr_at(rc, s)) bent = s;
+  if (bent < 0) return;
+  char recorded[256], requested[256];
+  auto describe = [](char* buf, const RunConfig& r) {
+    snprintf(buf, 256, "--lr-schedule %s --steps %ld --lr %g --warmup-steps %ld --min-lr %g", r.lr_schedule.c_str(),
+             r.steps, r.lr, r.warmup_steps, r.min_lr);
+  };
+  describe(recorded, rec);
+  describe(requested, rc);
+  char change[160];
+  if (bent >= rec.steps)
+    snprintf(change, sizeof change, "runs past the end of the recorded schedule (step %ld)", rec.steps);
+  else
+    snprintf(change, sizeof change, "changes the learning rate from step %ld on (%.4e recorded, %.4e now)", bent,
+             lr_at(rec, bent), lr_at(rc, bent));
+  if (!rc.reschedule)
+    config_error("--resume %s: the checkpoint (step %ld) was trained with\n  %s\nthis run asks for\n  %s\n"
+                 "which %s. Pass the recorded flags to continue that schedule, or add --reschedule to follow "
+                 "the new one from step %ld.",
+                 rc.resume_dir.c_str(), step, recorded, requested, change, step);
+  if (world_rank() == 0) printf("--reschedule: this run %s\n  recorded  %s\n  this run  %s\n", change, recorded, requested);
 }
 
 // ----- optimizer ---------------------------------------------------------------------------------
@@ -391,6 +456,7 @@ double peak_tflops_for(Device dev, DType dt, double override_tflops) {
 }
 
 RunLog::RunLog(const RunConfig& rc, Device) : rc_(rc), rank0_(world_rank() == 0) {
+  check_output_paths(rc);
   if (rank0_ && !rc.log_json.empty()) {
     json_ = fopen(rc.log_json.c_str(), "w");
     if (!json_) config_error("--log-json %s: cannot open for writing", rc.log_json.c_str());
@@ -525,6 +591,8 @@ void print_model(RunLog& log, const ModelConfig& m) {
 // ----- the shared loop ---------------------------------------------------------------------------
 
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log) {
+  const ThreadChoice threads = setup_threads(rc.threads);
+  log.line("threads: %s", describe(threads).c_str());
   if (dev == Device::CPU) check_blas_setup();
   TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
   log.line("device: %s | data: %s", device_description(dev).c_str(), data.description.c_str());
@@ -573,7 +641,10 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   double last_loss = NAN;
   if (!rc.trace.empty()) Trace::get().enable();
   ProfileScope::reset();
-  for (long step = first; step < rc.steps; step++) {
+  catch_stop_signals();
+  long done = first, saved = -1;
+  int stop = 0;
+  for (long step = first; step < rc.steps && !stop; step++) {
     set_current_step(step);
     auto t0 = std::chrono::steady_clock::now();
     StepResult r = loop.step(step);
@@ -584,16 +655,28 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     last_loss = r.loss;
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
               peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak});
-    if (!rc.save_dir.empty() && rc.save_every > 0 && (step + 1) % rc.save_every == 0 && step + 1 < rc.steps)
-      loop.save(step + 1);
+    done = step + 1;
+    if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
+      loop.save(done);
+      saved = done;
+    }
+    stop = agreed_stop_signal();
   }
   set_current_step(-1);
-  if (!rc.save_dir.empty()) loop.save(std::max(first, rc.steps));
+  if (!rc.save_dir.empty() && saved != done) loop.save(done);
+  const char* stop_name = stop == SIGINT ? "SIGINT" : "SIGTERM";
+  if (stop) {
+    log.line("%s: stopped after %ld of %ld steps; %s", stop_name, done, rc.steps,
+             rc.save_dir.empty() ? "no --save, so nothing to resume from"
+                                 : ("resume with --resume " + rc.save_dir).c_str());
+  }
 
   Json summary = Json::object();
   summary["memory"] = memory_report(log, dev, loop.predicted);
-  summary["comm"] = loop.comm ? loop.comm() : Json::object();
+  summary["comm"] = loop.comm ? loop.comm(done - first) : Json::object();
   summary["final_loss"] = last_loss;
+  summary["steps_done"] = done;
+  if (stop) summary["stopped_by"] = stop_name;
   summary["loss_floor"] = data.entropy_floor;
   if (!tps.empty()) {
     std::sort(tps.begin(), tps.end());

@@ -55,11 +55,17 @@ struct RunConfig {
   Recompute recompute = Recompute::None;
   std::string log_json, trace, save_dir, resume_dir;
   long save_every = 0;
+  int keep_last = 0;         // > 0: keep the last N checkpoints as save_dir/step_NNNNNN
+  bool reschedule = false;   // resume even when the learning-rate curve would change
   bool dry_run = false;
   double timeout = 300, peak_tflops = 0;
   bool quiet = false;  // no per-step lines (tests)
+  int threads = 0;     // CPU threads per rank (0: chosen from the cores, see threads.h)
 };
 // Reads the flags shared by every technique (not finish(): the technique adds its own first).
+// --resume DIR resolves to the checkpoint it names (see resolve_checkpoint), whose recorded
+// learning-rate schedule must give every remaining step the same rate as this run's
+// (check_resume_schedule).
 RunConfig parse_run_config(Args& a);
 // The global batch split: dp ranks × micro-batches × --micro-batch sequences. Defaults the
 // micro-batch to the whole local batch and validates the split (config_error on every rank).
@@ -71,6 +77,10 @@ const char* recompute_name(Recompute r);
 // ----- schedule, optimizer, clipping ---------------------------------------------------------
 // Linear warm-up to lr, then constant or cosine decay to min_lr at the last step.
 double lr_at(const RunConfig& rc, long step);
+// Resuming at `step` under a schedule other than the checkpoint's (trainer.json: lr_schedule,
+// steps, lr, warmup_steps, min_lr) would bend the learning-rate curve: a config_error naming the
+// recorded and requested values, unless --reschedule, which says what changes and goes on.
+void check_resume_schedule(const RunConfig& rc, const Json& trainer, long step);
 
 // AdamW over the parameter range [begin, end) of the flat buffers: all of it in 01/02, this
 // rank's shard under ZeRO. With bf16 weights it keeps the fp32 master copy of its range
@@ -186,8 +196,10 @@ class Program {
 void print_model(RunLog& log, const ModelConfig& m);
 
 // ----- the loop every technique shares ------------------------------------------------------------
-// The training data (every rank loads the same tokens and reads its own windows), after the
-// BLAS check on the CPU; prints the device, the source and its loss floor.
+// ----- the loop every technique shares ------------------------------------------------------------
+// The training data (every rank loads the same tokens and reads its own windows), after choosing
+// the threads per rank (collective) and the BLAS check on the CPU; prints the threads, the
+// device, the source and its loss floor.
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log);
 
 // Weights of the global range [b, e) from the counter-based init or --resume, into `weights`
@@ -205,7 +217,7 @@ struct StepResult {
 struct Loop {
   std::function<StepResult(long step)> step;            // one optimizer step (the technique)
   std::function<void(long next_step)> save;             // write a checkpoint (collective)
-  std::function<Json()> comm;                           // the summary's "comm" object
+  std::function<Json(long steps_run)> comm;             // the summary's "comm" object
   std::function<void(Json&)> extra;                     // anything else for the summary
   MemoryPrediction predicted;
 };

@@ -69,15 +69,24 @@ inline Result run(const std::string& cmd, int timeout_s = 300) {
   return r;
 }
 
-// `np` ranks of a technique binary (np 1 runs it directly).
-inline Result run_bin(const std::string& bin, const std::string& args, int np = 1, int timeout_s = 300,
-                      const std::string& extra_env = "") {
+// run() pins every binary to one OpenMP thread; pass this as run_bin's extra_env to let the binary
+// choose its threads itself, as it does for a user.
+inline const std::string kOwnThreads = "-u OMP_NUM_THREADS";
+
+// The command line for `np` ranks of a technique binary (np 1 runs it directly).
+inline std::string bin_command(const std::string& bin, const std::string& args, int np = 1,
+                               const std::string& extra_env = "") {
   std::string exe = build_dir() + "/" + bin;
   // Tests run inside an MPI job themselves; a child job must not inherit its PMI connection.
   std::string env = "env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME -u MPI_LOCALRANKID "
                     "-u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " + extra_env + " ";
-  if (np == 1) return run(env + exe + " " + args, timeout_s);
-  return run(env + "mpirun -np " + std::to_string(np) + " " + exe + " " + args, timeout_s);
+  if (np == 1) return env + exe + " " + args;
+  return env + "mpirun -np " + std::to_string(np) + " " + exe + " " + args;
+}
+
+inline Result run_bin(const std::string& bin, const std::string& args, int np = 1, int timeout_s = 300,
+                      const std::string& extra_env = "") {
+  return run(bin_command(bin, args, np, extra_env), timeout_s);
 }
 
 // The JSON lines of a --log-json file: per-step records, then {"summary": ...}.

@@ -1,0 +1,91 @@
+// threads.cu — threads per rank from the cores and the ranks on this node.
+#include "threads.h"
+
+#include <cblas.h>
+#include <mpi.h>
+#include <omp.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <thread>
+
+#include "core.h"
+
+namespace ts {
+
+void prepare_thread_env(char** argv) {
+  if (getenv("OMP_WAIT_POLICY")) return;
+  setenv("OMP_WAIT_POLICY", "passive", 1);
+  execv("/proc/self/exe", argv);
+  // Without /proc the run continues with spinning threads: slower on a busy machine, same results.
+}
+
+// A CPU quota (cgroup v2 cpu.max "quota period", as containers set with --cpus) caps the cores
+// below what the affinity mask shows.
+static int cgroup_cpu_limit() {
+  std::ifstream f("/sys/fs/cgroup/cpu.max");
+  std::string quota;
+  double period = 0;
+  if (!(f >> quota >> period) || quota == "max" || period <= 0) return 0;
+  return std::max(1, int(std::ceil(std::atof(quota.c_str()) / period)));
+}
+
+// A positive integer from the start of a thread-count variable ("4", or OpenMP's nested list
+// "4,2"); 0 if unset or invalid.
+static int env_threads(const char* name) {
+  const char* s = getenv(name);
+  return s ? std::max(0, atoi(s)) : 0;
+}
+
+ThreadChoice setup_threads(int requested) {
+  ThreadChoice t;
+  MPI_Comm node;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_size(node, &t.local_ranks);
+  // The cores of the node's ranks are the union of their affinity masks: ranks bound to their own
+  // cores by the launcher share nothing, unbound ranks share all of them.
+  cpu_set_t own, all;
+  CPU_ZERO(&own);
+  const bool have_mask = sched_getaffinity(0, sizeof own, &own) == 0;
+  MPI_Allreduce(&own, &all, int(sizeof own), MPI_BYTE, MPI_BOR, node);
+  MPI_Comm_free(&node);
+  const int own_cores = have_mask ? CPU_COUNT(&own) : int(std::thread::hardware_concurrency());
+  t.cores = have_mask ? CPU_COUNT(&all) : own_cores;
+  if (int limit = cgroup_cpu_limit(); limit > 0) t.cores = std::min(t.cores, limit);
+  t.cores = std::max(1, t.cores);
+  if (requested > 0) {
+    t.threads = requested;
+    t.source = "--threads";
+  } else if (env_threads("OMP_NUM_THREADS") > 0) {
+    t.threads = env_threads("OMP_NUM_THREADS");
+    t.source = "OMP_NUM_THREADS";
+  } else {
+    t.threads = std::max(1, std::min(own_cores, t.cores / t.local_ranks));
+  }
+  t.blas_threads = std::max(1, env_threads("OPENBLAS_NUM_THREADS"));
+  omp_set_num_threads(t.threads);
+  openblas_set_num_threads(t.blas_threads);
+  return t;
+}
+
+std::string describe(const ThreadChoice& t) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "%d per rank (%s%d cores, %d rank%s on this node)", t.threads,
+           t.source.empty() ? "" : (t.source + "; ").c_str(), t.cores, t.local_ranks, t.local_ranks == 1 ? "" : "s");
+  std::string s = buf;
+  // More ranks than cores is the launch's choice; more threads than a rank's share is this one's.
+  const int busiest = std::max(t.threads, t.blas_threads);
+  if (busiest > 1 && busiest * t.local_ranks > t.cores)
+    s += ", oversubscribed: " + std::to_string(busiest * t.local_ranks) + " threads on " + std::to_string(t.cores) +
+         " cores";
+  s += "; OpenBLAS " + std::to_string(t.blas_threads);
+  if (t.blas_threads > 1) s += " (OPENBLAS_NUM_THREADS: sgemm's rounding depends on it)";
+  return s;
+}
+
+}  // namespace ts

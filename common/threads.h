@@ -1,0 +1,30 @@
+// threads.h — how many CPU threads each rank runs: the node's cores shared among the ranks on
+// it, never more threads than cores unless asked for, and idle OpenMP threads that sleep instead
+// of spinning against OpenBLAS's threads.
+#pragma once
+#include <string>
+
+namespace ts {
+
+// Before MPI_Init: unless the environment already says, idle OpenMP threads wait passively.
+// libgomp reads OMP_WAIT_POLICY once, when it is loaded, so setting it means re-executing the
+// process with it (argv unchanged, same pid, before any MPI state exists).
+void prepare_thread_env(char** argv);
+
+struct ThreadChoice {
+  int threads = 1;       // OpenMP threads per rank (the CPU kernels)
+  int blas_threads = 1;  // OpenBLAS threads per rank (sgemm)
+  int cores = 1;         // cores this node's ranks may run on
+  int local_ranks = 1;   // ranks of the job on this node
+  std::string source;    // "--threads", "OMP_NUM_THREADS" or "" (chosen from the cores)
+};
+// Collective over MPI_COMM_WORLD. OpenMP: requested > 0 (--threads) wins, then OMP_NUM_THREADS,
+// else max(1, cores / local ranks). OpenBLAS: OPENBLAS_NUM_THREADS, else 1 — its sgemm splits the
+// inner dimension into blocks that depend on its thread count, so more threads change the sums'
+// rounding, while the CPU kernels give the same bits at any thread count.
+ThreadChoice setup_threads(int requested);
+// "2 per rank (4 cores, 2 ranks on this node); OpenBLAS 1", plus where an explicit count came
+// from and whether it oversubscribes the cores.
+std::string describe(const ThreadChoice& t);
+
+}  // namespace ts
