@@ -49,10 +49,10 @@ detail() {
   local f="$LOG/$1.log" line=""
   case $1 in
     tests) line=$(tail -n 1 "$f") ;;
-    cuda_twins) line=$(grep -E '^(All tests passed|test cases:)|no GPU visible' "$f" | head -n 1) ;;
+    cuda_twins) line=$(grep -m 1 -E '^(All tests passed|test cases:)|no GPU visible' "$f") ;;
     01_*) line=$(grep -E '^step +[0-9]+ \|' "$f" | tail -n 1) ;;
   esac
-  [ -z "$line" ] && [ "$2" -ne 0 ] && line=$(grep -E 'error:|FAIL|\*\*\*' "$f" | head -n 1)
+  [ -z "$line" ] && [ "$2" -ne 0 ] && line=$(grep -m 1 -E 'error:|FAIL|\*\*\*' "$f")
   echo "$line" | cut -c1-120
 }
 
