@@ -477,7 +477,11 @@ void print_memory(RunLog& log, Device dev, long step, const char* when) {
 }
 
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop) {
-  const double peak = peak_tflops_for(dev, rc.dtype, rc.peak_tflops) * 1e12;
+  // tokens/s is the whole job's (the global batch per step) and the peak is one device's: MFU is
+  // per device, so the job's FLOP rate is measured against the peak of all its devices.
+  int world = 1;
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
+  const double peak = world * peak_tflops_for(dev, rc.dtype, rc.peak_tflops) * 1e12;
   const double tokens = double(rc.batch) * rc.model.seq;
   std::vector<double> tps;
   double last_loss = NAN;

@@ -1,15 +1,18 @@
 // ranks: 1
 // 02_data_parallel end to end: the same losses and weights as 01 at the same global batch (every
 // dp degree, both modes, with and without accumulation, buckets from tiny to whole-model), the
-// all-reduce bytes and calls against the formula, overlap and the trace, a checkpoint that
-// changes dp on resume, and bad input. Each run is started once and shared between checks.
+// all-reduce bytes and calls against the formula, overlap and the trace, MFU per device, a
+// checkpoint that changes dp on resume, and bad input. Each run is started once and shared
+// between checks.
 #include <catch2/catch.hpp>
 
 #include <cmath>
 #include <map>
 #include <set>
 
+#include "model.h"
 #include "test_util.h"
+#include "train.h"
 
 namespace {
 
@@ -227,6 +230,25 @@ TEST_CASE("--trace: one JSON file, every rank, compute and comm lanes, bucket al
     CHECK(lanes.count({rank, 1}) == 1);  // comm
     CHECK(buckets[rank] == steps * expected_buckets(0.001));  // one event per bucket per step
     CHECK(overlapping[rank] > 0);  // measured: ~650 of 910 on each rank
+  }
+}
+
+// ----- the step log -------------------------------------------------------------------------------
+
+// tokens/s counts the whole job's tokens; the peak is one device's. At dp 2 a per-device MFU is
+// half the job's FLOP rate over one peak (a wrong one reads twice as high).
+TEST_CASE("MFU is per device: FLOPs per token × tokens/s over (ranks × peak)", "[02][mfu]") {
+  const double peak_tflops = 0.5;
+  const Run& r = run("02_data_parallel", "--steps 3 --batch 16 --dp 2 --peak-tflops 0.5", 2);
+  ts::ModelConfig tiny;
+  REQUIRE(ts::apply_preset("tiny", tiny));
+  const double flops = ts::flops_per_token(tiny);
+  REQUIRE(r.log.steps.size() == 3);
+  for (const ts::Json& s : r.log.steps) {
+    const double expected = flops * s.at("tokens_per_s").as_double() / (2 * peak_tflops * 1e12);
+    INFO("step " << s.at("step").as_int() << ": mfu " << s.at("mfu").as_double() << ", expected " << expected);
+    CHECK(expected > 0);
+    CHECK(std::fabs(s.at("mfu").as_double() - expected) <= 1e-9 * expected);  // the same arithmetic
   }
 }
 
