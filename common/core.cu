@@ -134,11 +134,15 @@ const char* tag_name(Tag t) {
 static MemStats g_stats[2];
 static std::mutex g_mem_mu;
 
-static void account(Device dev, Tag tag, size_t bytes, bool add) {
+// `fresh`: bytes of a new block from the system behind this allocation (0 when it came from the
+// cache).
+static void account(Device dev, Tag tag, size_t bytes, bool add, size_t fresh = 0) {
   std::lock_guard<std::mutex> lk(g_mem_mu);
   MemStats& s = g_stats[int(dev)];
   int t = int(tag);
   if (add) {
+    s.reserved += fresh;
+    if (s.reserved > s.reserved_peak) s.reserved_peak = s.reserved;
     s.current[t] += bytes;
     s.total_current += bytes;
     if (s.current[t] > s.peak[t]) s.peak[t] = s.current[t];
@@ -155,7 +159,7 @@ static void account(Device dev, Tag tag, size_t bytes, bool add) {
 // Freed blocks are kept for reuse, by exact (rounded) size: a training step allocates the same
 // activation sizes every step, and handing them back each time costs a few percent of a step
 // (CPU: munmap and a page fault per 4 KiB on the next touch; CUDA: cudaFree synchronises the
-// device). The accounting counts what tensors hold, not this cache.
+// device). The categories count what tensors hold; `reserved` counts this cache as well.
 static std::multimap<size_t, void*> g_cache[2];
 
 static void* raw_alloc(size_t n, Device dev) {
@@ -165,8 +169,14 @@ static void* raw_alloc(size_t n, Device dev) {
   if (cudaMalloc(&p, n) != cudaSuccess) {
     cudaGetLastError();
     // Out of memory: give the cached blocks back and try once more.
-    for (auto& [sz, q] : g_cache[int(dev)]) cudaFree(q);
-    g_cache[int(dev)].clear();
+    {
+      std::lock_guard<std::mutex> lk(g_mem_mu);
+      for (auto& [sz, q] : g_cache[int(dev)]) {
+        cudaFree(q);
+        g_stats[int(dev)].reserved -= sz;
+      }
+      g_cache[int(dev)].clear();
+    }
     if (cudaMalloc(&p, n) != cudaSuccess) {
       cudaGetLastError();
       p = nullptr;
@@ -190,7 +200,11 @@ void* mem_alloc(size_t bytes, Device dev, Tag tag) {
       g_cache[int(dev)].erase(it);
     }
   }
-  if (!p) p = raw_alloc(n, dev);
+  size_t fresh = 0;
+  if (!p) {
+    p = raw_alloc(n, dev);
+    fresh = p ? n : 0;
+  }
   if (!p) {
     const MemStats& s = g_stats[int(dev)];
     fprintf(stderr, "out of %s memory allocating %zu bytes for %s; allocated now by category:\n",
@@ -198,7 +212,7 @@ void* mem_alloc(size_t bytes, Device dev, Tag tag) {
     for (int i = 0; i < kNumTags; i++) fprintf(stderr, "  %-12s %12zu bytes\n", tag_name(Tag(i)), s.current[i]);
     fatal("out of %s memory", dev == Device::CPU ? "host" : "CUDA");
   }
-  account(dev, tag, bytes, true);
+  account(dev, tag, bytes, true, fresh);
   return p;
 }
 
@@ -217,6 +231,7 @@ void mem_reset_peaks(Device dev) {
   MemStats& s = g_stats[int(dev)];
   for (int i = 0; i < kNumTags; i++) s.peak[i] = s.at_peak[i] = s.current[i];
   s.total_peak = s.total_current;
+  s.reserved_peak = s.reserved;
 }
 
 Buffer::Buffer(size_t bytes_, Device dev_, Tag tag_) : bytes(bytes_), dev(dev_), tag(tag_) {

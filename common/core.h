@@ -118,12 +118,17 @@ enum class Tag : uint8_t { Params, Grads, Optimizer, Activations, Comm, Workspac
 constexpr int kNumTags = int(Tag::Count);
 const char* tag_name(Tag t);
 
+// The per-category and total figures are bytes in use by tensors (as requested, unrounded).
+// `reserved` is what the allocator holds from the system: the blocks in use, rounded up, plus
+// the freed blocks it caches for reuse.
 struct MemStats {
   size_t current[kNumTags] = {};
   size_t peak[kNumTags] = {};      // each category's own peak
   size_t at_peak[kNumTags] = {};   // each category's bytes at the moment of the total peak
   size_t total_current = 0;
   size_t total_peak = 0;
+  size_t reserved = 0;
+  size_t reserved_peak = 0;
 };
 
 void* mem_alloc(size_t bytes, Device dev, Tag tag);

@@ -432,7 +432,10 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
     mem[tag_name(Tag(t))] = std::move(c);
   }
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
+  log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",
+           human_bytes(double(s.reserved_peak)).c_str());
   mem["total_peak"] = int64_t(s.total_peak);
+  mem["reserved_peak"] = int64_t(s.reserved_peak);
   return mem;
 }
 

@@ -173,8 +173,9 @@ Json comm_report(RunLog& log, const class Comm& group, long steps, const std::ma
 
 // "1.23 MiB"
 std::string human_bytes(double b);
-// The memory table: each category measured (this rank's allocator, per-category peak) next to the
-// prediction; returned as the summary's "memory" object.
+// The memory table: each category measured (this rank's allocator, per-category peak of bytes in
+// use) next to the prediction, then the total peak and the allocator's reserved peak (cached
+// free blocks included); returned as the summary's "memory" object.
 Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred);
 
 }  // namespace ts

@@ -829,6 +829,30 @@ TEST_CASE("allocator: per-category current, peak and at-peak bytes", "[memory]")
   CHECK(mem_stats(Device::CPU).peak[int(Tag::Workspace)] == base.current[int(Tag::Workspace)]);
 }
 
+TEST_CASE("allocator: reserved counts rounded blocks and cached free ones, the categories only tensors", "[memory]") {
+  const MemStats& s = mem_stats(Device::CPU);
+  const int64_t n = 12347;                    // 49388 B, a size no other test allocates
+  const size_t bytes = 4 * n, block = 49408;  // its block: rounded up to a multiple of 256
+  const size_t used0 = s.total_current, held0 = s.reserved;
+  CHECK(held0 >= used0);
+  {
+    Tensor a = Tensor::empty({n}, DType::F32, Device::CPU, Tag::Workspace);
+    CHECK(s.total_current - used0 == bytes);
+    CHECK(s.reserved - held0 == block);
+  }
+  CHECK(s.total_current == used0);      // freed: no longer in use...
+  CHECK(s.reserved - held0 == block);   // ...but cached, so still held
+  {
+    Tensor a = Tensor::empty({n}, DType::F32, Device::CPU, Tag::Workspace);  // the cached block
+    CHECK(s.reserved - held0 == block);
+    Tensor b = Tensor::empty({n}, DType::F32, Device::CPU, Tag::Workspace);  // a new one
+    CHECK(s.reserved - held0 == 2 * block);
+    CHECK(s.reserved_peak >= s.reserved);
+  }
+  mem_reset_peaks(Device::CPU);
+  CHECK(s.reserved_peak == s.reserved);
+}
+
 // ===== every op at once: determinism, thread counts, bf16 ========================================
 
 namespace {
