@@ -5,6 +5,7 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <functional>
@@ -26,7 +27,13 @@ void comm_init(int* argc, char*** argv) {
   if (!init) MPI_CHECK(MPI_Init(argc, argv));
 }
 
+// Every Comm not yet destroyed, in creation order. Tearing down an NCCL communicator waits for
+// its peers, so every rank releases them in the same order: the reverse of creation, which
+// make_mesh makes identical on every rank.
+static std::vector<Comm*> g_live;
+
 void comm_finalize() {
+  for (auto it = g_live.rbegin(); it != g_live.rend(); ++it) (*it)->release();
   int init = 0, fin = 0;
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
@@ -241,16 +248,23 @@ Comm::Comm(std::string name, MPI_Comm comm, void* nccl) : name_(std::move(name))
     stream_ = s;
   }
 #endif
+  g_live.push_back(this);
 }
 
 Comm::~Comm() {
+  release();
+  g_live.erase(std::find(g_live.begin(), g_live.end(), this));
+}
+
+void Comm::release() {
 #ifdef TS_CUDA
   if (nccl_) ncclCommDestroy(static_cast<ncclComm_t>(nccl_));
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  nccl_ = stream_ = nullptr;
 #endif
   int fin = 0;
   MPI_Finalized(&fin);
-  if (!fin && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+  if (!fin && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);  // leaves comm_ = MPI_COMM_NULL
 }
 
 const char* Comm::transport(Device dev) const {

@@ -129,6 +129,10 @@ class Comm {
  private:
   void count(const char* op, double payload, double wire);
   std::string label(const char* op, int tag) const;  // "all_reduce #12 on group 'dp'" for the watchdog
+  // Frees the NCCL communicator, the stream and the MPI communicator now; the Comm is unusable
+  // afterwards. The destructor calls it, and so does comm_finalize() for every live Comm.
+  void release();
+  friend void comm_finalize();
 
   std::string name_;
   MPI_Comm comm_ = MPI_COMM_NULL;
@@ -140,7 +144,10 @@ class Comm {
 };
 
 void comm_init(int* argc, char*** argv);  // MPI_Init unless already initialised
-void comm_finalize();                     // MPI_Finalize unless already finalised
+// Releases every live Comm (newest first), then MPI_Finalize unless already finalised: NCCL's
+// teardown waits for its peers, so it must run while every rank is still alive, and a Mesh held
+// by main outlives this call.
+void comm_finalize();
 // The watchdog: a wait longer than this many seconds aborts every rank (--timeout).
 void set_comm_timeout(double seconds);
 double comm_timeout();

@@ -2,6 +2,7 @@
 #include "mesh.h"
 
 #include <cstdlib>
+#include <set>
 
 namespace ts {
 
@@ -80,17 +81,40 @@ std::string mesh_config_problem(const MeshConfig& c, int world) {
 }
 
 #ifdef TS_CUDA
-// NCCL refuses two ranks on one GPU: it is used only when every rank's local rank has a device.
-static bool every_rank_owns_a_gpu(int* local_rank, int* ngpu) {
+// This rank's index among the ranks on its node.
+static int local_rank() {
   MPI_Comm node;
+  int r = 0;
   MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
-  MPI_CHECK(MPI_Comm_rank(node, local_rank));
+  MPI_CHECK(MPI_Comm_rank(node, &r));
   MPI_CHECK(MPI_Comm_free(&node));
-  if (cudaGetDeviceCount(ngpu) != cudaSuccess) cudaGetLastError(), *ngpu = 0;
+  return r;
+}
+
+// NCCL refuses two ranks on one GPU, so it is used only when no two ranks share a device. A device
+// is named by its host and PCI bus id, not by its index: a scheduler that gives each rank its own
+// GPU through CUDA_VISIBLE_DEVICES shows every rank that GPU as device 0. Collective; TS_NCCL=0 on
+// any rank means MPI for all.
+static bool ranks_have_distinct_gpus(int world) {
+  struct Gpu {
+    char host[MPI_MAX_PROCESSOR_NAME];
+    char bus_id[32];  // "0000:3b:00.0"
+    int mpi_only;
+  };
+  Gpu mine{};
+  int len = 0, dev = 0;
+  MPI_CHECK(MPI_Get_processor_name(mine.host, &len));
+  CUDA_CHECK(cudaGetDevice(&dev));
+  CUDA_CHECK(cudaDeviceGetPCIBusId(mine.bus_id, int(sizeof mine.bus_id), dev));
   const char* env = getenv("TS_NCCL");
-  int mine = *local_rank < *ngpu && !(env && env[0] == '0'), all = 0;
-  MPI_CHECK(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD));
-  return all != 0;
+  mine.mpi_only = env && env[0] == '0';
+  // Fixed-size records, so one all-gather of bytes carries every rank's.
+  std::vector<Gpu> all(world);
+  MPI_CHECK(MPI_Allgather(&mine, int(sizeof mine), MPI_BYTE, all.data(), int(sizeof mine), MPI_BYTE, MPI_COMM_WORLD));
+  std::set<std::pair<std::string, std::string>> seen;
+  for (const Gpu& g : all)
+    if (g.mpi_only || !seen.insert({g.host, g.bus_id}).second) return false;
+  return true;
 }
 #endif
 
@@ -109,11 +133,11 @@ Mesh make_mesh(const MeshConfig& cfg, Device dev) {
 #ifdef TS_CUDA
   void* nccl_world = nullptr;
   if (dev == Device::CUDA) {
-    int local = 0, ngpu = 0;
-    bool nccl = every_rank_owns_a_gpu(&local, &ngpu);
+    int ngpu = 0;
+    if (cudaGetDeviceCount(&ngpu) != cudaSuccess) cudaGetLastError(), ngpu = 0;
     TS_CHECK(ngpu > 0, "--device cuda but rank %d sees no GPU", m.rank);
-    CUDA_CHECK(cudaSetDevice(local % ngpu));
-    if (nccl && m.world > 1) {
+    CUDA_CHECK(cudaSetDevice(local_rank() % ngpu));
+    if (m.world > 1 && ranks_have_distinct_gpus(m.world)) {
       // The unique id is NCCL's rendezvous address: rank 0 makes it, MPI carries it to all.
       ncclUniqueId id;
       if (m.rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));

@@ -41,8 +41,9 @@ struct Mesh {
   MeshConfig cfg;
   int rank = 0, world = 1;
   int dp_rank = 0, pp_rank = 0, cp_rank = 0, tp_rank = 0, ep_rank = 0;
-  // CUDA tensors use NCCL when every rank owns a GPU, else MPI staged through host memory;
-  // CPU tensors always use MPI. Each Comm reports its choice with transport().
+  // CUDA tensors use NCCL when no two ranks share a GPU (host and PCI bus id compared), else MPI
+  // staged through host memory; CPU tensors always use MPI. Each Comm reports its choice with
+  // transport().
   Device device = Device::CPU;
   std::shared_ptr<Comm> groups[kNumAxes];
 
