@@ -175,7 +175,9 @@ RunConfig parse_run_config(Args& a) {
   rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
   rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job");
   rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)");
-  rc.quiet = a.get_bool("--quiet", "no per-step lines");
+  rc.quiet = a.get_bool("--quiet", "no step lines, only a progress line every --progress-seconds");
+  rc.log_every = a.get_long("--log-every", 0, "print every N-th step (0: about 50 lines per run); the JSON log has every step");
+  rc.progress_seconds = a.get_double("--progress-seconds", rc.progress_seconds, "--quiet: seconds between progress lines");
   rc.threads = a.get_int("--threads", 0, "CPU threads per rank (0: OMP_NUM_THREADS, else the node's cores / its ranks)");
 
   if (m.dim < 1 || m.layers < 1 || m.heads < 1 || m.kv_heads < 1 || m.ffn < 1 || m.vocab < 2 || m.seq < 1)
@@ -183,6 +185,7 @@ RunConfig parse_run_config(Args& a) {
   if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
   if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
   if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
+  if (rc.log_every < 0) config_error("--log-every must be >= 0 (got %ld)", rc.log_every);
   if (rc.keep_last < 0) config_error("--keep-last must be >= 0 (got %d)", rc.keep_last);
   if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
   if (rc.batch < 1 || rc.steps < 0 || rc.micro_batch < 0) config_error("--batch must be >= 1, --steps and --micro-batch >= 0");
@@ -457,6 +460,7 @@ double peak_tflops_for(Device dev, DType dt, double override_tflops) {
 
 RunLog::RunLog(const RunConfig& rc, Device) : rc_(rc), rank0_(world_rank() == 0) {
   check_output_paths(rc);
+  every_ = rc.log_every > 0 ? rc.log_every : std::max(1L, (rc.steps + 49) / 50);
   if (rank0_ && !rc.log_json.empty()) {
     json_ = fopen(rc.log_json.c_str(), "w");
     if (!json_) config_error("--log-json %s: cannot open for writing", rc.log_json.c_str());
@@ -477,12 +481,41 @@ void RunLog::line(const char* fmt, ...) {
   fflush(stdout);
 }
 
+// "45s", "3m05s", "2h07m"
+static std::string short_duration(double s) {
+  char buf[32];
+  const long t = std::lround(s);
+  if (t < 60) snprintf(buf, sizeof buf, "%lds", t);
+  else if (t < 3600) snprintf(buf, sizeof buf, "%ldm%02lds", t / 60, t % 60);
+  else snprintf(buf, sizeof buf, "%ldh%02ldm", t / 3600, t % 3600 / 60);
+  return buf;
+}
+
+bool RunLog::line_due(long step, std::chrono::steady_clock::time_point now) const {
+  if (rc_.quiet) return std::chrono::duration<double>(now - last_line_).count() >= rc_.progress_seconds;
+  return step == first_ || step + 1 == rc_.steps || step % every_ == 0;
+}
+
 void RunLog::step(const StepRecord& r) {
   if (!rank0_) return;
-  if (!rc_.quiet)
-    printf("step %5ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s\n", r.step,
-           r.loss, r.lr, r.grad_norm, r.tokens_per_s, 100 * r.mfu, r.step_ms, human_bytes(double(r.peak_mem_bytes)).c_str());
-  fflush(stdout);
+  const auto now = std::chrono::steady_clock::now();
+  if (first_ < 0) {
+    first_ = r.step;
+    start_ = last_line_ = now - std::chrono::microseconds(std::llround(r.step_ms * 1e3));
+  }
+  if (line_due(r.step, now)) {
+    // The mean wall time per step of this run so far, saves and logging included.
+    const double elapsed = std::chrono::duration<double>(now - start_).count();
+    const long done = r.step + 1 - first_, left = rc_.steps - r.step - 1;
+    const std::string eta = left > 0 ? "ETA " + short_duration(elapsed / double(done) * double(left))
+                                     : "took " + short_duration(elapsed);
+    const int width = int(std::to_string(rc_.steps).size());
+    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s | %s\n",
+           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, 100 * r.mfu, r.step_ms,
+           human_bytes(double(r.peak_mem_bytes)).c_str(), eta.c_str());
+    fflush(stdout);
+    last_line_ = now;
+  }
   if (json_) {
     Json j = Json::object();
     j["step"] = r.step;

@@ -2,6 +2,7 @@
 // learning-rate schedule, AdamW over ranges of the flat buffers, gradient clipping, memory
 // predictions (the playbook's formulas for this model), the step log and the run summary.
 #pragma once
+#include <chrono>
 #include <functional>
 #include <map>
 #include <string>
@@ -59,7 +60,9 @@ struct RunConfig {
   bool reschedule = false;   // resume even when the learning-rate curve would change
   bool dry_run = false;
   double timeout = 300, peak_tflops = 0;
-  bool quiet = false;  // no per-step lines (tests)
+  bool quiet = false;  // no per-step lines, only a progress line every progress_seconds
+  long log_every = 0;  // step lines every N steps (0: about 50 per run), always the first and last
+  double progress_seconds = 10;
   int threads = 0;     // CPU threads per rank (0: chosen from the cores, see threads.h)
 };
 // Reads the flags shared by every technique (not finish(): the technique adds its own first).
@@ -159,15 +162,20 @@ std::string device_description(Device dev);
 class RunLog {
  public:
   RunLog(const RunConfig& rc, Device dev);  // rank 0 opens --log-json
+  // Every step goes to the JSON log; a line "step 120/4000 | … | ETA 1m05s" is printed on the
+  // --log-every cadence, or under --quiet once every --progress-seconds.
   void step(const StepRecord& r);
   // memory: category -> {measured, predicted}; comm: group -> op -> {calls, bytes, predicted}.
   void summary(Json s);
   void line(const char* fmt, ...) __attribute__((format(printf, 2, 3)));  // rank 0 only
   ~RunLog();
  private:
+  bool line_due(long step, std::chrono::steady_clock::time_point now) const;
   const RunConfig& rc_;
   FILE* json_ = nullptr;
   bool rank0_;
+  long every_ = 1, first_ = -1;  // first_: the first step this run logged
+  std::chrono::steady_clock::time_point start_, last_line_;
 };
 
 // ----- the start every technique's main() shares ------------------------------------------------

@@ -216,3 +216,45 @@ TEST_CASE("resume: trainer.json records the schedule; a cosine curve is never be
   REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 4 --save " + d.file("c")).status == 0);
   CHECK(tst::run_bin("01_single_gpu", kTiny + "--steps 8 --resume " + d.file("c")).status == 0);
 }
+
+// ----- progress ---------------------------------------------------------------------------------
+
+// The steps of the printed "step 120/4000 | … | ETA 5s" lines (total checked against `total`).
+static std::vector<long> printed_steps(const std::string& out, long total) {
+  std::vector<long> v;
+  static const std::regex re(R"((^|\n)step +(\d+)/(\d+) \| loss [^\n]*\| (ETA|took) \d+[smh])");
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it) {
+    if (std::stol((*it)[3]) == total) v.push_back(std::stol((*it)[2]));
+  }
+  return v;
+}
+
+TEST_CASE("progress: about 50 step lines by default, always the first and last, all steps in the JSON log", "[run][progress]") {
+  tst::TempDir d;
+  const std::string plain = "--preset tiny --lr-schedule constant ";
+  tst::Result r = tst::run_bin("01_single_gpu", plain + "--steps 200 --log-json " + d.file("a.jsonl"));
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  std::vector<long> s = printed_steps(r.output, 200);
+  REQUIRE(!s.empty());
+  CHECK(s.front() == 0);
+  CHECK(s.back() == 199);
+  CHECK(s.size() >= 45);
+  CHECK(s.size() <= 55);
+  CHECK(tst::read_log(d.file("a.jsonl")).steps.size() == 200);
+  // An explicit cadence, and a resumed run starts its lines at its own first step.
+  tst::Result e = tst::run_bin("01_single_gpu", plain + "--steps 20 --log-every 7 --save " + d.file("ck"));
+  CHECK(printed_steps(e.output, 20) == std::vector<long>{0, 7, 14, 19});
+  tst::Result f = tst::run_bin("01_single_gpu", plain + "--steps 30 --log-every 7 --resume " + d.file("ck"));
+  CHECK(printed_steps(f.output, 30) == std::vector<long>{20, 21, 28, 29});
+}
+
+TEST_CASE("progress: --quiet prints no step lines, only one every --progress-seconds", "[run][progress]") {
+  tst::Result q = tst::run_bin("01_single_gpu", kTiny + "--steps 5");
+  CHECK(printed_steps(q.output, 5).empty());
+  tst::Result p = tst::run_bin("01_single_gpu", kTiny + "--steps 300 --progress-seconds 0.1");
+  INFO(p.output);
+  std::vector<long> s = printed_steps(p.output, 300);
+  CHECK(!s.empty());
+  CHECK(s.size() < 150);
+}
