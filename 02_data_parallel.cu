@@ -135,7 +135,7 @@ static const char* kDoc =
 
 // ----- one optimizer step ----------------------------------------------------------------------------
 
-// This rank's sequences of the global batch: a contiguous slice, in micro-batches (DESIGN.md).
+// This rank's sequences of the global batch: a contiguous slice, in micro-batches.
 static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const TokenData& data, const RunConfig& rc,
                              Mesh& mesh, long step) {
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;

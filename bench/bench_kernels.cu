@@ -4,7 +4,7 @@
 //
 // Each op is warmed up, then timed over several repetitions; the median is reported as GFLOP/s
 // for the matmul-shaped ops and GB/s of compulsory traffic for the memory-bound ones.
-// On the CPU set OPENBLAS_CORETYPE=SkylakeX (DESIGN.md, "Measuring on these machines").
+// On the CPU set OPENBLAS_CORETYPE=SkylakeX.
 // Usage: bench_kernels [substring]   (only the ops whose name contains it)
 #include <mpi.h>
 #include <omp.h>

@@ -1,4 +1,4 @@
-// data.h — the token stream every technique trains on, and the batch order (DESIGN.md, "Data").
+// data.h — the token stream every technique trains on, and the batch order.
 //
 // Three sources: an embedded synthetic byte source with a known entropy rate (the default, so a
 // run needs no files and can print the loss floor it should approach), any text file as bytes,
@@ -37,7 +37,7 @@ std::vector<int32_t> synthetic_tokens(uint64_t seed, int64_t n);
 double synthetic_entropy_rate();
 constexpr int64_t kSyntheticTokens = int64_t(1) << 20;
 
-// DESIGN.md's data order: sequence i of step s reads the window at token offset
+// The data order: sequence i of step s reads the window at token offset
 // ((s*B + i)*T) mod (N - T - 1); inputs are tokens[o, o+T), targets tokens[o+1, o+T+1).
 int64_t window_offset(int64_t n_tokens, long step, int B, int T, int i);
 // Fills inputs and targets, each [nseq, T] row-major, for the global sequences

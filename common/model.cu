@@ -81,7 +81,7 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
   return t;
 }
 
-// DESIGN.md init: matrices N(0, 0.02) from the counter-based RNG keyed by the HF name and the
+// Init: matrices N(0, 0.02) from the counter-based RNG keyed by the HF name and the
 // global element index, norm weights 1. Any block computes exactly its part of the full tensor.
 void Model::init_range(const ParamTable& t, uint64_t seed, int64_t b, int64_t e, const Tensor& dst) {
   t.for_each_global_run(b, e, [&](const ParamEntry& p, int64_t flat, int64_t global, int64_t n) {
@@ -239,7 +239,10 @@ void Model::linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy
                             bool accumulate_dx) {
   if (!defer_) return ts::linear_backward(dx, dW, dy, x, W, accumulate_dx);
   ts::linear_backward(dx, Tensor(), dy, x, W, accumulate_dx);
-  defer_->push_back({dW, dy, x});
+  // dy is snapshotted: the layer keeps updating the residual gradient it may alias.
+  Tensor keep = Tensor::empty(dy.shape, dy.dtype, dev, Tag::Activations);
+  copy(keep, dy);
+  defer_->push_back({defer_unit_, dW, keep, x});
 }
 
 // ----- forward -------------------------------------------------------------------------------------
@@ -447,6 +450,7 @@ void Model::unit_backward(int u, ForwardState& st, Tensor& dx, bool defer_weight
   if (u > 0) before_unit(u);  // the embedding's backward is a scatter of dx: it reads no weights
   before_backward(u);
   defer_ = defer_weights ? &st.deferred : nullptr;
+  defer_unit_ = u;
   if (u == 0) {
     TraceScope t("bwd embedding");
     embed_backward(st, dx);  // a scatter, no matmul: nothing to defer
@@ -463,9 +467,11 @@ void Model::unit_backward(int u, ForwardState& st, Tensor& dx, bool defer_weight
 void Model::unit_backward_weights(int u, ForwardState& st) {
   {
     TraceScope t("bwd weights layer " + std::to_string(u - 1));
-    for (const DeferredGrad& d : st.deferred) ts::linear_backward(Tensor(), d.dW, d.dy, d.x, Tensor());
+    for (const DeferredGrad& d : st.deferred)
+      if (d.unit == u) ts::linear_backward(Tensor(), d.dW, d.dy, d.x, Tensor());
   }
-  st.deferred.clear();
+  st.deferred.erase(std::remove_if(st.deferred.begin(), st.deferred.end(), [u](const DeferredGrad& d) { return d.unit == u; }),
+                    st.deferred.end());
   unit_grads_ready(u);
   after_unit(u);
 }

@@ -97,7 +97,7 @@ struct ParamTable {
   }
   // The one map from this rank's flat buffers to global tensors: f(entry, flat, global, n) for
   // every run of n elements at flat offset `flat` that are elements [global, global + n) of the
-  // entry's full tensor, over the flat range [b, e). Init, checkpoints and norms go through it.
+  // entry's full tensor, over the flat range [b, e). Initialisation and checkpoints go through it.
   template <class F> void for_each_global_run(int64_t b, int64_t e, F f) const {
     for_each_overlap(b, e, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
       p.for_each_run(lo - p.offset, hi - p.offset, [&](int64_t l, int64_t g, int64_t n) { f(p, p.offset + l, g, n); });
@@ -158,6 +158,7 @@ struct LayerActs {
 // A weight-gradient matmul dW += dy^T · x whose input-gradient half has already run: zero-bubble
 // pipeline schedules run a unit's backward as B (input gradient) now and W (this) later.
 struct DeferredGrad {
+  int unit;
   Tensor dW, dy, x;
 };
 
@@ -239,7 +240,7 @@ class Model {
   // padding belongs to no tensor).
   static ParamTable make_table(const ModelConfig& cfg, int align = 1, const ShardSpec& shard = {});
   // Initialises the local range [b, e) of the flat parameters into dst (fp32, e - b elements):
-  // every element gets the value of its global index (DESIGN: init is a pure function of it).
+  // every element gets the value of its global index (init is a pure function of it).
   static void init_range(const ParamTable& t, uint64_t seed, int64_t b, int64_t e, const Tensor& dst);
 
   const ModelConfig cfg;
@@ -314,6 +315,7 @@ class Model {
   int emb_ = -1, normf_ = -1, head_ = -1;
   std::vector<Tensor> w_, g_;
   std::vector<DeferredGrad>* defer_ = nullptr;  // where linear_backward queues dW while deferring
+  int defer_unit_ = -1;                         // the unit whose weight gradients are being queued
   Tensor act(std::vector<int64_t> shape) const { return Tensor::empty(shape, dtype, dev, Tag::Activations); }
   Tensor work(std::vector<int64_t> shape) const { return Tensor::empty(shape, dtype, dev, Tag::Workspace); }
   void embed_forward(ForwardState& st, Tensor& x);

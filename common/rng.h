@@ -2,7 +2,7 @@
 //
 // This is what lets every technique reproduce 01 bit for bit at initialisation: a rank that
 // owns a slice of a weight computes exactly the values of that slice of the full weight, with
-// no broadcast and no dependence on how the model is split (DESIGN.md, "Determinism").
+// no broadcast and no dependence on how the model is split.
 #pragma once
 #include <cmath>
 #include <cstdint>

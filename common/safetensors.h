@@ -10,7 +10,7 @@
 //
 // The layout is a pure function of the global tensor table, so every rank computes the same
 // offsets and writes its own slices of each tensor where they belong in the full tensor: the
-// checkpoint does not depend on the mesh that wrote it (DESIGN.md, "Checkpoints").
+// checkpoint does not depend on the mesh that wrote it.
 #pragma once
 #include <cstdint>
 #include <map>

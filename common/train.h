@@ -128,7 +128,7 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
 struct MicroBatch {
   Tensor inputs, targets;  // int32 [nseq * seq]
 };
-// Global sequences [seq0, seq0 + nseq) of step `step` (DESIGN.md data order), on `dev`.
+// Global sequences [seq0, seq0 + nseq) of step `step` (the data order of notes/00), on `dev`.
 MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev);
 
 // Warns once when OpenBLAS runs kernels for a much older core than this CPU (Debian's build

@@ -88,3 +88,25 @@ TEST_CASE("02's bucketed reducer and 03's ZeRO-1 sharder, built side by side, ag
     CHECK(bad == 0);
   }
 }
+
+TEST_CASE("unit by unit with the weight gradients deferred (B then W) gives forward_backward's gradients", "[compose]") {
+  Mesh mesh = make_mesh(MeshConfig{2}, Device::CPU);
+  MicroBatch b = my_batch(mesh);
+  Model whole(kCfg, Device::CPU, DType::F32, Recompute::None), split(kCfg, Device::CPU, DType::F32, Recompute::None);
+  init(whole);
+  init(split);
+  whole.forward_backward(b.inputs, b.targets, 2, 1.f / 64);
+  std::vector<int> ready;
+  split.unit_grads_ready.add([&](int u) { ready.push_back(u); });
+  ForwardState st = split.begin_microbatch(b.inputs, b.targets, 2);
+  Tensor x;
+  const int L = kCfg.layers;
+  for (int u = 0; u <= L + 1; u++) split.unit_forward(u, st, x, 1.f / 64);
+  for (int u = L; u >= 1; u--) split.unit_backward(u, st, x, /*defer_weights=*/true);  // B of every layer
+  split.unit_backward(0, st, x);
+  CHECK(ready == std::vector<int>{L + 1, 0});  // the layers' W has not run yet
+  for (int u = 1; u <= L; u++) split.unit_backward_weights(u, st);  // W, later, in another order
+  CHECK(st.deferred.empty());
+  CHECK(ready.size() == size_t(L + 2));
+  CHECK(to_host_f32(split.grads) == to_host_f32(whole.grads));
+}
