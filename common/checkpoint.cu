@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <mpi.h>
 #include <stdio.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -14,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 
+#include "comm.h"
 #include "safetensors.h"
 
 namespace ts {
@@ -103,6 +105,54 @@ std::string resolve_checkpoint(const std::string& dir) {
   return steps.back().second;
 }
 
+static std::string strip_slashes(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+static std::string g_locked;  // the --save directory this process holds the lock of
+
+std::string lock_checkpoint_dir(const std::string& save_dir) {
+  const std::string dir = strip_slashes(save_dir), lock = dir + ".lock";
+  if (g_locked == dir) return "";
+  int fd = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return "--save " + dir + ": cannot create the lock file " + lock + ": " + strerror(errno);
+  if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return "--save " + dir + " is in use by another job (it holds " + lock +
+           "); two jobs saving to one directory would mix their checkpoints";
+  }
+  g_locked = dir;  // fd stays open: the lock lasts as long as the process
+  return "";
+}
+
+// Temporaries of saves that never finished (a crash, a kill): with the lock held, no other job
+// can be writing them.
+static void remove_stale_temporaries(const std::string& save_dir, const std::string& dir, bool steps) {
+  if (g_locked != strip_slashes(save_dir)) return;
+  const std::string parent = dir.find('/') == std::string::npos ? "." : dir.substr(0, dir.rfind('/'));
+  const std::string base = dir.substr(dir.rfind('/') + 1);
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(parent.empty() ? "/" : parent, ec)) {
+    const std::string name = e.path().filename().string();
+    const bool mine = name.rfind(base + ".tmp", 0) == 0 ||
+                      (steps && name.rfind("step_", 0) == 0 && name.find(".tmp") != std::string::npos);
+    if (mine) remove_tree(e.path().string());
+  }
+}
+
+// The first tensor of [b, e) whose counted copy holds a NaN or an infinity, or "".
+static std::string first_nonfinite(const ParamTable& t, const std::string& prefix, int64_t b, int64_t e,
+                                   const std::vector<float>& src) {
+  std::string found;
+  t.for_each_global_run(b, e, [&](const ParamEntry& p, int64_t flat, int64_t, int64_t n) {
+    if (!found.empty() || !p.counts) return;
+    for (int64_t k = 0; k < n && found.empty(); k++)
+      if (!std::isfinite(src[size_t(flat - b + k)])) found = prefix + p.name;
+  });
+  return found;
+}
+
 // A test hook: TS_CRASH_IN_SAVE=1 kills the process after the first half of the weights is
 // written, the way a node failure would, to prove the previous checkpoint survives.
 static void maybe_crash_midway() {
@@ -116,30 +166,37 @@ static void maybe_crash_midway() {
 void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const ParamTable& table,
                      const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
   const bool rank0 = world_rank() == 0;
-  const std::string dir = rc.keep_last > 0 ? step_dir(save_dir, step) : save_dir;
-  const std::string tmp = dir + ".tmp";
+  const std::string dir = rc.keep_last > 0 ? step_dir(save_dir, step) : strip_slashes(save_dir);
+  const std::string at = "checkpoint of step " + std::to_string(step);
   const std::vector<StEntry> model_e = entries_with_prefix(table, "");
   std::vector<StEntry> opt_e = entries_with_prefix(table, "exp_avg.");
   for (StEntry& e : entries_with_prefix(table, "exp_avg_sq.")) opt_e.push_back(e);
-  int any_opt = 0, all_opt = 0;
-  for (const CheckpointSlice& s : mine) any_opt |= s.opt != nullptr;
-  MPI_Allreduce(&any_opt, &all_opt, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  // {any optimizer state, rank 0's pid}: the temporary directory is named after this job, so two
+  // jobs never write into one.
+  int mine_flags[2] = {0, rank0 ? int(getpid()) : 0}, all_flags[2] = {0, 0};
+  for (const CheckpointSlice& s : mine) mine_flags[0] |= s.opt != nullptr;
+  watched_allreduce(mine_flags, all_flags, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD, "all_reduce (" + at + ": its layout)");
+  const int any_opt = mine_flags[0], all_opt = all_flags[0];
+  const std::string tmp = dir + ".tmp." + std::to_string(all_flags[1]);
 
   if (rank0) {
     if (rc.keep_last > 0 && !exists(save_dir) && mkdir(save_dir.c_str(), 0755) != 0)
       fatal("cannot create checkpoint directory %s: %s", save_dir.c_str(), strerror(errno));
+    remove_stale_temporaries(save_dir, dir, rc.keep_last > 0);
     if (exists(tmp)) remove_tree(tmp);
     if (mkdir(tmp.c_str(), 0755) != 0) fatal("cannot create checkpoint directory %s", tmp.c_str());
     std::map<std::string, std::string> meta = {{"format", "pt"}};
     SafetensorsWriter(tmp + "/model.safetensors", model_e, meta, true).sync_and_close();
     if (all_opt) SafetensorsWriter(tmp + "/optimizer.safetensors", opt_e, meta, true).sync_and_close();
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  watched_barrier(MPI_COMM_WORLD, "barrier (" + at + ": files created)");
+  std::string bad;  // the first tensor this rank would write with a non-finite value
   if (!mine.empty()) {
     SafetensorsWriter w(tmp + "/model.safetensors", model_e, {{"format", "pt"}}, false);
     for (size_t i = 0; i < mine.size(); i++) {
       const CheckpointSlice& sl = mine[i];
       std::vector<float> v = to_host_f32(sl.weights);
+      if (bad.empty()) bad = first_nonfinite(table, "", sl.begin, sl.end, v);
       int64_t half = sl.begin + (sl.end - sl.begin) / 2;
       write_range(w, table, "", sl.begin, half, v);
       if (i == 0) maybe_crash_midway();
@@ -153,13 +210,23 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
       auto moments = [](const Tensor& t, int64_t n) { return t.defined() ? to_host_f32(t) : std::vector<float>(size_t(n)); };
       for (const CheckpointSlice& sl : mine) {
         if (!sl.opt) continue;
-        write_range(o, table, "exp_avg.", sl.begin, sl.end, moments(sl.opt->m1, sl.end - sl.begin));
-        write_range(o, table, "exp_avg_sq.", sl.begin, sl.end, moments(sl.opt->m2, sl.end - sl.begin));
+        for (const char* pre : {"exp_avg.", "exp_avg_sq."}) {
+          const std::vector<float> m = moments(std::string(pre) == "exp_avg." ? sl.opt->m1 : sl.opt->m2, sl.end - sl.begin);
+          if (bad.empty()) bad = first_nonfinite(table, pre, sl.begin, sl.end, m);
+          write_range(o, table, pre, sl.begin, sl.end, m);
+        }
       }
       o.sync_and_close();
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  // Every rank has written its slices once this agreement returns. Non-finite weights or moments
+  // (a diverged step) are never published: the last good checkpoint stays where it is.
+  const std::string err = first_error(bad.empty() ? "" : bad + " holds non-finite values", MPI_COMM_WORLD, at);
+  if (!err.empty()) {
+    if (rank0) remove_tree(tmp);
+    config_error("%s not published: %s (the run diverged; try a lower --lr). The last good checkpoint in %s is kept.",
+                 at.c_str(), err.c_str(), save_dir.c_str());
+  }
   if (rank0) {
     write_text_file_synced(tmp + "/config.json", hf_config(rc.model).dump(2) + "\n");
     Json tj = Json::object();
@@ -176,6 +243,15 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
     tj["warmup_steps"] = rc.warmup_steps;
     tj["min_lr"] = rc.min_lr;
     tj["mesh"] = mesh;
+    // Each file's digest makes the checkpoint verifiable as one whole on load.
+    Json files = Json::object();
+    try {
+      for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.json"})
+        if (exists(tmp + "/" + f)) files[f] = file_digest(tmp + "/" + f);
+    } catch (const FormatError& e) {
+      fatal("cannot read back %s: %s", at.c_str(), e.what());
+    }
+    tj["files"] = files;
     write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
     fsync_dir(tmp);
     // Publish with one atomic step: exchange the new directory with the old one (or rename it
@@ -195,28 +271,104 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
       for (size_t i = 0; i + size_t(rc.keep_last) < steps.size(); i++) remove_tree(steps[i].second);
     }
   }
-  MPI_Barrier(MPI_COMM_WORLD);
+  watched_barrier(MPI_COMM_WORLD, "barrier (" + at + ": published)");
+}
+
+void check_hf_config(const Json& j, const ModelConfig& c) {
+  auto differs = [](const char* key, const std::string& got, const std::string& want) {
+    return FormatError(std::string("does not match the model: ") + key + " is " + got + ", the model has " + want);
+  };
+  auto need = [&](const char* key, int64_t want) {
+    int64_t got = j.at(key).as_int();
+    if (got != want) throw differs(key, std::to_string(got), std::to_string(want));
+  };
+  need("hidden_size", c.dim);
+  need("intermediate_size", c.ffn);
+  need("num_hidden_layers", c.layers);
+  need("num_attention_heads", c.heads);
+  need("num_key_value_heads", c.kv_heads);
+  need("vocab_size", c.vocab);
+  // The fields below change what the model computes; absent, they take transformers' defaults.
+  if (j.contains("head_dim")) need("head_dim", c.head_dim());
+  auto real = [&](const char* key, double def, float want) {
+    const double got = j.contains(key) ? j.at(key).as_double() : def;
+    if (float(got) != want) throw differs(key, Json(got).dump(), Json(double(want)).dump());
+  };
+  real("rms_norm_eps", 1e-6, c.norm_eps);
+  real("rope_theta", 10000.0, c.rope_theta);
+  if (j.contains("tie_word_embeddings") && j.at("tie_word_embeddings").as_bool())
+    throw differs("tie_word_embeddings", "true", "false (a separate lm_head)");
+  if (j.contains("hidden_act") && j.at("hidden_act").as_string() != "silu")
+    throw differs("hidden_act", "'" + j.at("hidden_act").as_string() + "'", "'silu' (SwiGLU)");
+  // RoPE has no table to outgrow, but positions past the declared maximum were never trained.
+  if (j.contains("max_position_embeddings")) {
+    const int64_t max_pos = j.at("max_position_embeddings").as_int();
+    if (max_pos < c.seq)
+      throw FormatError("max_position_embeddings is " + std::to_string(max_pos) + ", shorter than --seq " +
+                        std::to_string(c.seq));
+  }
 }
 
 static void check_config(const std::string& dir, const ModelConfig& c) {
-  Json j;
   try {
-    j = Json::parse(read_text_file(dir + "/config.json"));
-    auto need = [&](const char* key, int64_t want) {
-      int64_t got = j.at(key).as_int();
-      if (got != want)
-        config_error("checkpoint %s does not match the model: %s is %lld, the model has %lld", dir.c_str(), key,
-                     (long long)got, (long long)want);
-    };
-    need("hidden_size", c.dim);
-    need("intermediate_size", c.ffn);
-    need("num_hidden_layers", c.layers);
-    need("num_attention_heads", c.heads);
-    need("num_key_value_heads", c.kv_heads);
-    need("vocab_size", c.vocab);
+    check_hf_config(Json::parse(read_text_file(dir + "/config.json")), c);
   } catch (const FormatError& e) {
     config_error("checkpoint %s: config.json: %s", dir.c_str(), e.what());
   }
+}
+
+TrainerRecord parse_trainer_record(const Json& t) {
+  TrainerRecord r;
+  r.step = long(t.at("step").as_int());
+  auto positive = [&](const char* key) {
+    if (!t.contains(key)) return 0;
+    const int64_t v = t.at(key).as_int();
+    if (v < 1 || v > INT32_MAX) throw FormatError(std::string(key) + " is " + std::to_string(v) + ", not a positive int");
+    return int(v);
+  };
+  r.batch = positive("batch");
+  r.seq = positive("seq");
+  // The data order reads window (step·batch + i)·seq: a step whose token count overflows 64 bits
+  // (or a negative one) would read outside the data.
+  const int64_t per_step = int64_t(std::max(r.batch, 1)) * std::max(r.seq, 1);
+  if (r.step < 0 || r.step > INT64_MAX / per_step)
+    throw FormatError("step " + std::to_string(r.step) + " is outside [0, " + std::to_string(INT64_MAX / per_step) + "]");
+  if (t.contains("dtype")) r.dtype = t.at("dtype").as_string();
+  if (t.contains("data")) r.data = t.at("data").as_string();
+  if (t.contains("seed")) r.seed = t.at("seed").as_int(), r.has_seed = true;
+  if (t.contains("files"))
+    for (auto& [name, digest] : t.at("files").items()) {
+      if (name.empty() || name.find('/') != std::string::npos || name == "trainer.json" || name[0] == '.')
+        throw FormatError("files: '" + name + "' is not a file of a checkpoint");
+      r.files.push_back({name, digest.as_string()});
+    }
+  return r;
+}
+
+std::vector<std::string> resume_notes(const TrainerRecord& rec, const RunConfig& rc) {
+  if (rec.step >= rc.steps)
+    throw FormatError("the checkpoint is at step " + std::to_string(rec.step) + " and --steps is " +
+                      std::to_string(rc.steps) + ": no step would run (--steps is the total, not the steps to add)");
+  const std::string data = rc.data.empty() ? "synthetic" : rc.data;
+  if (rec.has_seed && int64_t(rec.seed) != int64_t(rc.seed) && rec.data == "synthetic" && data == "synthetic")
+    throw FormatError("the checkpoint trained on the synthetic source of seed " + std::to_string(int64_t(rec.seed)) +
+                      "; --seed " + std::to_string(int64_t(rc.seed)) +
+                      " is another source, not a continuation (pass --seed " + std::to_string(int64_t(rec.seed)) + ")");
+  std::vector<std::string> notes;
+  const std::string from = " from step " + std::to_string(rec.step) + " on";
+  if (rec.batch && rec.batch != rc.batch)
+    notes.push_back("--batch " + std::to_string(rc.batch) + " (the checkpoint's run used " + std::to_string(rec.batch) +
+                    "): each step takes another number of sequences, and" + from +
+                    " the windows read differ from the original run's");
+  if (rec.seq && rec.seq != rc.model.seq)
+    notes.push_back("--seq " + std::to_string(rc.model.seq) + " (the checkpoint's run used " + std::to_string(rec.seq) +
+                    "): the weights carry over (RoPE has no length), the windows read" + from + " differ");
+  if (!rec.dtype.empty() && rec.dtype != dtype_name(rc.dtype))
+    notes.push_back(std::string("--dtype ") + (rc.dtype == DType::F32 ? "fp32" : "bf16") + " (the checkpoint's run used " +
+                    rec.dtype + "): the fp32 weights carry over; the curve is not the one the run would have followed");
+  if (!rec.data.empty() && rec.data != data)
+    notes.push_back("data " + data + " (the checkpoint trained on " + rec.data + "):" + from + " training continues on other data");
+  return notes;
 }
 
 CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, const ParamTable& table,
@@ -225,26 +377,51 @@ CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, c
   check_config(dir, cfg);
   CheckpointInfo info;
   // A plain HF model directory has no trainer.json: it loads as the weights of step 0.
+  TrainerRecord rec;
   try {
     if (exists(dir + "/trainer.json")) {
       info.trainer = Json::parse(read_text_file(dir + "/trainer.json"));
-      info.step = long(info.trainer.at("step").as_int());
+      rec = parse_trainer_record(info.trainer);
+      info.step = rec.step;
     }
   } catch (const FormatError& e) {
     config_error("checkpoint %s: trainer.json: %s", dir.c_str(), e.what());
   }
-  SafetensorsReader model(dir + "/model.safetensors");
-  for (const ParamEntry& p : table.entries) {
-    if (!model.has(p.name)) config_error("checkpoint %s: model.safetensors has no tensor %s", dir.c_str(), p.name.c_str());
-    if (model.entry(p.name).shape != p.shape)
-      config_error("checkpoint %s: tensor %s has the wrong shape", dir.c_str(), p.name.c_str());
+  // Every rank checks every file whole, so a checkpoint that mixes two saves (or a damaged file)
+  // is refused by all alike, before any rank reads its own part.
+  for (const auto& [name, digest] : rec.files) {
+    std::string got;
+    try {
+      got = file_digest(dir + "/" + name);
+    } catch (const FormatError& e) {
+      config_error("checkpoint %s: trainer.json lists %s, which cannot be read: %s", dir.c_str(), name.c_str(), e.what());
+    }
+    if (got != digest)
+      config_error("checkpoint %s: %s has digest %s but trainer.json records %s: the files come from different saves, "
+                   "or one was changed since",
+                   dir.c_str(), name.c_str(), got.c_str(), digest.c_str());
   }
+  // Names, shapes and dtypes of every tensor, checked by every rank alike before any reads its part.
+  auto check_tensors = [&](const SafetensorsReader& r, const char* file, const std::string& prefix) {
+    for (const ParamEntry& p : table.entries) {
+      const std::string name = prefix + p.name;
+      if (!r.has(name)) config_error("checkpoint %s: %s has no tensor %s", dir.c_str(), file, name.c_str());
+      const StEntry& e = r.entry(name);
+      if (e.shape != p.shape)
+        config_error("checkpoint %s: tensor %s has the wrong shape", dir.c_str(), name.c_str());
+      if (e.dtype != "F32" && e.dtype != "BF16")
+        config_error("checkpoint %s: tensor %s is %s, not F32 or BF16", dir.c_str(), name.c_str(), e.dtype.c_str());
+    }
+  };
+  SafetensorsReader model(dir + "/model.safetensors");
+  check_tensors(model, "model.safetensors", "");
   std::vector<float> v(size_t(end - begin));
   read_range(model, table, "", begin, end, v);
   if (weights.defined()) from_host_f32(weights, v.data());
   info.has_optimizer = exists(dir + "/optimizer.safetensors");
   if (opt && info.has_optimizer) {
     SafetensorsReader o(dir + "/optimizer.safetensors");
+    for (const char* pre : {"exp_avg.", "exp_avg_sq."}) check_tensors(o, "optimizer.safetensors", pre);
     for (const char* pre : {"exp_avg.", "exp_avg_sq."}) {
       read_range(o, table, pre, begin, end, v);
       from_host_f32(std::string(pre) == "exp_avg." ? opt->m1 : opt->m2, v.data());

@@ -10,8 +10,9 @@
 //
 // Every rank writes the slices it owns at their global offsets, so a checkpoint does not depend
 // on the mesh that wrote it and resumes on another one. The files are written into a temporary
-// directory, synced, then swapped in with one rename: a crash mid-save leaves the previous
-// checkpoint intact.
+// directory of this job's own (DIR.tmp.<pid>), synced, then swapped in with one rename: a crash
+// mid-save leaves the previous checkpoint intact. trainer.json records each file's digest; a save
+// whose weights or moments hold a NaN or an infinity is not published.
 #pragma once
 #include <string>
 
@@ -38,8 +39,9 @@ struct CheckpointInfo {
   bool has_optimizer = false;
   Json trainer;
 };
-// Validates the directory (files present, config matching the model, tensors with the right
-// names and shapes) with config_error on any problem, then reads [begin, end) of the weights
+// Validates the directory (files present and matching the digests trainer.json records, config
+// matching the model, tensors with the right names, shapes and dtypes) with config_error on any
+// problem, then reads [begin, end) of the weights
 // into `weights` (fp32) and, when opt is given and the optimizer file exists, of the moments.
 CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, const ParamTable& table,
                                int64_t begin, int64_t end, const Tensor& weights, AdamW* opt);
@@ -52,5 +54,28 @@ std::string resolve_checkpoint(const std::string& dir);
 
 // config.json for the HF LlamaConfig of this model.
 Json hf_config(const ModelConfig& c);
+// config.json against the model: FormatError naming the first field that differs or is malformed
+// (absent optional fields take transformers' defaults).
+void check_hf_config(const Json& config, const ModelConfig& c);
+
+// What trainer.json records of the run that saved it (0 or "" where a field is absent). Parsing
+// validates: FormatError for a step that is negative or whose token count overflows, a field of
+// the wrong type, a file list naming anything but a file of the checkpoint.
+struct TrainerRecord {
+  long step = 0;
+  int batch = 0, seq = 0;
+  std::string dtype, data;
+  bool has_seed = false;
+  int64_t seed = 0;
+  std::vector<std::pair<std::string, std::string>> files;  // file name -> digest (file_digest)
+};
+TrainerRecord parse_trainer_record(const Json& trainer);
+// This run against the record: FormatError for what cannot be right (no step left to run; another
+// synthetic source), and one note per deliberate change (batch, seq, dtype, data) saying what it means.
+std::vector<std::string> resume_notes(const TrainerRecord& rec, const RunConfig& rc);
+
+// Takes the --save directory for this job (an exclusive lock on DIR.lock, held until the process
+// ends), or says why not: another job holds it. Rank 0 calls it before the first step.
+std::string lock_checkpoint_dir(const std::string& save_dir);
 
 }  // namespace ts

@@ -4,6 +4,7 @@
 #include "threads.h"
 
 #include <sched.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -182,8 +183,9 @@ void Work::wait() {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (waited > g_timeout) {
       p_->abort();
-      fatal("watchdog: rank %d waited %.1f s for %s at step %ld; aborting every rank", world_rank(), waited,
-            p_->what.c_str(), current_step());
+      const std::string at = current_step() >= 0 ? " at step " + std::to_string(current_step()) : "";
+      fatal("watchdog: rank %d waited %.1f s for %s%s; aborting every rank", world_rank(), waited, p_->what.c_str(),
+            at.c_str());
     }
     // Yield while the wait is short: with more ranks than cores the peer needs this core to
     // progress. Sleep once it is long, so a waiting rank stops competing for the CPU.
@@ -193,6 +195,69 @@ void Work::wait() {
       usleep(200);
   }
   complete(p_);
+}
+
+// ----- host operations under the watchdog ------------------------------------------------------
+
+static std::string group_name(MPI_Comm comm) {
+  if (comm == MPI_COMM_WORLD) return "world";
+  char name[MPI_MAX_OBJECT_NAME];
+  int n = 0;
+  MPI_CHECK(MPI_Comm_get_name(comm, name, &n));
+  return n > 0 ? std::string(name, size_t(n)) : "unnamed";
+}
+
+// A test hook: TS_STOP_IN=TEXT stops the last rank (SIGSTOP, as a stalled node would) as it enters
+// the first watched operation whose label contains TEXT, so the tests can prove the others see it.
+static void maybe_stop(const std::string& what) {
+  static const char* text = getenv("TS_STOP_IN");
+  int world = 1;
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
+  if (text && *text && what.find(text) != std::string::npos && world_rank() == world - 1) {
+    text = nullptr;
+    fprintf(stderr, "TS_STOP_IN: rank %d stops in %s\n", world - 1, what.c_str());
+    fflush(stderr);
+    raise(SIGSTOP);
+  }
+}
+
+static void watched(MPI_Comm comm, const std::string& what, const std::function<void(MPI_Request*)>& start) {
+  int n = 1;
+  MPI_CHECK(MPI_Comm_size(comm, &n));
+  auto p = std::make_unique<MpiPending>();
+  p->what = what + " on group '" + group_name(comm) + "' (" + std::to_string(n) + " ranks)";
+  maybe_stop(p->what);
+  p->reqs.resize(1);
+  start(&p->reqs[0]);
+  Work(std::move(p)).wait();
+}
+
+void watched_allreduce(const void* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                       const std::string& what) {
+  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Iallreduce(in, out, count, type, op, comm, r)); });
+}
+
+void watched_bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what) {
+  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Ibcast(buf, count, type, root, comm, r)); });
+}
+
+void watched_barrier(MPI_Comm comm, const std::string& what) {
+  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Ibarrier(comm, r)); });
+}
+
+std::string first_error(const std::string& err, MPI_Comm comm, const std::string& what) {
+  int rank = 0, n = 1;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &n));
+  int mine = err.empty() ? n : rank, first = n;
+  watched_allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, "all_reduce (" + what + ": any rank's error)");
+  if (first == n) return "";
+  std::string msg = err;
+  int len = int(msg.size());
+  watched_bcast(&len, 1, MPI_INT, first, comm, "broadcast (" + what + ": the error's length)");
+  msg.resize(size_t(len));
+  watched_bcast(&msg[0], len, MPI_CHAR, first, comm, "broadcast (" + what + ": the error)");
+  return "rank " + std::to_string(first) + ": " + msg;
 }
 
 // ----- staging: the host memory MPI works on ---------------------------------------------------
@@ -244,6 +309,8 @@ Comm::Comm(std::string name, MPI_Comm comm, void* nccl) : name_(std::move(name))
   MPI_CHECK(MPI_Comm_size(comm_, &size_));
   // Errors come back to MPI_CHECK (file:line and MPI's message) instead of MPI's silent abort.
   MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+  // The watched host operations name the group from the communicator alone.
+  MPI_CHECK(MPI_Comm_set_name(comm_, name_.c_str()));
 #ifdef TS_CUDA
   if (nccl_) {
     cudaStream_t s;

@@ -152,6 +152,18 @@ void comm_finalize();
 void set_comm_timeout(double seconds);
 double comm_timeout();
 
+// Blocking operations on host values outside the counted collectives (the step's loss and
+// gradient norm, a checkpoint's barriers and agreements) wait under the same watchdog: `what`
+// names the operation, and the watchdog's message adds the group (the Comm's name) and the step.
+void watched_allreduce(const void* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                       const std::string& what);
+void watched_bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what);
+void watched_barrier(MPI_Comm comm, const std::string& what);
+// Collective over `comm`: "rank r: <its err>" for the lowest rank whose `err` is not empty, on
+// every rank, or "" when every err is empty. An error one rank finds is then reported by every
+// rank alike (config_error), instead of that rank leaving while the others wait for it.
+std::string first_error(const std::string& err, MPI_Comm comm, const std::string& what);
+
 // The bf16 reduction MPI uses: each element summed in fp32 and rounded to nearest even, so the
 // result depends on the reduction order like NCCL's does. Exposed for tests.
 void bf16_sum_into(bf16* inout, const bf16* in, int64_t n);

@@ -28,6 +28,21 @@ static long g_step = -1;
 void set_current_step(long step) { g_step = step; }
 long current_step() { return g_step; }
 
+// Ends every rank of the job with `status` after this rank's message is out.
+[[noreturn]] static void abort_job(int status) {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  // MPI_Abort takes every rank of the job down with a non-zero status: an error on one rank
+  // must never leave the others waiting in a collective. The pause first lets the launcher
+  // forward the message: mpirun stops relaying output as soon as the abort reaches it.
+  if (init && !fin) {
+    usleep(300 * 1000);
+    MPI_Abort(MPI_COMM_WORLD, status);
+  }
+  exit(status);
+}
+
 void fatal_at(const char* file, int line, const char* fmt, ...) {
   char msg[2048];
   va_list ap;
@@ -39,17 +54,18 @@ void fatal_at(const char* file, int line, const char* fmt, ...) {
   else
     fprintf(stderr, "error [rank %d] %s:%d: %s\n", world_rank(), file, line, msg);
   fflush(stderr);
-  int init = 0, fin = 0;
-  MPI_Initialized(&init);
-  MPI_Finalized(&fin);
-  // MPI_Abort takes every rank of the job down with a non-zero status: an error on one rank
-  // must never leave the others waiting in a collective. The pause first lets the launcher
-  // forward the message: mpirun stops relaying output as soon as the abort reaches it.
-  if (init && !fin) {
-    usleep(300 * 1000);
-    MPI_Abort(MPI_COMM_WORLD, 1);
-  }
-  exit(1);
+  abort_job(1);
+}
+
+void rank_error(const char* fmt, ...) {
+  char msg[2048];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  fprintf(stderr, "error [rank %d]: %s\n", world_rank(), msg);
+  fflush(stderr);
+  abort_job(2);
 }
 
 void config_error(const char* fmt, ...) {

@@ -32,6 +32,10 @@ namespace ts {
 [[noreturn]] void fatal_at(const char* file, int line, const char* fmt, ...)
     __attribute__((format(printf, 3, 4)));
 [[noreturn]] void config_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+// The same for bad input that only this rank sees (the part of a file it alone reads): it prints
+// "error [rank r]: ..." itself and takes every rank down at once, as fatal() does, so the others
+// are not left waiting in their next collective.
+[[noreturn]] void rank_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
 #define fatal(...) ::ts::fatal_at(__FILE__, __LINE__, __VA_ARGS__)
 #define TS_CHECK(cond, ...)          \
   do {                               \

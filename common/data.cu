@@ -161,6 +161,7 @@ TokenData load_data(const std::string& path, int model_vocab, uint64_t data_seed
 int64_t window_offset(int64_t n_tokens, long step, int B, int T, int i) {
   TS_CHECK(n_tokens >= int64_t(T) + 2, "window_offset: %lld tokens cannot hold a window of %d + 2",
            (long long)n_tokens, T);
+  TS_CHECK(step >= 0 && i >= 0, "window_offset: step %ld, sequence %d: negative positions read outside the data", step, i);
   int64_t span = n_tokens - T - 1;
   return ((int64_t(step) * B + i) * T) % span;
 }

@@ -402,6 +402,23 @@ class JsonParser {
     return cp;
   }
 
+  // The bytes of the well-formed UTF-8 sequence at p_ (RFC 3629: no overlong forms, no
+  // surrogates, nothing past U+10FFFF); anything else fails, naming the byte.
+  size_t utf8_length() const {
+    const unsigned char b0 = (unsigned char)t_[p_];
+    size_t n = b0 >= 0xc2 && b0 <= 0xdf ? 2 : b0 >= 0xe0 && b0 <= 0xef ? 3 : b0 >= 0xf0 && b0 <= 0xf4 ? 4 : 0;
+    if (n == 0) fail("invalid UTF-8 byte " + show(char(b0)) + " in a string");
+    // The second byte's range rules out overlong forms, surrogates and code points past U+10FFFF.
+    const unsigned char lo = b0 == 0xe0 ? 0xa0 : b0 == 0xf0 ? 0x90 : 0x80;
+    const unsigned char hi = b0 == 0xed ? 0x9f : b0 == 0xf4 ? 0x8f : 0xbf;
+    for (size_t k = 1; k < n; k++) {
+      const unsigned char b = p_ + k < t_.size() ? (unsigned char)t_[p_ + k] : 0;
+      if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xbf))
+        fail("invalid UTF-8 sequence starting with byte " + show(char(b0)) + " in a string");
+    }
+    return n;
+  }
+
   std::string parse_string() {
     p_++;  // opening quote
     std::string s;
@@ -413,6 +430,12 @@ class JsonParser {
         return s;
       }
       if ((unsigned char)c < 0x20) fail("control character " + show(c) + " in a string (escape it)");
+      if ((unsigned char)c >= 0x80) {
+        const size_t n = utf8_length();
+        s.append(t_, p_, n);
+        p_ += n;
+        continue;
+      }
       if (c != '\\') {
         s += c;
         p_++;

@@ -12,7 +12,8 @@
 
 namespace ts {
 
-static std::string parent_of(const std::string& path) {
+static std::string parent_of(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();  // "dir/" names dir
   const size_t slash = path.find_last_of('/');
   if (slash == std::string::npos) return ".";
   return slash == 0 ? "/" : path.substr(0, slash);
@@ -68,15 +69,11 @@ void check_output_paths(const RunConfig& rc) {
   if (rank == 0 && !rc.log_json.empty()) err = file_problem("--log-json", rc.log_json);
   if (err.empty() && rank == 0 && !rc.trace.empty()) err = file_problem("--trace", rc.trace);
   if (err.empty() && !rc.save_dir.empty()) err = save_problem(rc);
+  if (err.empty() && rank == 0 && !rc.save_dir.empty()) err = lock_checkpoint_dir(rc.save_dir);
   // The lowest rank with a problem tells every rank what it is.
-  int mine = err.empty() ? world : rank, first = world;
-  MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
-  if (first == world) return;
-  int n = int(err.size());
-  MPI_Bcast(&n, 1, MPI_INT, first, MPI_COMM_WORLD);
-  err.resize(size_t(n));
-  MPI_Bcast(&err[0], n, MPI_CHAR, first, MPI_COMM_WORLD);
-  if (world > 1) err = "rank " + std::to_string(first) + ": " + err;
+  err = first_error(err, MPI_COMM_WORLD, "checking the output paths");
+  if (err.empty()) return;
+  if (world == 1) err = err.substr(err.find(": ") + 2);
   config_error("%s (checked before the first step)", err.c_str());
 }
 
@@ -96,7 +93,7 @@ void catch_stop_signals() {
 
 int agreed_stop_signal() {
   int mine = g_stop_signal, any = 0;
-  MPI_Allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  watched_allreduce(&mine, &any, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD, "all_reduce (the stop signals)");
   return any;
 }
 

@@ -189,6 +189,14 @@ void SafetensorsWriter::sync_and_close() {
 
 // ----- reader ------------------------------------------------------------------------------------
 
+// Opens for reading without blocking: a FIFO or device named as a checkpoint or data file would
+// block in open() until a writer appears. Callers check that it is a regular file.
+static int open_regular(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd >= 0) fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+
 SafetensorsReader::SafetensorsReader(const std::string& path) {
   try {
     open(path);
@@ -216,7 +224,7 @@ SafetensorsReader::SafetensorsReader(SafetensorsReader&& o) noexcept
 void SafetensorsReader::open(const std::string& path) {
   path_ = path;
   auto bad = [&](const std::string& msg) { return FormatError(path + ": " + msg); };
-  fd_ = ::open(path.c_str(), O_RDONLY);
+  fd_ = open_regular(path);
   if (fd_ < 0) throw bad(errno_str());
   struct stat st;
   if (fstat(fd_, &st) != 0) throw bad(errno_str());
@@ -310,7 +318,8 @@ void SafetensorsReader::parse_header(const std::string& header, int64_t data_byt
 
 const StEntry& SafetensorsReader::entry(const std::string& name) const {
   auto it = slots_.find(name);
-  if (it == slots_.end()) config_error("%s: no tensor named '%s'", path_.c_str(), name.c_str());
+  // A rank asks for the tensors of its own range: others may not ask for this one at all.
+  if (it == slots_.end()) rank_error("%s: no tensor named '%s'", path_.c_str(), name.c_str());
   return it->second.e;
 }
 
@@ -347,7 +356,7 @@ void SafetensorsReader::read(const std::string& name, int64_t elem_offset, float
   const std::string& dt = slot(name, elem_offset, count).e.dtype;
   if (dt == "F32") return read_raw(name, elem_offset, dst, count);
   if (dt != "BF16" && dt != "I32")
-    config_error("%s: tensor '%s' is %s; only F32, BF16 and I32 tensors can be read as fp32", path_.c_str(),
+    rank_error("%s: tensor '%s' is %s; only F32, BF16 and I32 tensors can be read as fp32", path_.c_str(),
                  name.c_str(), dt.c_str());
   std::vector<char> buf(size_t(std::min(count, kChunk)) * 4);
   for (int64_t k = 0; k < count; k += kChunk) {
@@ -367,7 +376,7 @@ void SafetensorsReader::read(const std::string& name, int64_t elem_offset, float
 
 std::string read_file_or_throw(const std::string& path) {
   auto bad = [&](const std::string& msg) { return FormatError(path + ": " + msg); };
-  int fd = ::open(path.c_str(), O_RDONLY);
+  int fd = open_regular(path);
   if (fd < 0) throw bad(errno_str());
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
@@ -417,6 +426,74 @@ void fsync_dir(const std::string& path) {
   if (fd < 0) fatal("cannot open directory '%s': %s", path.c_str(), errno_str().c_str());
   if (fsync(fd) != 0) fatal("fsync of directory '%s' failed: %s", path.c_str(), errno_str().c_str());
   ::close(fd);
+}
+
+// Four independent lanes of multiply-rotate over 8-byte words (the structure of xxHash), so a
+// checkpoint hashes at memory speed; the length and a zero-padded tail are mixed in at the end.
+namespace {
+constexpr uint64_t kP1 = 0x9e3779b185ebca87ull, kP2 = 0xc2b2ae3d27d4eb4full;
+inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+struct Digest {
+  uint64_t lane[4] = {kP1, kP2, ~kP1, ~kP2};
+  uint64_t bytes = 0;
+  void block(const unsigned char* p) {  // 32 bytes
+    for (int k = 0; k < 4; k++) {
+      uint64_t w;
+      memcpy(&w, p + 8 * k, 8);
+      lane[k] = rotl(lane[k] + w * kP2, 31) * kP1;
+    }
+  }
+  void add(const unsigned char* p, size_t n) {  // n a multiple of 32 except for the last call
+    bytes += n;
+    for (; n >= 32; p += 32, n -= 32) block(p);
+    if (n) {
+      unsigned char tail[32] = {};
+      memcpy(tail, p, n);
+      block(tail);
+    }
+  }
+  std::string hex() const {
+    uint64_t h = bytes * kP1;
+    for (uint64_t l : lane) h = rotl(h ^ (l * kP2), 27) * kP1 + kP2;
+    h ^= h >> 33, h *= kP2, h ^= h >> 29;
+    char buf[17];
+    snprintf(buf, sizeof buf, "%016llx", (unsigned long long)h);
+    return buf;
+  }
+};
+}  // namespace
+
+std::string file_digest(const std::string& path) {
+  int fd = open_regular(path);
+  if (fd < 0) throw FormatError(path + ": " + errno_str());
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw FormatError(path + ": not a regular file");
+  }
+  Digest d;
+  std::vector<unsigned char> buf(size_t(1) << 22);
+  while (true) {
+    ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      std::string why = errno_str();
+      ::close(fd);
+      throw FormatError(path + ": " + why);
+    }
+    if (n == 0) break;
+    // A short read mid-file would shift the lanes: fill whole blocks before hashing.
+    size_t have = size_t(n);
+    while (have % 32 && have < buf.size()) {
+      ssize_t m = ::read(fd, buf.data() + have, buf.size() - have);
+      if (m < 0 && errno == EINTR) continue;
+      if (m <= 0) break;
+      have += size_t(m);
+    }
+    d.add(buf.data(), have);
+  }
+  ::close(fd);
+  return d.hex();
 }
 
 }  // namespace ts

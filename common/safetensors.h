@@ -121,5 +121,8 @@ std::string read_file_or_throw(const std::string& path);
 void write_text_file_synced(const std::string& path, const std::string& content);
 // fsync a directory, so that files created or renamed in it survive a crash.
 void fsync_dir(const std::string& path);
+// A 64-bit digest of a file's bytes as 16 hex digits (FormatError when it cannot be read). Not
+// cryptographic: it tells a checkpoint's file from one another save wrote, or a damaged copy.
+std::string file_digest(const std::string& path);
 
 }  // namespace ts

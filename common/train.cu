@@ -189,6 +189,9 @@ RunConfig parse_run_config(Args& a) {
   if (rc.keep_last < 0) config_error("--keep-last must be >= 0 (got %d)", rc.keep_last);
   if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
   if (rc.batch < 1 || rc.steps < 0 || rc.micro_batch < 0) config_error("--batch must be >= 1, --steps and --micro-batch >= 0");
+  // Token positions (step·batch + i)·seq and trainer.json's tokens_seen are 64-bit.
+  if (rc.steps > INT64_MAX / (int64_t(rc.batch) * m.seq))
+    config_error("--steps %ld × --batch %d × --seq %d tokens overflow a 64-bit count", rc.steps, rc.batch, m.seq);
   if (rc.lr_schedule != "constant" && rc.lr_schedule != "cosine")
     config_error("--lr-schedule must be constant or cosine (got '%s')", rc.lr_schedule.c_str());
   if (!rc.resume_dir.empty()) {
@@ -201,7 +204,16 @@ RunConfig parse_run_config(Args& a) {
       } catch (const FormatError& e) {
         config_error("checkpoint %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
       }
-      check_resume_schedule(rc, trainer, long(trainer.at("step").as_int()));
+      long step = 0;
+      try {
+        const TrainerRecord rec = parse_trainer_record(trainer);
+        step = rec.step;
+        for (const std::string& n : resume_notes(rec, rc))
+          if (world_rank() == 0) printf("resume: %s\n", n.c_str());
+      } catch (const FormatError& e) {
+        config_error("--resume %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
+      }
+      check_resume_schedule(rc, trainer, step);
     }
   }
   return rc;
@@ -290,7 +302,7 @@ double global_mean_loss(double local_sum, double global_tokens, const std::vecto
   double v = local_sum;
   for (MPI_Comm c : token_groups) {
     double all = 0;
-    MPI_Allreduce(&v, &all, 1, MPI_DOUBLE, MPI_SUM, c);
+    watched_allreduce(&v, &all, 1, MPI_DOUBLE, MPI_SUM, c, "all_reduce (the step's loss)");
     v = all;
   }
   return v / global_tokens;
@@ -316,7 +328,7 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
   }
   for (MPI_Comm c : shard_groups) {
     double all = 0;
-    MPI_Allreduce(&sq, &all, 1, MPI_DOUBLE, MPI_SUM, c);
+    watched_allreduce(&sq, &all, 1, MPI_DOUBLE, MPI_SUM, c, "all_reduce (the gradient norm)");
     sq = all;
   }
   return std::sqrt(sq);

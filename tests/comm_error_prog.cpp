@@ -4,6 +4,7 @@
 //   unmatched-collective SECS    rank 0 all-reduces alone; the watchdog must abort the job
 //   unmatched-recv SECS          rank 0 waits for a message (tag 7) that is never sent
 //   fatal                        rank 1 calls fatal() while the others wait in a barrier
+//   rank-error                   rank 1 calls rank_error() while the others wait in a barrier
 #include <cstdlib>
 #include <string>
 
@@ -36,8 +37,11 @@ int main(int argc, char** argv) {
   } else if (mode == "fatal") {
     if (m.rank == 1) fatal("deliberate failure on rank 1");
     m.world_comm().barrier();
+  } else if (mode == "rank-error") {
+    if (m.rank == 1) rank_error("bad input that only rank 1 read");
+    m.world_comm().barrier();
   } else {
-    config_error("usage: comm_error_prog mesh DP PP CP TP EP | unmatched-collective SECS | unmatched-recv SECS | fatal");
+    config_error("usage: comm_error_prog mesh DP PP CP TP EP | unmatched-collective SECS | unmatched-recv SECS | fatal | rank-error");
   }
   comm_finalize();
   return 0;

@@ -103,3 +103,12 @@ TEST_CASE("fatal on one rank ends every rank") {
   CHECK(j.secs < 30);
   CHECK(j.out.find("deliberate failure on rank 1") != std::string::npos);
 }
+
+TEST_CASE("an error only one rank sees ends every rank at once, with that rank's message", "[fault]") {
+  Job j = run_job(2, "rank-error", 60);
+  INFO(j.out);
+  CHECK(j.rc != 0);
+  CHECK(j.rc != 124);
+  CHECK(j.secs < 10);
+  CHECK(occurrences(j.out, "error [rank 1]: bad input that only rank 1 read") == 1);
+}

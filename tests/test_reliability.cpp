@@ -1,0 +1,280 @@
+// ranks: 1
+// What an operator's probes find: a rank stopped inside a metric all-reduce or a save, an error
+// only one rank sees, two jobs saving to one directory, a diverging run, and input that used to
+// crash, block or be accepted though wrong. Each job is bounded, so a hang fails instead of
+// blocking, and each asserts the time the job took and the message it ended with.
+#include <catch2/catch.hpp>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <thread>
+
+#include "checkpoint.h"
+#include "test_util.h"
+
+using namespace ts;
+
+namespace {
+
+const std::string kTiny = "--preset tiny --lr-schedule constant --quiet ";
+
+bool has(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+struct Timed {
+  tst::Result r;
+  double secs;
+};
+Timed timed(const std::string& bin, const std::string& args, int np, int bound_s, const std::string& env = "") {
+  auto t0 = std::chrono::steady_clock::now();
+  Timed t{tst::run_bin(bin, args, np, bound_s, env), 0};
+  t.secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return t;
+}
+
+std::string slurp(const std::string& path) { return read_text_file(path); }
+
+// Replaces `from` by `to` (same length, so a safetensors header keeps its size) once.
+void patch(const std::string& path, const std::string& from, const std::string& to) {
+  REQUIRE(from.size() == to.size());
+  std::string b = slurp(path);
+  const size_t at = b.find(from);
+  REQUIRE(at != std::string::npos);
+  b.replace(at, from.size(), to);
+  tst::write_bytes(path, b);
+}
+
+// trainer.json with one member replaced (or removed when `value` is null), as an older or a
+// hand-edited checkpoint would have it.
+void set_trainer(const std::string& dir, const std::string& key, const Json& value) {
+  Json t = Json::parse(slurp(dir + "/trainer.json")), out = Json::object();
+  for (auto& [k, v] : t.items())
+    if (k != key) out[k] = v;
+  if (!value.is_null()) out[key] = value;
+  tst::write_bytes(dir + "/trainer.json", out.dump(2));
+}
+
+void copy_dir(const std::string& from, const std::string& to) {
+  std::filesystem::copy(from, to, std::filesystem::copy_options::recursive);
+}
+
+}  // namespace
+
+// ----- hangs the watchdog now sees ----------------------------------------------------------------
+
+TEST_CASE("a rank stopped in the loss or gradient-norm all-reduce ends the job within --timeout", "[fault]") {
+  for (const char* op : {"the step's loss", "the gradient norm"}) {
+    Timed t = timed("03_zero", kTiny + "--dp 2 --zero 1 --steps 4 --timeout 3", 2, 40,
+                    std::string("TS_STOP_IN=\"") + op + "\"");
+    INFO(op << " (" << t.secs << " s)\n" << t.r.output);
+    CHECK(t.r.status != 0);
+    CHECK(t.r.status != 124);
+    CHECK(t.secs < 3 + 10);
+    CHECK(has(t.r.output, std::string("watchdog: rank 0 waited 3.0 s for all_reduce (") + op + ") on group 'dp'"));
+    CHECK(has(t.r.output, "at step 0"));
+  }
+}
+
+TEST_CASE("a rank stopped inside a checkpoint save ends the job within --timeout, naming the save", "[fault][ckpt]") {
+  tst::TempDir d;
+  Timed t = timed("02_data_parallel", kTiny + "--dp 2 --steps 6 --save-every 2 --timeout 3 --save " + d.file("ck"), 2,
+                  40, "TS_STOP_IN=\"checkpoint of step 4: files created\"");
+  INFO(t.secs << " s\n" << t.r.output);
+  CHECK(t.r.status != 0);
+  CHECK(t.r.status != 124);
+  CHECK(t.secs < 3 + 10);
+  CHECK(has(t.r.output, "for barrier (checkpoint of step 4: files created) on group 'world' (2 ranks)"));
+  // The save of step 2 stays published.
+  CHECK(Json::parse(slurp(d.file("ck/trainer.json"))).at("step").as_int() == 2);
+}
+
+// ----- an error one rank sees ends every rank --------------------------------------------------
+
+TEST_CASE("an optimizer tensor only rank 1 reads: every rank ends at once with the message", "[fault][ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + ck).status == 0);
+  // lm_head is in the last ZeRO shard; without the digests only the tensor checks can see it.
+  set_trainer(ck, "files", Json());
+  patch(ck + "/optimizer.safetensors", "\"exp_avg_sq.lm_head.weight\"", "\"exp_avg_sq.lm_head.weighX\"");
+  Timed t = timed("03_zero", kTiny + "--dp 2 --zero 1 --steps 4 --timeout 60 --resume " + ck, 2, 30);
+  INFO(t.secs << " s\n" << t.r.output);
+  CHECK(t.r.status != 0);
+  CHECK(t.r.status != 124);
+  CHECK(t.secs < 15);
+  CHECK(has(t.r.output, "optimizer.safetensors has no tensor exp_avg_sq.lm_head.weight"));
+}
+
+// ----- checkpoints: one job per directory, verifiable whole, never diverged ------------------------
+
+TEST_CASE("two jobs saving to one directory: the second is refused, the checkpoint is one job's", "[fault][ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck"), args = kTiny + "--steps 40 --save-every 1 --save " + ck;
+  tst::Result a;
+  std::thread first([&] { a = tst::run_bin("01_single_gpu", args + " --log-json " + d.file("a.jsonl"), 1, 60); });
+  // The second starts once the first has begun saving.
+  for (int i = 0; i < 200 && access((ck + "/trainer.json").c_str(), F_OK) != 0; i++) usleep(20000);
+  tst::Result b = tst::run_bin("01_single_gpu", args + " --seed 7", 1, 60);
+  first.join();
+  INFO(a.output << "\n" << b.output);
+  CHECK(a.status == 0);
+  CHECK(b.status == 2);
+  CHECK(has(b.output, "--save " + ck + " is in use by another job"));
+  const Json t = Json::parse(slurp(ck + "/trainer.json"));
+  CHECK(t.at("step").as_int() == 40);
+  CHECK(t.at("seed").as_int() == 1337);
+  for (auto& [file, digest] : t.at("files").items()) CHECK(file_digest(ck + "/" + file) == digest.as_string());
+  // No temporary of either job is left behind.
+  for (const auto& e : std::filesystem::directory_iterator(d.path))
+    CHECK(e.path().filename().string().find(".tmp") == std::string::npos);
+}
+
+TEST_CASE("a checkpoint whose files come from two saves is refused on load", "[ckpt]") {
+  tst::TempDir d;
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + d.file("a")).status == 0);
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 3 --save " + d.file("b")).status == 0);
+  std::filesystem::copy_file(d.file("b/optimizer.safetensors"), d.file("a/optimizer.safetensors"),
+                             std::filesystem::copy_options::overwrite_existing);
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 4 --resume " + d.file("a"), 1, 60);
+  INFO(r.output);
+  CHECK(r.status == 2);
+  CHECK(has(r.output, "optimizer.safetensors has digest"));
+  CHECK(has(r.output, "the files come from different saves"));
+}
+
+TEST_CASE("a diverging run keeps its last good checkpoint", "[fault][ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  // lr 1e5: step 1's loss is ~1e11 (finite) and its update leaves infinities in the moments.
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 20 --save-every 1 --lr 1e5 --clip 0 --save " + ck, 1, 60);
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(has(r.output, "checkpoint of step 2 not published"));
+  CHECK(has(r.output, "holds non-finite values"));
+  CHECK(Json::parse(slurp(ck + "/trainer.json")).at("step").as_int() == 1);
+  long nonfinite = 0;
+  for (const char* f : {"/model.safetensors", "/optimizer.safetensors"})
+    for (auto& [name, v] : tst::read_tensors(ck + f))
+      for (float x : v) nonfinite += !std::isfinite(x);
+  CHECK(nonfinite == 0);
+  CHECK(tst::run_bin("01_single_gpu", kTiny + "--steps 3 --reschedule --resume " + ck, 1, 60).status == 0);
+}
+
+// ----- bad input: a clear error, never a crash, a block or a silent acceptance ------------------
+
+TEST_CASE("trainer.json and resume: impossible steps and changes are refused, deliberate ones explained", "[ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 4 --save " + ck).status == 0);
+  struct Case {
+    std::string key;
+    Json value;
+    std::string args, message;
+  };
+  const Case cases[] = {
+      {"step", Json(int64_t(-5)), "--steps 8", "step -5 is outside [0, "},
+      {"step", Json(int64_t(9223372036854775807)), "--steps 8", "step 9223372036854775807 is outside"},
+      {"batch", Json(int64_t(0)), "--steps 8", "batch is 0, not a positive int"},
+      {"data", Json(std::string("caf\xc3")), "--steps 8", "invalid UTF-8"},  // dump() writes the raw byte
+      {"", Json(), "--steps 4", "the checkpoint is at step 4 and --steps is 4: no step would run"},
+      {"", Json(), "--steps 8 --seed 3", "is another source, not a continuation (pass --seed 1337)"},
+      {"", Json(), "--steps 4611686018427387904", "overflow a 64-bit count"},
+  };
+  for (const Case& c : cases) {
+    const std::string dir = d.file("c" + std::to_string(&c - cases));
+    copy_dir(ck, dir);
+    if (!c.key.empty()) set_trainer(dir, c.key, c.value);
+    tst::Result r = tst::run_bin("01_single_gpu", kTiny + c.args + " --resume " + dir, 1, 60);
+    INFO(c.key << " " << c.args << "\n" << r.output);
+    CHECK(r.status == 2);
+    CHECK(has(r.output, c.message));
+  }
+  tst::Result b = tst::run_bin("01_single_gpu", kTiny + "--steps 6 --batch 4 --dtype bf16 --resume " + ck, 1, 60);
+  INFO(b.output);
+  CHECK(b.status == 0);
+  CHECK(has(b.output, "resume: --batch 4 (the checkpoint's run used 8): each step takes another number of sequences"));
+  CHECK(has(b.output, "resume: --dtype bf16 (the checkpoint's run used f32)"));
+}
+
+TEST_CASE("config.json fields that change what the model computes are compared", "[ckpt]") {
+  ModelConfig c;
+  const Json good = hf_config(c);
+  CHECK_NOTHROW(check_hf_config(good, c));
+  auto with = [&](const std::string& key, const Json& v) {
+    Json j = Json::object();
+    for (auto& [k, x] : good.items()) j[k] = k == key ? v : x;
+    try {
+      check_hf_config(j, c);
+    } catch (const FormatError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(with("rope_theta", Json(500000.0)) == "does not match the model: rope_theta is 500000.0, the model has 10000.0");
+  CHECK(has(with("rms_norm_eps", Json(1e-6)), "rms_norm_eps is 1e-06"));
+  CHECK(has(with("head_dim", Json(32)), "head_dim is 32, the model has 16"));
+  CHECK(has(with("tie_word_embeddings", Json(true)), "tie_word_embeddings is true"));
+  CHECK(has(with("hidden_act", Json("gelu")), "hidden_act is 'gelu', the model has 'silu'"));
+  CHECK(with("max_position_embeddings", Json(16)) == "max_position_embeddings is 16, shorter than --seq 32");
+  CHECK(with("max_position_embeddings", Json(4096)).empty());  // longer positions are fine
+  CHECK(has(with("hidden_act", Json(3)), "expected a string"));
+}
+
+TEST_CASE("an optimizer tensor of the wrong shape but the same size is refused", "[ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + ck).status == 0);
+  set_trainer(ck, "files", Json());
+  patch(ck + "/optimizer.safetensors", "\"exp_avg.model.layers.0.mlp.gate_proj.weight\":{\"dtype\":\"F32\",\"shape\":[160,64]",
+        "\"exp_avg.model.layers.0.mlp.gate_proj.weight\":{\"dtype\":\"F32\",\"shape\":[64,160]");
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 4 --resume " + ck, 1, 60);
+  INFO(r.output);
+  CHECK(r.status == 2);
+  CHECK(has(r.output, "tensor exp_avg.model.layers.0.mlp.gate_proj.weight has the wrong shape"));
+}
+
+TEST_CASE("a FIFO as --data or as a checkpoint file is an error, not a block in open()", "[ckpt][data]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + ck).status == 0);
+  REQUIRE(mkfifo(d.file("fifo").c_str(), 0644) == 0);
+  tst::Result data = tst::run_bin("01_single_gpu", kTiny + "--steps 2 --data " + d.file("fifo"), 1, 20);
+  INFO(data.output);
+  CHECK(data.status == 2);
+  CHECK(has(data.output, "fifo: not a regular file"));
+  for (const char* f : {"config.json", "model.safetensors", "optimizer.safetensors", "trainer.json"}) {
+    const std::string dir = d.file(std::string("c_") + f);
+    copy_dir(ck, dir);
+    REQUIRE(unlink((dir + "/" + f).c_str()) == 0);
+    REQUIRE(mkfifo((dir + "/" + f).c_str(), 0644) == 0);
+    tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 4 --resume " + dir, 1, 20);
+    INFO(f << "\n" << r.output);
+    CHECK(r.status == 2);
+    CHECK(has(r.output, std::string(f) + ": not a regular file"));
+  }
+}
+
+TEST_CASE("a --save path with a quote, a space and a trailing slash saves and resumes", "[ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("it's a dir") + "/";
+  const std::string q = "\"" + ck + "\"";
+  tst::Result a = tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + q);
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+  CHECK(Json::parse(slurp(ck + "trainer.json")).at("step").as_int() == 2);
+  tst::Result b = tst::run_bin("01_single_gpu", kTiny + "--steps 3 --resume " + q + " --save " + q);
+  INFO(b.output);
+  CHECK(b.status == 0);
+  CHECK(Json::parse(slurp(ck + "trainer.json")).at("step").as_int() == 3);
+}
+
+TEST_CASE("json: strings must be well-formed UTF-8", "[json]") {
+  CHECK(Json::parse("\"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80\"").as_string() == "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  for (const char* bad : {"\"\xff\"", "\"\xc3\"", "\"\xc0\xaf\"", "\"\xe0\x80\xaf\"", "\"\xed\xa0\x80\"",
+                          "\"\xf4\x90\x80\x80\"", "\"\x80\"", "\"ab\xe2\x82\""}) {
+    INFO(bad);
+    CHECK_THROWS_WITH(Json::parse(bad), Catch::Matchers::Contains("UTF-8"));
+  }
+}
