@@ -5,6 +5,7 @@
 #   make test       install missing packages, build, run every test; last line "N passed, M failed"
 #   make demo       train 01 on the embedded data for about a minute
 #   make bench      kernel, collective and training-step benchmarks
+#   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
 #
 # Variables: CUDA=auto|0|1, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos.
@@ -61,7 +62,16 @@ TEST_BIN := $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(TEST_SRC))
 BENCH_SRC := $(sort $(wildcard bench/*.cu))
 BENCH_BIN := $(patsubst bench/%.cu,$(BUILD)/bench/%,$(BENCH_SRC))
 
-.PHONY: all test demo bench clean deps
+# libFuzzer targets (fuzz/): the readers of every file a run takes, built by clang with
+# AddressSanitizer and UBSan over CPU-only objects of their own.
+FUZZ_SRC := $(sort $(wildcard fuzz/fuzz_*.cpp))
+FUZZ_BIN := $(patsubst fuzz/%.cpp,$(BUILD)/fuzz/%,$(FUZZ_SRC))
+FUZZ_OBJ := $(patsubst %.cu,$(BUILD)/fuzz/%.o,$(COMMON_SRC))
+FUZZ_CXX := clang++ -std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+            -fopenmp=libgomp -Wall -Wno-unknown-pragmas -Wno-psabi -Wno-unused-private-field -Icommon $(MPI_INC)
+FUZZ_SECONDS ?= 60
+
+.PHONY: all test demo bench clean deps fuzz
 .DEFAULT_GOAL := all
 all: $(TECH_BIN) $(BENCH_BIN)
 
@@ -104,12 +114,25 @@ $(BUILD)/tests/test_%: $(BUILD)/tests/test_%.o $(BUILD)/tests/catch_main.o $(BUI
 $(BUILD)/tests/comm_error_prog: $(BUILD)/tests/comm_error_prog.o $(BUILD)/common.a
 	$(LD) $^ -o $@ $(LIBS)
 
+$(BUILD)/fuzz/common/%.o: common/%.cu
+	@mkdir -p $(dir $@)
+	$(FUZZ_CXX) -fsanitize=fuzzer-no-link -x c++ -MMD -MP -c $< -o $@
+
+$(BUILD)/fuzz/fuzz_%: fuzz/fuzz_%.cpp fuzz/fuzz_util.h $(FUZZ_OBJ)
+	$(FUZZ_CXX) -fsanitize=fuzzer $< $(FUZZ_OBJ) -o $@ $(MPI_LIB) -lopenblas -lgomp -lpthread
+
+# Each target for FUZZ_SECONDS from its seed corpus (fuzz/corpus/NAME, copied: new inputs stay in
+# the build); a crash or a hang (10 s on one input) stops it with the input saved under the build.
+fuzz: deps
+	@$(MAKE) --no-print-directory $(FUZZ_BIN)
+	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh
+
 # Installs what a fresh Debian machine lacks (as root), or says the exact command (otherwise).
 deps:
 	@scripts/ensure-deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog $(FUZZ_BIN)
 	@BUILD=$(BUILD) tests/run_tests.sh
 
 NP ?= 1

@@ -48,6 +48,16 @@ for src in tests/test_*.cpp; do
     fi
   done
 done
+# Each fuzz target briefly from its seed corpus (make fuzz runs them longer): one test case each.
+if ls "$BUILD"/fuzz/fuzz_* >/dev/null 2>&1; then
+  while IFS= read -r line; do
+    echo "$line"
+    case "$line" in
+      "ok   fuzz "*) passed=$((passed + 1)) ;;
+      "FAIL fuzz "*) failed=$((failed + 1)); failures+=("${line#FAIL }") ;;
+    esac
+  done < <(BUILD=$BUILD FUZZ_SECONDS=${FUZZ_TEST_SECONDS:-5} scripts/fuzz.sh)
+fi
 [ ${#failures[@]} -gt 0 ] && printf 'failed: %s\n' "${failures[@]}"
 [ $not_run -gt 0 ] && echo "no GPU visible: $not_run CUDA test cases not run (scripts/gpu-check.sh runs them on a GPU machine)"
 echo "$passed passed, $failed failed"
