@@ -22,7 +22,11 @@ endif
 
 BUILD ?= build
 CUDA_ARCH ?= 80 90
-CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+# The toolkit's root from nvcc's real path (a /usr/bin/nvcc symlink into /usr/local/cuda-12.x
+# resolves there); its libraries in lib64 unless CUDA_LIB names the directory that holds libcublas.
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
+CUDA_LIB ?= $(firstword $(wildcard $(CUDA_HOME)/lib64/libcublas.so $(CUDA_HOME)/targets/x86_64-linux/lib/libcublas.so /usr/lib/x86_64-linux-gnu/libcublas.so))
+CUDA_LIB := $(if $(CUDA_LIB),$(patsubst %/,%,$(dir $(CUDA_LIB))),$(CUDA_HOME)/lib64)
 
 CXX := g++
 MPI_SHOW := $(shell mpicxx -show 2>/dev/null)
@@ -45,7 +49,7 @@ ifeq ($(CUDA),1)
   CPPFLAGS += -DTS_CUDA -I$(CUDA_HOME)/include
   CU := $(NVCC) -std=c++17 -x cu $(GENCODE) -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
   # No relocatable device code, so the host linker links nvcc's objects directly.
-  LIBS += -L$(CUDA_HOME)/lib64 -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_HOME)/lib64
+  LIBS += -L$(CUDA_LIB) -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_LIB)
 else
   CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 endif
@@ -104,12 +108,16 @@ $(BUILD)/tests/test_%: $(BUILD)/tests/test_%.o $(BUILD)/tests/catch_main.o $(BUI
 $(BUILD)/tests/comm_error_prog: $(BUILD)/tests/comm_error_prog.o $(BUILD)/common.a
 	$(LD) $^ -o $@ $(LIBS)
 
+# Whether this build sees a GPU, decided as the binaries decide it (the driver and the GPU check ask it).
+$(BUILD)/tests/gpu_probe: $(BUILD)/tests/gpu_probe.o $(BUILD)/common.a
+	$(LD) $^ -o $@ $(LIBS)
+
 # Installs what a fresh Debian machine lacks (as root), or says the exact command (otherwise).
 deps:
 	@scripts/ensure-deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe
 	@BUILD=$(BUILD) tests/run_tests.sh
 
 NP ?= 1

@@ -73,15 +73,19 @@ inline Result run(const std::string& cmd, int timeout_s = 300) {
 // choose its threads itself, as it does for a user.
 inline const std::string kOwnThreads = "-u OMP_NUM_THREADS";
 
-// The command line for `np` ranks of a technique binary (np 1 runs it directly).
+// The command line for `np` ranks of a technique binary (np 1 runs it directly). Technique runs
+// default to the CPU even where a GPU is visible: the equivalence tests prove the techniques on
+// the CPU reference, and the [cuda] cases compare CUDA with it explicitly (--device cuda).
 inline std::string bin_command(const std::string& bin, const std::string& args, int np = 1,
                                const std::string& extra_env = "") {
   std::string exe = build_dir() + "/" + bin;
+  const bool technique = bin.size() > 1 && bin[0] == '0';
+  const std::string dev = technique && args.find("--device") == std::string::npos ? " --device cpu" : "";
   // Tests run inside an MPI job themselves; a child job must not inherit its PMI connection.
   std::string env = "env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME -u MPI_LOCALRANKID "
                     "-u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " + extra_env + " ";
-  if (np == 1) return env + exe + " " + args;
-  return env + "mpirun -np " + std::to_string(np) + " " + exe + " " + args;
+  if (np == 1) return env + exe + " " + args + dev;
+  return env + "mpirun -np " + std::to_string(np) + " " + exe + " " + args + dev;
 }
 
 inline Result run_bin(const std::string& bin, const std::string& args, int np = 1, int timeout_s = 300,
