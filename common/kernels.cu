@@ -1186,6 +1186,16 @@ double sum_squares(const Tensor& x) {
   return sum_squares_cpu(x.f32(), x.numel());
 }
 
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
+  for (const Tensor& x : xs) check_dtype("sum_squares_each", "x", x, DType::F32);
+#ifdef TS_CUDA
+  if (!xs.empty() && xs[0].device() == Device::CUDA) return cuda::sum_squares_each(xs);
+#endif
+  std::vector<double> r;
+  for (const Tensor& x : xs) r.push_back(sum_squares(x));
+  return r;
+}
+
 void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t col0, int64_t global_cols) {
   TS_PROFILE_OP("init_normal", t);
   const char* op = "init_normal";

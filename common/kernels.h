@@ -103,6 +103,9 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
                 const AdamWParams& p, bool decay, float grad_scale, const Tensor& param_copy);
 // Sum of squares of an fp32 tensor in double, in a fixed order (deterministic).
 double sum_squares(const Tensor& x);
+// The same for several tensors at once, each its own sum in the same fixed order; on CUDA one
+// host synchronisation for all of them instead of one each (a sharded gradient norm).
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs);
 
 // ----- counter-based init -------------------------------------------------------------------
 // Fills t (any device, fp32) with N(0, std) values that are a pure function of (key, global

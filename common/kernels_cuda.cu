@@ -1041,6 +1041,26 @@ double sum_squares(const Tensor& x) {
   return host;
 }
 
+// Each tensor's partial and final sums run in stream order into its own result slot (the partial
+// buffer is reused safely: the stream serialises the launches); one copy and one sync at the end.
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
+  const size_t k = xs.size();
+  if (k == 0) return {};
+  double* partial = static_cast<double*>(scratch(sizeof(double) * (kSumBlocks + k)));
+  double* results = partial + kSumBlocks;
+  for (size_t i = 0; i < k; i++) {
+    TS_CHECK(xs[i].device() == Device::CUDA, "sum_squares_each: every tensor must be on CUDA");
+    sum_squares_partial_kernel<<<kSumBlocks, kSumThreads, 0, compute_stream()>>>(partial, xs[i].f32(), xs[i].numel());
+    KERNEL_CHECK();
+    sum_squares_final_kernel<<<1, kSumBlocks, 0, compute_stream()>>>(results + i, partial);
+    KERNEL_CHECK();
+  }
+  std::vector<double> host(k);
+  CUDA_CHECK(cudaMemcpyAsync(host.data(), results, sizeof(double) * k, cudaMemcpyDeviceToHost, compute_stream()));
+  CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  return host;
+}
+
 // ----- counter-based init ----------------------------------------------------------------------
 
 // Element (r, c) of the slice is element (row0 + r, col0 + c) of the global matrix: the same

@@ -28,6 +28,7 @@ void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max
 void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max, const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale);
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p, bool decay, float grad_scale, const Tensor& param_copy);
 double sum_squares(const Tensor& x);
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs);
 void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t col0, int64_t global_cols);
 void fill(const Tensor& t, float value);
 

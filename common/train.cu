@@ -300,12 +300,12 @@ double global_mean_loss(double local_sum, double global_tokens, const std::vecto
 // as possible (one piece per range when nothing is replicated: the order 01 uses).
 double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& ranges,
                         const std::vector<MPI_Comm>& shard_groups) {
-  double sq = 0;
+  std::vector<Tensor> pieces;
   for (const GradRange& r : ranges) {
     const int64_t end = r.begin + r.grads.numel();
     int64_t from = r.begin;
     auto piece = [&](int64_t upto) {
-      if (upto > from) sq += sum_squares(r.grads.view(from - r.begin, {upto - from}));
+      if (upto > from) pieces.push_back(r.grads.view(from - r.begin, {upto - from}));
     };
     t.for_each_overlap(r.begin, end, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
       if (p.counts) return;
@@ -314,6 +314,8 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
     });
     piece(end);
   }
+  double sq = 0;
+  for (double s : sum_squares_each(pieces)) sq += s;  // in range order: one host sync on CUDA
   for (MPI_Comm c : shard_groups) {
     double all = 0;
     MPI_Allreduce(&sq, &all, 1, MPI_DOUBLE, MPI_SUM, c);

@@ -1073,6 +1073,15 @@ TEST_CASE("bad arguments are named in the error (checked shapes compose)", "[val
   REQUIRE(rel_err(host(y), matmul_ref(dbl(host(x)), false, dbl(host(W)), false, 6, 5, 4)) <= 1e-6);
 }
 
+TEST_CASE("sum_squares_each gives each tensor's sum_squares, bit for bit", "[norm]") {
+  std::vector<Tensor> xs = {make({1000}, randn(1000, 61)), make({1}, {3.f}), make({70001}, randn(70001, 62))};
+  const std::vector<double> each = sum_squares_each(xs);
+  REQUIRE(each.size() == 3);
+  for (size_t i = 0; i < xs.size(); i++) CHECK(each[i] == sum_squares(xs[i]));
+  CHECK(each[1] == 9.0);
+  CHECK(sum_squares_each({}).empty());
+}
+
 // ===== CUDA twins ================================================================================
 
 #ifdef TS_CUDA
@@ -1315,6 +1324,10 @@ TEST_CASE("cuda twin: adamw, sum_squares, init_normal", "[cuda]") {
   const double want = sum_squares(g);
   const double got = sum_squares(on(g, Device::CUDA));
   CHECK(std::fabs(got - want) <= 1e-12 * want);
+  const std::vector<double> each = sum_squares_each({on(g, Device::CUDA), on(m, Device::CUDA)});
+  REQUIRE(each.size() == 2);
+  CHECK(each[0] == got);  // the same kernels, the same order
+  CHECK(std::fabs(each[1] - sum_squares(m)) <= 1e-12 * sum_squares(m));
   Tensor s = make({17, 9}, Vec(17 * 9, 0.f));
   twin("init_normal", {s}, {0}, [](auto& t) { init_normal(t[0], 99, 0.02f, 3, 5, 20); }, 0);
 }
