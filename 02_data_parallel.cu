@@ -117,10 +117,10 @@ class GradReducer {
 inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_replica(rc, param_count(rc.model)); }
 
 // Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank
-// (the same in naive and bucketed mode: bucketing changes when, not how much).
-inline double predict_allreduce_bytes(const RunConfig& rc, int dp) {
-  return 2.0 * (dp - 1) / dp * 4.0 * double(param_count(rc.model));
-}
+// (the same in naive and bucketed mode: bucketing changes when, not how much). Ψ is what the
+// rank holds: the whole model here, its tensor-parallel blocks on a larger mesh.
+inline double allreduce_bytes(int64_t psi, int dp) { return 2.0 * (dp - 1) / dp * 4.0 * double(psi); }
+inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allreduce_bytes(param_count(rc.model), dp); }
 
 }  // namespace dp
 

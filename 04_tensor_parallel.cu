@@ -110,11 +110,14 @@ inline void install(Model& m, Comm& group, bool sequence_parallel) {
 }
 
 // Under sequence parallelism a norm weight sees only this rank's tokens, so its gradient is a
-// partial sum: all-reduced over tp once per step, after the last micro-batch.
-inline void reduce_norm_grads(Model& m, Comm& group) {
+// partial sum: all-reduced over tp once per step, after the last micro-batch — or, where ZeRO-2/3
+// reduce-scatters each unit's gradients as they finish, for that unit (unit >= 0) just before.
+inline void reduce_norm_grads(Model& m, Comm& group, int unit = -1) {
   TraceScope s("tp all_reduce (norm weight grads)", Lane::Comm);
-  for (size_t i = 0; i < m.table.entries.size(); i++)
-    if (m.table.entries[i].replicated_over == "tp") group.all_reduce(m.grad(int(i)));
+  for (size_t i = 0; i < m.table.entries.size(); i++) {
+    const ParamEntry& e = m.table.entries[i];
+    if (e.replicated_over == "tp" && e.held() && (unit < 0 || e.unit == unit)) group.all_reduce(m.grad(int(i)));
+  }
 }
 
 // The shard spec and the checks every rank makes before any collective.
@@ -145,9 +148,13 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
 
 // Wire bytes per rank per step under the ring algorithm: all-reduce 2(t−1)/t·K, all-gather and
 // reduce-scatter (t−1)/t·K each, K = one [tokens, dim] activation of a micro-batch.
-inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp) {
+// micro_batches: how many this rank runs per step (0: the whole batch, as in 04); norms_per_micro_batch:
+// the norm gradients are reduced per micro-batch (ZeRO-2/3 on a larger mesh), not once per step.
+inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp, double micro_batches = 0,
+                                                  bool norms_per_micro_batch = false) {
   const ModelConfig& m = rc.model;
-  const double t = tp, f = (t - 1) / t, L = m.layers, mbs = double(rc.batch) / rc.micro_batch;
+  const double t = tp, f = (t - 1) / t, L = m.layers;
+  const double mbs = micro_batches > 0 ? micro_batches : double(rc.batch) / rc.micro_batch;
   const double tokens = double(rc.micro_batch) * m.seq, K = tokens * m.dim * dtype_size(rc.dtype);
   const double full = rc.recompute == Recompute::Full ? 1 : 0;  // the layer forward runs again in backward
   const double loss = 2 * f * tokens * 4 * 3;                     // max (N floats) + stats (2N floats)
@@ -163,7 +170,7 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, b
   c["all_gather"] = mbs * f * K * (6 * L + 2 + 2 * L * full);
   c["reduce_scatter"] = mbs * f * K * (4 * L + 2 + 2 * L * full);
   const double norms = (2 * L + 1) * m.dim * 4.0;  // fp32 norm-weight gradients, once per step
-  c["all_reduce"] = mbs * loss + 2 * f * norms;
+  c["all_reduce"] = mbs * loss + 2 * f * norms * (norms_per_micro_batch ? mbs : 1);
   return c;
 }
 

@@ -1,0 +1,120 @@
+// ranks: 1
+// 08_5d_mesh: the pieces of 02, 03 and 04 composed on one mesh reproduce 01 end to end (fp32,
+// clipping active, accumulation), at up to 8 ranks; memory and bytes per rank per group equal
+// the predictions; checkpoints cross between meshes and 01; bad input.
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include "test_util.h"
+
+namespace {
+
+// kv heads 4: tp 4 gives every rank a whole kv head.
+const std::string kTiny = "--preset tiny --kv-heads 4 --quiet --lr-schedule constant ";
+const int kSteps = 6;
+using Run = tst::CachedRun;
+
+const Run& run(const std::string& bin, int np, const std::string& args) { return tst::cached_run(bin, np, kTiny + args, 240); }
+const Run& single(const std::string& args) { return run("01_single_gpu", 1, args); }
+const Run& mesh(int dp, int tp, const std::string& args) {
+  return run("08_5d_mesh", dp * tp, "--dp " + std::to_string(dp) + " --tp " + std::to_string(tp) + " " + args);
+}
+std::string steps(int batch, int micro) {
+  return "--steps " + std::to_string(kSteps) + " --batch " + std::to_string(batch) + " --micro-batch " +
+         std::to_string(micro);
+}
+std::string model_file(const Run& r) { return r.ckpt + "/model.safetensors"; }
+double mem(const Run& r, const char* cat, const char* which) {
+  return r.log.summary.at("memory").at(cat).at(which).as_double();
+}
+
+struct Case {
+  int dp, tp;
+  std::string flags;
+  int micro;
+};
+// Each composition at the same global batch of 8 sequences.
+const Case kCases[] = {
+    {2, 2, "--sequence-parallel", 2},            // plain DP (bucketed) × TP + SP, accumulation 2
+    {4, 2, "--zero 1", 2},                       // ZeRO-1 over dp 4 × TP 2
+    {4, 2, "--zero 2 --sequence-parallel", 1},   // ZeRO-2 × TP + SP, accumulation 2
+    {2, 4, "--zero 3 --sequence-parallel", 4},   // ZeRO-3 × TP 4 + SP
+};
+
+}  // namespace
+
+// Losses: the reductions over dp and tp sum in other orders than 01 (measured ≤ 1e-8 relative);
+// asserted at 1e-6. Weights: 5e-5, the bound the other techniques document (AdamW's first
+// updates are sign-like, so a rounding difference in a near-zero gradient becomes O(lr)).
+const double kLossTol = 1e-6, kWeightTol = 5e-5;
+
+TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce 01 (fp32, clipped)", "[08][e2e][equiv]") {
+  const Run& ref = single(steps(8, 8));
+  CHECK(ref.log.steps[0].at("grad_norm").as_double() > 1.2);  // clipping at 1.0 is active
+  for (const Case& c : kCases) {
+    const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro));
+    INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags << " micro-batch " << c.micro);
+    REQUIRE(r.log.steps.size() == size_t(kSteps));
+    CHECK(tst::max_rel_diff(r.log.losses(), ref.log.losses()) <= kLossTol);
+    for (int s = 0; s < kSteps; s++)
+      CHECK(r.log.steps[size_t(s)].at("grad_norm").as_double() ==
+            Approx(ref.log.steps[size_t(s)].at("grad_norm").as_double()).epsilon(1e-6));
+    CHECK(tst::max_abs_diff_files(model_file(r), model_file(ref)) <= kWeightTol);
+  }
+}
+
+TEST_CASE("memory and bytes per rank and group equal the composed predictions", "[08][e2e][mem][comm]") {
+  for (const Case& c : kCases) {
+    const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro));
+    INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags);
+    for (const char* cat : {"params", "grads", "optimizer", "activations"})
+      CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
+    int ops = 0;
+    for (const char* group : {"dp", "tp"})
+      for (const char* op : {"all_reduce", "all_gather", "reduce_scatter"}) {
+        const ts::Json& g = r.log.summary.at("comm").at(group);
+        if (!g.contains(op)) continue;
+        ops++;
+        CHECK(g.at(op).at("bytes").as_double() == Approx(g.at(op).at("predicted").as_double()).epsilon(1e-12));
+        CHECK(g.at(op).at("predicted").as_double() > 0);
+      }
+    CHECK(ops >= 2);  // both groups communicate
+  }
+  // ZeRO-3 over dp 2 on tp 4 blocks holds less than plain DP's tp 2 replica.
+  CHECK(mem(mesh(2, 4, "--zero 3 --sequence-parallel " + steps(8, 4)), "optimizer", "measured") <
+        mem(mesh(2, 2, "--sequence-parallel " + steps(8, 2)), "optimizer", "measured"));
+}
+
+TEST_CASE("a dp 2 × tp 2 checkpoint resumes in 01 on its curve, and on dp 1 × tp 4 with ZeRO-3 off", "[08][e2e][ckpt]") {
+  const Run& ref = single(steps(8, 8));
+  const std::vector<double> want = ref.log.losses();
+  const Run& from = mesh(2, 2, "--zero 1 --steps 3 --batch 8");
+  struct Leg {
+    std::string bin;
+    int np;
+    std::string args;
+  } legs[] = {{"01_single_gpu", 1, ""}, {"08_5d_mesh", 4, "--dp 1 --tp 4 "}};
+  for (const Leg& leg : legs) {
+    const std::string log = tst::scratch("5d_resume.jsonl"), out = tst::scratch("5d_resume_ck");
+    tst::Result r = tst::run_bin(leg.bin, kTiny + leg.args + "--steps 6 --batch 8 --resume " + from.ckpt + " --save " +
+                                              out + " --log-json " + log, leg.np, 120);
+    INFO(leg.bin << "\n" << r.output);
+    REQUIRE(r.status == 0);
+    std::vector<double> l = tst::read_log(log).losses();
+    REQUIRE(l.size() == 3);
+    CHECK(tst::max_rel_diff(l, std::vector<double>(want.begin() + 3, want.end())) <= kLossTol);
+    CHECK(tst::max_abs_diff_files(out + "/model.safetensors", model_file(ref)) <= kWeightTol);
+  }
+}
+
+TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[08][errors]") {
+  tst::check_errors("08_5d_mesh", kTiny + "--steps 2 ", {
+      {4, "--dp 2 --tp 4", "needs 8 ranks but the job has 4"},
+      {4, "--dp 2 --tp 2 --heads 2 --kv-heads 1", "--kv-heads 1 is not divisible by --tp 2"},
+      {4, "--dp 2 --tp 2 --pp 2", "--pp, --cp and --ep are not composed"},
+      {4, "--dp 2 --tp 2 --zero 4", "--zero must be 0 (plain DP), 1, 2 or 3"},
+      {4, "--dp 4 --batch 6", "--batch 6 is not divisible by --dp 4"},
+      {4, "--dp 2 --tp 2 --zero 1 --dp-mode naive", "--dp-mode applies to plain data parallelism"},
+  });
+}
