@@ -88,24 +88,9 @@ TEST_CASE("memory and bytes per rank and group equal the composed predictions", 
 
 TEST_CASE("a dp 2 × tp 2 checkpoint resumes in 01 on its curve, and on dp 1 × tp 4 with ZeRO-3 off", "[08][e2e][ckpt]") {
   const Run& ref = single(steps(8, 8));
-  const std::vector<double> want = ref.log.losses();
   const Run& from = mesh(2, 2, "--zero 1 --steps 3 --batch 8");
-  struct Leg {
-    std::string bin;
-    int np;
-    std::string args;
-  } legs[] = {{"01_single_gpu", 1, ""}, {"08_5d_mesh", 4, "--dp 1 --tp 4 "}};
-  for (const Leg& leg : legs) {
-    const std::string log = tst::scratch("5d_resume.jsonl"), out = tst::scratch("5d_resume_ck");
-    tst::Result r = tst::run_bin(leg.bin, kTiny + leg.args + "--steps 6 --batch 8 --resume " + from.ckpt + " --save " +
-                                              out + " --log-json " + log, leg.np, 120);
-    INFO(leg.bin << "\n" << r.output);
-    REQUIRE(r.status == 0);
-    std::vector<double> l = tst::read_log(log).losses();
-    REQUIRE(l.size() == 3);
-    CHECK(tst::max_rel_diff(l, std::vector<double>(want.begin() + 3, want.end())) <= kLossTol);
-    CHECK(tst::max_abs_diff_files(out + "/model.safetensors", model_file(ref)) <= kWeightTol);
-  }
+  tst::check_resume("01_single_gpu", 1, kTiny + "--steps 6 --batch 8", from.ckpt, ref, 3, kLossTol, kWeightTol);
+  tst::check_resume("08_5d_mesh", 4, kTiny + "--dp 1 --tp 4 --steps 6 --batch 8", from.ckpt, ref, 3, kLossTol, kWeightTol);
 }
 
 TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[08][errors]") {

@@ -193,4 +193,18 @@ inline void check_errors(const std::string& bin, const std::string& prefix, cons
   }
 }
 
+// Resumes `bin` (np ranks, `args` + --resume from_ckpt) to `steps` and checks it continues the
+// reference run: the losses of the steps after the checkpoint and the final weights.
+inline void check_resume(const std::string& bin, int np, const std::string& args, const std::string& from_ckpt,
+                         const CachedRun& ref, int steps_done, double loss_tol, double weight_tol) {
+  const std::string log = scratch("resume.jsonl"), out = scratch("resume_ck");
+  Result r = run_bin(bin, args + " --resume " + from_ckpt + " --save " + out + " --log-json " + log, np, 120);
+  INFO(bin << " " << args << "\n" << r.output);
+  REQUIRE(r.status == 0);
+  const std::vector<double> l = read_log(log).losses(), want = ref.log.losses();
+  REQUIRE(l.size() == want.size() - size_t(steps_done));
+  CHECK(max_rel_diff(l, std::vector<double>(want.begin() + steps_done, want.end())) <= loss_tol);
+  CHECK(max_abs_diff_files(out + "/model.safetensors", ref.ckpt + "/model.safetensors") <= weight_tol);
+}
+
 }  // namespace tst
