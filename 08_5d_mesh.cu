@@ -94,6 +94,199 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
     for (auto& [op, b] : ops) log.line("per-rank %s %s per step: %s", group.c_str(), op.c_str(), human_bytes(b).c_str());
 }
 
+// ----- the planner: predict before running ----------------------------------------------------------
+
+// A GPU: memory, dense bf16 peak, and the all-reduce bus bandwidth NCCL reaches inside a node
+// (NVLink) and between nodes (per GPU). The bandwidths are nominal figures from the hardware
+// (H100/H200: NVLink 4 at 900 GB/s bidirectional, of which a ring all-reduce sustains about half;
+// 8 × 400 Gb/s NICs per node = 50 GB/s per GPU), not measurements of this project.
+struct Gpu {
+  const char* name;
+  double mem_gib, bf16_tflops, intra_gbs, inter_gbs;
+};
+inline const Gpu* find_gpu(const std::string& name) {
+  static const Gpu kGpus[] = {{"h100", 80, 989, 450, 50}, {"h200", 141, 989, 450, 50}, {"a100", 80, 312, 230, 25}};
+  for (const Gpu& g : kGpus)
+    if (name == g.name) return &g;
+  return nullptr;
+}
+
+// The cluster and the job the planner sizes a mesh for.
+struct Cluster {
+  const Gpu* gpu;
+  double mem_gib;  // usable memory per GPU (--gpu-mem overrides the table)
+  int gpus, per_node;
+};
+
+// Stated assumptions of the time model (notes/08 discusses them):
+constexpr double kMatmulEfficiency = 0.5;  // fraction of the bf16 peak the step's FLOPs run at
+constexpr double kMemoryHeadroom = 0.9;    // of the GPU's memory, the rest for workspace and fragmentation
+constexpr double kBackwardShare = 2.0 / 3; // backward's share of compute, behind which DP hides its reduction
+
+struct Candidate {
+  Plan plan;
+  int micro_batch = 1;
+  Recompute recompute = Recompute::None;
+  MemoryPrediction mem;
+  double mem_total = 0, t_compute = 0, t_tp = 0, t_dp = 0, t_dp_exposed = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
+  std::string reject;  // why it cannot run ("" = it fits)
+};
+
+inline double group_bw(const Cluster& c, int span) { return span <= c.per_node ? c.gpu->intra_gbs : c.gpu->inter_gbs; }
+inline double sum_bytes(const std::map<std::string, double>& ops) {
+  double b = 0;
+  for (auto& [op, v] : ops) b += v;
+  return b;
+}
+
+// Memory from the same functions a run prints as "predicted"; time = compute at the stated
+// efficiency + TP's collectives (on the critical path) + what of DP's reduction backward cannot hide.
+inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& p, int mb, Recompute r) {
+  Candidate c;
+  c.plan = p;
+  c.micro_batch = mb;
+  c.recompute = r;
+  RunConfig rc = base;
+  rc.micro_batch = mb;
+  rc.recompute = r;
+  c.mem = predict_memory(rc, p);
+  c.mem_total = c.mem.params + c.mem.grads + c.mem.optimizer + c.mem.activations;
+  const double tokens = double(rc.batch) * rc.model.seq, gpus = double(cl.gpus);
+  // Full recompute runs the forward (a third of 6N) again: 8N instead of 6N per token.
+  const double redo = r == Recompute::Full ? 8.0 / 6.0 : 1.0;
+  c.t_compute = flops_per_token(rc.model) * tokens * redo / gpus / (cl.gpu->bf16_tflops * 1e12 * kMatmulEfficiency);
+  const auto comm = predict_comm(rc, p);
+  // tp ranks are neighbours (innermost); a dp group spans dp·tp ranks.
+  if (comm.count("tp")) c.t_tp = sum_bytes(comm.at("tp")) / (group_bw(cl, p.mesh.tp) * 1e9);
+  if (comm.count("dp")) c.t_dp = sum_bytes(comm.at("dp")) / (group_bw(cl, p.mesh.dp * p.mesh.tp) * 1e9);
+  const double hide = (p.zero == 3 ? 1.0 : kBackwardShare) * c.t_compute;  // ZeRO-3 prefetches under forward too
+  c.t_dp_exposed = std::max(0.0, c.t_dp - hide);
+  c.step = c.t_compute + c.t_tp + c.t_dp_exposed;
+  c.tokens_per_s_gpu = tokens / c.step / gpus;
+  c.mfu = flops_per_token(rc.model) * c.tokens_per_s_gpu / (cl.gpu->bf16_tflops * 1e12);
+  if (c.mem_total > cl.mem_gib * kMemoryHeadroom * 1073741824.0)
+    c.reject = "does not fit: " + human_bytes(c.mem_total) + " > " + human_bytes(cl.mem_gib * kMemoryHeadroom * 1073741824.0);
+  return c;
+}
+
+// Every valid mesh of the cluster: tp dividing the heads and kv heads, dp the rest, each ZeRO
+// stage, micro-batches that divide the batch, each recompute mode; sequence parallel with tp.
+inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
+  std::vector<Candidate> all;
+  const ModelConfig& m = rc.model;
+  for (int tp = 1; tp <= cl.gpus; tp *= 2) {
+    if (cl.gpus % tp || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
+    const int dp = cl.gpus / tp;
+    if (rc.batch % dp) continue;
+    for (int zero = 0; zero <= 3; zero++)
+      for (int mb = 1; mb <= rc.batch / dp; mb *= 2) {
+        if ((rc.batch / dp) % mb) continue;
+        for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+          Plan p;
+          p.mesh.dp = dp;
+          p.mesh.tp = tp;
+          p.zero = dp > 1 ? zero : 0;
+          if (dp == 1 && zero > 0) continue;
+          p.sp = tp > 1;
+          all.push_back(evaluate(rc, cl, p, mb, r));
+        }
+      }
+  }
+  return all;
+}
+
+inline std::string describe(const Candidate& c) {
+  char b[256];
+  snprintf(b, sizeof b, "dp %d tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, c.plan.mesh.tp,
+           c.plan.sp ? "+sp" : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
+           recompute_name(c.recompute));
+  return b;
+}
+
+inline Json candidate_json(const Candidate& c) {
+  Json j = Json::object();
+  j["dp"] = c.plan.mesh.dp;
+  j["tp"] = c.plan.mesh.tp;
+  j["zero"] = c.plan.zero;
+  j["sequence_parallel"] = c.plan.sp;
+  j["micro_batch"] = c.micro_batch;
+  j["recompute"] = recompute_name(c.recompute);
+  j["memory_bytes"] = c.mem_total;
+  j["step_s"] = c.step;
+  j["tokens_per_s_per_gpu"] = c.tokens_per_s_gpu;
+  j["mfu"] = c.mfu;
+  j["exposed_comm_s"] = c.t_tp + c.t_dp_exposed;
+  j["reject"] = c.reject;
+  return j;
+}
+
+// Ranks the candidates that fit by tokens/s/GPU and says, for the best of those that lose, why.
+inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, std::vector<Candidate> all) {
+  log.line("plan: %s on %d × %s (%.0f GiB usable, %d per node), seq %d, %d sequences per step (%.0f tokens)",
+           rc.preset.c_str(), cl.gpus, cl.gpu->name, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch,
+           double(rc.batch) * rc.model.seq);
+  log.line("assumed: matmuls at %.0f%% of %.0f TFLOP/s; all-reduce bus bandwidth %.0f GB/s in a node, %.0f GB/s across;"
+           " DP hides behind backward (%.0f%% of compute)", 100 * kMatmulEfficiency, cl.gpu->bf16_tflops,
+           cl.gpu->intra_gbs, cl.gpu->inter_gbs, 100 * kBackwardShare);
+  // Equal throughput (within 0.1%): the simpler mesh first — lower ZeRO stage, less
+  // recomputation, less TP, larger micro-batches (fewer kernel launches than the model counts).
+  auto simpler = [](const Candidate& a, const Candidate& b) {
+    if (a.plan.zero != b.plan.zero) return a.plan.zero < b.plan.zero;
+    if (a.recompute != b.recompute) return int(a.recompute) < int(b.recompute);
+    if (a.plan.mesh.tp != b.plan.mesh.tp) return a.plan.mesh.tp < b.plan.mesh.tp;
+    return a.micro_batch > b.micro_batch;
+  };
+  // Throughput in per-mille steps of the fastest: a strict ordering that still treats near-equal as equal.
+  double top = 1e-30;
+  for (const Candidate& c : all) top = std::max(top, c.tokens_per_s_gpu);
+  auto level = [&](const Candidate& c) { return std::llround(1000.0 * c.tokens_per_s_gpu / top); };
+  auto ties = [&](const Candidate& a, const Candidate& b) { return level(a) == level(b); };
+  std::stable_sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
+    if (a.reject.empty() != b.reject.empty()) return a.reject.empty();
+    if (!ties(a, b)) return level(a) > level(b);
+    return simpler(a, b);
+  });
+  log.line("%-4s %-52s %10s %12s %7s %10s", "rank", "mesh", "memory", "tok/s/GPU", "MFU", "exposed");
+  int shown = 0;
+  for (const Candidate& c : all) {
+    if (!c.reject.empty() || shown == 8) break;
+    log.line("%-4d %-52s %10s %12.0f %6.1f%% %8.1f ms", ++shown, describe(c).c_str(), human_bytes(c.mem_total).c_str(),
+             c.tokens_per_s_gpu, 100 * c.mfu, 1e3 * (c.t_tp + c.t_dp_exposed));
+  }
+  if (shown == 0) {
+    log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(all.empty() ? 0 : all.back().mem_total).c_str());
+    return;
+  }
+  const Candidate& best = all.front();
+  // The best candidate of each other kind (in ranking order: one that fits if any does), and why
+  // it loses to the best.
+  auto why = [&](const char* what, const std::function<bool(const Candidate&)>& pick) {
+    const Candidate* w = nullptr;
+    for (const Candidate& c : all)
+      if (pick(c)) {
+        w = &c;
+        break;
+      }
+    if (!w || w == &best) return;
+    std::string reason = !w->reject.empty() ? w->reject
+                         : ties(*w, best) ? "as fast; the ranking prefers the simpler mesh (lower ZeRO stage, less recomputation)"
+                         : w->plan.mesh.tp > cl.per_node ? "tp crosses nodes: its all-reduces run at inter-node bandwidth"
+                         : w->t_tp > best.t_tp + 1e-9 ? "more TP communication on the critical path"
+                         : w->t_dp_exposed > best.t_dp_exposed ? "DP communication no longer hides behind backward"
+                         : w->recompute == Recompute::Full ? "recomputation costs a third more compute"
+                                                             : "less throughput per GPU";
+    log.line("  %-24s %s: %.0f tok/s/GPU — %s", what, describe(*w).c_str(), w->tokens_per_s_gpu, reason.c_str());
+  };
+  log.line("best: %s; alternatives:", describe(best).c_str());
+  why("plain data parallel", [](const Candidate& c) { return c.plan.mesh.tp == 1 && c.plan.zero == 0; });
+  why("more tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp > best.plan.mesh.tp; });
+  why("less tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp < best.plan.mesh.tp; });
+  why("other ZeRO stage", [&](const Candidate& c) {
+    return c.plan.mesh.tp == best.plan.mesh.tp && c.plan.zero != best.plan.zero;
+  });
+  why("no recomputation", [](const Candidate& c) { return c.recompute == Recompute::None; });
+}
+
 // ----- the composed step ----------------------------------------------------------------------------
 
 // One model on one mesh, with the pieces of 02/03/04 attached to it.
@@ -199,9 +392,43 @@ static const char* kDoc =
     "08_5d_mesh: data, tensor (+ sequence) parallelism and ZeRO on one mesh, composed from 02–04.\n"
     "usage: mpirun -np N 08_5d_mesh --dp D --tp T [--zero 0|1|2|3] [--sequence-parallel] [flags]  (N = D·T)";
 
+// --plan: runs nothing; ranks every valid mesh for the cluster, or predicts the one given.
+static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl, const mesh5d::Plan* given) {
+  std::vector<mesh5d::Candidate> all;
+  if (given) {
+    all.push_back(mesh5d::evaluate(rc, cl, *given, rc.micro_batch, rc.recompute));
+    const mesh5d::Candidate& c = all[0];
+    log.line("plan: %s on %d × %s: %s", rc.preset.c_str(), cl.gpus, cl.gpu->name, mesh5d::describe(c).c_str());
+    log.line("  memory per GPU %s (params %s, grads %s, optimizer %s, activations %s)%s%s",
+             human_bytes(c.mem_total).c_str(), human_bytes(c.mem.params).c_str(), human_bytes(c.mem.grads).c_str(),
+             human_bytes(c.mem.optimizer).c_str(), human_bytes(c.mem.activations).c_str(), c.reject.empty() ? "" : " — ",
+             c.reject.c_str());
+    log.line("  step %.3f s: compute %.3f s, tp %.3f s, dp %.3f s of which %.3f s exposed; %.0f tok/s/GPU, MFU %.1f%%",
+             c.step, c.t_compute, c.t_tp, c.t_dp, c.t_dp_exposed, c.tokens_per_s_gpu, 100 * c.mfu);
+  } else {
+    all = mesh5d::enumerate(rc, cl);
+    mesh5d::print_ranking(log, rc, cl, all);
+  }
+  Json cands = Json::array();
+  for (const mesh5d::Candidate& c : all) cands.push_back(mesh5d::candidate_json(c));
+  Json s = Json::object();
+  s["candidates"] = std::move(cands);
+  log.summary(s);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   mesh5d::Plan plan;
-  Program prog(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) {
+  bool planning = false, mesh_given = false;
+  mesh5d::Cluster cluster{nullptr, 0, 8, 8};
+  Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
+    planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
+    const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100");
+    const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
+    cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
+    cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
+    const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq)");
+    mesh_given = a.has("--dp") || a.has("--tp");
     mc.dp = a.get_int("--dp", 1, "data-parallel degree");
     mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)");
     mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree");
@@ -212,10 +439,28 @@ int main(int argc, char** argv) {
     plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
     plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
     plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB");
+    if (!planning) return;
+    cluster.gpu = mesh5d::find_gpu(gpu);
+    if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
+    cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
+    if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
+    if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training
+    if (batch_tokens > 0) rc.batch = int(batch_tokens / rc.model.seq);
+    if (rc.batch < 1) config_error("--global-batch-tokens %.0f is less than one sequence of %d", batch_tokens, rc.model.seq);
+    if (!mesh_given) mc = MeshConfig{};  // the batch is split per candidate
   });
   RunConfig& rc = prog.rc;
   plan.mesh = prog.mc;
   RunLog& log = prog.log();
+  if (planning) {
+    if (mesh_given) {
+      plan.sp = plan.sp || plan.mesh.tp > 1;
+      if (plan.mesh.dp * plan.mesh.tp != cluster.gpus)
+        config_error("--plan: dp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.tp, cluster.gpus);
+      mesh5d::validate(rc, plan);
+    }
+    return plan_only(log, rc, cluster, mesh_given ? &plan : nullptr);
+  }
   mesh5d::validate(rc, plan);
   if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;
   prog.open();  // validates world == dp·pp·cp·tp before any collective

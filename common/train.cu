@@ -118,9 +118,11 @@ bool apply_preset(const std::string& name, ModelConfig& m) {
   else if (name == "small") m = {256, 4, 8, 4, 688, 256, 256};
   else if (name == "124m") m = {768, 12, 12, 12, 2048, 50304, 1024};
   else if (name == "1b") m = {2048, 16, 32, 8, 8192, 128256, 2048};
-  else if (name == "8b") m = {4096, 32, 32, 8, 14336, 128256, 4096};
+  else if (name == "3b") m = {3072, 28, 24, 8, 8192, 128256, 4096};     // Llama-3.2-3B
+  else if (name == "8b") m = {4096, 32, 32, 8, 14336, 128256, 4096};    // Llama-3-8B
+  else if (name == "70b") m = {8192, 80, 64, 8, 28672, 128256, 4096};   // Llama-3-70B
   else return false;
-  if (name == "1b" || name == "8b") m.rope_theta = 500000.f;
+  if (name != "tiny" && name != "small" && name != "124m") m.rope_theta = 500000.f;
   return true;
 }
 
@@ -130,7 +132,7 @@ const char* recompute_name(Recompute r) {
 
 RunConfig parse_run_config(Args& a) {
   RunConfig rc;
-  rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 8b (explicit flags override)");
+  rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 3b | 8b | 70b (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (tiny, small, 124m, 1b, 8b)", rc.preset.c_str());
   ModelConfig& m = rc.model;
   m.dim = a.get_int("--dim", m.dim, "hidden size h");
