@@ -62,11 +62,12 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
     } else if (split == Split::Whole && sh.tp > 1) {
       e.replicated_over = "tp";
       e.counts = sh.tp_rank == 0;
-    } else if (split == Split::Whole && sh.ep > 1 && !expert) {
-      e.replicated_over = "ep";
-      e.counts = sh.ep_rank == 0;
     } else if (split == Split::None) {
       e.local_shape[0] = 0;
+    }
+    if (sh.ep > 1 && !expert && split != Split::None) {  // dense tensors: one copy per ep rank
+      e.replicated_over = "ep";
+      e.counts = sh.ep_rank == 0;
     }
     e.numel = 1;
     for (int64_t d : e.local_shape) e.numel *= d;
