@@ -15,6 +15,7 @@
 #include "comm.h"
 #include "data.h"
 #include "model.h"
+#include "moe.h"
 #include "train.h"
 
 using namespace ts;
@@ -60,7 +61,9 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   if (show) print_memory(log, model.dev, step, "after optimizer");
-  return {loss, norm};
+  StepResult r{loss, norm};
+  moe_step_report(model, r, {});  // tokens per expert, dropped fraction, aux loss (with --experts)
+  return r;
 }
 
 // ----- main -----------------------------------------------------------------------------------------

@@ -33,11 +33,18 @@ using namespace ts;
 // the global batch — the same number 01 computes, summed in a different order.
 class GradReducer {
  public:
-  GradReducer(Model& m, Comm& dp, bool bucketed, double bucket_mb) : m_(m), dp_(dp), bucketed_(bucketed) {
+  // `ranges`: the ranges [begin, end) of the flat gradients this reducer averages over `dp`
+  // (empty: all of them). Expert parallelism reduces its dense ranges over one group and its
+  // expert ranges over another, with one reducer each.
+  GradReducer(Model& m, Comm& dp, bool bucketed, double bucket_mb, std::vector<std::pair<int64_t, int64_t>> ranges = {})
+      : m_(m), dp_(dp), bucketed_(bucketed), ranges_(std::move(ranges)) {
+    if (ranges_.empty()) ranges_ = {{0, m.table.total}};
     // Buckets are ranges of the flat gradient buffer cut from its end, because backward
     // finishes the head first and the embedding last: bucket 0 is ready first.
     const int64_t size = std::max<int64_t>(1, int64_t(bucket_mb * 1024 * 1024 / 4));
-    for (int64_t end = m.table.total; end > 0; end -= size) buckets_.push_back({std::max<int64_t>(0, end - size), end});
+    for (auto r = ranges_.rbegin(); r != ranges_.rend(); ++r)
+      for (int64_t end = r->second; end > r->first; end -= size)
+        buckets_.push_back({std::max<int64_t>(r->first, end - size), end});
     if (bucketed_) m.unit_grads_ready.add([this](int u) { on_unit_ready(u); });
   }
 
@@ -74,7 +81,8 @@ class GradReducer {
       span_us_ += t1 - first_launch_;
     } else {
       TraceScope t("all_reduce per tensor", Lane::Comm);
-      for (size_t i = 0; i < m_.table.entries.size(); i++) dp_.all_reduce(m_.grad(int(i)));
+      for (size_t i = 0; i < m_.table.entries.size(); i++)
+        if (covers(m_.table.entries[i])) dp_.all_reduce(m_.grad(int(i)));
       const double t1 = Trace::get().now_us();
       exposed_us_ += t1 - t0;  // naive: every microsecond of communication is exposed
       span_us_ += t1 - t0;
@@ -94,6 +102,11 @@ class GradReducer {
     bool launched = false, done = false;
     double start = 0;
   };
+  bool covers(const ParamEntry& e) const {
+    for (auto [b, end] : ranges_)
+      if (e.numel > 0 && e.offset >= b && e.offset + e.numel <= end) return true;
+    return false;
+  }
   void poll() {
     for (Bucket& b : buckets_)
       if (b.launched && !b.done && b.work.done()) mark_done(b);
@@ -107,6 +120,7 @@ class GradReducer {
   Model& m_;
   Comm& dp_;
   bool bucketed_, sync_ = true;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;
   std::vector<Bucket> buckets_;
   double first_launch_ = -1, exposed_us_ = 0, span_us_ = 0;
 };

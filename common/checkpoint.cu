@@ -37,6 +37,14 @@ Json hf_config(const ModelConfig& c) {
   j["attention_bias"] = false;
   j["mlp_bias"] = false;
   j["torch_dtype"] = "float32";
+  if (c.experts > 0) {  // HF MixtralConfig: the same fields plus the sparse MoE block's
+    j["architectures"] = Json::array({Json("MixtralForCausalLM")});
+    j["model_type"] = "mixtral";
+    j["num_local_experts"] = c.experts;
+    j["num_experts_per_tok"] = c.top_k;
+    j["router_aux_loss_coef"] = double(c.aux_loss_coef);
+    j["output_router_logits"] = false;
+  }
   return j;
 }
 
@@ -214,6 +222,7 @@ static void check_config(const std::string& dir, const ModelConfig& c) {
     need("num_attention_heads", c.heads);
     need("num_key_value_heads", c.kv_heads);
     need("vocab_size", c.vocab);
+    if (c.experts > 0 || j.contains("num_local_experts")) need("num_local_experts", c.experts);
   } catch (const FormatError& e) {
     config_error("checkpoint %s: config.json: %s", dir.c_str(), e.what());
   }

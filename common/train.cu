@@ -142,6 +142,10 @@ RunConfig parse_run_config(Args& a) {
   m.ffn = a.get_int("--ffn", m.ffn, "SwiGLU intermediate size");
   m.vocab = a.get_int("--vocab", m.vocab, "vocabulary size");
   m.seq = a.get_int("--seq", m.seq, "sequence length s");
+  m.experts = a.get_int("--experts", 0, "mixture of experts: E SwiGLU experts of width --ffn per layer (0: dense MLP)");
+  m.top_k = a.get_int("--top-k", 2, "experts per token K (with --experts)");
+  m.aux_loss_coef = float(a.get_double("--aux-loss-coef", 0, "weight α of the load-balancing loss E·Σ f_e·P_e (with --experts)"));
+  m.capacity_factor = float(a.get_double("--capacity-factor", 0, "tokens per expert and sequence: c·T·K/E (0: dropless)"));
   rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
   std::string dt = a.get_str("--dtype", "fp32", "fp32 | bf16 (bf16 compute, fp32 master weights and gradients)");
   if (dt == "fp32") rc.dtype = DType::F32;
@@ -187,6 +191,12 @@ RunConfig parse_run_config(Args& a) {
   if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
   if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
   if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
+  if (m.experts < 0) config_error("--experts must be >= 0 (got %d)", m.experts);
+  if (m.experts > 0 && (m.top_k < 1 || m.top_k > m.experts))
+    config_error("--top-k %d must be between 1 and --experts %d", m.top_k, m.experts);
+  if (m.capacity_factor < 0) config_error("--capacity-factor must be >= 0 (got %g)", double(m.capacity_factor));
+  if (m.aux_loss_coef < 0) config_error("--aux-loss-coef must be >= 0 (got %g)", double(m.aux_loss_coef));
+  if (m.experts == 0) m.top_k = 0;
   if (rc.log_every < 0) config_error("--log-every must be >= 0 (got %ld)", rc.log_every);
   if (rc.keep_last < 0) config_error("--keep-last must be >= 0 (got %d)", rc.keep_last);
   if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
@@ -408,6 +418,12 @@ static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc
   const double D = c.dim, KV = c.kv_dim(), F = c.ffn, H = c.heads;
   const double region = r * (4 * D * e + 8);                      // x, h1, x_mid, h2 + rstd1, rstd2
   const double split = ((2 * D + 2 * KV + 3 * F) * e + 4 * H) / t;  // q, y, k, v, g, u, act + lse
+  if (c.experts > 0) {  // dropless MoE (moe.h): probs, choices, src per token; per routed row its
+    const double E = c.experts, K = c.top_k;  // token, weight, g, u, act, input and output rows
+    const double moe = (2 * D + 2 * KV) * e + 4 * H + 4 * E + 8 * K + K * (8 + (3 * F + 2 * D) * e);
+    if (rc == Recompute::None) return region + moe;
+    if (rc == Recompute::Selective) return region + moe - r * 2 * D * e - K * F * e;
+  }
   if (rc == Recompute::None) return region + split;
   if (rc == Recompute::Selective) return region + split - r * 2 * D * e - F * e / t;  // minus h1, h2, act
   return r * D * e;  // full: the layer input only
@@ -514,9 +530,9 @@ void RunLog::step(const StepRecord& r) {
     const std::string eta = left > 0 ? "ETA " + short_duration(elapsed / double(done) * double(left))
                                      : "took " + short_duration(elapsed);
     const int width = int(std::to_string(rc_.steps).size());
-    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s | %s\n",
+    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s%s | %s\n",
            width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, 100 * r.mfu, r.step_ms,
-           human_bytes(double(r.peak_mem_bytes)).c_str(), eta.c_str());
+           human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
     fflush(stdout);
     last_line_ = now;
   }
@@ -530,6 +546,8 @@ void RunLog::step(const StepRecord& r) {
     j["mfu"] = r.mfu;
     j["step_ms"] = r.step_ms;
     j["peak_mem_bytes"] = int64_t(r.peak_mem_bytes);
+    if (r.extra.is_object())
+      for (const auto& [k, v] : r.extra.items()) j[k] = v;
     fprintf(json_, "%s\n", j.dump().c_str());
     fflush(json_);
   }
@@ -623,6 +641,11 @@ void print_model(RunLog& log, const ModelConfig& m) {
            m.kv_heads, m.ffn, m.vocab, m.seq);
   log.line("parameters: %.3fM (%.3fM without the embedding); %.3f GFLOP per token (6N + 12·L·h·s)",
            param_count(m) / 1e6, param_count(m, false) / 1e6, flops_per_token(m) / 1e9);
+  if (m.experts > 0)
+    log.line("mixture of experts: %d experts of ffn %d per layer, top-%d, capacity factor %g%s, aux-loss coef %g; "
+             "FLOPs count the %.3fM active parameters",
+             m.experts, m.ffn, m.top_k, double(m.capacity_factor), m.capacity_factor > 0 ? "" : " (dropless)",
+             double(m.aux_loss_coef), (flops_per_token(m) - 12.0 * m.layers * m.dim * double(m.seq)) / 6e6);
 }
 
 // ----- the shared loop ---------------------------------------------------------------------------
@@ -691,7 +714,8 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     tps.push_back(tokens / secs);
     last_loss = r.loss;
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
-              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak});
+              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak,
+              r.extra, r.note});
     done = step + 1;
     if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
       loop.save(done);

@@ -155,6 +155,8 @@ struct StepRecord {
   long step;
   double loss, lr, grad_norm, tokens_per_s, mfu, step_ms;
   size_t peak_mem_bytes;
+  Json extra;        // merged into the JSON record
+  std::string note;  // appended to the printed line
 };
 double peak_tflops_for(Device dev, DType dt, double override_tflops);
 std::string device_description(Device dev);
@@ -221,6 +223,8 @@ void print_memory(RunLog& log, Device dev, long step, const char* when);
 
 struct StepResult {
   double loss, grad_norm;
+  Json extra;        // more fields for the step's JSON record (MoE routing statistics), or null
+  std::string note;  // appended to the step's line
 };
 struct Loop {
   std::function<StepResult(long step)> step;            // one optimizer step (the technique)
