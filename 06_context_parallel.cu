@@ -184,8 +184,8 @@ class RingAttention : public AttentionCore {
     auto like = [](const Tensor& t, Tag tag) { return Tensor::empty(t.shape, t.dtype, t.device(), tag); };
     Tensor pdq = like(q, Tag::Workspace), pdk = like(k, Tag::Workspace), pdv = like(k, Tag::Workspace);
     Tensor acc_k = like(k, Tag::Comm), acc_v = like(k, Tag::Comm);
-    zero(acc_k);
-    zero(acc_v);
+    ts::zero(acc_k);
+    ts::zero(acc_v);
     Rotation acc(cp_, {acc_k, acc_v}, 2, "cp ring dK/dV");
     for (int t = 1; t < C; t++) {
       const int src = (r - t + C) % C;

@@ -7,9 +7,11 @@
 //   03_zero.cu             zero::Zero                  ZeRO-1/2/3 over dp, per-unit shards
 //   04_tensor_parallel.cu  tp::install, tp::reduce_norm_grads   column/row-parallel layers, f/g,
 //                                                      vocabulary-parallel loss, sequence parallel
+//   06_context_parallel.cu cp::install, cp::positions  ring (zigzag) or Ulysses attention core
 // — and 08 only wires them onto one model and one mesh: the model is built with the tp shard
-// spec, f/g and the loss come from 04, and the gradients of that shard go to 02's reducer or 03's
-// sharder over the dp group. Hooks take several subscribers, so the sequence-parallel norm
+// spec, f/g and the loss come from 04, the attention core from 06, and the gradients of that
+// shard go to 02's reducer or 03's sharder over dp × cp (cp ranks hold different tokens of the
+// same weights). Hooks take several subscribers, so the sequence-parallel norm
 // reduction and ZeRO's reduce-scatter act on the same unit in that order.
 //
 //   mpirun -np 8 ./build/08_5d_mesh --dp 2 --tp 4 --zero 1 --sequence-parallel --kv-heads 4
@@ -19,6 +21,7 @@
 #include "02_data_parallel.cu"
 #include "03_zero.cu"
 #include "04_tensor_parallel.cu"
+#include "06_context_parallel.cu"
 
 namespace mesh5d {
 using namespace ts;
@@ -31,22 +34,48 @@ struct Plan {
   bool prefetch = true;
   std::string dp_mode = "bucketed";
   double bucket_mb = 25;
+  cp::Options cp{cp::Mode::Ring, true};
 };
 
 // Every check of the pieces, before any collective; the unsupported combinations name why.
+// What one cp rank holds of each sequence: the model at seq/cp tokens (what 04's and 06's
+// formulas see on this mesh); and the model one tp rank holds (dim, heads, kv heads over tp).
+inline RunConfig local_run(const RunConfig& rc, const Plan& p) {
+  RunConfig l = rc;
+  l.model = cp::local_model(rc.model, p.mesh.cp);
+  return l;
+}
+inline RunConfig tp_share(const RunConfig& rc, const Plan& p) {
+  RunConfig l = rc;
+  l.model.dim /= p.mesh.tp;
+  l.model.heads /= p.mesh.tp;
+  l.model.kv_heads /= p.mesh.tp;
+  l.batch = rc.batch / p.mesh.dp;  // this dp rank's sequences
+  return l;
+}
+
 inline void validate(const RunConfig& rc, const Plan& p) {
-  tp::validate(rc, p.mesh.tp, p.sp);
+  cp::validate(rc, p.mesh.cp, p.cp);
+  tp::validate(local_run(rc, p), p.mesh.tp, p.sp);
+  if (p.cp.mode == cp::Mode::Ulysses && p.mesh.tp > 1 &&
+      ((rc.model.heads / p.mesh.tp) % p.mesh.cp || (rc.model.kv_heads / p.mesh.tp) % p.mesh.cp))
+    config_error("--cp-mode ulysses with --tp %d: the %d heads and %d kv heads per tp rank must divide by --cp %d",
+                 p.mesh.tp, rc.model.heads / p.mesh.tp, rc.model.kv_heads / p.mesh.tp, p.mesh.cp);
   if (p.zero < 0 || p.zero > 3) config_error("--zero must be 0 (plain DP), 1, 2 or 3 (got %d)", p.zero);
-  if (p.mesh.pp != 1 || p.mesh.cp != 1 || p.mesh.ep != 1)
-    config_error("--pp, --cp and --ep are not composed by this build of 08_5d_mesh (dp, tp and ZeRO are)");
+  if (p.mesh.pp != 1 || p.mesh.ep != 1)
+    config_error("--pp and --ep are not composed by this build of 08_5d_mesh (dp, tp, cp and ZeRO are)");
   if (p.dp_mode != "naive" && p.dp_mode != "bucketed")
     config_error("--dp-mode must be naive or bucketed (got '%s')", p.dp_mode.c_str());
   if (p.zero > 0 && p.dp_mode != "bucketed") config_error("--dp-mode applies to plain data parallelism (--zero 0) only");
 }
 
-// This rank's table: its tp blocks, each unit padded to a multiple of dp when ZeRO shards it.
+// Dense gradients are reduced (or ZeRO-sharded) over the ranks that hold the same weights and
+// different tokens: dp × cp.
+inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
+
+// This rank's table: its tp blocks, each unit padded to a multiple of dp·cp when ZeRO shards it.
 inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank) {
-  return Model::make_table(rc.model, p.zero > 0 ? p.mesh.dp : 1, tp::shard_spec(p.mesh.tp, tp_rank));
+  return Model::make_table(rc.model, p.zero > 0 ? dense_group_size(p) : 1, tp::shard_spec(p.mesh.tp, tp_rank));
 }
 
 // ----- predict: memory and communication per rank, from the pieces' own formulas ------------------
@@ -62,22 +91,29 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p) {
     const int64_t psi = local_param_count(t);
     m = predict_states(psi, psi, rc.dtype, rc.master_weights);
   } else {
-    m = zero::predict_memory(rc, {p.zero, p.mesh.dp, int(micro_batches_per_rank(rc, p)), p.prefetch, t});
+    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t});
   }
-  m.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
+  m.activations = predict_activations(cp::local_model(rc.model, p.mesh.cp), rc.micro_batch, rc.dtype, rc.recompute,
+                                      p.mesh.tp, p.sp);
   return m;
 }
 
-// Wire bytes per rank per step, per group: tp from 04's formula at this rank's micro-batches, dp
-// from 02's all-reduce or 03's reduce-scatter/all-gather over the tp-local Ψ.
+// The name of the dense group on the mesh: dp, or dp_cp when cp ranks join it.
+inline std::string dense_group_name(const Plan& p) { return p.mesh.cp > 1 ? "dp_cp" : "dp"; }
+
+// Wire bytes per rank per step, per group: tp from 04's formula at this rank's tokens and
+// micro-batches, cp from 06's at this tp rank's heads, the dense group from 02's all-reduce or
+// 03's reduce-scatter/all-gather over the tp-local Ψ.
 inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p) {
   const double mbs = micro_batches_per_rank(rc, p);
   std::map<std::string, std::map<std::string, double>> c;
-  if (p.mesh.tp > 1) c["tp"] = tp::predict_comm(rc, p.mesh.tp, p.sp, mbs, p.sp && p.zero >= 2);
-  if (p.mesh.dp > 1) {
+  if (p.mesh.tp > 1) c["tp"] = tp::predict_comm(local_run(rc, p), p.mesh.tp, p.sp, mbs, p.sp && p.zero >= 2);
+  if (p.mesh.cp > 1) c["cp"] = cp::predict_comm(tp_share(rc, p), p.mesh.cp, p.cp);
+  const int n = dense_group_size(p);
+  if (n > 1) {
     const ParamTable t = local_table(rc, p, 0);
-    if (p.zero == 0) c["dp"] = {{"all_reduce", dp::allreduce_bytes(t.total, p.mesh.dp)}};
-    else c["dp"] = zero::predict_comm(rc, {p.zero, p.mesh.dp, int(mbs), p.prefetch, t});
+    if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(t.total, n)}};
+    else c[dense_group_name(p)] = zero::predict_comm(rc, {p.zero, n, int(mbs), p.prefetch, t});
   }
   return c;
 }
@@ -85,8 +121,10 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
   print_model(log, rc.model);
   const MemoryPrediction m = predict_memory(rc, p);
-  log.line("mesh dp %d × tp %d%s, %s; %d sequences per dp rank in %g micro-batches of %d", p.mesh.dp, p.mesh.tp,
-           p.sp ? " (sequence parallel)" : "", p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
+  log.line("mesh dp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batches of %d", p.mesh.dp,
+           p.mesh.cp, p.mesh.tp, p.sp ? " (sequence parallel)" : "",
+           p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
+           p.mesh.cp > 1 ? (std::string(", ") + cp::mode_name(p.cp.mode) + (p.cp.zigzag ? " zigzag" : "")).c_str() : "",
            rc.batch / p.mesh.dp, micro_batches_per_rank(rc, p), rc.micro_batch);
   log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s", human_bytes(m.params).c_str(),
            human_bytes(m.grads).c_str(), human_bytes(m.optimizer).c_str(), human_bytes(m.activations).c_str());
@@ -293,16 +331,22 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
 class Composed {
  public:
   Composed(const RunConfig& rc, const Plan& p, Mesh& mesh)
-      : rc_(rc), p_(p), mesh_(mesh), model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)) {
+      : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
+        model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)) {
     tp::install(model_, mesh.tp(), p.sp);
+    if (p.mesh.cp > 1) {
+      cp::install(model_, mesh.cp(), p.cp);
+      mine_ = cp::positions(rc.model.seq, p.mesh.cp, mesh.cp_rank, p.cp.zigzag);
+      pos_ = cp::device_ints(mine_, model_.dev);
+    }
     // Sequence-parallel norm gradients are partial over tp: reduced before ZeRO-2/3 scatters the
     // unit (a subscriber added first runs first), else once per step in finish_backward.
     if (p.sp && p.zero >= 2) model_.unit_grads_ready.add([this](int u) { tp::reduce_norm_grads(model_, mesh_.tp(), u); });
     if (p.zero == 0) {
       opt_ = std::make_unique<AdamW>(model_, 0, model_.table.total, rc.master_weights);
-      reducer_ = std::make_unique<dp::GradReducer>(model_, mesh.dp(), p.dp_mode == "bucketed", p.bucket_mb);
+      reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, p.dp_mode == "bucketed", p.bucket_mb);
     } else {
-      zero_ = std::make_unique<zero::Zero>(model_, mesh.dp(), p.zero, p.prefetch, rc);
+      zero_ = std::make_unique<zero::Zero>(model_, dense_, p.zero, p.prefetch, rc);
     }
   }
 
@@ -318,8 +362,7 @@ class Composed {
     } else {
       first = ts::init_or_resume(model_, *opt_, rc_, 0, model_.table.total, model_.params);
     }
-    mesh_.dp().reset_stats();
-    mesh_.tp().reset_stats();
+    for (Comm* g : groups()) g->reset_stats();
     return first;
   }
 
@@ -335,7 +378,12 @@ class Composed {
       if (zero_) zero_->begin_microbatch();
       else reducer_->set_sync(last);
       MicroBatch b = make_microbatch(data, step, rc_.batch, T, first_seq + s0, mb, model_.dev);
-      loss_sum += model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T));
+      if (p_.mesh.cp > 1) {  // this cp rank's chunks of each sequence, at their absolute positions
+        const cp::LocalBatch l = cp::local_batch(b, mb, T, mine_);
+        b.inputs = l.inputs;
+        b.targets = l.targets;
+      }
+      loss_sum += model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
       if (zero_) {
         if (last && p_.sp && p_.zero == 1) tp::reduce_norm_grads(model_, mesh_.tp());  // before the scatter
         zero_->end_microbatch(last);
@@ -351,13 +399,21 @@ class Composed {
       norm = global_grad_norm(model_.table, {{0, model_.grads}}, {mesh_.tp().mpi()});
       opt_->step(model_, model_.params, model_.grads, lr_at(rc_, step), step + 1, clip_coefficient(norm, rc_.clip), rc_);
     }
-    return {global_mean_loss(loss_sum, double(rc_.batch) * T, {mesh_.dp().mpi()}), norm};
+    return {global_mean_loss(loss_sum, double(rc_.batch) * T, {dense_.mpi()}), norm};
+  }
+
+  // The groups this mesh communicates on (size > 1), for the comm report.
+  std::vector<Comm*> groups() const {
+    std::vector<Comm*> g;
+    for (Comm* c : {&dense_, &mesh_.tp(), &mesh_.cp()})
+      if (c->size() > 1) g.push_back(c);
+    return g;
   }
 
   // Plain DP: dp rank 0's tp ranks write their blocks; ZeRO: every rank writes its chunks.
   std::vector<CheckpointSlice> checkpoint_slices() const {
     if (zero_) return zero_->checkpoint_slices();
-    if (mesh_.dp_rank != 0) return {};
+    if (dense_.rank() != 0) return {};  // the dp × cp replicas are identical
     return {{0, model_.table.total, weights_f32(model_.params, *opt_), opt_.get()}};
   }
 
@@ -368,7 +424,7 @@ class Composed {
   static ModelLayout layout(const RunConfig&, const Plan& p, const Mesh& mesh) {
     ModelLayout l;
     l.shard = tp::shard_spec(p.mesh.tp, mesh.tp_rank);
-    if (p.zero > 0) l.align = p.mesh.dp;
+    if (p.zero > 0) l.align = dense_group_size(p);
     l.hold_params = p.zero < 3;
     l.hold_grads = p.zero < 2;
     return l;
@@ -376,7 +432,10 @@ class Composed {
   const RunConfig& rc_;
   Plan p_;
   Mesh& mesh_;
+  Comm& dense_;  // dp, or dp × cp: where dense gradients are reduced
   Model model_;
+  std::vector<int32_t> mine_;  // this cp rank's token positions (cp > 1)
+  Tensor pos_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<dp::GradReducer> reducer_;
   std::unique_ptr<zero::Zero> zero_;
@@ -389,8 +448,9 @@ class Composed {
 using namespace ts;
 
 static const char* kDoc =
-    "08_5d_mesh: data, tensor (+ sequence) parallelism and ZeRO on one mesh, composed from 02–04.\n"
-    "usage: mpirun -np N 08_5d_mesh --dp D --tp T [--zero 0|1|2|3] [--sequence-parallel] [flags]  (N = D·T)";
+    "08_5d_mesh: data, tensor (+ sequence), context parallelism and ZeRO on one mesh, composed from 02–06.\n"
+    "usage: mpirun -np N 08_5d_mesh --dp D --cp C --tp T [--zero 0|1|2|3] [--sequence-parallel] [--cp-mode ring|ulysses]\n"
+    "       [flags]  (N = D·C·T); 08_5d_mesh --plan --preset 8b --gpus 64 [--gpu h100] (runs nothing)";
 
 // --plan: runs nothing; ranks every valid mesh for the cluster, or predicts the one given.
 static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl, const mesh5d::Plan* given) {
@@ -439,6 +499,11 @@ int main(int argc, char** argv) {
     plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
     plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
     plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB");
+    const std::string cp_mode = a.get_str("--cp-mode", "ring", "cp > 1: ring | ulysses");
+    const int zigzag = a.get_int("--zigzag", 1, "cp > 1: 1 = zigzag chunks (balanced), 0 = contiguous");
+    if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());
+    if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
+    plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
     if (!planning) return;
     cluster.gpu = mesh5d::find_gpu(gpu);
     if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
@@ -479,14 +544,14 @@ int main(int argc, char** argv) {
     m["dp"] = plan.mesh.dp;
     m["tp"] = plan.mesh.tp;
     m["zero"] = plan.zero;
+    m["cp"] = plan.mesh.cp;
     m["sequence_parallel"] = plan.sp;
     save_checkpoint(rc.save_dir, rc, run.model().table, run.checkpoint_slices(), step, m);
   };
   loop.comm = [&](long steps_run) {
     const auto pred = mesh5d::predict_comm(rc, plan);
     Json c = Json::object();
-    for (Comm* g : {&mesh.dp(), &mesh.tp()}) {
-      if (g->size() == 1) continue;
+    for (Comm* g : run.groups()) {
       Json one = comm_report(log, *g, steps_run, pred.count(g->name()) ? pred.at(g->name()) : std::map<std::string, double>{});
       c[g->name()] = one.at(g->name());
     }

@@ -1,5 +1,5 @@
 // ranks: 1
-// 08_5d_mesh: the pieces of 02, 03 and 04 composed on one mesh reproduce 01 end to end (fp32,
+// 08_5d_mesh: the pieces of 02, 03, 04 and 06 composed on one mesh reproduce 01 end to end (fp32,
 // clipping active, accumulation), at up to 8 ranks; memory and bytes per rank per group equal
 // the predictions; checkpoints cross between meshes and 01; bad input.
 #include <catch2/catch.hpp>
@@ -17,8 +17,8 @@ using Run = tst::CachedRun;
 
 const Run& run(const std::string& bin, int np, const std::string& args) { return tst::cached_run(bin, np, kTiny + args, 240); }
 const Run& single(const std::string& args) { return run("01_single_gpu", 1, args); }
-const Run& mesh(int dp, int tp, const std::string& args) {
-  return run("08_5d_mesh", dp * tp, "--dp " + std::to_string(dp) + " --tp " + std::to_string(tp) + " " + args);
+const Run& mesh(int dp, int tp, const std::string& args, int cp = 1) {
+  return run("08_5d_mesh", dp * tp * cp, "--dp " + std::to_string(dp) + " --tp " + std::to_string(tp) + " " + args);
 }
 std::string steps(int batch, int micro) {
   return "--steps " + std::to_string(kSteps) + " --batch " + std::to_string(batch) + " --micro-batch " +
@@ -33,6 +33,7 @@ struct Case {
   int dp, tp;
   std::string flags;
   int micro;
+  int cp = 1;
 };
 // Each composition at the same global batch of 8 sequences.
 const Case kCases[] = {
@@ -40,6 +41,9 @@ const Case kCases[] = {
     {4, 2, "--zero 1", 2},                       // ZeRO-1 over dp 4 × TP 2
     {4, 2, "--zero 2 --sequence-parallel", 1},   // ZeRO-2 × TP + SP, accumulation 2
     {2, 4, "--zero 3 --sequence-parallel", 4},   // ZeRO-3 × TP 4 + SP
+    {2, 2, "--cp 2 --sequence-parallel", 4, 2},  // DP × CP ring (zigzag) × TP + SP
+    {2, 2, "--cp 2 --cp-mode ulysses", 4, 2},    // DP × CP Ulysses × TP
+    {2, 2, "--cp 2 --zero 3 --sequence-parallel", 2, 2},  // ZeRO-3 over dp × cp, ring, TP + SP
 };
 
 }  // namespace
@@ -53,7 +57,7 @@ TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce
   const Run& ref = single(steps(8, 8));
   CHECK(ref.log.steps[0].at("grad_norm").as_double() > 1.2);  // clipping at 1.0 is active
   for (const Case& c : kCases) {
-    const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro));
+    const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro), c.cp);
     INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags << " micro-batch " << c.micro);
     REQUIRE(r.log.steps.size() == size_t(kSteps));
     CHECK(tst::max_rel_diff(r.log.losses(), ref.log.losses()) <= kLossTol);
@@ -66,20 +70,21 @@ TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce
 
 TEST_CASE("memory and bytes per rank and group equal the composed predictions", "[08][e2e][mem][comm]") {
   for (const Case& c : kCases) {
-    const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro));
+    const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro), c.cp);
     INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags);
     for (const char* cat : {"params", "grads", "optimizer", "activations"})
       CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
     int ops = 0;
-    for (const char* group : {"dp", "tp"})
-      for (const char* op : {"all_reduce", "all_gather", "reduce_scatter"}) {
+    for (const char* group : {"dp", "dp_cp", "tp", "cp"})
+      for (const char* op : {"all_reduce", "all_gather", "reduce_scatter", "send", "all_to_all"}) {
+        if (!r.log.summary.at("comm").contains(group)) continue;
         const ts::Json& g = r.log.summary.at("comm").at(group);
         if (!g.contains(op)) continue;
         ops++;
         CHECK(g.at(op).at("bytes").as_double() == Approx(g.at(op).at("predicted").as_double()).epsilon(1e-12));
         CHECK(g.at(op).at("predicted").as_double() > 0);
       }
-    CHECK(ops >= 2);  // both groups communicate
+    CHECK(ops >= 2 + (c.cp > 1));  // every group communicates
   }
   // ZeRO-3 over dp 2 on tp 4 blocks holds less than plain DP's tp 2 replica.
   CHECK(mem(mesh(2, 4, "--zero 3 --sequence-parallel " + steps(8, 4)), "optimizer", "measured") <
@@ -97,7 +102,10 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
   tst::check_errors("08_5d_mesh", kTiny + "--steps 2 ", {
       {4, "--dp 2 --tp 4", "needs 8 ranks but the job has 4"},
       {4, "--dp 2 --tp 2 --heads 2 --kv-heads 1", "--kv-heads 1 is not divisible by --tp 2"},
-      {4, "--dp 2 --tp 2 --pp 2", "--pp, --cp and --ep are not composed"},
+      {4, "--dp 2 --tp 2 --pp 2", "--pp and --ep are not composed"},
+      {8, "--dp 2 --tp 4 --kv-heads 2", "--kv-heads 2 is not divisible by --tp 4"},
+      {4, "--dp 1 --cp 2 --tp 2 --cp-mode ulysses --heads 4 --kv-heads 2 --tp 2", "must divide by --cp 2"},
+      {4, "--dp 2 --cp 2 --seq 30", "--seq 30 is not divisible by 2·cp = 4"},
       {4, "--dp 2 --tp 2 --zero 4", "--zero must be 0 (plain DP), 1, 2 or 3"},
       {4, "--dp 4 --batch 6", "--batch 6 is not divisible by --dp 4"},
       {4, "--dp 2 --tp 2 --zero 1 --dp-mode naive", "--dp-mode applies to plain data parallelism"},
