@@ -383,8 +383,8 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& pl, int 
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool chart) {
   print_model(log, rc.model);
   const int n = rc.model.layers / pl.K();
-  log.line("pp %d, schedule %s, %d virtual stage%s per rank of %d layers; m = %d micro-batches of %d", pl.p,
-           schedule_name(pl.schedule), pl.V, pl.V > 1 ? "s" : "", n, pl.m, rc.micro_batch);
+  log.line("pp %d, schedule %s, %d virtual stage%s per rank of %d layer%s; m = %d micro-batches of %d", pl.p,
+           schedule_name(pl.schedule), pl.V, pl.V > 1 ? "s" : "", n, n > 1 ? "s" : "", pl.m, rc.micro_batch);
   for (int s = 0; s < pl.p; s++) {
     const MemoryPrediction mp = predict_memory(rc, pl, s);
     log.line("  stage %d: params %s, grads %s, optimizer %s, activations %s; p2p sent per step %s", s,
