@@ -429,6 +429,18 @@ static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc
   return r * D * e;  // full: the layer input only
 }
 
+// What the head holds at its peak, per token: final norm input/output and 1/rms, logits [N, V/t].
+static double head_saved_per_token(const ModelConfig& c, double e, double t, double r) {
+  return r * (2.0 * c.dim * e + 4.0) + c.vocab * e / t;
+}
+
+double layer_activation_bytes(const ModelConfig& c, DType dt, Recompute rc, int tp, bool sp) {
+  return layer_saved_per_token(c, double(dtype_size(dt)), rc, tp, sp ? 1.0 / tp : 1.0);
+}
+double head_activation_bytes(const ModelConfig& c, DType dt, int tp, bool sp) {
+  return head_saved_per_token(c, double(dtype_size(dt)), tp, sp ? 1.0 / tp : 1.0);
+}
+
 // The peak of saved activations is the larger of two moments:
 //  A) the end of the forward: every layer's saved set + the head's (final norm in/out, logits);
 //  F) the forward of the last layer: L-1 saved sets + that layer's complete set + its output.
@@ -436,7 +448,7 @@ double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute 
   const double e = double(dtype_size(dt)), tokens = double(b) * c.seq, t = tp, r = sp ? 1.0 / tp : 1.0;
   const double saved = layer_saved_per_token(c, e, rc, t, r);
   const double all = layer_saved_per_token(c, e, Recompute::None, t, r);
-  const double head = r * (2.0 * c.dim * e + 4.0) + c.vocab * e / t;  // xf, hf, rstd; logits [N, V/t]
+  const double head = head_saved_per_token(c, e, t, r);
   const double A = c.layers * saved + head;
   const double F = (c.layers - 1) * saved + all + r * c.dim * e;
   return tokens * std::max(A, F);

@@ -148,6 +148,11 @@ MemoryPrediction predict_replica(const RunConfig& rc, int64_t psi_local);
 // Peak bytes of saved activations for one micro-batch of b sequences (see notes/01), at tensor
 // parallelism tp with or without sequence parallelism (notes/04).
 double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp = 1, bool sp = false);
+// Its terms, per token of the micro-batch: what one decoder layer saves for backward under `rc`
+// (Recompute::None: the layer's complete set), and what the head holds at its peak. Pipeline
+// stages build their own peaks from them (micro-batches in flight × layers held).
+double layer_activation_bytes(const ModelConfig& c, DType dt, Recompute rc, int tp = 1, bool sp = false);
+double head_activation_bytes(const ModelConfig& c, DType dt, int tp = 1, bool sp = false);
 
 // ----- reporting ----------------------------------------------------------------------------------
 // The per-step record, printed as a line and written as a JSON line.
