@@ -166,7 +166,8 @@ struct Candidate {
   int micro_batch = 1;
   Recompute recompute = Recompute::None;
   MemoryPrediction mem;
-  double mem_total = 0, t_compute = 0, t_tp = 0, t_dp = 0, t_dp_exposed = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
+  double mem_total = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0, step = 0,
+         tokens_per_s_gpu = 0, mfu = 0;
   std::string reject;  // why it cannot run ("" = it fits)
 };
 
@@ -178,7 +179,8 @@ inline double sum_bytes(const std::map<std::string, double>& ops) {
 }
 
 // Memory from the same functions a run prints as "predicted"; time = compute at the stated
-// efficiency + TP's collectives (on the critical path) + what of DP's reduction backward cannot hide.
+// efficiency + TP's collectives (on the critical path) + what of the ring's K/V transfers the
+// attention compute cannot hide + what of the dp × cp reduction backward cannot hide.
 inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& p, int mb, Recompute r) {
   Candidate c;
   c.plan = p;
@@ -194,12 +196,19 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   const double redo = r == Recompute::Full ? 8.0 / 6.0 : 1.0;
   c.t_compute = flops_per_token(rc.model) * tokens * redo / gpus / (cl.gpu->bf16_tflops * 1e12 * kMatmulEfficiency);
   const auto comm = predict_comm(rc, p);
-  // tp ranks are neighbours (innermost); a dp group spans dp·tp ranks.
+  // tp ranks are neighbours (innermost); a cp group spans cp·tp ranks, the dense group all of them.
+  const int span = p.mesh.dp * p.mesh.cp * p.mesh.tp;
   if (comm.count("tp")) c.t_tp = sum_bytes(comm.at("tp")) / (group_bw(cl, p.mesh.tp) * 1e9);
-  if (comm.count("dp")) c.t_dp = sum_bytes(comm.at("dp")) / (group_bw(cl, p.mesh.dp * p.mesh.tp) * 1e9);
+  if (comm.count("cp")) c.t_cp = sum_bytes(comm.at("cp")) / (group_bw(cl, p.mesh.cp * p.mesh.tp) * 1e9);
+  const std::string dense = dense_group_name(p);
+  if (comm.count(dense)) c.t_dp = sum_bytes(comm.at(dense)) / (group_bw(cl, span) * 1e9);
+  // The ring overlaps its transfers with attention: 12·L·h·s of the 6N + 12·L·h·s FLOPs per token.
+  const ModelConfig& m = rc.model;
+  const double attn_share = 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m);
+  c.t_cp_exposed = p.cp.mode == cp::Mode::Ring ? std::max(0.0, c.t_cp - attn_share * c.t_compute) : c.t_cp;
   const double hide = (p.zero == 3 ? 1.0 : kBackwardShare) * c.t_compute;  // ZeRO-3 prefetches under forward too
   c.t_dp_exposed = std::max(0.0, c.t_dp - hide);
-  c.step = c.t_compute + c.t_tp + c.t_dp_exposed;
+  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed;
   c.tokens_per_s_gpu = tokens / c.step / gpus;
   c.mfu = flops_per_token(rc.model) * c.tokens_per_s_gpu / (cl.gpu->bf16_tflops * 1e12);
   if (c.mem_total > cl.mem_gib * kMemoryHeadroom * 1073741824.0)
@@ -207,14 +216,17 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   return c;
 }
 
-// Every valid mesh of the cluster: tp dividing the heads and kv heads, dp the rest, each ZeRO
-// stage, micro-batches that divide the batch, each recompute mode; sequence parallel with tp.
+// Every valid mesh of the cluster: tp dividing the heads and kv heads, cp (ring, zigzag)
+// dividing the sequence into 2·cp chunks, dp the rest, each ZeRO stage, micro-batches that divide
+// the batch, each recompute mode; sequence parallel with tp.
 inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
   std::vector<Candidate> all;
   const ModelConfig& m = rc.model;
-  for (int tp = 1; tp <= cl.gpus; tp *= 2) {
-    if (cl.gpus % tp || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
-    const int dp = cl.gpus / tp;
+  for (int tp = 1; tp <= cl.gpus; tp *= 2)
+  for (int cpn = 1; cpn * tp <= cl.gpus && cpn <= 16; cpn *= 2) {
+    if (cl.gpus % (tp * cpn) || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
+    if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 512)) continue;  // cp for long sequences only
+    const int dp = cl.gpus / (tp * cpn);
     if (rc.batch % dp) continue;
     for (int zero = 0; zero <= 3; zero++)
       for (int mb = 1; mb <= rc.batch / dp; mb *= 2) {
@@ -223,8 +235,9 @@ inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) 
           Plan p;
           p.mesh.dp = dp;
           p.mesh.tp = tp;
-          p.zero = dp > 1 ? zero : 0;
-          if (dp == 1 && zero > 0) continue;
+          p.mesh.cp = cpn;
+          p.zero = dp * cpn > 1 ? zero : 0;
+          if (dp * cpn == 1 && zero > 0) continue;
           p.sp = tp > 1;
           all.push_back(evaluate(rc, cl, p, mb, r));
         }
@@ -235,7 +248,8 @@ inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) 
 
 inline std::string describe(const Candidate& c) {
   char b[256];
-  snprintf(b, sizeof b, "dp %d tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, c.plan.mesh.tp,
+  snprintf(b, sizeof b, "dp %d%s tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp,
+           c.plan.mesh.cp > 1 ? (" cp " + std::to_string(c.plan.mesh.cp)).c_str() : "", c.plan.mesh.tp,
            c.plan.sp ? "+sp" : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
            recompute_name(c.recompute));
   return b;
@@ -245,6 +259,7 @@ inline Json candidate_json(const Candidate& c) {
   Json j = Json::object();
   j["dp"] = c.plan.mesh.dp;
   j["tp"] = c.plan.mesh.tp;
+  j["cp"] = c.plan.mesh.cp;
   j["zero"] = c.plan.zero;
   j["sequence_parallel"] = c.plan.sp;
   j["micro_batch"] = c.micro_batch;
@@ -253,7 +268,7 @@ inline Json candidate_json(const Candidate& c) {
   j["step_s"] = c.step;
   j["tokens_per_s_per_gpu"] = c.tokens_per_s_gpu;
   j["mfu"] = c.mfu;
-  j["exposed_comm_s"] = c.t_tp + c.t_dp_exposed;
+  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed;
   j["reject"] = c.reject;
   return j;
 }
@@ -267,11 +282,12 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
            " DP hides behind backward (%.0f%% of compute)", 100 * kMatmulEfficiency, cl.gpu->bf16_tflops,
            cl.gpu->intra_gbs, cl.gpu->inter_gbs, 100 * kBackwardShare);
   // Equal throughput (within 0.1%): the simpler mesh first — lower ZeRO stage, less
-  // recomputation, less TP, larger micro-batches (fewer kernel launches than the model counts).
+  // recomputation, less TP, less CP, larger micro-batches (fewer kernel launches than the model counts).
   auto simpler = [](const Candidate& a, const Candidate& b) {
     if (a.plan.zero != b.plan.zero) return a.plan.zero < b.plan.zero;
     if (a.recompute != b.recompute) return int(a.recompute) < int(b.recompute);
     if (a.plan.mesh.tp != b.plan.mesh.tp) return a.plan.mesh.tp < b.plan.mesh.tp;
+    if (a.plan.mesh.cp != b.plan.mesh.cp) return a.plan.mesh.cp < b.plan.mesh.cp;
     return a.micro_batch > b.micro_batch;
   };
   // Throughput in per-mille steps of the fastest: a strict ordering that still treats near-equal as equal.
@@ -289,7 +305,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
   for (const Candidate& c : all) {
     if (!c.reject.empty() || shown == 8) break;
     log.line("%-4d %-52s %10s %12.0f %6.1f%% %8.1f ms", ++shown, describe(c).c_str(), human_bytes(c.mem_total).c_str(),
-             c.tokens_per_s_gpu, 100 * c.mfu, 1e3 * (c.t_tp + c.t_dp_exposed));
+             c.tokens_per_s_gpu, 100 * c.mfu, 1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed));
   }
   if (shown == 0) {
     log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(all.empty() ? 0 : all.back().mem_total).c_str());
@@ -310,6 +326,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
                          : ties(*w, best) ? "as fast; the ranking prefers the simpler mesh (lower ZeRO stage, less recomputation)"
                          : w->plan.mesh.tp > cl.per_node ? "tp crosses nodes: its all-reduces run at inter-node bandwidth"
                          : w->t_tp > best.t_tp + 1e-9 ? "more TP communication on the critical path"
+                         : w->t_cp_exposed > best.t_cp_exposed ? "the ring's K/V transfers outlast the attention they hide behind"
                          : w->t_dp_exposed > best.t_dp_exposed ? "DP communication no longer hides behind backward"
                          : w->recompute == Recompute::Full ? "recomputation costs a third more compute"
                                                              : "less throughput per GPU";
@@ -323,6 +340,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
     return c.plan.mesh.tp == best.plan.mesh.tp && c.plan.zero != best.plan.zero;
   });
   why("no recomputation", [](const Candidate& c) { return c.recompute == Recompute::None; });
+  why("context parallel", [&](const Candidate& c) { return c.plan.mesh.cp != best.plan.mesh.cp; });
 }
 
 // ----- the composed step ----------------------------------------------------------------------------
@@ -463,8 +481,9 @@ static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl
              human_bytes(c.mem_total).c_str(), human_bytes(c.mem.params).c_str(), human_bytes(c.mem.grads).c_str(),
              human_bytes(c.mem.optimizer).c_str(), human_bytes(c.mem.activations).c_str(), c.reject.empty() ? "" : " — ",
              c.reject.c_str());
-    log.line("  step %.3f s: compute %.3f s, tp %.3f s, dp %.3f s of which %.3f s exposed; %.0f tok/s/GPU, MFU %.1f%%",
-             c.step, c.t_compute, c.t_tp, c.t_dp, c.t_dp_exposed, c.tokens_per_s_gpu, 100 * c.mfu);
+    log.line("  step %.3f s: compute %.3f s, tp %.3f s, cp %.3f s (%.3f exposed), dp %.3f s (%.3f exposed); %.0f tok/s/GPU,"
+             " MFU %.1f%%", c.step, c.t_compute, c.t_tp, c.t_cp, c.t_cp_exposed, c.t_dp, c.t_dp_exposed,
+             c.tokens_per_s_gpu, 100 * c.mfu);
   } else {
     all = mesh5d::enumerate(rc, cl);
     mesh5d::print_ranking(log, rc, cl, all);
@@ -488,7 +507,7 @@ int main(int argc, char** argv) {
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
     const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq)");
-    mesh_given = a.has("--dp") || a.has("--tp");
+    mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp");
     mc.dp = a.get_int("--dp", 1, "data-parallel degree");
     mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)");
     mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree");
@@ -520,8 +539,9 @@ int main(int argc, char** argv) {
   if (planning) {
     if (mesh_given) {
       plan.sp = plan.sp || plan.mesh.tp > 1;
-      if (plan.mesh.dp * plan.mesh.tp != cluster.gpus)
-        config_error("--plan: dp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.tp, cluster.gpus);
+      if (plan.mesh.dp * plan.mesh.cp * plan.mesh.tp != cluster.gpus)
+        config_error("--plan: dp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.cp, plan.mesh.tp,
+                     cluster.gpus);
       mesh5d::validate(rc, plan);
     }
     return plan_only(log, rc, cluster, mesh_given ? &plan : nullptr);
