@@ -341,16 +341,19 @@ inline double deferred_b_peak_per_token(const ModelConfig& c, DType dt) {
 // layers' saved sets from its F to its B (and n deferred sets from its B to its W). The peak is
 // at one of: the F of a chunk's last layer ((n − 1) saved + a complete set + the output), the
 // head (n saved + the head's tensors), or, when B defers, inside a layer's B.
-inline double predict_stage_activations(const Plan& pl, int rank, const ModelConfig& c, int64_t b, DType dt, Recompute rc) {
-  const double tokens = double(b) * c.seq, n = c.layers / pl.K(), e = dtype_size(dt);
-  const double S = layer_activation_bytes(c, dt, rc), all = layer_activation_bytes(c, dt, Recompute::None);
+// tp, sp: the stage's layers are tensor-parallel (on a larger mesh; the ZB-H1 terms are derived
+// for tp 1).
+inline double predict_stage_activations(const Plan& pl, int rank, const ModelConfig& c, int64_t b, DType dt, Recompute rc,
+                                        int tp = 1, bool sp = false) {
+  const double tokens = double(b) * c.seq, n = c.layers / pl.K(), e = dtype_size(dt) * (sp ? 1.0 / tp : 1.0);
+  const double S = layer_activation_bytes(c, dt, rc, tp, sp), all = layer_activation_bytes(c, dt, Recompute::None, tp, sp);
   const double Wd = deferred_bytes_per_token(c, dt), X = deferred_b_peak_per_token(c, dt);
   double peak = 0, held = 0;  // bytes per token held by chunks in flight
   for (const Timed& t : pl.timeline[rank]) {
     const bool last = pl.stage(rank, t.a.chunk) == pl.K() - 1;
     if (t.a.op == Op::F) {
       peak = std::max(peak, held + (n - 1) * S + all + c.dim * e);
-      if (last) peak = std::max(peak, held + n * S + head_activation_bytes(c, dt));
+      if (last) peak = std::max(peak, held + n * S + head_activation_bytes(c, dt, tp, sp));
       held += n * S;
     } else if (t.a.op == Op::B && pl.schedule == Schedule::ZBH1) {
       held -= n * S;
@@ -366,9 +369,12 @@ inline double predict_stage_activations(const Plan& pl, int rank, const ModelCon
 // p2p wire bytes a rank sends per step: one [b·s, h] activation per micro-batch and chunk to
 // the next stage, one gradient of the same size to the previous one (the playbook's s·b·h per
 // micro-batch each way), except past the ends of the pipeline.
-inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int p, int m, int V, int rank) {
+// token_share: the part of a micro-batch's tokens a rank's residual stream holds on a larger mesh
+// (1/cp under context parallelism, and 1/tp more under sequence parallelism).
+inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int p, int m, int V, int rank,
+                                 double token_share = 1.0) {
   if (p == 1) return 0;
-  const double K = double(b) * c.seq * c.dim * dtype_size(dt);
+  const double K = double(b) * c.seq * token_share * c.dim * dtype_size(dt);
   const double acts = double(m) * V - (rank == p - 1 ? m : 0), grads = double(m) * V - (rank == 0 ? m : 0);
   return (acts + grads) * K;
 }
@@ -408,6 +414,9 @@ class Pipeline {
   // tokens: b·s of a micro-batch, the rows of every tensor that travels.
   Pipeline(Model& m, Comm& group, const Plan& plan, int rank, int64_t tokens)
       : m_(m), pp_(group), pl_(plan), rank_(rank), tokens_(tokens), grouped_(completes_under_rendezvous(plan)) {}
+  // Where micro-batch mb of a step comes from on a larger mesh (this dp rank's sequences, this
+  // cp rank's tokens and positions); by default the global batch's sequences [mb·b, (mb+1)·b).
+  std::function<ForwardState(long step, int mb)> begin_microbatch;
 
   // Returns the summed token losses of this rank (non-zero on the last stage only).
   double run_step(const TokenData& data, const RunConfig& rc, long step) {
@@ -453,8 +462,12 @@ class Pipeline {
     const int k = pl_.stage(rank_, a.chunk), L = m_.cfg.layers, T = rc.model.seq, b = rc.micro_batch;
     const auto [ub, ue] = stage_units(L, K(), k);
     if (!st_.count(a.mb)) {
-      MicroBatch mbt = make_microbatch(data, step, rc.batch, T, a.mb * b, b, m_.dev);
-      st_.emplace(a.mb, m_.begin_microbatch(mbt.inputs, mbt.targets, b));
+      if (begin_microbatch) {
+        st_.emplace(a.mb, begin_microbatch(step, a.mb));
+      } else {
+        MicroBatch mbt = make_microbatch(data, step, rc.batch, T, a.mb * b, b, m_.dev);
+        st_.emplace(a.mb, m_.begin_microbatch(mbt.inputs, mbt.targets, b));
+      }
     }
     ForwardState& st = st_.at(a.mb);
     const std::string what = " mb " + std::to_string(a.mb) + " stage " + std::to_string(k);

@@ -7,6 +7,8 @@
 //   03_zero.cu             zero::Zero                  ZeRO-1/2/3 over dp, per-unit shards
 //   04_tensor_parallel.cu  tp::install, tp::reduce_norm_grads   column/row-parallel layers, f/g,
 //                                                      vocabulary-parallel loss, sequence parallel
+//   05_pipeline_parallel.cu pp::shard_spec, pp::build_plan, pp::Pipeline   stages of units, the
+//                                                      schedule as action lists, its executor
 //   06_context_parallel.cu cp::install, cp::positions  ring (zigzag) or Ulysses attention core
 // — and 08 only wires them onto one model and one mesh: the model is built with the tp shard
 // spec, f/g and the loss come from 04, the attention core from 06, and the gradients of that
@@ -21,6 +23,7 @@
 #include "02_data_parallel.cu"
 #include "03_zero.cu"
 #include "04_tensor_parallel.cu"
+#include "05_pipeline_parallel.cu"
 #include "06_context_parallel.cu"
 
 namespace mesh5d {
@@ -35,6 +38,8 @@ struct Plan {
   std::string dp_mode = "bucketed";
   double bucket_mb = 25;
   cp::Options cp{cp::Mode::Ring, true};
+  pp::Schedule schedule = pp::Schedule::OneFOneB;
+  int virtual_stages = 1;
 };
 
 // Every check of the pieces, before any collective; the unsupported combinations name why.
@@ -62,8 +67,19 @@ inline void validate(const RunConfig& rc, const Plan& p) {
     config_error("--cp-mode ulysses with --tp %d: the %d heads and %d kv heads per tp rank must divide by --cp %d",
                  p.mesh.tp, rc.model.heads / p.mesh.tp, rc.model.kv_heads / p.mesh.tp, p.mesh.cp);
   if (p.zero < 0 || p.zero > 3) config_error("--zero must be 0 (plain DP), 1, 2 or 3 (got %d)", p.zero);
-  if (p.mesh.pp != 1 || p.mesh.ep != 1)
-    config_error("--pp and --ep are not composed by this build of 08_5d_mesh (dp, tp, cp and ZeRO are)");
+  if (p.mesh.ep != 1) config_error("--ep is not composed by 08_5d_mesh (07_expert_parallel runs it on dp ranks)");
+  if (p.mesh.pp > 1) {
+    RunConfig per_dp = rc;
+    per_dp.batch = rc.batch / p.mesh.dp;  // the pipeline's micro-batches are this dp rank's
+    pp::validate(per_dp, p.mesh.pp, p.virtual_stages, p.schedule);
+    if (p.zero >= 2)
+      config_error("--zero %d with --pp %d: ZeRO-2/3 shard gradients or weights per micro-batch, which a pipeline "
+                   "re-reads every micro-batch (the playbook: rarely worth it); use --zero 0 or 1",
+                   p.zero, p.mesh.pp);
+    if (p.schedule == pp::Schedule::ZBH1 && p.mesh.tp > 1)
+      config_error("--schedule zb-h1 with --tp %d is not composed: its deferred-gradient memory is derived for tp 1",
+                   p.mesh.tp);
+  }
   if (p.dp_mode != "naive" && p.dp_mode != "bucketed")
     config_error("--dp-mode must be naive or bucketed (got '%s')", p.dp_mode.c_str());
   if (p.zero > 0 && p.dp_mode != "bucketed") config_error("--dp-mode applies to plain data parallelism (--zero 0) only");
@@ -73,10 +89,24 @@ inline void validate(const RunConfig& rc, const Plan& p) {
 // different tokens: dp × cp.
 inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
 
-// This rank's table: its tp blocks, each unit padded to a multiple of dp·cp when ZeRO shards it.
-inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank) {
-  return Model::make_table(rc.model, p.zero > 0 ? dense_group_size(p) : 1, tp::shard_spec(p.mesh.tp, tp_rank));
+// This rank's shard: its tp blocks of its pipeline stage's units.
+inline ShardSpec shard_spec(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank) {
+  ShardSpec s = tp::shard_spec(p.mesh.tp, tp_rank);
+  if (p.mesh.pp > 1) s.unit_runs = pp::shard_spec(rc.model, p.mesh.pp, p.virtual_stages, pp_rank).unit_runs;
+  return s;
 }
+
+// This rank's table, each unit padded to a multiple of dp·cp when ZeRO shards it.
+inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank = 0) {
+  return Model::make_table(rc.model, p.zero > 0 ? dense_group_size(p) : 1, shard_spec(rc, p, tp_rank, pp_rank));
+}
+
+// The pipeline's action lists over this dp rank's micro-batches.
+inline pp::Plan pipeline_plan(const RunConfig& rc, const Plan& p) {
+  return pp::build_plan(p.mesh.pp, rc.batch / p.mesh.dp / rc.micro_batch, p.virtual_stages, p.schedule);
+}
+// The part of a micro-batch's tokens one rank's residual stream holds (what travels between stages).
+inline double token_share(const Plan& p) { return 1.0 / p.mesh.cp / (p.sp ? p.mesh.tp : 1); }
 
 // ----- predict: memory and communication per rank, from the pieces' own formulas ------------------
 
@@ -84,8 +114,9 @@ inline double micro_batches_per_rank(const RunConfig& rc, const Plan& p) {
   return double(rc.batch) / p.mesh.dp / rc.micro_batch;
 }
 
-inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p) {
-  const ParamTable t = local_table(rc, p, 0);
+// For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports).
+inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank = 0) {
+  const ParamTable t = local_table(rc, p, 0, pp_rank);
   MemoryPrediction m;
   if (p.zero == 0) {
     const int64_t psi = local_param_count(t);
@@ -93,8 +124,12 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p) {
   } else {
     m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t});
   }
-  m.activations = predict_activations(cp::local_model(rc.model, p.mesh.cp), rc.micro_batch, rc.dtype, rc.recompute,
-                                      p.mesh.tp, p.sp);
+  const ModelConfig local = cp::local_model(rc.model, p.mesh.cp);
+  if (p.mesh.pp > 1)
+    m.activations = pp::predict_stage_activations(pipeline_plan(rc, p), pp_rank, local, rc.micro_batch, rc.dtype,
+                                                  rc.recompute, p.mesh.tp, p.sp);
+  else
+    m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
   return m;
 }
 
@@ -104,14 +139,28 @@ inline std::string dense_group_name(const Plan& p) { return p.mesh.cp > 1 ? "dp_
 // Wire bytes per rank per step, per group: tp from 04's formula at this rank's tokens and
 // micro-batches, cp from 06's at this tp rank's heads, the dense group from 02's all-reduce or
 // 03's reduce-scatter/all-gather over the tp-local Ψ.
-inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p) {
+// A pipeline stage's share: its layers, the embedding on the first, the head on the last.
+inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p,
+                                                                         int pp_rank = 0) {
   const double mbs = micro_batches_per_rank(rc, p);
+  const int P = p.mesh.pp, layers = rc.model.layers / P;
+  const bool first = pp_rank == 0, last = pp_rank == P - 1;
   std::map<std::string, std::map<std::string, double>> c;
-  if (p.mesh.tp > 1) c["tp"] = tp::predict_comm(local_run(rc, p), p.mesh.tp, p.sp, mbs, p.sp && p.zero >= 2);
-  if (p.mesh.cp > 1) c["cp"] = cp::predict_comm(tp_share(rc, p), p.mesh.cp, p.cp);
+  if (p.mesh.tp > 1)
+    c["tp"] = tp::predict_comm(local_run(rc, p), p.mesh.tp, p.sp, mbs, p.sp && p.zero >= 2, layers, first, last);
+  if (p.mesh.cp > 1) {
+    RunConfig stage = tp_share(rc, p);
+    stage.model.layers = layers;
+    c["cp"] = cp::predict_comm(stage, p.mesh.cp, p.cp);
+  }
+  if (P > 1) {
+    const pp::Plan pl = pipeline_plan(rc, p);
+    c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, P, pl.m, pl.V, pp_rank, token_share(p))},
+               {"recv", 0.0}};
+  }
   const int n = dense_group_size(p);
   if (n > 1) {
-    const ParamTable t = local_table(rc, p, 0);
+    const ParamTable t = local_table(rc, p, 0, pp_rank);
     if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(t.total, n)}};
     else c[dense_group_name(p)] = zero::predict_comm(rc, {p.zero, n, int(mbs), p.prefetch, t});
   }
@@ -121,8 +170,8 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
   print_model(log, rc.model);
   const MemoryPrediction m = predict_memory(rc, p);
-  log.line("mesh dp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batches of %d", p.mesh.dp,
-           p.mesh.cp, p.mesh.tp, p.sp ? " (sequence parallel)" : "",
+  log.line("mesh dp %d × pp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batches of %d",
+           p.mesh.dp, p.mesh.pp, p.mesh.cp, p.mesh.tp, p.sp ? " (sequence parallel)" : "",
            p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
            p.mesh.cp > 1 ? (std::string(", ") + cp::mode_name(p.cp.mode) + (p.cp.zigzag ? " zigzag" : "")).c_str() : "",
            rc.batch / p.mesh.dp, micro_batches_per_rank(rc, p), rc.micro_batch);
@@ -130,6 +179,12 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
            human_bytes(m.grads).c_str(), human_bytes(m.optimizer).c_str(), human_bytes(m.activations).c_str());
   for (auto& [group, ops] : predict_comm(rc, p))
     for (auto& [op, b] : ops) log.line("per-rank %s %s per step: %s", group.c_str(), op.c_str(), human_bytes(b).c_str());
+  if (p.mesh.pp > 1) {
+    const pp::Plan pl = pipeline_plan(rc, p);
+    log.line("pipeline: %s, %d virtual stage(s) per rank, m = %d; bubble simulated %.4f, formula %.4f%s",
+             pp::schedule_name(pl.schedule), pl.V, pl.m, pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V),
+             p.zero == 0 && dense_group_size(p) > 1 ? "; dense gradients reduced after the flush, per tensor" : "");
+  }
 }
 
 // ----- the planner: predict before running ----------------------------------------------------------
@@ -350,19 +405,30 @@ class Composed {
  public:
   Composed(const RunConfig& rc, const Plan& p, Mesh& mesh)
       : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
-        model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)) {
+        model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)), plan_(pipeline_plan(rc, p)) {
     tp::install(model_, mesh.tp(), p.sp);
     if (p.mesh.cp > 1) {
       cp::install(model_, mesh.cp(), p.cp);
       mine_ = cp::positions(rc.model.seq, p.mesh.cp, mesh.cp_rank, p.cp.zigzag);
       pos_ = cp::device_ints(mine_, model_.dev);
     }
+    if (p.mesh.pp > 1) {
+      const int64_t rows = std::llround(double(rc.micro_batch) * rc.model.seq * token_share(p));
+      pipe_ = std::make_unique<pp::Pipeline>(model_, mesh.pp(), plan_, mesh.pp_rank, rows);
+      pipe_->begin_microbatch = [this](long step, int mb) {
+        const MicroBatch b = local_microbatch(step, mb);
+        return model_.begin_microbatch(b.inputs, b.targets, rc_.micro_batch, pos_);
+      };
+    }
     // Sequence-parallel norm gradients are partial over tp: reduced before ZeRO-2/3 scatters the
     // unit (a subscriber added first runs first), else once per step in finish_backward.
     if (p.sp && p.zero >= 2) model_.unit_grads_ready.add([this](int u) { tp::reduce_norm_grads(model_, mesh_.tp(), u); });
     if (p.zero == 0) {
       opt_ = std::make_unique<AdamW>(model_, 0, model_.table.total, rc.master_weights);
-      reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, p.dp_mode == "bucketed", p.bucket_mb);
+      // Under a pipeline a stage's micro-batch backwards interleave: its gradients are reduced
+      // after the flush, tensor by tensor (02's naive mode).
+      const bool bucketed = p.dp_mode == "bucketed" && p.mesh.pp == 1;
+      reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, bucketed, p.bucket_mb);
     } else {
       zero_ = std::make_unique<zero::Zero>(model_, dense_, p.zero, p.prefetch, rc);
     }
@@ -384,46 +450,63 @@ class Composed {
     return first;
   }
 
-  // This dp rank's contiguous slice of the global batch, in micro-batches; tp ranks read the same.
+  // Micro-batch mb of this dp rank's contiguous slice of the global batch; tp ranks read the
+  // same, cp ranks their chunks of each sequence at their absolute positions.
+  MicroBatch local_microbatch(long step, int mb) const {
+    const int T = rc_.model.seq, b = rc_.micro_batch, first_seq = mesh_.dp_rank * (rc_.batch / p_.mesh.dp);
+    MicroBatch m = make_microbatch(*data_, step, rc_.batch, T, first_seq + mb * b, b, model_.dev);
+    if (p_.mesh.cp > 1) {
+      const cp::LocalBatch l = cp::local_batch(m, b, T, mine_);
+      m.inputs = l.inputs;
+      m.targets = l.targets;
+    }
+    return m;
+  }
+
   StepResult step(const TokenData& data, long step) {
-    const int T = rc_.model.seq, mb = rc_.micro_batch, local = rc_.batch / p_.mesh.dp;
-    const int first_seq = mesh_.dp_rank * local;
+    data_ = &data;
+    const int T = rc_.model.seq, mb = rc_.micro_batch, n = rc_.batch / p_.mesh.dp / mb;
     if (zero_) zero_->begin_step();
     else ts::zero(model_.grads);
     double loss_sum = 0;
-    for (int s0 = 0; s0 < local; s0 += mb) {
-      const bool last = s0 + mb == local;
+    if (pipe_) {  // the stage's schedule runs every micro-batch; gradients are reduced after the flush
+      loss_sum = pipe_->run_step(data, rc_, step);
+      if (zero_) {
+        if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());
+        zero_->end_microbatch(true);
+      }
+    }
+    for (int i = 0; i < n && !pipe_; i++) {
+      const bool last = i + 1 == n;
       if (zero_) zero_->begin_microbatch();
       else reducer_->set_sync(last);
-      MicroBatch b = make_microbatch(data, step, rc_.batch, T, first_seq + s0, mb, model_.dev);
-      if (p_.mesh.cp > 1) {  // this cp rank's chunks of each sequence, at their absolute positions
-        const cp::LocalBatch l = cp::local_batch(b, mb, T, mine_);
-        b.inputs = l.inputs;
-        b.targets = l.targets;
-      }
+      const MicroBatch b = local_microbatch(step, i);
       loss_sum += model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
       if (zero_) {
         if (last && p_.sp && p_.zero == 1) tp::reduce_norm_grads(model_, mesh_.tp());  // before the scatter
         zero_->end_microbatch(last);
       }
     }
+    // tp blocks and pipeline stages hold different parameters: the norm sums over both.
+    const std::vector<MPI_Comm> shards = {mesh_.tp().mpi(), mesh_.pp().mpi()};
     double norm;
     if (zero_) {
-      norm = zero_->grad_norm({mesh_.tp().mpi()});
+      norm = zero_->grad_norm(shards);
       zero_->optimizer_step(rc_, step, norm);
     } else {
-      reducer_->finish();
+      reducer_->finish();  // under a pipeline, naive mode: every tensor after the flush
       if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());  // after the dp all-reduce has landed
-      norm = global_grad_norm(model_.table, {{0, model_.grads}}, {mesh_.tp().mpi()});
+      norm = global_grad_norm(model_.table, {{0, model_.grads}}, shards);
       opt_->step(model_, model_.params, model_.grads, lr_at(rc_, step), step + 1, clip_coefficient(norm, rc_.clip), rc_);
     }
-    return {global_mean_loss(loss_sum, double(rc_.batch) * T, {dense_.mpi()}), norm};
+    // The last stage holds the loss (the others add 0).
+    return {global_mean_loss(loss_sum, double(rc_.batch) * T, {dense_.mpi(), mesh_.pp().mpi()}), norm};
   }
 
   // The groups this mesh communicates on (size > 1), for the comm report.
   std::vector<Comm*> groups() const {
     std::vector<Comm*> g;
-    for (Comm* c : {&dense_, &mesh_.tp(), &mesh_.cp()})
+    for (Comm* c : {&dense_, &mesh_.tp(), &mesh_.cp(), &mesh_.pp()})
       if (c->size() > 1) g.push_back(c);
     return g;
   }
@@ -431,7 +514,7 @@ class Composed {
   // Plain DP: dp rank 0's tp ranks write their blocks; ZeRO: every rank writes its chunks.
   std::vector<CheckpointSlice> checkpoint_slices() const {
     if (zero_) return zero_->checkpoint_slices();
-    if (dense_.rank() != 0) return {};  // the dp × cp replicas are identical
+    if (dense_.rank() != 0) return {};  // the dp × cp replicas are identical; every stage writes its units
     return {{0, model_.table.total, weights_f32(model_.params, *opt_), opt_.get()}};
   }
 
@@ -439,9 +522,9 @@ class Composed {
   double hidden_fraction() const { return reducer_ ? reducer_->hidden_fraction() : 0.0; }
 
  private:
-  static ModelLayout layout(const RunConfig&, const Plan& p, const Mesh& mesh) {
+  static ModelLayout layout(const RunConfig& rc, const Plan& p, const Mesh& mesh) {
     ModelLayout l;
-    l.shard = tp::shard_spec(p.mesh.tp, mesh.tp_rank);
+    l.shard = shard_spec(rc, p, mesh.tp_rank, mesh.pp_rank);
     if (p.zero > 0) l.align = dense_group_size(p);
     l.hold_params = p.zero < 3;
     l.hold_grads = p.zero < 2;
@@ -454,6 +537,9 @@ class Composed {
   Model model_;
   std::vector<int32_t> mine_;  // this cp rank's token positions (cp > 1)
   Tensor pos_;
+  pp::Plan plan_;
+  std::unique_ptr<pp::Pipeline> pipe_;
+  const TokenData* data_ = nullptr;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<dp::GradReducer> reducer_;
   std::unique_ptr<zero::Zero> zero_;
@@ -523,6 +609,10 @@ int main(int argc, char** argv) {
     if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());
     if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
     plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+    const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1");
+    plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank");
+    if (!pp::parse_schedule(sched, plan.schedule))
+      config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
     if (!planning) return;
     cluster.gpu = mesh5d::find_gpu(gpu);
     if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
@@ -565,6 +655,7 @@ int main(int argc, char** argv) {
     m["tp"] = plan.mesh.tp;
     m["zero"] = plan.zero;
     m["cp"] = plan.mesh.cp;
+    m["pp"] = plan.mesh.pp;
     m["sequence_parallel"] = plan.sp;
     save_checkpoint(rc.save_dir, rc, run.model().table, run.checkpoint_slices(), step, m);
   };
