@@ -150,6 +150,27 @@ inline double max_abs_diff_files(const std::string& a, const std::string& b) {
   return m;
 }
 
+// Elementwise comparison of two checkpoints' tensors: the largest |Δ| and how many exceed `loose`.
+struct WeightDiff {
+  double max_abs = 0;
+  long over = 0, total = 0;
+};
+inline WeightDiff weight_diff(const std::string& a, const std::string& b, double loose) {
+  auto ta = read_tensors(a), tb = read_tensors(b);
+  WeightDiff d;
+  if (ta.size() != tb.size()) return {1e30, 1L << 40, 0};
+  for (size_t i = 0; i < ta.size(); i++) {
+    if (ta[i].first != tb[i].first || ta[i].second.size() != tb[i].second.size()) return {1e30, 1L << 40, 0};
+    for (size_t j = 0; j < ta[i].second.size(); j++) {
+      const double x = double(std::fabs(ta[i].second[j] - tb[i].second[j]));  // as max_abs_diff_files
+      d.max_abs = std::max(d.max_abs, x);
+      d.over += x > loose;
+      d.total++;
+    }
+  }
+  return d;
+}
+
 // ----- shared end-to-end pieces (need Catch2's macros: include after catch.hpp) -----------------
 
 // A run of a technique binary with --save and --log-json into scratch space; runs are cached by
