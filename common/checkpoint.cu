@@ -29,9 +29,11 @@ Json hf_config(const ModelConfig& c) {
   j["num_key_value_heads"] = c.kv_heads;
   j["head_dim"] = c.head_dim();
   j["vocab_size"] = c.vocab;
-  j["max_position_embeddings"] = c.seq;
-  j["rms_norm_eps"] = double(c.norm_eps);
-  j["rope_theta"] = double(c.rope_theta);
+  // RoPE has no learned positions, so generation may run past the training length; transformers
+  // refuses positions beyond this, so at least 2048 (the training seq when longer).
+  j["max_position_embeddings"] = std::max(c.seq, 2048);
+  j["rms_norm_eps"] = shortest_decimal(c.norm_eps);
+  j["rope_theta"] = shortest_decimal(c.rope_theta);
   j["tie_word_embeddings"] = false;
   j["hidden_act"] = "silu";
   j["attention_bias"] = false;

@@ -48,6 +48,7 @@ Args::Args(int argc, char** argv, std::string doc) : doc_(std::move(doc)) {
 
 const char* Args::take(const std::string& flag, const std::string& def, const std::string& help, bool sw) {
   help_.push_back("  " + flag + (sw ? "" : " <" + def + ">") + "\n      " + help);
+  declared_.push_back(flag);
   const char* found = nullptr;
   for (size_t i = 0; i < args_.size(); i++)
     if (args_[i].first == flag) {
@@ -62,6 +63,10 @@ bool Args::has(const std::string& flag) const {
   for (auto& a : args_)
     if (a.first == flag) return true;
   return false;
+}
+
+bool Args::declares(const std::string& flag) const {
+  return std::find(declared_.begin(), declared_.end(), flag) != declared_.end();
 }
 
 static double parse_number(const std::string& flag, const char* s) {
@@ -512,8 +517,12 @@ void RunLog::step(const StepRecord& r) {
     const std::string eta = left > 0 ? "ETA " + short_duration(elapsed / double(done) * double(left))
                                      : "took " + short_duration(elapsed);
     const int width = int(std::to_string(rc_.steps).size());
-    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s | %s\n",
-           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, 100 * r.mfu, r.step_ms,
+    // MFU needs a peak (known GPUs, or --peak-tflops); without one the achieved rate says more than 0.00%.
+    char rate[32];
+    if (r.mfu > 0) snprintf(rate, sizeof rate, "MFU %5.2f%%", 100 * r.mfu);
+    else snprintf(rate, sizeof rate, "%6.2f GFLOP/s", r.flops_per_s * 1e-9);
+    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s | %s\n",
+           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, rate, r.step_ms,
            human_bytes(double(r.peak_mem_bytes)).c_str(), eta.c_str());
     fflush(stdout);
     last_line_ = now;
@@ -526,6 +535,7 @@ void RunLog::step(const StepRecord& r) {
     j["grad_norm"] = r.grad_norm;
     j["tokens_per_s"] = r.tokens_per_s;
     j["mfu"] = r.mfu;
+    j["flops_per_s"] = r.flops_per_s;
     j["step_ms"] = r.step_ms;
     j["peak_mem_bytes"] = int64_t(r.peak_mem_bytes);
     fprintf(json_, "%s\n", j.dump().c_str());
@@ -577,6 +587,8 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
     }
     mem[tag_name(Tag(t))] = std::move(c);
   }
+  log.line("  (no prediction for comm: host staging of CUDA tensors sent over MPI, 0 on the CPU; nor for workspace:");
+  log.line("   scratch freed within one call, chiefly the fp32 weight copy at init, resume and save, and kernel temporaries)");
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",
            human_bytes(double(s.reserved_peak)).c_str());
@@ -593,6 +605,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   rc = parse_run_config(args);
   own(args, rc, mc);
   args.finish();
+  if (!rc.dry_run) check_launch(args, mc);
   resolve_batch(rc, mc.dp);
   set_comm_timeout(rc.timeout);
   log_ = std::make_unique<RunLog>(rc, Device::CPU);
@@ -689,7 +702,8 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     tps.push_back(tokens / secs);
     last_loss = r.loss;
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
-              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak});
+              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak,
+              flops_per_token(rc.model) * tokens / secs});
     done = step + 1;
     if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
       loop.save(done);

@@ -28,6 +28,7 @@ class Args {
   std::string get_str(const std::string& flag, const std::string& def, const std::string& help);
   bool get_bool(const std::string& flag, const std::string& help);  // a switch: present = true
   bool has(const std::string& flag) const;
+  bool declares(const std::string& flag) const;  // whether this binary reads the flag (so far)
   void finish();  // --help prints and exits 0; unknown flags are a config_error
  private:
   const char* take(const std::string& flag, const std::string& def, const std::string& help, bool is_switch);
@@ -35,6 +36,7 @@ class Args {
   std::vector<std::pair<std::string, std::string>> args_;  // flag -> value, in order
   std::vector<bool> used_;
   std::vector<std::string> help_;
+  std::vector<std::string> declared_;
   bool want_help_ = false;
 };
 
@@ -155,6 +157,7 @@ struct StepRecord {
   long step;
   double loss, lr, grad_norm, tokens_per_s, mfu, step_ms;
   size_t peak_mem_bytes;
+  double flops_per_s = 0;  // the job's model FLOP/s (6N + 12·L·h·s per token): the line without a peak
 };
 double peak_tflops_for(Device dev, DType dt, double override_tflops);
 std::string device_description(Device dev);

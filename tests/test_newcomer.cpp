@@ -1,0 +1,103 @@
+// ranks: 1
+// What a newcomer meets in the first minutes: the launch mistakes the binaries explain, a shape too
+// big for the machine, the checkpoint's config.json, and the numbers each line reports.
+#include <catch2/catch.hpp>
+
+#include "json.h"
+#include "model.h"
+#include "test_util.h"
+#include "train.h"
+
+namespace {
+
+const std::string kTiny = "--preset tiny --lr-schedule constant ";
+
+bool has(const std::string& out, const std::string& s) { return out.find(s) != std::string::npos; }
+
+// A tiny run on one rank that must succeed.
+tst::Result run_ok(const std::string& bin, const std::string& args) {
+  tst::Result r = tst::run_bin(bin, kTiny + args, 1, 60);
+  INFO(bin << " " << args << "\n" << r.output);
+  REQUIRE(r.status == 0);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("launch: ranks without the mesh flag name the flag this binary has", "[newcomer][launch]") {
+  struct Case {
+    std::string bin, args, says, never;
+  } cases[] = {
+      {"02_data_parallel", "", "the job has 2 ranks but --dp 1 uses 1: add --dp 2 (or launch with mpirun -np 1)", "--tp"},
+      {"03_zero", "--zero 2", "add --dp 2", "--tp"},
+      {"04_tensor_parallel", "", "the job has 2 ranks but --tp 1 uses 1: add --tp 2", "--dp"},
+      {"02_data_parallel", "--dp 4", "--dp 4 uses 4: set --dp 2 (or launch with mpirun -np 4)", "--tp"},
+      {"01_single_gpu", "", "01_single_gpu runs on one rank (got 2)", "--dp"},
+  };
+  for (const Case& c : cases) {
+    tst::Result r = tst::run_bin(c.bin, kTiny + "--steps 1 " + c.args, 2, 60);
+    INFO(c.bin << " " << c.args << "\n" << r.output);
+    CHECK(r.status != 0);
+    CHECK(r.status != 124);
+    CHECK(has(r.output, c.says));
+    CHECK(!has(r.output, c.never));
+  }
+}
+
+TEST_CASE("memory: a shape the machine cannot hold stops before allocating, with the comparison", "[newcomer][memory]") {
+  // 64 sequences of 8b's 4096 tokens in one micro-batch: ~18 TiB of activations, more than any node.
+  tst::Result r = tst::run_bin("01_single_gpu", "--preset 8b --batch 64 --steps 1", 1, 60);
+  INFO(r.output);
+  CHECK(r.status == 2);  // a config_error, not the allocator or the OOM killer
+  CHECK(has(r.output, "error: predicted "));
+  CHECK(has(r.output, "per rank (params 29.92 GiB, grads 29.92 GiB, optimizer 59.83 GiB, activations "));
+  CHECK(has(r.output, "available (MemAvailable in /proc/meminfo)"));
+  CHECK(!has(r.output, "step 0"));
+  // The same shape under --dry-run is a plan, not an error.
+  tst::Result dry = tst::run_bin("01_single_gpu", "--preset 8b --batch 64 --dry-run", 1, 60);
+  INFO(dry.output);
+  CHECK(dry.status == 0);
+}
+
+TEST_CASE("config.json: positions for generation past the training length, eps as written", "[newcomer][ckpt]") {
+  CHECK(ts::shortest_decimal(1e-5f) == 1e-5);
+  CHECK(ts::shortest_decimal(0.1f) == 0.1);
+  CHECK(ts::shortest_decimal(500000.f) == 500000.0);
+  CHECK(ts::Json(ts::shortest_decimal(1e-5f)).dump() == "1e-05");
+  tst::TempDir d;
+  run_ok("01_single_gpu", "--steps 0 --save " + d.file("ck"));
+  const std::string text = ts::read_text_file(d.file("ck/config.json"));
+  INFO(text);
+  CHECK(has(text, "\"rms_norm_eps\": 1e-05,"));
+  ts::Json cfg = ts::Json::parse(text);
+  CHECK(cfg.at("max_position_embeddings").as_int() == 2048);  // max(seq 32, 2048)
+  CHECK(cfg.at("rope_theta").as_double() == 10000.0);
+}
+
+TEST_CASE("step lines: GFLOP/s without a peak, MFU with --peak-tflops", "[newcomer][log]") {
+  tst::TempDir d;
+  tst::Result cpu = run_ok("01_single_gpu", "--steps 2 --log-json " + d.file("a.jsonl"));
+  INFO(cpu.output);
+  CHECK(has(cpu.output, " GFLOP/s | "));
+  CHECK(!has(cpu.output, "MFU"));
+  ts::ModelConfig tiny;
+  REQUIRE(ts::apply_preset("tiny", tiny));
+  for (const ts::Json& s : tst::read_log(d.file("a.jsonl")).steps) {
+    const double expected = ts::flops_per_token(tiny) * s.at("tokens_per_s").as_double();
+    CHECK(s.at("flops_per_s").as_double() == Approx(expected).epsilon(1e-12));
+  }
+  tst::Result peak = run_ok("01_single_gpu", "--steps 2 --peak-tflops 1");
+  INFO(peak.output);
+  CHECK(has(peak.output, "| MFU "));
+  CHECK(!has(peak.output, "GFLOP/s"));
+}
+
+TEST_CASE("02 at dp 1 has nothing to hide; the memory table says why two rows have no prediction", "[newcomer][log]") {
+  tst::TempDir d;
+  tst::Result r = run_ok("02_data_parallel", "--steps 2 --log-json " + d.file("a.jsonl"));
+  INFO(r.output);
+  CHECK(has(r.output, "communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)"));
+  CHECK(!tst::read_log(d.file("a.jsonl")).summary.contains("comm_hidden_fraction"));
+  CHECK(has(r.output, "(no prediction for comm: host staging of CUDA tensors sent over MPI"));
+  CHECK(has(r.output, "workspace:"));
+}
