@@ -127,7 +127,7 @@ NP ?= 1
 demo: deps
 	@$(MAKE) --no-print-directory $(BUILD)/01_single_gpu
 	$(BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
-	/usr/bin/python3 scripts/plot.py $(BUILD)/demo.jsonl -o $(BUILD)/demo.png --labels "01 tiny, seq 64"
+	/usr/bin/python3 scripts/plot.py $(BUILD)/demo.jsonl -o $(BUILD)/demo.png --labels "01 tiny (seq 64)"
 
 bench: deps
 	@$(MAKE) --no-print-directory all

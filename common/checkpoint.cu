@@ -178,6 +178,7 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
     tj["warmup_steps"] = rc.warmup_steps;
     tj["min_lr"] = rc.min_lr;
     tj["mesh"] = mesh;
+    tj["flags"] = rc.flags;  // the whole command line: --config trainer.json repeats the run
     write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
     fsync_dir(tmp);
     // Publish with one atomic step: exchange the new directory with the old one (or rename it

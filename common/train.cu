@@ -43,7 +43,50 @@ Args::Args(int argc, char** argv, std::string doc) : doc_(std::move(doc)) {
     }
     args_.push_back({a, v});
   }
+  load_config();
   used_.assign(args_.size(), false);
+  get_str("--config", "", "JSON file of flags ({\"steps\": 100, \"lr-schedule\": \"cosine\"}, _ or -), or a checkpoint's "
+          "trainer.json; flags on the command line override it");
+}
+
+// --config FILE: its flags go before the command line's, so that the command line wins (the last
+// occurrence of a flag does). A checkpoint's trainer.json holds them under "flags".
+void Args::load_config() {
+  for (auto& [flag, value] : args_)
+    if (flag == "--config") config_ = value;
+  if (config_.empty() || config_ == "\x01") return;
+  Json j;
+  try {
+    j = Json::parse(read_text_file(config_));
+    if (j.is_object() && j.contains("flags")) j = j.at("flags");
+    if (!j.is_object()) throw FormatError("expected an object of flags");
+  } catch (const FormatError& e) {
+    config_error("--config %s: %s", config_.c_str(), e.what());
+  }
+  std::vector<std::pair<std::string, std::string>> from;
+  for (auto& [key, v] : j.items()) {
+    std::string flag = "--" + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (flag == "--config") continue;
+    if (v.is_bool()) {
+      if (v.as_bool()) from.push_back({flag, "\x01"});
+    } else if (v.is_string()) {
+      from.push_back({flag, v.as_string()});
+    } else if (v.is_number()) {
+      from.push_back({flag, v.dump()});
+    } else {
+      config_error("--config %s: \"%s\" must be a string, a number or true/false", config_.c_str(), key.c_str());
+    }
+  }
+  from_config_ = from.size();
+  args_.insert(args_.begin(), from.begin(), from.end());
+}
+
+Json Args::effective() const {
+  Json j = Json::object();
+  for (auto& [flag, v] : effective_)
+    if (flag != "--config") j[flag.substr(2)] = v;
+  return j;
 }
 
 const char* Args::take(const std::string& flag, const std::string& def, const std::string& help, bool sw) {
@@ -56,6 +99,8 @@ const char* Args::take(const std::string& flag, const std::string& def, const st
       found = args_[i].second.c_str();  // the last occurrence wins
     }
   if (found && !sw && std::string(found) == "\x01") config_error("%s needs a value", flag.c_str());
+  if (sw) effective_.push_back({flag, Json(found != nullptr)});
+  else effective_.push_back({flag, Json(found ? std::string(found) : def == "\"\"" ? std::string() : def)});
   return found;
 }
 
@@ -112,7 +157,9 @@ void Args::finish() {
     exit(0);
   }
   for (size_t i = 0; i < args_.size(); i++)
-    if (!used_[i]) config_error("unknown flag %s (see --help)", args_[i].first.c_str());
+    if (!used_[i])
+      config_error("unknown flag %s%s (see --help)", args_[i].first.c_str(),
+                   i < from_config_ ? (" in --config " + config_).c_str() : "");
 }
 
 // ----- the run configuration -------------------------------------------------------------------
@@ -605,6 +652,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   rc = parse_run_config(args);
   own(args, rc, mc);
   args.finish();
+  rc.flags = args.effective();
   if (!rc.dry_run) check_launch(args, mc);
   resolve_batch(rc, mc.dp);
   set_comm_timeout(rc.timeout);
@@ -626,6 +674,10 @@ bool Program::dry_run(const std::function<void()>& print) {
 void Program::open() {
   dev = parse_device(rc.device);
   mesh = make_mesh(mc, dev);
+  // Which transport the run's tensors take (NCCL, MPI, MPI staged through the host; notes/collectives).
+  if (mesh.world > 1)
+    log().line("mesh: %d ranks = dp %d x pp %d x cp %d x tp %d; %s tensors travel by %s", mesh.world, mc.dp, mc.pp,
+               mc.cp, mc.tp, device_name(dev), mesh.world_comm().transport(dev));
   data = open_data(rc, dev, log());
 }
 

@@ -53,7 +53,7 @@ def main():
     # Later runs are drawn thinner and dashed so that curves that coincide stay visible.
     floors = set()
     for k, (label, steps, summary) in enumerate(runs):
-        ax_loss.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=label,
+        ax_loss.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=label, color=f"C{k}",
                      linewidth=max(0.8, 2.4 - 0.6 * k), linestyle="-" if k == 0 else (0, (4, 2 + k)))
         if summary.get("loss_floor") is not None:
             floors.add(round(summary["loss_floor"], 6))
@@ -64,23 +64,28 @@ def main():
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss (nats/token)")
     ax_loss.legend(fontsize=8)
 
-    # Memory: per category, one pair of bars per run (measured solid, predicted hatched).
-    width = 0.8 / max(1, len(runs))
+    # Memory: per category, two bars per run side by side: measured (solid), predicted (hatched;
+    # comm and workspace have none).
+    width = 0.8 / max(1, 2 * len(runs))
     for k, (label, _, summary) in enumerate(runs):
         mem = summary.get("memory", {})
-        xs = [i + (k - (len(runs) - 1) / 2) * width for i in range(len(CATEGORIES))]
+        xs = [i + (2 * k - (2 * len(runs) - 1) / 2) * width for i in range(len(CATEGORIES))]
         measured = [mem.get(c, {}).get("measured", 0) / 2**20 for c in CATEGORIES]
         predicted = [mem.get(c, {}).get("predicted", 0) / 2**20 for c in CATEGORIES]
-        bars = ax_mem.bar(xs, measured, width * 0.9, label=f"{label} measured")
-        ax_mem.bar(xs, predicted, width * 0.9, fill=False, hatch="//", edgecolor=bars.patches[0].get_facecolor(),
+        ax_mem.bar(xs, measured, width * 0.95, color=f"C{k}", label=f"{label} measured")
+        ax_mem.bar([x + width for x in xs], predicted, width * 0.95, fill=False, hatch="//", edgecolor=f"C{k}",
                    label=f"{label} predicted")
     ax_mem.set_xticks(range(len(CATEGORIES)), CATEGORIES, fontsize=8)
     ax_mem.set(title="memory per category (rank 0 peak)", ylabel="MiB")
     ax_mem.legend(fontsize=7)
 
-    for label, steps, _ in runs:
-        ax_tps.plot([s["step"] for s in steps], [s["tokens_per_s"] for s in steps], label=label, linewidth=1)
-    ax_tps.set(title="throughput", xlabel="step", ylabel="tokens/s (whole job)")
+    # A running median over 1% of the steps: single steps on a shared machine are noisy.
+    for k, (label, steps, _) in enumerate(runs):
+        tps = [s["tokens_per_s"] for s in steps]
+        h = max(1, len(tps) // 200)
+        smooth = [sorted(tps[max(0, i - h):i + h + 1])[len(tps[max(0, i - h):i + h + 1]) // 2] for i in range(len(tps))]
+        ax_tps.plot([s["step"] for s in steps], smooth, label=label, color=f"C{k}", linewidth=1)
+    ax_tps.set(title="throughput (running median)", xlabel="step", ylabel="tokens/s (whole job)")
     ax_tps.legend(fontsize=8)
 
     fig.tight_layout()

@@ -101,3 +101,38 @@ TEST_CASE("02 at dp 1 has nothing to hide; the memory table says why two rows ha
   CHECK(has(r.output, "(no prediction for comm: host staging of CUDA tensors sent over MPI"));
   CHECK(has(r.output, "workspace:"));
 }
+
+TEST_CASE("--config: a JSON file of flags, the command line overriding; a checkpoint's trainer.json repeats its run",
+          "[newcomer][config]") {
+  tst::TempDir d;
+  tst::write_bytes(d.file("run.json"), R"({"preset": "tiny", "dim": 32, "heads": 2, "kv_heads": 1, "steps": 2,
+                                           "lr-schedule": "constant", "lr": 0.002, "quiet": true, "dp": 2})");
+  const std::string spelled = "--preset tiny --dim 32 --heads 2 --kv-heads 1 --lr-schedule constant --lr 0.002 --quiet --dp 2";
+  tst::Result a = tst::run_bin("02_data_parallel", "--config " + d.file("run.json") + " --steps 3 --save " +
+                                                       d.file("ck") + " --log-json " + d.file("a.jsonl"), 2, 60);
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+  tst::Result b = tst::run_bin("02_data_parallel", spelled + " --steps 3 --log-json " + d.file("b.jsonl"), 2, 60);
+  INFO(b.output);
+  REQUIRE(b.status == 0);
+  CHECK(has(b.output, "mesh: 2 ranks = dp 2 x pp 1 x cp 1 x tp 1; cpu tensors travel by mpi"));
+  const std::vector<double> losses = tst::read_log(d.file("b.jsonl")).losses();
+  CHECK(losses.size() == 3);  // --steps 3 on the command line beat the file's 2
+  CHECK(tst::read_log(d.file("a.jsonl")).losses() == losses);
+
+  // The checkpoint recorded every flag: its trainer.json alone gives the same run.
+  ts::Json flags = ts::Json::parse(ts::read_text_file(d.file("ck/trainer.json"))).at("flags");
+  CHECK(flags.at("dim").as_string() == "32");
+  CHECK(flags.at("dp").as_string() == "2");
+  tst::Result c = tst::run_bin("02_data_parallel", "--config " + d.file("ck/trainer.json") + " --save " +
+                                                       d.file("ck2") + " --log-json " + d.file("c.jsonl"), 2, 60);
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  CHECK(tst::read_log(d.file("c.jsonl")).losses() == losses);
+
+  tst::write_bytes(d.file("bad.json"), R"({"steps": 2, "dpp": 2})");
+  tst::Result bad = tst::run_bin("02_data_parallel", "--config " + d.file("bad.json"), 1, 60);
+  INFO(bad.output);
+  CHECK(bad.status == 2);
+  CHECK(has(bad.output, "error: unknown flag --dpp in --config " + d.file("bad.json")));
+}
