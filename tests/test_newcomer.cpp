@@ -28,10 +28,10 @@ TEST_CASE("launch: ranks without the mesh flag name the flag this binary has", "
   struct Case {
     std::string bin, args, says, never;
   } cases[] = {
-      {"02_data_parallel", "", "the job has 2 ranks but --dp 1 uses 1: add --dp 2 (or launch with mpirun -np 1)", "--tp"},
+      {"02_data_parallel", "", "--dp 1 needs 1 ranks but the job has 2: add --dp 2 (or launch with mpirun -np 1)", "--tp"},
       {"03_zero", "--zero 2", "add --dp 2", "--tp"},
-      {"04_tensor_parallel", "", "the job has 2 ranks but --tp 1 uses 1: add --tp 2", "--dp"},
-      {"02_data_parallel", "--dp 4", "--dp 4 uses 4: set --dp 2 (or launch with mpirun -np 4)", "--tp"},
+      {"04_tensor_parallel", "", "--tp 1 needs 1 ranks but the job has 2: add --tp 2", "--dp"},
+      {"02_data_parallel", "--dp 4", "--dp 4 needs 4 ranks but the job has 2: set --dp 2 (or launch with mpirun -np 4)", "--tp"},
       {"01_single_gpu", "", "01_single_gpu runs on one rank (got 2)", "--dp"},
   };
   for (const Case& c : cases) {
