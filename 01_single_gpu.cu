@@ -16,6 +16,7 @@
 #include "data.h"
 #include "model.h"
 #include "moe.h"
+#include "run.h"
 #include "train.h"
 
 using namespace ts;
@@ -79,6 +80,7 @@ int main(int argc, char** argv) {
   if (prog.dry_run([&] { print_prediction(log, rc); })) return 0;
   prog.open();
   print_prediction(log, rc);
+  check_memory_fits(predict_replica(rc, param_count(rc.model)), prog.dev);
 
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
   AdamW opt(model, 0, model.table.total, rc.master_weights);

@@ -20,6 +20,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -194,6 +195,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == dp before any collective
   Mesh& mesh = prog.mesh;
   print_plan();
+  check_memory_fits(dp::predict_memory(rc), prog.dev);
   log.line("dp %d, %s, %d sequences per rank per step", mc.dp, mode.c_str(), rc.batch / mc.dp);
 
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
@@ -219,6 +221,8 @@ int main(int argc, char** argv) {
     return comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.dp)}});
   };
   loop.extra = [&](Json& s) {
+    // One rank sends nothing (the all-reduce of a group of one is a no-op): no fraction to report.
+    if (mc.dp == 1) return log.line("communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)");
     s["comm_hidden_fraction"] = dp.hidden_fraction();
     log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
   };

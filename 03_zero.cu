@@ -26,6 +26,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -325,6 +326,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == dp before any collective
   Mesh& mesh = prog.mesh;
   print_plan(log, rc, plan);
+  check_memory_fits(predict_memory(rc, plan), prog.dev);
 
   ModelLayout layout;
   layout.align = mc.dp;

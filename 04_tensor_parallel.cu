@@ -27,6 +27,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -237,6 +238,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == tp before any collective
   Mesh& mesh = prog.mesh;
   tp::print_plan(log, rc, mc.tp, sp);
+  check_memory_fits(tp::predict_memory(rc, mc.tp, sp), prog.dev);
 
   ModelLayout layout;
   layout.shard = tp::shard_spec(mc.tp, mesh.tp_rank);

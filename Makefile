@@ -3,7 +3,7 @@
 #   make            build every technique into build/ (with CUDA when nvcc is found)
 #   make CUDA=0     the same sources compiled by g++ as C++, CUDA compiled out
 #   make test       install missing packages, build, run every test; last line "N passed, M failed"
-#   make demo       train 01 on the embedded data for about a minute
+#   make demo       train 01 on the embedded data for about a minute; its plot in build/demo.png
 #   make bench      kernel, collective and training-step benchmarks
 #   make clean
 #
@@ -66,6 +66,9 @@ BENCH_SRC := $(sort $(wildcard bench/*.cu))
 BENCH_BIN := $(patsubst bench/%.cu,$(BUILD)/bench/%,$(BENCH_SRC))
 
 .PHONY: all test demo bench clean deps
+# Objects built on the way to a binary are kept (make deletes such intermediates otherwise), so a
+# second `make test` with nothing changed compiles nothing.
+.SECONDARY:
 .DEFAULT_GOAL := all
 all: $(TECH_BIN) $(BENCH_BIN)
 
@@ -118,12 +121,13 @@ deps:
 
 test: deps
 	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe
-	@BUILD=$(BUILD) tests/run_tests.sh
+	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
 
 NP ?= 1
 demo: deps
 	@$(MAKE) --no-print-directory $(BUILD)/01_single_gpu
 	$(BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
+	/usr/bin/python3 scripts/plot.py $(BUILD)/demo.jsonl -o $(BUILD)/demo.png --labels "01 tiny (seq 64)"
 
 bench: deps
 	@$(MAKE) --no-print-directory all

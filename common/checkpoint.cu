@@ -29,9 +29,11 @@ Json hf_config(const ModelConfig& c) {
   j["num_key_value_heads"] = c.kv_heads;
   j["head_dim"] = c.head_dim();
   j["vocab_size"] = c.vocab;
-  j["max_position_embeddings"] = c.seq;
-  j["rms_norm_eps"] = double(c.norm_eps);
-  j["rope_theta"] = double(c.rope_theta);
+  // RoPE has no learned positions, so generation may run past the training length; transformers
+  // refuses positions beyond this, so at least 2048 (the training seq when longer).
+  j["max_position_embeddings"] = std::max(c.seq, 2048);
+  j["rms_norm_eps"] = shortest_decimal(c.norm_eps);
+  j["rope_theta"] = shortest_decimal(c.rope_theta);
   j["tie_word_embeddings"] = false;
   j["hidden_act"] = "silu";
   j["attention_bias"] = false;
@@ -184,6 +186,7 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
     tj["warmup_steps"] = rc.warmup_steps;
     tj["min_lr"] = rc.min_lr;
     tj["mesh"] = mesh;
+    tj["flags"] = rc.flags;  // the whole command line: --config trainer.json repeats the run
     write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
     fsync_dir(tmp);
     // Publish with one atomic step: exchange the new directory with the old one (or rename it

@@ -43,11 +43,55 @@ Args::Args(int argc, char** argv, std::string doc) : doc_(std::move(doc)) {
     }
     args_.push_back({a, v});
   }
+  load_config();
   used_.assign(args_.size(), false);
+  get_str("--config", "", "JSON file of flags ({\"steps\": 100, \"lr-schedule\": \"cosine\"}, _ or -), or a checkpoint's "
+          "trainer.json; flags on the command line override it");
+}
+
+// --config FILE: its flags go before the command line's, so that the command line wins (the last
+// occurrence of a flag does). A checkpoint's trainer.json holds them under "flags".
+void Args::load_config() {
+  for (auto& [flag, value] : args_)
+    if (flag == "--config") config_ = value;
+  if (config_.empty() || config_ == "\x01") return;
+  Json j;
+  try {
+    j = Json::parse(read_text_file(config_));
+    if (j.is_object() && j.contains("flags")) j = j.at("flags");
+    if (!j.is_object()) throw FormatError("expected an object of flags");
+  } catch (const FormatError& e) {
+    config_error("--config %s: %s", config_.c_str(), e.what());
+  }
+  std::vector<std::pair<std::string, std::string>> from;
+  for (auto& [key, v] : j.items()) {
+    std::string flag = "--" + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (flag == "--config") continue;
+    if (v.is_bool()) {
+      if (v.as_bool()) from.push_back({flag, "\x01"});
+    } else if (v.is_string()) {
+      from.push_back({flag, v.as_string()});
+    } else if (v.is_number()) {
+      from.push_back({flag, v.dump()});
+    } else {
+      config_error("--config %s: \"%s\" must be a string, a number or true/false", config_.c_str(), key.c_str());
+    }
+  }
+  from_config_ = from.size();
+  args_.insert(args_.begin(), from.begin(), from.end());
+}
+
+Json Args::effective() const {
+  Json j = Json::object();
+  for (auto& [flag, v] : effective_)
+    if (flag != "--config") j[flag.substr(2)] = v;
+  return j;
 }
 
 const char* Args::take(const std::string& flag, const std::string& def, const std::string& help, bool sw) {
   help_.push_back("  " + flag + (sw ? "" : " <" + def + ">") + "\n      " + help);
+  declared_.push_back(flag);
   const char* found = nullptr;
   for (size_t i = 0; i < args_.size(); i++)
     if (args_[i].first == flag) {
@@ -55,6 +99,8 @@ const char* Args::take(const std::string& flag, const std::string& def, const st
       found = args_[i].second.c_str();  // the last occurrence wins
     }
   if (found && !sw && std::string(found) == "\x01") config_error("%s needs a value", flag.c_str());
+  if (sw) effective_.push_back({flag, Json(found != nullptr)});
+  else effective_.push_back({flag, Json(found ? std::string(found) : def == "\"\"" ? std::string() : def)});
   return found;
 }
 
@@ -62,6 +108,10 @@ bool Args::has(const std::string& flag) const {
   for (auto& a : args_)
     if (a.first == flag) return true;
   return false;
+}
+
+bool Args::declares(const std::string& flag) const {
+  return std::find(declared_.begin(), declared_.end(), flag) != declared_.end();
 }
 
 static double parse_number(const std::string& flag, const char* s) {
@@ -107,7 +157,9 @@ void Args::finish() {
     exit(0);
   }
   for (size_t i = 0; i < args_.size(); i++)
-    if (!used_[i]) config_error("unknown flag %s (see --help)", args_[i].first.c_str());
+    if (!used_[i])
+      config_error("unknown flag %s%s (see --help)", args_[i].first.c_str(),
+                   i < from_config_ ? (" in --config " + config_).c_str() : "");
 }
 
 // ----- the run configuration -------------------------------------------------------------------
@@ -542,8 +594,12 @@ void RunLog::step(const StepRecord& r) {
     const std::string eta = left > 0 ? "ETA " + short_duration(elapsed / double(done) * double(left))
                                      : "took " + short_duration(elapsed);
     const int width = int(std::to_string(rc_.steps).size());
-    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s%s | %s\n",
-           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, 100 * r.mfu, r.step_ms,
+    // MFU needs a peak (known GPUs, or --peak-tflops); without one the achieved rate says more than 0.00%.
+    char rate[32];
+    if (r.mfu > 0) snprintf(rate, sizeof rate, "MFU %5.2f%%", 100 * r.mfu);
+    else snprintf(rate, sizeof rate, "%6.2f GFLOP/s", r.flops_per_s * 1e-9);
+    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s%s | %s\n",
+           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, rate, r.step_ms,
            human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
     fflush(stdout);
     last_line_ = now;
@@ -556,6 +612,7 @@ void RunLog::step(const StepRecord& r) {
     j["grad_norm"] = r.grad_norm;
     j["tokens_per_s"] = r.tokens_per_s;
     j["mfu"] = r.mfu;
+    j["flops_per_s"] = r.flops_per_s;
     j["step_ms"] = r.step_ms;
     j["peak_mem_bytes"] = int64_t(r.peak_mem_bytes);
     if (r.extra.is_object())
@@ -609,6 +666,8 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
     }
     mem[tag_name(Tag(t))] = std::move(c);
   }
+  log.line("  (no prediction for comm: host staging of CUDA tensors sent over MPI, 0 on the CPU; nor for workspace:");
+  log.line("   scratch freed within one call, chiefly the fp32 weight copy at init, resume and save, and kernel temporaries)");
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",
            human_bytes(double(s.reserved_peak)).c_str());
@@ -625,6 +684,8 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   rc = parse_run_config(args);
   own(args, rc, mc);
   args.finish();
+  rc.flags = args.effective();
+  if (!rc.dry_run) check_launch(args, mc);
   resolve_batch(rc, mc.dp);
   set_comm_timeout(rc.timeout);
   log_ = std::make_unique<RunLog>(rc, Device::CPU);
@@ -645,6 +706,10 @@ bool Program::dry_run(const std::function<void()>& print) {
 void Program::open() {
   dev = parse_device(rc.device);
   mesh = make_mesh(mc, dev);
+  // Which transport the run's tensors take (NCCL, MPI, MPI staged through the host; notes/collectives).
+  if (mesh.world > 1)
+    log().line("mesh: %d ranks = dp %d x pp %d x cp %d x tp %d; %s tensors travel by %s", mesh.world, mc.dp, mc.pp,
+               mc.cp, mc.tp, device_name(dev), mesh.world_comm().transport(dev));
   data = open_data(rc, dev, log());
 }
 
@@ -727,7 +792,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     last_loss = r.loss;
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
               peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak,
-              r.extra, r.note});
+              r.extra, r.note, flops_per_token(rc.model) * tokens / secs});
     done = step + 1;
     if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
       loop.save(done);

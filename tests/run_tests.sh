@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test driver behind `make test`: runs every Catch2 binary in $BUILD/tests, each under mpirun
 # at the rank counts its source declares on a line "// ranks: 1 2 4" (default 1), counts test
-# cases, prints every failure in full, and ends with "N passed, M failed" (non-zero exit on failure).
+# cases, runs the scripted checks tests/check_*.sh (one case each), prints every failure in full,
+# and ends with "N passed, M failed" (non-zero exit on failure).
 set -u
 BUILD=${BUILD:-build}
 TIMEOUT=${TEST_TIMEOUT:-900}
@@ -48,6 +49,20 @@ for src in tests/test_*.cpp; do
       echo "ok   $label: $n test cases (${secs}s)$skipped"
     fi
   done
+done
+# Scripted checks (tests/check_*.sh): one test case each, passed when the script exits 0.
+for check in tests/check_*.sh; do
+  label=$(basename "$check" .sh)
+  start=$(date +%s)
+  timeout "$TIMEOUT" "$check" >"$log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  if [ $rc -eq 0 ]; then
+    passed=$((passed + 1)); echo "ok   $label: $(tail -n 1 "$log") (${secs}s)"
+  else
+    failed=$((failed + 1)); failures+=("$label")
+    echo "FAIL $label (exit $rc, ${secs}s)"; sed 's/^/    /' "$log" | tail -n 80
+  fi
 done
 [ ${#failures[@]} -gt 0 ] && printf 'failed: %s\n' "${failures[@]}"
 [ $not_run -gt 0 ] && echo "no GPU visible: $not_run CUDA test cases not run (scripts/gpu-check.sh runs them on a GPU machine)"
