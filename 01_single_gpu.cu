@@ -15,6 +15,8 @@
 #include "comm.h"
 #include "data.h"
 #include "model.h"
+#include "moe.h"
+#include "run.h"
 #include "train.h"
 
 using namespace ts;
@@ -60,7 +62,9 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   if (show) print_memory(log, model.dev, step, "after optimizer");
-  return {loss, norm};
+  StepResult r{loss, norm};
+  moe_step_report(model, r, {});  // tokens per expert, dropped fraction, aux loss (with --experts)
+  return r;
 }
 
 // ----- main -----------------------------------------------------------------------------------------
@@ -76,6 +80,7 @@ int main(int argc, char** argv) {
   if (prog.dry_run([&] { print_prediction(log, rc); })) return 0;
   prog.open();
   print_prediction(log, rc);
+  check_memory_fits(predict_replica(rc, param_count(rc.model)), prog.dev);
 
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
   AdamW opt(model, 0, model.table.total, rc.master_weights);

@@ -20,6 +20,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -33,11 +34,18 @@ using namespace ts;
 // the global batch — the same number 01 computes, summed in a different order.
 class GradReducer {
  public:
-  GradReducer(Model& m, Comm& dp, bool bucketed, double bucket_mb) : m_(m), dp_(dp), bucketed_(bucketed) {
+  // `ranges`: the ranges [begin, end) of the flat gradients this reducer averages over `dp`
+  // (empty: all of them). Expert parallelism reduces its dense ranges over one group and its
+  // expert ranges over another, with one reducer each.
+  GradReducer(Model& m, Comm& dp, bool bucketed, double bucket_mb, std::vector<std::pair<int64_t, int64_t>> ranges = {})
+      : m_(m), dp_(dp), bucketed_(bucketed), ranges_(std::move(ranges)) {
+    if (ranges_.empty()) ranges_ = {{0, m.table.total}};
     // Buckets are ranges of the flat gradient buffer cut from its end, because backward
     // finishes the head first and the embedding last: bucket 0 is ready first.
     const int64_t size = std::max<int64_t>(1, int64_t(bucket_mb * 1024 * 1024 / 4));
-    for (int64_t end = m.table.total; end > 0; end -= size) buckets_.push_back({std::max<int64_t>(0, end - size), end});
+    for (auto r = ranges_.rbegin(); r != ranges_.rend(); ++r)
+      for (int64_t end = r->second; end > r->first; end -= size)
+        buckets_.push_back({std::max<int64_t>(r->first, end - size), end});
     if (bucketed_) m.unit_grads_ready.add([this](int u) { on_unit_ready(u); });
   }
 
@@ -74,7 +82,8 @@ class GradReducer {
       span_us_ += t1 - first_launch_;
     } else {
       TraceScope t("all_reduce per tensor", Lane::Comm);
-      for (size_t i = 0; i < m_.table.entries.size(); i++) dp_.all_reduce(m_.grad(int(i)));
+      for (size_t i = 0; i < m_.table.entries.size(); i++)
+        if (covers(m_.table.entries[i])) dp_.all_reduce(m_.grad(int(i)));
       const double t1 = Trace::get().now_us();
       exposed_us_ += t1 - t0;  // naive: every microsecond of communication is exposed
       span_us_ += t1 - t0;
@@ -94,6 +103,11 @@ class GradReducer {
     bool launched = false, done = false;
     double start = 0;
   };
+  bool covers(const ParamEntry& e) const {
+    for (auto [b, end] : ranges_)
+      if (e.numel > 0 && e.offset >= b && e.offset + e.numel <= end) return true;
+    return false;
+  }
   void poll() {
     for (Bucket& b : buckets_)
       if (b.launched && !b.done && b.work.done()) mark_done(b);
@@ -107,6 +121,7 @@ class GradReducer {
   Model& m_;
   Comm& dp_;
   bool bucketed_, sync_ = true;
+  std::vector<std::pair<int64_t, int64_t>> ranges_;
   std::vector<Bucket> buckets_;
   double first_launch_ = -1, exposed_us_ = 0, span_us_ = 0;
 };
@@ -117,10 +132,10 @@ class GradReducer {
 inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_replica(rc, param_count(rc.model)); }
 
 // Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank
-// (the same in naive and bucketed mode: bucketing changes when, not how much).
-inline double predict_allreduce_bytes(const RunConfig& rc, int dp) {
-  return 2.0 * (dp - 1) / dp * 4.0 * double(param_count(rc.model));
-}
+// (the same in naive and bucketed mode: bucketing changes when, not how much). Ψ is what the
+// rank holds: the whole model here, its tensor-parallel blocks on a larger mesh.
+inline double allreduce_bytes(int64_t psi, int dp) { return 2.0 * (dp - 1) / dp * 4.0 * double(psi); }
+inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allreduce_bytes(param_count(rc.model), dp); }
 
 }  // namespace dp
 
@@ -180,6 +195,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == dp before any collective
   Mesh& mesh = prog.mesh;
   print_plan();
+  check_memory_fits(dp::predict_memory(rc), prog.dev);
   log.line("dp %d, %s, %d sequences per rank per step", mc.dp, mode.c_str(), rc.batch / mc.dp);
 
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
@@ -205,6 +221,8 @@ int main(int argc, char** argv) {
     return comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.dp)}});
   };
   loop.extra = [&](Json& s) {
+    // One rank sends nothing (the all-reduce of a group of one is a no-op): no fraction to report.
+    if (mc.dp == 1) return log.line("communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)");
     s["comm_hidden_fraction"] = dp.hidden_fraction();
     log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
   };

@@ -26,6 +26,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -80,6 +81,7 @@ class Zero {
   }
   AdamW& opt(int u) { return opt_[size_t(u)]; }
   int units() const { return m_.table.num_units(); }
+  int stage() const { return stage_; }
 
   // Stages 1 and 2 keep full weights: fill the other ranks' chunks after init or resume.
   void all_gather_weights() {
@@ -107,10 +109,24 @@ class Zero {
 
   // Clipping over sharded gradients is exact: each rank sums the squares of its chunks, and one
   // all-reduce of that scalar (8 bytes, a metric outside the counted collectives) gives the norm.
-  double grad_norm() {
+  // `also`: the other groups whose ranks hold different parameters (tp on a larger mesh).
+  double grad_norm(const std::vector<MPI_Comm>& also = {}) {
     std::vector<GradRange> mine;
     for (int u = 0; u < units(); u++) mine.push_back({sh_.begin(u), grads(u)});
-    return global_grad_norm(m_.table, mine, {dp_.mpi()});
+    std::vector<MPI_Comm> groups = {dp_.mpi()};
+    groups.insert(groups.end(), also.begin(), also.end());
+    return global_grad_norm(m_.table, mine, groups);
+  }
+
+  // What this rank writes to a checkpoint: its chunk of every unit (the file does not depend on
+  // dp or the stage).
+  std::vector<CheckpointSlice> checkpoint_slices() const {
+    std::vector<CheckpointSlice> mine;
+    for (int u = 0; u < units(); u++) {
+      const AdamW& o = opt_[size_t(u)];
+      mine.push_back({o.begin, o.end, weights_f32(weights(u), o), &o});
+    }
+    return mine;
   }
 
   // Each rank updates its chunks; stages 1/2 then all-gather the updated weights.
@@ -310,6 +326,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == dp before any collective
   Mesh& mesh = prog.mesh;
   print_plan(log, rc, plan);
+  check_memory_fits(predict_memory(rc, plan), prog.dev);
 
   ModelLayout layout;
   layout.align = mc.dp;
@@ -329,16 +346,10 @@ int main(int argc, char** argv) {
   loop.predicted = predict_memory(rc, plan);
   loop.step = [&](long step) { return train_step(model, zero, prog.data, rc, mesh, step); };
   loop.save = [&](long step) {
-    // Every rank writes its chunks: the checkpoint does not depend on dp or the stage.
-    std::vector<CheckpointSlice> mine;
-    for (int u = 0; u < zero.units(); u++) {
-      const AdamW& o = zero.opt(u);
-      mine.push_back({o.begin, o.end, weights_f32(zero.weights(u), o), &o});
-    }
     Json m = Json::object();
     m["dp"] = mc.dp;
     m["zero"] = stage;
-    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
+    save_checkpoint(rc.save_dir, rc, model.table, zero.checkpoint_slices(), step, m);
   };
   loop.comm = [&](long steps_run) { return comm_report(log, mesh.dp(), steps_run, predict_comm(rc, plan)); };
   train_loop(rc, prog.dev, log, prog.data, first, loop);

@@ -27,6 +27,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -110,11 +111,14 @@ inline void install(Model& m, Comm& group, bool sequence_parallel) {
 }
 
 // Under sequence parallelism a norm weight sees only this rank's tokens, so its gradient is a
-// partial sum: all-reduced over tp once per step, after the last micro-batch.
-inline void reduce_norm_grads(Model& m, Comm& group) {
+// partial sum: all-reduced over tp once per step, after the last micro-batch — or, where ZeRO-2/3
+// reduce-scatters each unit's gradients as they finish, for that unit (unit >= 0) just before.
+inline void reduce_norm_grads(Model& m, Comm& group, int unit = -1) {
   TraceScope s("tp all_reduce (norm weight grads)", Lane::Comm);
-  for (size_t i = 0; i < m.table.entries.size(); i++)
-    if (m.table.entries[i].replicated_over == "tp") group.all_reduce(m.grad(int(i)));
+  for (size_t i = 0; i < m.table.entries.size(); i++) {
+    const ParamEntry& e = m.table.entries[i];
+    if (e.replicated_over == "tp" && e.held() && (unit < 0 || e.unit == unit)) group.all_reduce(m.grad(int(i)));
+  }
 }
 
 // The shard spec and the checks every rank makes before any collective.
@@ -145,25 +149,33 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
 
 // Wire bytes per rank per step under the ring algorithm: all-reduce 2(t−1)/t·K, all-gather and
 // reduce-scatter (t−1)/t·K each, K = one [tokens, dim] activation of a micro-batch.
-inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp) {
+// micro_batches: how many this rank runs per step (0: the whole batch, as in 04); norms_per_micro_batch:
+// the norm gradients are reduced per micro-batch (ZeRO-2/3 on a larger mesh), not once per step.
+// A pipeline stage holds `layers` of the layers (−1: all) and the embedding and the head only
+// where `embedding` and `head` say.
+inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp, double micro_batches = 0,
+                                                  bool norms_per_micro_batch = false, int layers = -1,
+                                                  bool embedding = true, bool head = true) {
   const ModelConfig& m = rc.model;
-  const double t = tp, f = (t - 1) / t, L = m.layers, mbs = double(rc.batch) / rc.micro_batch;
+  const double t = tp, f = (t - 1) / t, L = layers < 0 ? m.layers : layers;
+  const double mbs = micro_batches > 0 ? micro_batches : double(rc.batch) / rc.micro_batch;
   const double tokens = double(rc.micro_batch) * m.seq, K = tokens * m.dim * dtype_size(rc.dtype);
   const double full = rc.recompute == Recompute::Full ? 1 : 0;  // the layer forward runs again in backward
-  const double loss = 2 * f * tokens * 4 * 3;                     // max (N floats) + stats (2N floats)
+  const double E = embedding ? 1 : 0, H = head ? 1 : 0;
+  const double loss = H * 2 * f * tokens * 4 * 3;                 // max (N floats) + stats (2N floats)
   std::map<std::string, double> c;
   if (!sp) {
     // Forward: g after the embedding and 2 per layer; backward: f before the head and 2 per layer.
-    c["all_reduce"] = mbs * (2 * f * K * (2 + 4 * L + 2 * L * full) + loss);
+    c["all_reduce"] = mbs * (2 * f * K * (E + H + 4 * L + 2 * L * full) + loss);
     return c;
   }
   // Forward per layer: f, g, f, g = 2 all-gathers + 2 reduce-scatters (+ g after the embedding,
   // f before the head). Backward per layer: g' and f' for each region (2 + 2), plus f again to
   // rebuild each column-parallel input (+2 all-gathers); the head's f', the embedding's g'.
-  c["all_gather"] = mbs * f * K * (6 * L + 2 + 2 * L * full);
-  c["reduce_scatter"] = mbs * f * K * (4 * L + 2 + 2 * L * full);
-  const double norms = (2 * L + 1) * m.dim * 4.0;  // fp32 norm-weight gradients, once per step
-  c["all_reduce"] = mbs * loss + 2 * f * norms;
+  c["all_gather"] = mbs * f * K * (6 * L + E + H + 2 * L * full);
+  c["reduce_scatter"] = mbs * f * K * (4 * L + E + H + 2 * L * full);
+  const double norms = (2 * L + H) * m.dim * 4.0;  // fp32 norm-weight gradients, once per step
+  c["all_reduce"] = mbs * loss + 2 * f * norms * (norms_per_micro_batch ? mbs : 1);
   return c;
 }
 
@@ -226,6 +238,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == tp before any collective
   Mesh& mesh = prog.mesh;
   tp::print_plan(log, rc, mc.tp, sp);
+  check_memory_fits(tp::predict_memory(rc, mc.tp, sp), prog.dev);
 
   ModelLayout layout;
   layout.shard = tp::shard_spec(mc.tp, mesh.tp_rank);

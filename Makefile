@@ -3,7 +3,7 @@
 #   make            build every technique into build/ (with CUDA when nvcc is found)
 #   make CUDA=0     the same sources compiled by g++ as C++, CUDA compiled out
 #   make test       install missing packages, build, run every test; last line "N passed, M failed"
-#   make demo       train 01 on the embedded data for about a minute
+#   make demo       train 01 on the embedded data for about a minute; its plot in build/demo.png
 #   make bench      kernel, collective and training-step benchmarks
 #   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
@@ -23,7 +23,11 @@ endif
 
 BUILD ?= build
 CUDA_ARCH ?= 80 90
-CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(NVCC))
+# The toolkit's root from nvcc's real path (a /usr/bin/nvcc symlink into /usr/local/cuda-12.x
+# resolves there); its libraries in lib64 unless CUDA_LIB names the directory that holds libcublas.
+CUDA_HOME ?= $(patsubst %/bin/nvcc,%,$(realpath $(NVCC)))
+CUDA_LIB ?= $(firstword $(wildcard $(CUDA_HOME)/lib64/libcublas.so $(CUDA_HOME)/targets/x86_64-linux/lib/libcublas.so /usr/lib/x86_64-linux-gnu/libcublas.so))
+CUDA_LIB := $(if $(CUDA_LIB),$(patsubst %/,%,$(dir $(CUDA_LIB))),$(CUDA_HOME)/lib64)
 
 CXX := g++
 MPI_SHOW := $(shell mpicxx -show 2>/dev/null)
@@ -46,7 +50,7 @@ ifeq ($(CUDA),1)
   CPPFLAGS += -DTS_CUDA -I$(CUDA_HOME)/include
   CU := $(NVCC) -std=c++17 -x cu $(GENCODE) -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
   # No relocatable device code, so the host linker links nvcc's objects directly.
-  LIBS += -L$(CUDA_HOME)/lib64 -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_HOME)/lib64
+  LIBS += -L$(CUDA_LIB) -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_LIB)
 else
   CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 endif
@@ -72,6 +76,9 @@ FUZZ_CXX := clang++ -std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize
 FUZZ_SECONDS ?= 60
 
 .PHONY: all test demo bench clean deps fuzz
+# Objects built on the way to a binary are kept (make deletes such intermediates otherwise), so a
+# second `make test` with nothing changed compiles nothing.
+.SECONDARY:
 .DEFAULT_GOAL := all
 all: $(TECH_BIN) $(BENCH_BIN)
 
@@ -127,18 +134,23 @@ fuzz: deps
 	@$(MAKE) --no-print-directory $(FUZZ_BIN)
 	@BUILD=$(BUILD) FUZZ_SECONDS=$(FUZZ_SECONDS) scripts/fuzz.sh
 
+# Whether this build sees a GPU, decided as the binaries decide it (the driver and the GPU check ask it).
+$(BUILD)/tests/gpu_probe: $(BUILD)/tests/gpu_probe.o $(BUILD)/common.a
+	$(LD) $^ -o $@ $(LIBS)
+
 # Installs what a fresh Debian machine lacks (as root), or says the exact command (otherwise).
 deps:
 	@scripts/ensure-deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog $(FUZZ_BIN)
-	@BUILD=$(BUILD) tests/run_tests.sh
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
+	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
 
 NP ?= 1
 demo: deps
 	@$(MAKE) --no-print-directory $(BUILD)/01_single_gpu
 	$(BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
+	/usr/bin/python3 scripts/plot.py $(BUILD)/demo.jsonl -o $(BUILD)/demo.png --labels "01 tiny (seq 64)"
 
 bench: deps
 	@$(MAKE) --no-print-directory all

@@ -1,11 +1,13 @@
-// bench_kernels.cu — every op of kernels.h, forward and backward, at the shape of the default
-// model (dim 256, seq 256, batch 8, 8 heads, 4 kv heads, head dim 32, ffn 688, vocab 256), on the
-// CPU and, when a GPU is visible, on CUDA; fp32 and bf16 activations.
+// bench_kernels.cu — every op of kernels.h, forward and backward, at a model's shapes, on the CPU
+// and, when a GPU is visible, on CUDA; fp32 and bf16 activations. Shapes: "small" (dim 256, seq
+// 256, batch 8, 8 heads, 4 kv heads, head dim 32, ffn 688, vocab 256: the CPU benchmark's) and
+// "124m" (dim 768, seq 1024, batch 4, 12 heads, head dim 64, ffn 2048, vocab 50304: big enough
+// that CUDA timings measure the GPU rather than launch overhead).
 //
 // Each op is warmed up, then timed over several repetitions; the median is reported as GFLOP/s
 // for the matmul-shaped ops and GB/s of compulsory traffic for the memory-bound ones.
 // On the CPU set OPENBLAS_CORETYPE=SkylakeX.
-// Usage: bench_kernels [substring]   (only the ops whose name contains it)
+// Usage: bench_kernels [--shape small|124m] [--device cpu|cuda|all] [substring]
 #include <mpi.h>
 #include <omp.h>
 
@@ -23,8 +25,11 @@ using namespace ts;
 
 namespace {
 
-constexpr int64_t kBatch = 8, kSeq = 256, kDim = 256, kHeads = 8, kKVHeads = 4, kHeadDim = 32, kFFN = 688,
-                  kVocab = 256, kTokens = kBatch * kSeq;
+struct Shape {
+  int64_t batch, seq, dim, heads, kv_heads, head_dim, ffn, vocab;
+  int64_t tokens() const { return batch * seq; }
+};
+const Shape kSmall{8, 256, 256, 8, 4, 32, 688, 256}, k124m{4, 1024, 768, 12, 12, 64, 2048, 50304};
 constexpr int kWarmup = 2, kReps = 9;
 
 struct Op {
@@ -68,9 +73,9 @@ double median_ms(const Op& op, Device dev) {
 }
 
 // The ops at the model's shapes, with their FLOP or byte counts.
-std::vector<Op> make_ops(Device dev, DType dt) {
-  const int64_t N = kTokens, D = kDim, F = kFFN, V = kVocab, B = kBatch, S = kSeq, H = kHeads, KVH = kKVHeads,
-                hd = kHeadDim;
+std::vector<Op> make_ops(const Shape& sh, Device dev, DType dt) {
+  const int64_t N = sh.tokens(), D = sh.dim, F = sh.ffn, V = sh.vocab, B = sh.batch, S = sh.seq, H = sh.heads,
+                KVH = sh.kv_heads, hd = sh.head_dim;
   const double es = double(dtype_size(dt));  // bytes per activation element
   std::vector<int32_t> tokv(N), posv(S);
   for (int64_t n = 0; n < N; n++) tokv[n] = int32_t((n * 31 + 7) % V);
@@ -125,17 +130,35 @@ std::vector<Op> make_ops(Device dev, DType dt) {
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
-  const std::string only = argc > 1 ? argv[1] : "";
-  printf("kernel benchmark: batch %lld, seq %lld, dim %lld, heads %lld/%lld, head dim %lld, ffn %lld, vocab %lld\n",
-         (long long)kBatch, (long long)kSeq, (long long)kDim, (long long)kHeads, (long long)kKVHeads,
-         (long long)kHeadDim, (long long)kFFN, (long long)kVocab);
+  std::string only, shape = "small", want = "all";
+  for (int i = 1; i < argc; i++) {
+    const std::string a = argv[i];
+    if (a == "--shape" && i + 1 < argc) shape = argv[++i];
+    else if (a == "--device" && i + 1 < argc) want = argv[++i];
+    else only = a;
+  }
+  if ((shape != "small" && shape != "124m") || (want != "cpu" && want != "cuda" && want != "all")) {
+    fprintf(stderr, "usage: bench_kernels [--shape small|124m] [--device cpu|cuda|all] [substring]\n");
+    MPI_Finalize();
+    return 2;
+  }
+  const Shape sh = shape == "124m" ? k124m : kSmall;
+  std::vector<Device> devs;
+  if (want != "cuda") devs.push_back(Device::CPU);
+  if (want != "cpu" && cuda_available()) devs.push_back(Device::CUDA);
+  if (want == "cuda" && devs.empty()) {
+    fprintf(stderr, "bench_kernels --device cuda: no GPU visible to this build\n");
+    MPI_Finalize();
+    return 1;
+  }
+  printf("kernel benchmark (%s): batch %lld, seq %lld, dim %lld, heads %lld/%lld, head dim %lld, ffn %lld, vocab %lld\n",
+         shape.c_str(), (long long)sh.batch, (long long)sh.seq, (long long)sh.dim, (long long)sh.heads,
+         (long long)sh.kv_heads, (long long)sh.head_dim, (long long)sh.ffn, (long long)sh.vocab);
   printf("CPU threads %d; median of %d after %d warm-up\n\n", omp_get_max_threads(), kReps, kWarmup);
   printf("%-24s %-5s %-5s %10s %12s\n", "op", "dev", "dtype", "ms", "rate");
-  std::vector<Device> devs = {Device::CPU};
-  if (cuda_available()) devs.push_back(Device::CUDA);
   for (Device dev : devs)
     for (DType dt : {DType::F32, DType::BF16})
-      for (const Op& op : make_ops(dev, dt)) {
+      for (const Op& op : make_ops(sh, dev, dt)) {
         if (op.name.find(only) == std::string::npos) continue;
         const double ms = median_ms(op, dev);
         printf("%-24s %-5s %-5s %10.3f %8.1f %s\n", op.name.c_str(), device_name(dev), dtype_name(dt), ms,

@@ -31,14 +31,24 @@ Json hf_config(const ModelConfig& c) {
   j["num_key_value_heads"] = c.kv_heads;
   j["head_dim"] = c.head_dim();
   j["vocab_size"] = c.vocab;
-  j["max_position_embeddings"] = c.seq;
-  j["rms_norm_eps"] = double(c.norm_eps);
-  j["rope_theta"] = double(c.rope_theta);
+  // RoPE has no learned positions, so generation may run past the training length; transformers
+  // refuses positions beyond this, so at least 2048 (the training seq when longer).
+  j["max_position_embeddings"] = std::max(c.seq, 2048);
+  j["rms_norm_eps"] = shortest_decimal(c.norm_eps);
+  j["rope_theta"] = shortest_decimal(c.rope_theta);
   j["tie_word_embeddings"] = false;
   j["hidden_act"] = "silu";
   j["attention_bias"] = false;
   j["mlp_bias"] = false;
   j["torch_dtype"] = "float32";
+  if (c.experts > 0) {  // HF MixtralConfig: the same fields plus the sparse MoE block's
+    j["architectures"] = Json::array({Json("MixtralForCausalLM")});
+    j["model_type"] = "mixtral";
+    j["num_local_experts"] = c.experts;
+    j["num_experts_per_tok"] = c.top_k;
+    j["router_aux_loss_coef"] = double(c.aux_loss_coef);
+    j["output_router_logits"] = false;
+  }
   return j;
 }
 
@@ -243,6 +253,7 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
     tj["warmup_steps"] = rc.warmup_steps;
     tj["min_lr"] = rc.min_lr;
     tj["mesh"] = mesh;
+    tj["flags"] = rc.flags;  // the whole command line: --config trainer.json repeats the run
     // Each file's digest makes the checkpoint verifiable as one whole on load.
     Json files = Json::object();
     try {
@@ -288,6 +299,7 @@ void check_hf_config(const Json& j, const ModelConfig& c) {
   need("num_attention_heads", c.heads);
   need("num_key_value_heads", c.kv_heads);
   need("vocab_size", c.vocab);
+  if (c.experts > 0 || j.contains("num_local_experts")) need("num_local_experts", c.experts);
   // The fields below change what the model computes; absent, they take transformers' defaults.
   if (j.contains("head_dim")) need("head_dim", c.head_dim());
   auto real = [&](const char* key, double def, float want) {

@@ -501,4 +501,13 @@ class JsonParser {
 
 Json Json::parse(const std::string& text) { return JsonParser(text).parse_document(); }
 
+double shortest_decimal(float f) {
+  char buf[32];
+  for (int prec = 1; prec <= 9; prec++) {  // 9 significant digits always round-trip a float
+    snprintf(buf, sizeof buf, "%.*g", prec, double(f));
+    if (strtof(buf, nullptr) == f) break;
+  }
+  return strtod(buf, nullptr);
+}
+
 }  // namespace ts

@@ -94,4 +94,8 @@ class Json {
   friend class JsonParser;
 };
 
+// The double nearest the shortest decimal that reads back as `f`: 1e-5f is written 1e-05, not
+// 9.999999747378752e-06 (what the float's exact value would print as).
+double shortest_decimal(float f);
+
 }  // namespace ts

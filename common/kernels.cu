@@ -1066,6 +1066,67 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   });
 }
 
+// ===== context parallelism: the merge of partial attention, the Ulysses packing ====================
+
+namespace {
+// One row (b, s, h) per iteration: the weights of the two partial softmaxes, from their
+// log-sum-exps relative to the larger one (so neither exp overflows), then the weighted sum.
+template <class T>
+void attention_merge_cpu(T* out, float* lse, const T* part, const float* plse, int64_t B, int64_t S, int64_t H,
+                         int64_t hd) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < B * S * H; row++) {
+    const int64_t b = row / (S * H), s = row / H % S, h = row % H, l = (b * H + h) * S + s;
+    const float la = lse[l], lb = plse[l], m = std::max(la, lb);
+    if (m == ninf) continue;  // no visible key in either part
+    const float wa = std::exp(la - m), wb = std::exp(lb - m), sum = wa + wb;
+    lse[l] = m + std::log(sum);
+    const float ca = wa / sum, cb = wb / sum;
+    T* o = out + row * hd;
+    const T* p = part + row * hd;
+    for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ca * ld(o[d]) + cb * ld(p[d]));
+  }
+}
+}  // namespace
+
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part, const Tensor& part_lse) {
+  TS_PROFILE_OP("attention_merge", out);
+  const char* op = "attention_merge";
+  check_float(op, "out", out);
+  TS_CHECK(out.dim() == 4, "%s: out must be [B, S, H, hd], got %s", op, out.str().c_str());
+  check_like(op, "part", part, out, "out");
+  check_shape(op, "lse", lse, {out.size(0), out.size(2), out.size(1)});
+  check_dtype(op, "lse", lse, DType::F32);
+  check_like(op, "part_lse", part_lse, lse, "lse");
+  if (common_device(op, {&out, &lse, &part, &part_lse}) == Device::CUDA)
+    return CUDA_TWIN(attention_merge(out, lse, part, part_lse));
+  by_dtype(out.dtype, [&](auto t) {
+    using T = decltype(t);
+    attention_merge_cpu(out.data<T>(), lse.f32(), part.data<T>(), part_lse.f32(), out.size(0), out.size(1),
+                        out.size(2), out.size(3));
+  });
+}
+
+void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b) {
+  TS_PROFILE_OP("swap_leading", dst);
+  const char* op = "swap_leading";
+  check_defined(op, "src", src);
+  check_numel(op, "dst", dst, src.numel(), src.dtype);
+  TS_CHECK(a > 0 && b > 0 && src.numel() % (a * b) == 0, "%s: %s is not [%lld, %lld, w]", op, src.str().c_str(),
+           (long long)a, (long long)b);
+  TS_CHECK(!(dst.raw() == src.raw() && src.numel() > 0), "%s: dst and src must be separate", op);
+  if (common_device(op, {&dst, &src}) == Device::CUDA) return CUDA_TWIN(swap_leading(dst, src, a, b));
+  const size_t row = size_t(src.numel() / (a * b)) * dtype_size(src.dtype);
+  const char* s = static_cast<const char*>(src.raw());
+  char* d = static_cast<char*>(dst.raw());
+#pragma omp parallel for schedule(static)
+  for (int64_t ij = 0; ij < a * b; ij++) {
+    const int64_t i = ij / b, j = ij % b;
+    std::memcpy(d + (j * a + i) * row, s + ij * row, row);
+  }
+}
+
 void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u) {
   TS_PROFILE_OP("swiglu_forward", h);
   const char* op = "swiglu_forward";
@@ -1184,6 +1245,16 @@ double sum_squares(const Tensor& x) {
   if (x.device() == Device::CUDA) return cuda::sum_squares(x);
 #endif
   return sum_squares_cpu(x.f32(), x.numel());
+}
+
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
+  for (const Tensor& x : xs) check_dtype("sum_squares_each", "x", x, DType::F32);
+#ifdef TS_CUDA
+  if (!xs.empty() && xs[0].device() == Device::CUDA) return cuda::sum_squares_each(xs);
+#endif
+  std::vector<double> r;
+  for (const Tensor& x : xs) r.push_back(sum_squares(x));
+  return r;
 }
 
 void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t col0, int64_t global_cols) {

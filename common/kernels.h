@@ -62,6 +62,19 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                         const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& qpos, const Tensor& kpos);
 
+// ----- context parallelism: attention over key blocks, merged --------------------------------
+// Ring attention computes a query block against one key block at a time. Two partial results
+// (o_a, lse_a) and (o_b, lse_b) over disjoint key sets combine exactly by the online-softmax rule
+// (Milakov & Gimelshein 2018; the merge of ring attention, Liu et al. 2023):
+//   lse = log(exp(lse_a) + exp(lse_b)),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
+// out [B, S, H, hd] (T) and lse [B, H, S] fp32 hold (o_a, lse_a) and are updated in place with
+// part (T) and part_lse fp32 of the same shapes. A row with no visible key in a block has lse -inf
+// and weight 0; a row with none in either stays lse -inf with out unchanged (never NaN).
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part, const Tensor& part_lse);
+// dst = src with the two leading indices of [a, b, w] swapped: dst[j, i, :] = src[i, j, :], any
+// dtype, w = numel / (a·b). The packing around Ulysses' all-to-alls (sequence <-> head shards).
+void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b);
+
 // ----- SwiGLU: h = silu(g) * u -------------------------------------------------------------------
 // g, u, h [N, F] (T). backward overwrites dg, du.
 void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u);
@@ -103,6 +116,9 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
                 const AdamWParams& p, bool decay, float grad_scale, const Tensor& param_copy);
 // Sum of squares of an fp32 tensor in double, in a fixed order (deterministic).
 double sum_squares(const Tensor& x);
+// The same for several tensors at once, each its own sum in the same fixed order; on CUDA one
+// host synchronisation for all of them instead of one each (a sharded gradient norm).
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs);
 
 // ----- counter-based init -------------------------------------------------------------------
 // Fills t (any device, fp32) with N(0, std) values that are a pure function of (key, global

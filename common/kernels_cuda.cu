@@ -795,6 +795,56 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   });
 }
 
+// ----- context parallelism: the merge of partial attention, the Ulysses packing ------------------
+
+// One thread per row (b, s, h): it owns the row's lse, so the in-place update has no race.
+template <class T>
+__global__ void attention_merge_kernel(T* out, float* lse, const T* part, const float* plse, int64_t rows, int64_t S,
+                                       int64_t H, int64_t hd) {
+  for (int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; row < rows;
+       row += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t b = row / (S * H), s = row / H % S, h = row % H, l = (b * H + h) * S + s;
+    const float la = lse[l], lb = plse[l], m = fmaxf(la, lb);
+    if (m == -INFINITY) continue;  // no visible key in either part
+    const float wa = expf(la - m), wb = expf(lb - m), sum = wa + wb;
+    lse[l] = m + logf(sum);
+    const float ca = wa / sum, cb = wb / sum;
+    for (int64_t d = 0; d < hd; d++) out[row * hd + d] = st<T>(ca * ld(out[row * hd + d]) + cb * ld(part[row * hd + d]));
+  }
+}
+
+void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part, const Tensor& part_lse) {
+  const int64_t rows = out.size(0) * out.size(1) * out.size(2);
+  if (rows == 0) return;
+  with_dtype(out.dtype, "attention_merge", [&](auto t) {
+    using T = decltype(t);
+    attention_merge_kernel<<<grid_for(rows), kBlock, 0, compute_stream()>>>(
+        out.data<T>(), lse.f32(), part.data<T>(), part_lse.f32(), rows, out.size(1), out.size(2), out.size(3));
+    KERNEL_CHECK();
+  });
+}
+
+// dst[j, i, :] = src[i, j, :] element by element (E: a word of the element's size).
+template <class E>
+__global__ void swap_leading_kernel(E* dst, const E* src, int64_t n, int64_t a, int64_t b, int64_t w) {
+  for (int64_t x = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; x < n; x += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t i = x / (b * w), j = x / w % b, c = x % w;
+    dst[(j * a + i) * w + c] = src[x];
+  }
+}
+
+void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b) {
+  const int64_t n = src.numel(), w = n / (a * b);
+  if (n == 0) return;
+  if (dtype_size(src.dtype) == 4)
+    swap_leading_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(dst.data<uint32_t>(), src.data<uint32_t>(), n, a,
+                                                                       b, w);
+  else
+    swap_leading_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(dst.data<uint16_t>(), src.data<uint16_t>(), n, a,
+                                                                       b, w);
+  KERNEL_CHECK();
+}
+
 // ----- SwiGLU ----------------------------------------------------------------------------------
 
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -1037,6 +1087,26 @@ double sum_squares(const Tensor& x) {
   KERNEL_CHECK();
   double host = 0.0;
   CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, compute_stream()));
+  CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  return host;
+}
+
+// Each tensor's partial and final sums run in stream order into its own result slot (the partial
+// buffer is reused safely: the stream serialises the launches); one copy and one sync at the end.
+std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
+  const size_t k = xs.size();
+  if (k == 0) return {};
+  double* partial = static_cast<double*>(scratch(sizeof(double) * (kSumBlocks + k)));
+  double* results = partial + kSumBlocks;
+  for (size_t i = 0; i < k; i++) {
+    TS_CHECK(xs[i].device() == Device::CUDA, "sum_squares_each: every tensor must be on CUDA");
+    sum_squares_partial_kernel<<<kSumBlocks, kSumThreads, 0, compute_stream()>>>(partial, xs[i].f32(), xs[i].numel());
+    KERNEL_CHECK();
+    sum_squares_final_kernel<<<1, kSumBlocks, 0, compute_stream()>>>(results + i, partial);
+    KERNEL_CHECK();
+  }
+  std::vector<double> host(k);
+  CUDA_CHECK(cudaMemcpyAsync(host.data(), results, sizeof(double) * k, cudaMemcpyDeviceToHost, compute_stream()));
   CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
   return host;
 }

@@ -1,6 +1,7 @@
 // model.cu — the Llama-style decoder: parameter table, init, forward and backward per unit.
 #include "model.h"
 
+#include "moe.h"
 #include "rng.h"
 #include "trace.h"
 
@@ -14,6 +15,23 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
   fatal("no parameter named '%s'", name.c_str());
 }
 
+// Mixtral's sparse MoE block in HF names: the router, then each expert's w1 (gate), w2 (down),
+// w3 (up). Expert j lives on ep rank j / (E/ep); elsewhere its entries hold nothing.
+template <class Add> static void add_experts(const ModelConfig& c, const ShardSpec& sh, int l, Add& add, bool& expert) {
+  if (sh.tp > 1) config_error("--experts with tensor parallelism is not supported (experts are split by ep, not tp)");
+  if (c.experts % sh.ep) config_error("--experts %d is not divisible by --ep %d", c.experts, sh.ep);
+  const int64_t D = c.dim, F = c.ffn, per = c.experts / sh.ep;
+  add(moe_gate_name(l), {c.experts, D}, Split::Whole, false);
+  expert = true;
+  for (int j = 0; j < c.experts; j++) {
+    const Split s = j / per == sh.ep_rank ? Split::Whole : Split::None;
+    add(moe_expert_name(l, j, "w1"), {F, D}, s, false);
+    add(moe_expert_name(l, j, "w2"), {D, F}, s, false);
+    add(moe_expert_name(l, j, "w3"), {F, D}, s, false);
+  }
+  expert = false;
+}
+
 // Column-parallel linears and the vocabulary tables split their rows tp ways, row-parallel
 // linears their columns; norm weights are whole on every tp rank. Units another pipeline stage
 // owns are kept in the table with nothing held, so indices agree on every rank.
@@ -24,6 +42,7 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
     t.total = (t.total + align - 1) / align * align;
     t.unit_begin.push_back(t.total);
   };
+  bool expert = false;  // the entries being added are one expert's (held whole by one ep rank)
   auto add = [&](const std::string& name, std::vector<int64_t> shape, Split split, bool norm) {
     ParamEntry e;
     e.name = name;
@@ -45,6 +64,10 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
       e.counts = sh.tp_rank == 0;
     } else if (split == Split::None) {
       e.local_shape[0] = 0;
+    }
+    if (sh.ep > 1 && !expert && split != Split::None) {  // dense tensors: one copy per ep rank
+      e.replicated_over = "ep";
+      e.counts = sh.ep_rank == 0;
     }
     e.numel = 1;
     for (int64_t d : e.local_shape) e.numel *= d;
@@ -69,6 +92,10 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
     add(p + "self_attn.v_proj.weight", {KV, D}, col, false);
     add(p + "self_attn.o_proj.weight", {D, D}, row, false);
     add(p + "post_attention_layernorm.weight", {D}, Split::Whole, true);
+    if (c.experts > 0) {
+      add_experts(c, sh, l, add, expert);
+      continue;
+    }
     add(p + "mlp.gate_proj.weight", {F, D}, col, false);
     add(p + "mlp.up_proj.weight", {F, D}, col, false);
     add(p + "mlp.down_proj.weight", {D, F}, row, false);
@@ -103,9 +130,11 @@ int64_t local_param_count(const ParamTable& t) {
 }
 
 // Playbook: training FLOPs per token = 6N (forward 2N, backward 4N) + 12·L·h·s for attention
-// scores and values; N excludes the embedding lookup (no matmul) but includes the LM head.
+// scores and values; N excludes the embedding lookup (no matmul) but includes the LM head. With
+// experts N counts the active parameters: a token runs K of the E experts of each layer.
 double flops_per_token(const ModelConfig& c) {
-  return 6.0 * double(param_count(c, false)) + 12.0 * c.layers * c.dim * double(c.seq);
+  const double inactive = c.experts > 0 ? double(c.layers) * (c.experts - c.top_k) * 3.0 * c.ffn * c.dim : 0.0;
+  return 6.0 * (double(param_count(c, false)) - inactive) + 12.0 * c.layers * c.dim * double(c.seq);
 }
 
 // ----- construction ------------------------------------------------------------------------------
@@ -205,7 +234,8 @@ Model::Model(const ModelConfig& c, Device d, DType dt, Recompute rc, ModelLayout
   local_vocab = c.vocab / tp;
   vocab_start = int64_t(r) * local_vocab;
   attention = std::make_unique<LocalAttention>();
-  mlp = std::make_unique<SwiGluMlp>(*this);
+  if (c.experts > 0) mlp = std::make_unique<MoeBlock>(*this);
+  else mlp = std::make_unique<SwiGluMlp>(*this);
   this->tp = std::make_unique<TpOps>();
   loss = std::make_unique<CrossEntropyLoss>();
 }
@@ -427,6 +457,7 @@ void Model::embed_backward(ForwardState& st, const Tensor& dx) {
 
 void Model::unit_forward(int u, ForwardState& st, Tensor& x, float grad_scale) {
   const int L = cfg.layers;
+  loss_scale = grad_scale;
   before_unit(u);
   if (u == 0) {
     TraceScope t("fwd embedding");

@@ -25,6 +25,11 @@ namespace ts {
 struct ModelConfig {
   int dim = 64, layers = 2, heads = 4, kv_heads = 2, ffn = 160, vocab = 256, seq = 32;
   float norm_eps = 1e-5f, rope_theta = 10000.f;
+  // Mixture of experts (moe.h): experts > 0 replaces every MLP by a router and `experts` SwiGLU
+  // experts of width ffn, top_k of them per token; capacity_factor 0 is dropless; aux_loss_coef
+  // weights the load-balancing loss. experts 0: the dense model.
+  int experts = 0, top_k = 0;
+  float capacity_factor = 0, aux_loss_coef = 0;
   int head_dim() const { return dim / heads; }
   int kv_dim() const { return kv_heads * head_dim(); }
 };
@@ -109,6 +114,9 @@ struct ParamTable {
 struct ShardSpec {
   int tp = 1, tp_rank = 0;                      // tensor parallelism: heads, ffn and vocabulary split tp ways
   std::vector<std::pair<int, int>> unit_runs;   // units held, as runs [begin, end); empty = every unit
+  // Expert parallelism: this rank holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep) of every layer;
+  // the dense tensors are replicated over the ep group (counted once, on ep rank 0).
+  int ep = 1, ep_rank = 0;
   bool holds(int unit) const {
     if (unit_runs.empty()) return true;
     for (auto [b, e] : unit_runs)
@@ -176,7 +184,9 @@ struct ForwardState {
 };
 
 // The attention core (scaled-dot-product over already projected, rotated q/k/v) is swappable:
-// context parallelism replaces it with ring attention or Ulysses.
+// context parallelism replaces it with ring attention or Ulysses. The model reads q, k, v and lse
+// only to hand them back to backward, so a core may keep them in its own layout (Ulysses keeps
+// the head-sharded ones, of the same sizes).
 struct AttentionCore {
   virtual ~AttentionCore() = default;
   virtual void forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
@@ -276,6 +286,7 @@ class Model {
   std::unique_ptr<MlpBlock> mlp;             // default: SwiGLU
   std::unique_ptr<TpOps> tp;                 // default: identity f and g
   std::unique_ptr<LossFn> loss;              // default: the fused softmax-cross-entropy
+  float loss_scale = 1;  // the current micro-batch's grad_scale (set by unit_forward): MLP blocks scale their aux loss by it
 
   // ----- one micro-batch, unit by unit -----------------------------------------------------
   // inputs/targets: int32 [B*S] on dev, S = this rank's tokens per sequence; pos: int32 [S],

@@ -61,20 +61,106 @@ static std::string save_problem(const RunConfig& rc) {
   return "";
 }
 
-void check_output_paths(const RunConfig& rc) {
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+// The lowest rank with a problem tells every rank what it is; every rank then stops.
+static void stop_on_any_rank(std::string err) {
+  int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
+  err = first_error(err, MPI_COMM_WORLD, "checks before the first step");
+  if (err.empty()) return;
+  if (world == 1) err = err.substr(err.find(": ") + 2);
+  config_error("%s (checked before the first step)", err.c_str());
+}
+
+void check_output_paths(const RunConfig& rc) {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   std::string err;
   if (rank == 0 && !rc.log_json.empty()) err = file_problem("--log-json", rc.log_json);
   if (err.empty() && rank == 0 && !rc.trace.empty()) err = file_problem("--trace", rc.trace);
   if (err.empty() && !rc.save_dir.empty()) err = save_problem(rc);
   if (err.empty() && rank == 0 && !rc.save_dir.empty()) err = lock_checkpoint_dir(rc.save_dir);
-  // The lowest rank with a problem tells every rank what it is.
-  err = first_error(err, MPI_COMM_WORLD, "checking the output paths");
-  if (err.empty()) return;
-  if (world == 1) err = err.substr(err.find(": ") + 2);
-  config_error("%s (checked before the first step)", err.c_str());
+  stop_on_any_rank(err);
+}
+
+// The number of ranks of this job on this rank's node.
+static int ranks_on_node() {
+  MPI_Comm node;
+  int n = 1;
+  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm_size(node, &n);
+  MPI_Comm_free(&node);
+  return n;
+}
+
+// Bytes the kernel could give this node's processes without swapping, or -1 when unknown.
+static double mem_available_bytes() {
+  FILE* f = fopen("/proc/meminfo", "r");
+  if (!f) return -1;
+  char line[256];
+  double kib = -1;
+  while (fgets(line, sizeof line, f))
+    if (sscanf(line, "MemAvailable: %lf kB", &kib) == 1) break;
+  fclose(f);
+  return kib < 0 ? -1 : kib * 1024;
+}
+
+void check_memory_fits(const MemoryPrediction& p, Device dev) {
+  const double need = p.params + p.grads + p.optimizer + p.activations;
+  int sharers = ranks_on_node();
+  double avail = -1;
+  std::string where = "this node has";
+  const char* source = "MemAvailable in /proc/meminfo";
+#ifdef TS_CUDA
+  if (dev == Device::CUDA) {
+    int gpus = 1;
+    size_t free_b = 0, total_b = 0;
+    CUDA_CHECK(cudaGetDeviceCount(&gpus));
+    CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    sharers = (sharers + gpus - 1) / gpus;  // ranks are spread over the node's GPUs round-robin
+    avail = double(free_b);
+    where = "this rank's GPU has";
+    source = "cudaMemGetInfo";
+  }
+#endif
+  if (dev == Device::CPU) avail = mem_available_bytes();
+  std::string err;
+  if (avail >= 0 && need * sharers > avail) {
+    char b[1024];
+    snprintf(b, sizeof b,
+             "predicted %s per rank (params %s, grads %s, optimizer %s, activations %s) × %d rank%s = %s, but %s "
+             "%s available (%s): the run would die allocating. Choose a smaller shape (--preset, --micro-batch, "
+             "--recompute full, --dtype bf16) or spread it over more devices; --dry-run prints the prediction alone",
+             human_bytes(need).c_str(), human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(),
+             human_bytes(p.optimizer).c_str(), human_bytes(p.activations).c_str(), sharers, sharers > 1 ? "s" : "",
+             human_bytes(need * sharers).c_str(), where.c_str(), human_bytes(avail).c_str(), source);
+    err = b;
+  }
+  stop_on_any_rank(err);
+}
+
+void check_launch(const Args& a, const MeshConfig& mc) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int ranks = mc.dp * mc.pp * mc.cp * mc.tp;
+  // A degree below 1 is reported by the batch split and the mesh's own validation.
+  if (ranks == world || mc.dp < 1 || mc.pp < 1 || mc.cp < 1 || mc.tp < 1) return;
+  static const std::pair<const char*, int MeshConfig::*> dims[] = {
+      {"--dp", &MeshConfig::dp}, {"--pp", &MeshConfig::pp}, {"--cp", &MeshConfig::cp}, {"--tp", &MeshConfig::tp}};
+  std::string uses, product, fix;
+  int n = 0;
+  for (auto& [flag, degree] : dims) {
+    if (!a.declares(flag)) continue;
+    const int d = mc.*degree, others = ranks / d;
+    uses += (n ? " × " : "") + std::string(flag) + " " + std::to_string(d);
+    product += (n ? " × " : "") + std::string(flag);
+    if (world % others == 0)
+      fix = std::string(a.has(flag) ? "set " : "add ") + flag + " " + std::to_string(world / others);
+    n++;
+  }
+  if (n == 0) return;
+  if (n > 1 || fix.empty()) fix = "make " + product + " = " + std::to_string(world);
+  config_error("%s needs %d ranks but the job has %d: %s (or launch with mpirun -np %d)", uses.c_str(), ranks, world,
+               fix.c_str(), ranks);
 }
 
 static volatile sig_atomic_t g_stop_signal = 0;

@@ -13,6 +13,17 @@ namespace ts {
 // rank is a config_error on every rank, naming the rank, the path and the problem.
 void check_output_paths(const RunConfig& rc);
 
+// Collective, before any mesh is built. When the job's ranks are not the mesh's (dp × pp × cp × tp),
+// a config_error that names the fix in the flags this binary has: "add --dp 4" for 02 and 03,
+// "add --tp 4" for 04. A binary without mesh flags checks its own world (01 runs on one rank).
+void check_launch(const Args& a, const MeshConfig& mc);
+
+// Collective, before the model is allocated: the predicted bytes of one rank, times the ranks that
+// share this node's memory (CPU) or this rank's GPU (CUDA), against what is available there now
+// (MemAvailable in /proc/meminfo; cudaMemGetInfo). A run that cannot fit stops with the comparison
+// instead of dying in the allocator or the OOM killer.
+void check_memory_fits(const MemoryPrediction& p, Device dev);
+
 // From now on SIGINT and SIGTERM only raise a flag; a second signal of the same kind acts as usual
 // and ends the process at once.
 void catch_stop_signals();

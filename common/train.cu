@@ -43,11 +43,55 @@ Args::Args(int argc, char** argv, std::string doc) : doc_(std::move(doc)) {
     }
     args_.push_back({a, v});
   }
+  load_config();
   used_.assign(args_.size(), false);
+  get_str("--config", "", "JSON file of flags ({\"steps\": 100, \"lr-schedule\": \"cosine\"}, _ or -), or a checkpoint's "
+          "trainer.json; flags on the command line override it");
+}
+
+// --config FILE: its flags go before the command line's, so that the command line wins (the last
+// occurrence of a flag does). A checkpoint's trainer.json holds them under "flags".
+void Args::load_config() {
+  for (auto& [flag, value] : args_)
+    if (flag == "--config") config_ = value;
+  if (config_.empty() || config_ == "\x01") return;
+  Json j;
+  try {
+    j = Json::parse(read_text_file(config_));
+    if (j.is_object() && j.contains("flags")) j = j.at("flags");
+    if (!j.is_object()) throw FormatError("expected an object of flags");
+  } catch (const FormatError& e) {
+    config_error("--config %s: %s", config_.c_str(), e.what());
+  }
+  std::vector<std::pair<std::string, std::string>> from;
+  for (auto& [key, v] : j.items()) {
+    std::string flag = "--" + key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    if (flag == "--config") continue;
+    if (v.is_bool()) {
+      if (v.as_bool()) from.push_back({flag, "\x01"});
+    } else if (v.is_string()) {
+      from.push_back({flag, v.as_string()});
+    } else if (v.is_number()) {
+      from.push_back({flag, v.dump()});
+    } else {
+      config_error("--config %s: \"%s\" must be a string, a number or true/false", config_.c_str(), key.c_str());
+    }
+  }
+  from_config_ = from.size();
+  args_.insert(args_.begin(), from.begin(), from.end());
+}
+
+Json Args::effective() const {
+  Json j = Json::object();
+  for (auto& [flag, v] : effective_)
+    if (flag != "--config") j[flag.substr(2)] = v;
+  return j;
 }
 
 const char* Args::take(const std::string& flag, const std::string& def, const std::string& help, bool sw) {
   help_.push_back("  " + flag + (sw ? "" : " <" + def + ">") + "\n      " + help);
+  declared_.push_back(flag);
   const char* found = nullptr;
   for (size_t i = 0; i < args_.size(); i++)
     if (args_[i].first == flag) {
@@ -55,6 +99,8 @@ const char* Args::take(const std::string& flag, const std::string& def, const st
       found = args_[i].second.c_str();  // the last occurrence wins
     }
   if (found && !sw && std::string(found) == "\x01") config_error("%s needs a value", flag.c_str());
+  if (sw) effective_.push_back({flag, Json(found != nullptr)});
+  else effective_.push_back({flag, Json(found ? std::string(found) : def == "\"\"" ? std::string() : def)});
   return found;
 }
 
@@ -62,6 +108,10 @@ bool Args::has(const std::string& flag) const {
   for (auto& a : args_)
     if (a.first == flag) return true;
   return false;
+}
+
+bool Args::declares(const std::string& flag) const {
+  return std::find(declared_.begin(), declared_.end(), flag) != declared_.end();
 }
 
 static double parse_number(const std::string& flag, const char* s) {
@@ -107,7 +157,9 @@ void Args::finish() {
     exit(0);
   }
   for (size_t i = 0; i < args_.size(); i++)
-    if (!used_[i]) config_error("unknown flag %s (see --help)", args_[i].first.c_str());
+    if (!used_[i])
+      config_error("unknown flag %s%s (see --help)", args_[i].first.c_str(),
+                   i < from_config_ ? (" in --config " + config_).c_str() : "");
 }
 
 // ----- the run configuration -------------------------------------------------------------------
@@ -118,9 +170,11 @@ bool apply_preset(const std::string& name, ModelConfig& m) {
   else if (name == "small") m = {256, 4, 8, 4, 688, 256, 256};
   else if (name == "124m") m = {768, 12, 12, 12, 2048, 50304, 1024};
   else if (name == "1b") m = {2048, 16, 32, 8, 8192, 128256, 2048};
-  else if (name == "8b") m = {4096, 32, 32, 8, 14336, 128256, 4096};
+  else if (name == "3b") m = {3072, 28, 24, 8, 8192, 128256, 4096};     // Llama-3.2-3B
+  else if (name == "8b") m = {4096, 32, 32, 8, 14336, 128256, 4096};    // Llama-3-8B
+  else if (name == "70b") m = {8192, 80, 64, 8, 28672, 128256, 4096};   // Llama-3-70B
   else return false;
-  if (name == "1b" || name == "8b") m.rope_theta = 500000.f;
+  if (name != "tiny" && name != "small" && name != "124m") m.rope_theta = 500000.f;
   return true;
 }
 
@@ -130,7 +184,7 @@ const char* recompute_name(Recompute r) {
 
 RunConfig parse_run_config(Args& a) {
   RunConfig rc;
-  rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 8b (explicit flags override)");
+  rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 3b | 8b | 70b (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (tiny, small, 124m, 1b, 8b)", rc.preset.c_str());
   ModelConfig& m = rc.model;
   m.dim = a.get_int("--dim", m.dim, "hidden size h");
@@ -140,6 +194,10 @@ RunConfig parse_run_config(Args& a) {
   m.ffn = a.get_int("--ffn", m.ffn, "SwiGLU intermediate size");
   m.vocab = a.get_int("--vocab", m.vocab, "vocabulary size");
   m.seq = a.get_int("--seq", m.seq, "sequence length s");
+  m.experts = a.get_int("--experts", 0, "mixture of experts: E SwiGLU experts of width --ffn per layer (0: dense MLP)");
+  m.top_k = a.get_int("--top-k", 2, "experts per token K (with --experts)");
+  m.aux_loss_coef = float(a.get_double("--aux-loss-coef", 0, "weight α of the load-balancing loss E·Σ f_e·P_e (with --experts)"));
+  m.capacity_factor = float(a.get_double("--capacity-factor", 0, "tokens per expert and sequence: c·T·K/E (0: dropless)"));
   rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
   std::string dt = a.get_str("--dtype", "fp32", "fp32 | bf16 (bf16 compute, fp32 master weights and gradients)");
   if (dt == "fp32") rc.dtype = DType::F32;
@@ -185,6 +243,12 @@ RunConfig parse_run_config(Args& a) {
   if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
   if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
   if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
+  if (m.experts < 0) config_error("--experts must be >= 0 (got %d)", m.experts);
+  if (m.experts > 0 && (m.top_k < 1 || m.top_k > m.experts))
+    config_error("--top-k %d must be between 1 and --experts %d", m.top_k, m.experts);
+  if (m.capacity_factor < 0) config_error("--capacity-factor must be >= 0 (got %g)", double(m.capacity_factor));
+  if (m.aux_loss_coef < 0) config_error("--aux-loss-coef must be >= 0 (got %g)", double(m.aux_loss_coef));
+  if (m.experts == 0) m.top_k = 0;
   if (rc.log_every < 0) config_error("--log-every must be >= 0 (got %ld)", rc.log_every);
   if (rc.keep_last < 0) config_error("--keep-last must be >= 0 (got %d)", rc.keep_last);
   if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
@@ -312,12 +376,12 @@ double global_mean_loss(double local_sum, double global_tokens, const std::vecto
 // as possible (one piece per range when nothing is replicated: the order 01 uses).
 double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& ranges,
                         const std::vector<MPI_Comm>& shard_groups) {
-  double sq = 0;
+  std::vector<Tensor> pieces;
   for (const GradRange& r : ranges) {
     const int64_t end = r.begin + r.grads.numel();
     int64_t from = r.begin;
     auto piece = [&](int64_t upto) {
-      if (upto > from) sq += sum_squares(r.grads.view(from - r.begin, {upto - from}));
+      if (upto > from) pieces.push_back(r.grads.view(from - r.begin, {upto - from}));
     };
     t.for_each_overlap(r.begin, end, [&](const ParamEntry& p, int64_t lo, int64_t hi) {
       if (p.counts) return;
@@ -326,6 +390,8 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
     });
     piece(end);
   }
+  double sq = 0;
+  for (double s : sum_squares_each(pieces)) sq += s;  // in range order: one host sync on CUDA
   for (MPI_Comm c : shard_groups) {
     double all = 0;
     watched_allreduce(&sq, &all, 1, MPI_DOUBLE, MPI_SUM, c, "all_reduce (the gradient norm)");
@@ -416,9 +482,27 @@ static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc
   const double D = c.dim, KV = c.kv_dim(), F = c.ffn, H = c.heads;
   const double region = r * (4 * D * e + 8);                      // x, h1, x_mid, h2 + rstd1, rstd2
   const double split = ((2 * D + 2 * KV + 3 * F) * e + 4 * H) / t;  // q, y, k, v, g, u, act + lse
+  if (c.experts > 0) {  // dropless MoE (moe.h): probs, choices, src per token; per routed row its
+    const double E = c.experts, K = c.top_k;  // token, weight, g, u, act, input and output rows
+    const double moe = (2 * D + 2 * KV) * e + 4 * H + 4 * E + 8 * K + K * (8 + (3 * F + 2 * D) * e);
+    if (rc == Recompute::None) return region + moe;
+    if (rc == Recompute::Selective) return region + moe - r * 2 * D * e - K * F * e;
+  }
   if (rc == Recompute::None) return region + split;
   if (rc == Recompute::Selective) return region + split - r * 2 * D * e - F * e / t;  // minus h1, h2, act
   return r * D * e;  // full: the layer input only
+}
+
+// What the head holds at its peak, per token: final norm input/output and 1/rms, logits [N, V/t].
+static double head_saved_per_token(const ModelConfig& c, double e, double t, double r) {
+  return r * (2.0 * c.dim * e + 4.0) + c.vocab * e / t;
+}
+
+double layer_activation_bytes(const ModelConfig& c, DType dt, Recompute rc, int tp, bool sp) {
+  return layer_saved_per_token(c, double(dtype_size(dt)), rc, tp, sp ? 1.0 / tp : 1.0);
+}
+double head_activation_bytes(const ModelConfig& c, DType dt, int tp, bool sp) {
+  return head_saved_per_token(c, double(dtype_size(dt)), tp, sp ? 1.0 / tp : 1.0);
 }
 
 // The peak of saved activations is the larger of two moments:
@@ -428,7 +512,7 @@ double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute 
   const double e = double(dtype_size(dt)), tokens = double(b) * c.seq, t = tp, r = sp ? 1.0 / tp : 1.0;
   const double saved = layer_saved_per_token(c, e, rc, t, r);
   const double all = layer_saved_per_token(c, e, Recompute::None, t, r);
-  const double head = r * (2.0 * c.dim * e + 4.0) + c.vocab * e / t;  // xf, hf, rstd; logits [N, V/t]
+  const double head = head_saved_per_token(c, e, t, r);
   const double A = c.layers * saved + head;
   const double F = (c.layers - 1) * saved + all + r * c.dim * e;
   return tokens * std::max(A, F);
@@ -522,9 +606,13 @@ void RunLog::step(const StepRecord& r) {
     const std::string eta = left > 0 ? "ETA " + short_duration(elapsed / double(done) * double(left))
                                      : "took " + short_duration(elapsed);
     const int width = int(std::to_string(rc_.steps).size());
-    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | MFU %5.2f%% | %7.1f ms | peak %s | %s\n",
-           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, 100 * r.mfu, r.step_ms,
-           human_bytes(double(r.peak_mem_bytes)).c_str(), eta.c_str());
+    // MFU needs a peak (known GPUs, or --peak-tflops); without one the achieved rate says more than 0.00%.
+    char rate[32];
+    if (r.mfu > 0) snprintf(rate, sizeof rate, "MFU %5.2f%%", 100 * r.mfu);
+    else snprintf(rate, sizeof rate, "%6.2f GFLOP/s", r.flops_per_s * 1e-9);
+    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s%s | %s\n",
+           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, rate, r.step_ms,
+           human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
     fflush(stdout);
     last_line_ = now;
   }
@@ -536,8 +624,11 @@ void RunLog::step(const StepRecord& r) {
     j["grad_norm"] = r.grad_norm;
     j["tokens_per_s"] = r.tokens_per_s;
     j["mfu"] = r.mfu;
+    j["flops_per_s"] = r.flops_per_s;
     j["step_ms"] = r.step_ms;
     j["peak_mem_bytes"] = int64_t(r.peak_mem_bytes);
+    if (r.extra.is_object())
+      for (const auto& [k, v] : r.extra.items()) j[k] = v;
     fprintf(json_, "%s\n", j.dump().c_str());
     fflush(json_);
   }
@@ -587,6 +678,8 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
     }
     mem[tag_name(Tag(t))] = std::move(c);
   }
+  log.line("  (no prediction for comm: host staging of CUDA tensors sent over MPI, 0 on the CPU; nor for workspace:");
+  log.line("   scratch freed within one call, chiefly the fp32 weight copy at init, resume and save, and kernel temporaries)");
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",
            human_bytes(double(s.reserved_peak)).c_str());
@@ -603,6 +696,8 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   rc = parse_run_config(args);
   own(args, rc, mc);
   args.finish();
+  rc.flags = args.effective();
+  if (!rc.dry_run) check_launch(args, mc);
   resolve_batch(rc, mc.dp);
   set_comm_timeout(rc.timeout);
   log_ = std::make_unique<RunLog>(rc, Device::CPU);
@@ -623,6 +718,10 @@ bool Program::dry_run(const std::function<void()>& print) {
 void Program::open() {
   dev = parse_device(rc.device);
   mesh = make_mesh(mc, dev);
+  // Which transport the run's tensors take (NCCL, MPI, MPI staged through the host; notes/collectives).
+  if (mesh.world > 1)
+    log().line("mesh: %d ranks = dp %d x pp %d x cp %d x tp %d; %s tensors travel by %s", mesh.world, mc.dp, mc.pp,
+               mc.cp, mc.tp, device_name(dev), mesh.world_comm().transport(dev));
   data = open_data(rc, dev, log());
 }
 
@@ -631,6 +730,11 @@ void print_model(RunLog& log, const ModelConfig& m) {
            m.kv_heads, m.ffn, m.vocab, m.seq);
   log.line("parameters: %.3fM (%.3fM without the embedding); %.3f GFLOP per token (6N + 12·L·h·s)",
            param_count(m) / 1e6, param_count(m, false) / 1e6, flops_per_token(m) / 1e9);
+  if (m.experts > 0)
+    log.line("mixture of experts: %d experts of ffn %d per layer, top-%d, capacity factor %g%s, aux-loss coef %g; "
+             "FLOPs count the %.3fM active parameters",
+             m.experts, m.ffn, m.top_k, double(m.capacity_factor), m.capacity_factor > 0 ? "" : " (dropless)",
+             double(m.aux_loss_coef), (flops_per_token(m) - 12.0 * m.layers * m.dim * double(m.seq)) / 6e6);
 }
 
 // ----- the shared loop ---------------------------------------------------------------------------
@@ -699,7 +803,8 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     tps.push_back(tokens / secs);
     last_loss = r.loss;
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
-              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak});
+              peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak,
+              r.extra, r.note, flops_per_token(rc.model) * tokens / secs});
     done = step + 1;
     if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
       loop.save(done);

@@ -28,13 +28,22 @@ class Args {
   std::string get_str(const std::string& flag, const std::string& def, const std::string& help);
   bool get_bool(const std::string& flag, const std::string& help);  // a switch: present = true
   bool has(const std::string& flag) const;
+  bool declares(const std::string& flag) const;  // whether this binary reads the flag (so far)
+  // Every flag read so far with the value this run uses (given or default; switches true/false),
+  // as a --config file takes them: {"preset": "tiny", "lr-schedule": "cosine", "quiet": false, ...}.
+  Json effective() const;
   void finish();  // --help prints and exits 0; unknown flags are a config_error
  private:
   const char* take(const std::string& flag, const std::string& def, const std::string& help, bool is_switch);
+  void load_config();
   std::string doc_;
   std::vector<std::pair<std::string, std::string>> args_;  // flag -> value, in order
   std::vector<bool> used_;
   std::vector<std::string> help_;
+  std::vector<std::string> declared_;
+  std::vector<std::pair<std::string, Json>> effective_;
+  std::string config_;   // the --config file, "" without one
+  size_t from_config_ = 0;  // args_[0, from_config_) came from it
   bool want_help_ = false;
 };
 
@@ -64,6 +73,7 @@ struct RunConfig {
   long log_every = 0;  // step lines every N steps (0: about 50 per run), always the first and last
   double progress_seconds = 10;
   int threads = 0;     // CPU threads per rank (0: chosen from the cores, see threads.h)
+  Json flags;          // every flag of this run and its value (Args::effective), kept in trainer.json
 };
 // Reads the flags shared by every technique (not finish(): the technique adds its own first).
 // --resume DIR resolves to the checkpoint it names (see resolve_checkpoint), whose recorded
@@ -148,6 +158,11 @@ MemoryPrediction predict_replica(const RunConfig& rc, int64_t psi_local);
 // Peak bytes of saved activations for one micro-batch of b sequences (see notes/01), at tensor
 // parallelism tp with or without sequence parallelism (notes/04).
 double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp = 1, bool sp = false);
+// Its terms, per token of the micro-batch: what one decoder layer saves for backward under `rc`
+// (Recompute::None: the layer's complete set), and what the head holds at its peak. Pipeline
+// stages build their own peaks from them (micro-batches in flight × layers held).
+double layer_activation_bytes(const ModelConfig& c, DType dt, Recompute rc, int tp = 1, bool sp = false);
+double head_activation_bytes(const ModelConfig& c, DType dt, int tp = 1, bool sp = false);
 
 // ----- reporting ----------------------------------------------------------------------------------
 // The per-step record, printed as a line and written as a JSON line.
@@ -155,6 +170,9 @@ struct StepRecord {
   long step;
   double loss, lr, grad_norm, tokens_per_s, mfu, step_ms;
   size_t peak_mem_bytes;
+  Json extra;        // merged into the JSON record
+  std::string note;  // appended to the printed line
+  double flops_per_s = 0;  // the job's model FLOP/s (6N + 12·L·h·s per token): the line without a peak
 };
 double peak_tflops_for(Device dev, DType dt, double override_tflops);
 std::string device_description(Device dev);
@@ -221,6 +239,8 @@ void print_memory(RunLog& log, Device dev, long step, const char* when);
 
 struct StepResult {
   double loss, grad_norm;
+  Json extra;        // more fields for the step's JSON record (MoE routing statistics), or null
+  std::string note;  // appended to the step's line
 };
 struct Loop {
   std::function<StepResult(long step)> step;            // one optimizer step (the technique)

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The test driver behind `make test`: runs every Catch2 binary in $BUILD/tests, each under mpirun
 # at the rank counts its source declares on a line "// ranks: 1 2 4" (default 1), counts test
-# cases, prints every failure in full, and ends with "N passed, M failed" (non-zero exit on failure).
+# cases, runs the scripted checks tests/check_*.sh (one case each), prints every failure in full,
+# and ends with "N passed, M failed" (non-zero exit on failure).
 set -u
 BUILD=${BUILD:-build}
 TIMEOUT=${TEST_TIMEOUT:-900}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export TS_BUILD=$BUILD
 passed=0; failed=0; not_run=0; failures=()
-# Test cases tagged [cuda] compare the CUDA backend with the CPU one. Without a visible GPU they are
-# not run, and the driver says how many, rather than counting them as passed.
-if nvidia-smi -L >/dev/null 2>&1; then gpu=1; filter=(); else gpu=0; filter=("~[cuda]"); fi
+# Test cases tagged [cuda] compare the CUDA backend with the CPU one. Without a GPU this build can use
+# (gpu_probe asks cudaGetDeviceCount, as the binaries do) they are not run, and the driver says how
+# many, rather than counting them as passed.
+if "$BUILD/tests/gpu_probe" >/dev/null 2>&1; then gpu=1; filter=(); else gpu=0; filter=("~[cuda]"); fi
 log=$(mktemp); trap 'rm -f "$log"' EXIT
 for src in tests/test_*.cpp; do
   name=$(basename "$src" .cpp)
@@ -58,6 +60,20 @@ if ls "$BUILD"/fuzz/fuzz_* >/dev/null 2>&1; then
     esac
   done < <(BUILD=$BUILD FUZZ_SECONDS=${FUZZ_TEST_SECONDS:-5} scripts/fuzz.sh)
 fi
+# Scripted checks (tests/check_*.sh): one test case each, passed when the script exits 0.
+for check in tests/check_*.sh; do
+  label=$(basename "$check" .sh)
+  start=$(date +%s)
+  timeout "$TIMEOUT" "$check" >"$log" 2>&1
+  rc=$?
+  secs=$(( $(date +%s) - start ))
+  if [ $rc -eq 0 ]; then
+    passed=$((passed + 1)); echo "ok   $label: $(tail -n 1 "$log") (${secs}s)"
+  else
+    failed=$((failed + 1)); failures+=("$label")
+    echo "FAIL $label (exit $rc, ${secs}s)"; sed 's/^/    /' "$log" | tail -n 80
+  fi
+done
 [ ${#failures[@]} -gt 0 ] && printf 'failed: %s\n' "${failures[@]}"
 [ $not_run -gt 0 ] && echo "no GPU visible: $not_run CUDA test cases not run (scripts/gpu-check.sh runs them on a GPU machine)"
 echo "$passed passed, $failed failed"

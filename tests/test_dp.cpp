@@ -76,27 +76,9 @@ const Run& dp_run(int dp, const std::string& mode, const std::string& bucket_mb,
              dp);
 }
 
-struct WeightDiff {
-  double max_abs = 0;
-  long over = 0, total = 0;  // elements with |Δ| > 1e-6, and all elements
-};
-
-WeightDiff weight_diff(const std::string& a, const std::string& b) {
-  auto ta = tst::read_tensors(a), tb = tst::read_tensors(b);
-  WeightDiff d;
-  REQUIRE(ta.size() == tb.size());
-  for (size_t i = 0; i < ta.size(); i++) {
-    REQUIRE(ta[i].first == tb[i].first);
-    REQUIRE(ta[i].second.size() == tb[i].second.size());
-    for (size_t k = 0; k < ta[i].second.size(); k++) {
-      const double e = double(std::fabs(ta[i].second[k] - tb[i].second[k]));  // as tst::max_abs_diff_files
-      d.max_abs = std::max(d.max_abs, e);
-      d.over += e > 1e-6;
-      d.total++;
-    }
-  }
-  return d;
-}
+using tst::WeightDiff;
+// Elements with |Δ| > 1e-6 are counted as loose.
+WeightDiff weight_diff(const std::string& a, const std::string& b) { return tst::weight_diff(a, b, 1e-6); }
 
 void check_matches_01(const Run& r) {
   const Run& ref = ref01();

@@ -1073,6 +1073,15 @@ TEST_CASE("bad arguments are named in the error (checked shapes compose)", "[val
   REQUIRE(rel_err(host(y), matmul_ref(dbl(host(x)), false, dbl(host(W)), false, 6, 5, 4)) <= 1e-6);
 }
 
+TEST_CASE("sum_squares_each gives each tensor's sum_squares, bit for bit", "[norm]") {
+  std::vector<Tensor> xs = {make({1000}, randn(1000, 61)), make({1}, {3.f}), make({70001}, randn(70001, 62))};
+  const std::vector<double> each = sum_squares_each(xs);
+  REQUIRE(each.size() == 3);
+  for (size_t i = 0; i < xs.size(); i++) CHECK(each[i] == sum_squares(xs[i]));
+  CHECK(each[1] == 9.0);
+  CHECK(sum_squares_each({}).empty());
+}
+
 // ===== CUDA twins ================================================================================
 
 #ifdef TS_CUDA
@@ -1185,25 +1194,29 @@ TEST_CASE("cuda twin: matmul and linear", "[cuda]") {
   }
 }
 
+// Head dims 16, 64 and 128 take the kernel's 1-, 2- and 4-chunk paths (the presets use 64 and
+// 128); GQA ratios 1, 2 and 4; odd sequence lengths; fp32 and bf16.
 TEST_CASE("cuda twin: attention", "[cuda]") {
   if (!gpu_visible()) return;
   for (DType dt : {DType::F32, DType::BF16})
-    for (int64_t S : {7, 65})
-      for (int64_t KVH : {4, 1}) {
-        const AttnDims a{2, S, 4, KVH, 16};
-        const AttnCase c = attn_case(a, iota(S, 5), iota(S, 5), 20 + S + KVH);
-        Tensor q = make({2, S, 4, 16}, c.q, dt), k = make({2, S, KVH, 16}, c.k, dt), v = make({2, S, KVH, 16}, c.v, dt);
-        Tensor dout = make({2, S, 4, 16}, c.dout, dt), pos = ints(c.qpos);
-        Tensor out = make(q.shape, Vec(q.numel(), 0.f), dt), lse = make({2, 4, S}, Vec(8 * S, 0.f));
-        twin("attention_forward", {out, lse, q, k, v, pos}, {0, 1},
-             [](auto& t) { attention_forward(t[0], t[1], t[2], t[3], t[4], t[5], t[5]); }, tol_for(dt, 1e-4));
-        attention_forward(out, lse, q, k, v, pos, pos);
-        Tensor dq = make(q.shape, Vec(q.numel(), 0.f), dt), dk = make(k.shape, Vec(k.numel(), 0.f), dt);
-        Tensor dv = make(k.shape, Vec(k.numel(), 0.f), dt);
-        twin("attention_backward", {dq, dk, dv, dout, out, lse, q, k, v, pos}, {0, 1, 2},
-             [](auto& t) { attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[9]); },
-             tol_for(dt, 1e-4));
-      }
+    for (int64_t hd : {16, 64, 128})
+      for (int64_t S : {7, 65, 129})
+        for (int64_t KVH : {4, 2, 1}) {
+          const AttnDims a{2, S, 4, KVH, hd};
+          const AttnCase c = attn_case(a, iota(S, 5), iota(S, 5), 20 + S + KVH + hd);
+          Tensor q = make({2, S, 4, hd}, c.q, dt), k = make({2, S, KVH, hd}, c.k, dt), v = make({2, S, KVH, hd}, c.v, dt);
+          Tensor dout = make({2, S, 4, hd}, c.dout, dt), pos = ints(c.qpos);
+          Tensor out = make(q.shape, Vec(q.numel(), 0.f), dt), lse = make({2, 4, S}, Vec(8 * S, 0.f));
+          INFO("hd " << hd << " S " << S << " kv heads " << KVH);
+          twin("attention_forward", {out, lse, q, k, v, pos}, {0, 1},
+               [](auto& t) { attention_forward(t[0], t[1], t[2], t[3], t[4], t[5], t[5]); }, tol_for(dt, 1e-4));
+          attention_forward(out, lse, q, k, v, pos, pos);
+          Tensor dq = make(q.shape, Vec(q.numel(), 0.f), dt), dk = make(k.shape, Vec(k.numel(), 0.f), dt);
+          Tensor dv = make(k.shape, Vec(k.numel(), 0.f), dt);
+          twin("attention_backward", {dq, dk, dv, dout, out, lse, q, k, v, pos}, {0, 1, 2},
+               [](auto& t) { attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[9]); },
+               tol_for(dt, 1e-4));
+        }
 }
 
 TEST_CASE("cuda twin: swiglu and cross-entropy", "[cuda]") {
@@ -1223,6 +1236,40 @@ TEST_CASE("cuda twin: swiglu and cross-entropy", "[cuda]") {
     Tensor logits = make({N, V}, lg, dt), losses = make({N}, Vec(N, 0.f));
     twin("cross_entropy", {losses, logits, ints(tg)}, {0, 1},
          [](auto& t) { cross_entropy_forward_backward(t[0], t[1], t[1], t[2], 0.25f); }, tol_for(dt, 1e-5));
+  }
+}
+
+// Vocabularies wider than a 512-thread block (the model's GPT-2 vocabulary is 50257).
+TEST_CASE("cuda twin: cross-entropy at vocabularies above 512", "[cuda]") {
+  if (!gpu_visible()) return;
+  for (int64_t V : {1031, 50257}) {
+    const int64_t N = 9;
+    Vec lg = randn(N * V, 30 + V, 4.f);
+    lg[3] = 80.f;
+    IVec tg(N);
+    for (int64_t n = 0; n < N; n++) tg[n] = int32_t((n * 977) % V);
+    for (DType dt : {DType::F32, DType::BF16}) {
+      INFO("vocab " << V);
+      Tensor logits = make({N, V}, lg, dt), losses = make({N}, Vec(N, 0.f));
+      twin("cross_entropy", {losses, logits, ints(tg)}, {0, 1},
+           [](auto& t) { cross_entropy_forward_backward(t[0], t[1], t[1], t[2], 0.25f); }, tol_for(dt, 1e-5));
+    }
+  }
+}
+
+// Embedding backward at vocabularies of 128 and more, with repeated tokens (rows accumulate).
+TEST_CASE("cuda twin: embedding backward at vocab 128 and 50257", "[cuda]") {
+  if (!gpu_visible()) return;
+  for (int64_t V : {128, 300, 50257}) {
+    const int64_t D = 64, N = 257;
+    IVec tok(N);
+    for (int64_t n = 0; n < N; n++) tok[n] = int32_t((n * 31) % std::min<int64_t>(V, 97));
+    for (DType dt : {DType::F32, DType::BF16}) {
+      INFO("vocab " << V);
+      Tensor dtable = make({V, D}, Vec(V * D, 0.f)), dout = make({N, D}, randn(N * D, 40 + V), dt);
+      twin("embedding_backward", {dtable, dout, ints(tok)}, {0},
+           [](auto& t) { embedding_backward(t[0], t[1], t[2], 0); }, 1e-6);
+    }
   }
 }
 
@@ -1255,12 +1302,32 @@ TEST_CASE("cuda twin: adamw, sum_squares, init_normal", "[cuda]") {
   const int64_t n = 4099;
   Tensor p = make({n}, randn(n, 22)), g = make({n}, randn(n, 23)), m = make({n}, randn(n, 24, 0.1f));
   Tensor v = make({n}, Vec(n, 0.01f)), pc = make({n}, Vec(n, 0.f), DType::BF16);
-  twin("adamw_step", {p, g, m, v, pc}, {0, 2, 3, 4},
+  // The fp32 master, m and v may differ by an ulp or so (FMA contraction); the bf16 copy is the
+  // master rounded, so one master ulp that straddles a bf16 rounding midpoint moves it by one
+  // bf16 ulp (~2^-8 relative): compared per element within one bf16 ulp, not at fp32's 1e-6.
+  twin("adamw_step", {p, g, m, v, pc}, {0, 2, 3},
        [](auto& t) { adamw_step(t[0], t[1], t[2], t[3], {1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3}, true, 0.7f, t[4]); },
        1e-6);
+  {
+    Tensor pc_cpu = on(pc, Device::CPU), pc_gpu = on(pc, Device::CUDA);
+    Tensor p1 = on(p, Device::CPU), g1 = on(g, Device::CPU), m1 = on(m, Device::CPU), v1 = on(v, Device::CPU);
+    Tensor p2 = on(p, Device::CUDA), g2 = on(g, Device::CUDA), m2 = on(m, Device::CUDA), v2 = on(v, Device::CUDA);
+    const AdamWParams hp{1e-3f, 0.9f, 0.95f, 1e-8f, 0.1f, 3};
+    adamw_step(p1, g1, m1, v1, hp, true, 0.7f, pc_cpu);
+    adamw_step(p2, g2, m2, v2, hp, true, 0.7f, pc_gpu);
+    device_sync(Device::CUDA);
+    const Vec c = host(pc_cpu), gg = host(pc_gpu);
+    int64_t beyond_one_ulp = 0;
+    for (size_t i = 0; i < c.size(); i++) beyond_one_ulp += std::fabs(gg[i] - c[i]) > std::ldexp(std::fabs(c[i]), -7);
+    CHECK(beyond_one_ulp == 0);
+  }
   const double want = sum_squares(g);
   const double got = sum_squares(on(g, Device::CUDA));
   CHECK(std::fabs(got - want) <= 1e-12 * want);
+  const std::vector<double> each = sum_squares_each({on(g, Device::CUDA), on(m, Device::CUDA)});
+  REQUIRE(each.size() == 2);
+  CHECK(each[0] == got);  // the same kernels, the same order
+  CHECK(std::fabs(each[1] - sum_squares(m)) <= 1e-12 * sum_squares(m));
   Tensor s = make({17, 9}, Vec(17 * 9, 0.f));
   twin("init_normal", {s}, {0}, [](auto& t) { init_normal(t[0], 99, 0.02f, 3, 5, 20); }, 0);
 }

@@ -120,27 +120,10 @@ TEST_CASE("memory and bytes per rank equal the formulas at tp 2 and 4, with and 
 
 TEST_CASE("a tp 2 checkpoint resumes in 01 on its curve, and a 01 checkpoint at tp 4", "[04][e2e][ckpt]") {
   const Run& ref = single(steps_args(8, 8));
-  const std::vector<double> want = ref.log.losses();
-  struct Leg {
-    const Run& from;
-    std::string bin;
-    int np;
-    std::string args;
-  } legs[] = {
-      {tensor(2, true, "--steps 3 --batch 8"), "01_single_gpu", 1, ""},
-      {single("--steps 3 --batch 8"), "04_tensor_parallel", 4, "--tp 4 "},
-  };
-  for (const Leg& leg : legs) {
-    const std::string log = tst::scratch("tp_resume.jsonl"), out = tst::scratch("tp_resume_ck");
-    tst::Result r = tst::run_bin(leg.bin, kTiny + leg.args + "--steps 6 --batch 8 --resume " + leg.from.ckpt +
-                                              " --save " + out + " --log-json " + log, leg.np, 120);
-    INFO(leg.bin << "\n" << r.output);
-    REQUIRE(r.status == 0);
-    std::vector<double> l = tst::read_log(log).losses();
-    REQUIRE(l.size() == 3);
-    CHECK(tst::max_rel_diff(l, std::vector<double>(want.begin() + 3, want.end())) <= kLossTol);
-    CHECK(tst::max_abs_diff_files(out + "/model.safetensors", model_file(ref)) <= kWeightTol);
-  }
+  tst::check_resume("01_single_gpu", 1, kTiny + "--steps 6 --batch 8", tensor(2, true, "--steps 3 --batch 8").ckpt, ref,
+                    3, kLossTol, kWeightTol);
+  tst::check_resume("04_tensor_parallel", 4, kTiny + "--tp 4 --steps 6 --batch 8", single("--steps 3 --batch 8").ckpt,
+                    ref, 3, kLossTol, kWeightTol);
 }
 
 TEST_CASE("--dry-run predicts Llama-3-8B at tp 8 on one rank", "[04]") {

@@ -73,15 +73,19 @@ inline Result run(const std::string& cmd, int timeout_s = 300) {
 // choose its threads itself, as it does for a user.
 inline const std::string kOwnThreads = "-u OMP_NUM_THREADS";
 
-// The command line for `np` ranks of a technique binary (np 1 runs it directly).
+// The command line for `np` ranks of a technique binary (np 1 runs it directly). Technique runs
+// default to the CPU even where a GPU is visible: the equivalence tests prove the techniques on
+// the CPU reference, and the [cuda] cases compare CUDA with it explicitly (--device cuda).
 inline std::string bin_command(const std::string& bin, const std::string& args, int np = 1,
                                const std::string& extra_env = "") {
   std::string exe = build_dir() + "/" + bin;
+  const bool technique = bin.size() > 1 && bin[0] == '0';
+  const std::string dev = technique && args.find("--device") == std::string::npos ? " --device cpu" : "";
   // Tests run inside an MPI job themselves; a child job must not inherit its PMI connection.
   std::string env = "env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME -u MPI_LOCALRANKID "
                     "-u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " + extra_env + " ";
-  if (np == 1) return env + exe + " " + args;
-  return env + "mpirun -np " + std::to_string(np) + " " + exe + " " + args;
+  if (np == 1) return env + exe + " " + args + dev;
+  return env + "mpirun -np " + std::to_string(np) + " " + exe + " " + args + dev;
 }
 
 inline Result run_bin(const std::string& bin, const std::string& args, int np = 1, int timeout_s = 300,
@@ -146,6 +150,27 @@ inline double max_abs_diff_files(const std::string& a, const std::string& b) {
   return m;
 }
 
+// Elementwise comparison of two checkpoints' tensors: the largest |Δ| and how many exceed `loose`.
+struct WeightDiff {
+  double max_abs = 0;
+  long over = 0, total = 0;
+};
+inline WeightDiff weight_diff(const std::string& a, const std::string& b, double loose) {
+  auto ta = read_tensors(a), tb = read_tensors(b);
+  WeightDiff d;
+  if (ta.size() != tb.size()) return {1e30, 1L << 40, 0};
+  for (size_t i = 0; i < ta.size(); i++) {
+    if (ta[i].first != tb[i].first || ta[i].second.size() != tb[i].second.size()) return {1e30, 1L << 40, 0};
+    for (size_t j = 0; j < ta[i].second.size(); j++) {
+      const double x = double(std::fabs(ta[i].second[j] - tb[i].second[j]));  // as max_abs_diff_files
+      d.max_abs = std::max(d.max_abs, x);
+      d.over += x > loose;
+      d.total++;
+    }
+  }
+  return d;
+}
+
 // ----- shared end-to-end pieces (need Catch2's macros: include after catch.hpp) -----------------
 
 // A run of a technique binary with --save and --log-json into scratch space; runs are cached by
@@ -187,6 +212,20 @@ inline void check_errors(const std::string& bin, const std::string& prefix, cons
     CHECK(r.output.find(c.message) != std::string::npos);
     CHECK(r.output.find("error") != std::string::npos);
   }
+}
+
+// Resumes `bin` (np ranks, `args` + --resume from_ckpt) to `steps` and checks it continues the
+// reference run: the losses of the steps after the checkpoint and the final weights.
+inline void check_resume(const std::string& bin, int np, const std::string& args, const std::string& from_ckpt,
+                         const CachedRun& ref, int steps_done, double loss_tol, double weight_tol) {
+  const std::string log = scratch("resume.jsonl"), out = scratch("resume_ck");
+  Result r = run_bin(bin, args + " --resume " + from_ckpt + " --save " + out + " --log-json " + log, np, 120);
+  INFO(bin << " " << args << "\n" << r.output);
+  REQUIRE(r.status == 0);
+  const std::vector<double> l = read_log(log).losses(), want = ref.log.losses();
+  REQUIRE(l.size() == want.size() - size_t(steps_done));
+  CHECK(max_rel_diff(l, std::vector<double>(want.begin() + steps_done, want.end())) <= loss_tol);
+  CHECK(max_abs_diff_files(out + "/model.safetensors", ref.ckpt + "/model.safetensors") <= weight_tol);
 }
 
 }  // namespace tst

@@ -1,0 +1,672 @@
+// 05_pipeline_parallel.cu — pipeline parallelism: AFAB (GPipe), 1F1B, interleaved 1F1B and ZB-H1.
+//
+// The playbook's pipeline chapter, runnable. The decoder layers are cut into p·V contiguous
+// virtual stages of L/(p·V) layers; virtual stage k = c·p + s is chunk c of rank s (Megatron's
+// round-robin assignment: with V = 1 rank s holds one contiguous run). The embedding goes with
+// virtual stage 0 (rank 0), the final norm, LM head and loss with virtual stage p·V − 1 (rank
+// p − 1). The m = batch/micro-batch micro-batches of a step flow through the stages:
+//   afab         all forwards, then all backwards (GPipe, Huang et al. 2019);
+//   1f1b         p − s − 1 warm-up forwards, then one forward one backward, then the cool-down
+//                (PipeDream-1F1B, Narayanan et al.): at most p − s micro-batches in flight;
+//   interleaved  1F1B over V chunks per rank (Megatron's order; m a multiple of p);
+//   zb-h1        each backward split into B (input gradient, on the critical path) and W (weight
+//                gradient), W moved into the bubbles (Qi et al. 2023, "Zero Bubble Pipeline
+//                Parallelism"), with 1F1B's bound on the micro-batches in flight.
+// A schedule is data: build_plan() turns (p, m, V, schedule) into one list of actions per rank
+// (F, B, W, send, recv); the executor runs the list; --schedule-chart prints its timeline.
+//
+//   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --schedule 1f1b --batch 16 --micro-batch 2
+//   ./build/05_pipeline_parallel --dry-run --pp 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
+#ifndef TS_05_PIPELINE_PARALLEL_CU
+#define TS_05_PIPELINE_PARALLEL_CU
+#include <algorithm>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "checkpoint.h"
+#include "comm.h"
+#include "data.h"
+#include "mesh.h"
+#include "model.h"
+#include "trace.h"
+#include "train.h"
+
+namespace pp {
+using namespace ts;
+
+// ----- the schedule as data ---------------------------------------------------------------------
+
+enum class Schedule { AFAB, OneFOneB, Interleaved, ZBH1 };
+inline const char* schedule_name(Schedule s) {
+  const char* n[] = {"afab", "1f1b", "interleaved", "zb-h1"};
+  return n[int(s)];
+}
+inline bool parse_schedule(const std::string& name, Schedule& s) {
+  for (Schedule c : {Schedule::AFAB, Schedule::OneFOneB, Schedule::Interleaved, Schedule::ZBH1})
+    if (name == schedule_name(c)) return s = c, true;
+  return false;
+}
+
+// F: forward of a chunk (at the last virtual stage also the head's backward); B: its backward
+// (input gradient only under ZB-H1); W: the deferred weight gradients (ZB-H1).
+enum class Op { F, B, W, SendAct, RecvAct, SendGrad, RecvGrad };
+struct Action {
+  Op op;
+  int mb, chunk;  // micro-batch; this rank's chunk c (virtual stage c·p + rank)
+  bool operator==(const Action& o) const { return op == o.op && mb == o.mb && chunk == o.chunk; }
+};
+inline bool is_compute(Op o) { return o == Op::F || o == Op::B || o == Op::W; }
+
+struct Timed {
+  Action a;
+  int start, dur;
+};
+
+// The whole schedule: per rank the compute actions with their simulated slots (unit costs F = 1,
+// B = 2, or B = 1 and W = 1 when split) and the full list with the p2p actions in place.
+struct Plan {
+  int p = 1, m = 1, V = 1;
+  Schedule schedule = Schedule::OneFOneB;
+  std::vector<std::vector<Timed>> timeline;
+  std::vector<std::vector<Action>> actions;
+  int makespan = 0;
+  bool complete = false;  // the simulation ran every action (false: the order deadlocks)
+  int K() const { return p * V; }
+  int stage(int rank, int chunk) const { return chunk * p + rank; }
+  int busy() const { return m * V * 3; }  // every rank's compute slots
+  // Idle slots over compute slots, the playbook's t_bubble / t_ideal.
+  double bubble() const { return double(makespan - busy()) / busy(); }
+};
+
+// The playbook's bubble formulas: (p − 1)/m, (p − 1)/(V·m), and ZB-H1's (p − 1)/(3m).
+inline double bubble_formula(Schedule s, int p, int m, int V) {
+  if (s == Schedule::Interleaved) return (p - 1.0) / (double(V) * m);
+  if (s == Schedule::ZBH1) return (p - 1.0) / (3.0 * m);
+  return (p - 1.0) / m;
+}
+
+// Fixed compute orders. AFAB: every F, then every B, micro-batches in order.
+inline std::vector<Action> afab_order(int m) {
+  std::vector<Action> o;
+  for (int i = 0; i < m; i++) o.push_back({Op::F, i, 0});
+  for (int i = 0; i < m; i++) o.push_back({Op::B, i, 0});
+  return o;
+}
+
+// Megatron's interleaved order over m·V (micro-batch, chunk) units: groups of p micro-batches
+// walk the chunks forward (backward: in reverse); warm-up 2(p − s − 1) + (V − 1)·p units, then
+// one forward one backward. V = 1 with warm-up p − s − 1 is plain 1F1B.
+inline std::vector<Action> one_f_one_b_order(int p, int m, int V, int s) {
+  const int total = m * V;
+  int warm = V == 1 ? p - s - 1 : 2 * (p - s - 1) + (V - 1) * p;
+  warm = std::min(warm, total);
+  auto unit = [&](Op op, int i) {
+    const int c = (i % (p * V)) / p, mb = (i / (p * V)) * p + i % p;
+    return Action{op, mb, op == Op::F ? c : V - 1 - c};
+  };
+  std::vector<Action> o;
+  for (int i = 0; i < warm; i++) o.push_back(unit(Op::F, i));
+  for (int i = 0; i < total - warm; i++) {
+    o.push_back(unit(Op::F, warm + i));
+    o.push_back(unit(Op::B, i));
+  }
+  for (int i = total - warm; i < total; i++) o.push_back(unit(Op::B, i));
+  return o;
+}
+
+// The simulator: slot by slot, a free rank starts its next action once its inputs are done.
+// Fixed orders take the next action of their list; ZB-H1 picks greedily: a ready B first (it
+// is on the critical path), else an F while fewer than p − s micro-batches hold activations
+// (F done, W not: 1F1B's bound), else the oldest pending W (it fills what would be a bubble).
+class Simulator {
+ public:
+  Simulator(int p, int m, int V, bool split) : p_(p), m_(m), V_(V), split_(split) {
+    fF_.assign(size_t(m * p * V), -1);
+    fB_ = fF_;
+  }
+  Plan run(Schedule sched) {
+    Plan pl;
+    pl.p = p_, pl.m = m_, pl.V = V_, pl.schedule = sched;
+    pl.timeline.resize(size_t(p_));
+    std::vector<std::vector<Action>> order{size_t(p_)};
+    for (int s = 0; s < p_; s++) order[s] = sched == Schedule::AFAB ? afab_order(m_) : one_f_one_b_order(p_, m_, V_, s);
+    std::vector<int> free_at(size_t(p_), 0), next(size_t(p_), 0), nF(size_t(p_), 0), nB(size_t(p_), 0), nW(size_t(p_), 0);
+    const int need = m_ * V_ * (split_ ? 3 : 2);
+    const int limit = 4 * (3 * m_ * V_ + 3 * p_) + 8;
+    int done = 0;
+    for (int t = 0; t < limit && done < need * p_; t++)
+      for (int s = 0; s < p_; s++) {
+        if (free_at[s] > t) continue;
+        Action a{Op::F, -1, 0};
+        const bool more = next[s] < int(order[s].size());
+        const bool held = split_ && more && order[s][next[s]].op == Op::F && nF[s] - nW[s] >= p_;
+        if (more && !held && ready(order[s][next[s]], s, t)) {
+          a = order[s][next[s]++];
+          (a.op == Op::B ? nB : nF)[s]++;
+        } else if (split_ && nW[s] < nB[s] && by(fB_[idx(nW[s], s)], t)) {
+          a = {Op::W, nW[s]++, 0};
+        }
+        if (a.mb < 0) continue;
+        const int dur = a.op == Op::B && !split_ ? 2 : 1;
+        const int k = a.chunk * p_ + s;
+        if (a.op == Op::F) fF_[idx(a.mb, k)] = t + dur;
+        if (a.op == Op::B) fB_[idx(a.mb, k)] = t + dur;
+        pl.timeline[s].push_back({a, t, dur});
+        pl.makespan = std::max(pl.makespan, t + dur);
+        free_at[s] = t + dur;
+        done++;
+      }
+    pl.complete = done == need * p_;
+    return pl;
+  }
+
+ private:
+  int idx(int mb, int k) const { return mb * p_ * V_ + k; }
+  static bool by(int finish, int t) { return finish >= 0 && finish <= t; }
+  bool ready(const Action& a, int s, int t) const {
+    const int k = a.chunk * p_ + s, K = p_ * V_;
+    if (a.op == Op::F) return k == 0 || by(fF_[idx(a.mb, k - 1)], t);
+    if (a.op == Op::B) return by(fF_[idx(a.mb, k)], t) && (k == K - 1 || by(fB_[idx(a.mb, k + 1)], t));
+    return by(fB_[idx(a.mb, k)], t);
+  }
+  int p_, m_, V_;
+  bool split_;
+  std::vector<int> fF_, fB_;  // finish slot of F / B per (micro-batch, virtual stage); -1 not yet
+};
+
+// The rank that runs virtual stage k, and the p2p actions around each compute action: an F
+// past the first virtual stage receives its input, one before the last sends its output; a B
+// before the last receives its output gradient, one past the first sends its input gradient.
+// Nothing travels between two virtual stages of one rank (p = 1).
+inline int stage_rank(const Plan& pl, int k) { return ((k % pl.p) + pl.p) % pl.p; }
+inline void add_p2p(Plan& pl) {
+  pl.actions.assign(size_t(pl.p), {});
+  for (int s = 0; s < pl.p; s++)
+    for (const Timed& t : pl.timeline[s]) {
+      const Action& a = t.a;
+      const int k = pl.stage(s, a.chunk);
+      const bool from_prev = k > 0 && stage_rank(pl, k - 1) != s, to_next = k < pl.K() - 1 && stage_rank(pl, k + 1) != s;
+      std::vector<Action>& l = pl.actions[s];
+      if (a.op == Op::F && from_prev) l.push_back({Op::RecvAct, a.mb, a.chunk});
+      if (a.op == Op::B && to_next) l.push_back({Op::RecvGrad, a.mb, a.chunk});
+      l.push_back(a);
+      if (a.op == Op::F && to_next) l.push_back({Op::SendAct, a.mb, a.chunk});
+      if (a.op == Op::B && from_prev) l.push_back({Op::SendGrad, a.mb, a.chunk});
+    }
+}
+
+// One message between two ranks: (direction, micro-batch, sending virtual stage).
+struct Message {
+  int dir, mb, from;
+  bool operator<(const Message& o) const { return std::tie(dir, mb, from) < std::tie(o.dir, o.mb, o.from); }
+  bool operator==(const Message& o) const { return dir == o.dir && mb == o.mb && from == o.from; }
+};
+inline Message message_of(const Plan& pl, int s, const Action& a) {
+  const int k = pl.stage(s, a.chunk);
+  switch (a.op) {
+    case Op::SendAct: return {0, a.mb, k};
+    case Op::RecvAct: return {0, a.mb, k - 1};
+    case Op::SendGrad: return {1, a.mb, k};
+    default: return {1, a.mb, k + 1};  // RecvGrad
+  }
+}
+inline bool is_send(Op o) { return o == Op::SendAct || o == Op::SendGrad; }
+inline int peer_of(const Plan& pl, int s, const Action& a) {
+  const int k = pl.stage(s, a.chunk);
+  return stage_rank(pl, a.op == Op::SendAct || a.op == Op::RecvGrad ? k + 1 : k - 1);
+}
+
+// Consecutive p2p actions form one group, posted together and waited for together (Megatron's
+// send-forward-recv-backward pairs: where both directions move, both are in flight at once).
+inline std::vector<std::vector<Action>> p2p_groups(const std::vector<Action>& list, std::vector<int>* at = nullptr) {
+  std::vector<std::vector<Action>> g;
+  for (size_t i = 0; i < list.size(); i++) {
+    if (is_compute(list[i].op)) continue;
+    if (i == 0 || is_compute(list[i - 1].op)) {
+      g.emplace_back();
+      if (at) at->push_back(int(i));
+    }
+    g.back().push_back(list[i]);
+  }
+  return g;
+}
+
+// Runs the lists under the strictest semantics, rendezvous: a message completes only while both
+// its ends are posted, and a rank leaves a group when all its messages completed. If this
+// finishes, no buffering or ordering of the transport can make the executor deadlock.
+inline bool completes_under_rendezvous(const Plan& pl) {
+  const int p = pl.p;
+  std::vector<std::vector<std::vector<Action>>> groups{size_t(p)};
+  for (int s = 0; s < p; s++) groups[s] = p2p_groups(pl.actions[s]);
+  std::vector<size_t> at(size_t(p), size_t(0));
+  std::vector<std::map<Message, bool>> done{size_t(p)};
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int s = 0; s < p; s++) {
+      if (at[s] >= groups[s].size()) continue;
+      bool all = true;
+      for (const Action& a : groups[s][at[s]]) {
+        const Message msg = message_of(pl, s, a);
+        if (done[s][msg]) continue;
+        const int q = peer_of(pl, s, a);
+        bool matched = false;
+        if (at[q] < groups[q].size())
+          for (const Action& b : groups[q][at[q]])
+            if (is_send(b.op) != is_send(a.op) && message_of(pl, q, b) == msg && peer_of(pl, q, b) == s) matched = true;
+        if (matched) done[s][msg] = done[q][msg] = true;
+        else all = false;
+      }
+      if (all) at[s]++, progress = true;
+    }
+  }
+  for (int s = 0; s < p; s++)
+    if (at[s] < groups[s].size()) return false;
+  return true;
+}
+
+// The one function that makes a schedule: (p, m, V, schedule) -> per-rank action lists.
+inline Plan build_plan(int p, int m, int V, Schedule sched) {
+  Plan pl = Simulator(p, m, V, sched == Schedule::ZBH1).run(sched);
+  add_p2p(pl);
+  return pl;
+}
+
+// One character per slot, one row per rank, like the playbook's figures: F, B or W (lower case
+// on odd chunks), and under it the micro-batch (mod 10); '.' is a bubble.
+inline std::vector<std::string> schedule_chart(const Plan& pl) {
+  std::vector<std::string> rows;
+  for (int s = 0; s < pl.p; s++) {
+    std::string op(size_t(pl.makespan), '.'), mb(size_t(pl.makespan), ' ');
+    for (const Timed& t : pl.timeline[s])
+      for (int i = t.start; i < t.start + t.dur; i++) {
+        const char c = "FBW"[int(t.a.op)];
+        op[size_t(i)] = t.a.chunk % 2 ? char(c - 'A' + 'a') : c;
+        mb[size_t(i)] = char('0' + t.a.mb % 10);
+      }
+    rows.push_back("stage " + std::to_string(s) + " |" + op + "|");
+    rows.push_back("        |" + mb + "|");
+  }
+  return rows;
+}
+
+// ----- the stage layout ---------------------------------------------------------------------------
+
+// Virtual stage k holds layers [k·n, (k+1)·n), n = L/(p·V), i.e. units 1 + k·n .. (k+1)·n; the
+// first also the embedding (unit 0), the last also the head (unit L+1).
+inline std::pair<int, int> stage_units(int layers, int K, int k) {
+  const int n = layers / K;
+  return {k == 0 ? 0 : 1 + k * n, k == K - 1 ? layers + 2 : 1 + (k + 1) * n};
+}
+inline ShardSpec shard_spec(const ModelConfig& c, int p, int V, int rank) {
+  ShardSpec s;
+  for (int ch = 0; ch < V; ch++) s.unit_runs.push_back(stage_units(c.layers, p * V, ch * p + rank));
+  return s;
+}
+
+inline void validate(const RunConfig& rc, int p, int V, Schedule sched) {
+  if (p < 1) config_error("--pp must be >= 1 (got %d)", p);
+  if (V < 1) config_error("--virtual-stages must be >= 1 (got %d)", V);
+  if (V > 1 && sched != Schedule::Interleaved)
+    config_error("--virtual-stages %d needs --schedule interleaved (got %s)", V, schedule_name(sched));
+  if (rc.model.layers % (p * V))
+    config_error("--layers %d is not divisible by --pp %d × --virtual-stages %d (every virtual stage holds L/(pp·V) "
+                 "layers; the embedding goes with the first, the head with the last)",
+                 rc.model.layers, p, V);
+  const int m = rc.batch / rc.micro_batch;
+  if (sched == Schedule::Interleaved && m % p)
+    config_error("--schedule interleaved needs the micro-batches per step (%d = batch %d / micro-batch %d) to be a "
+                 "multiple of --pp %d",
+                 m, rc.batch, rc.micro_batch, p);
+}
+
+// ----- predict: memory and p2p bytes per stage (notes/05 derives each line) ------------------------
+
+// What one layer still holds between its B and its W under ZB-H1, per token: the snapshotted
+// output gradients of its seven matmuls (q D, k and v KV each, o D, gate and up F, down D) and
+// the inputs they multiply (h1, y, h2, silu(g)·u).
+inline double deferred_bytes_per_token(const ModelConfig& c, DType dt) {
+  const double e = dtype_size(dt), D = c.dim, KV = c.kv_dim(), F = c.ffn;
+  return ((3 * D + 2 * KV + 2 * F) + (3 * D + F)) * e;
+}
+// The extra a layer's deferred B holds on top of its complete set: the MLP's three snapshots
+// before its saved tensors go, or, later, all seven after g, u, x_mid and 1/rms₂ went.
+inline double deferred_b_peak_per_token(const ModelConfig& c, DType dt) {
+  const double e = dtype_size(dt), D = c.dim, KV = c.kv_dim(), F = c.ffn;
+  return std::max((D + 2 * F) * e, (2 * D + 2 * KV) * e - 4);
+}
+
+// Peak saved activations of a rank, by replaying its compute list: a micro-batch chunk holds n
+// layers' saved sets from its F to its B (and n deferred sets from its B to its W). The peak is
+// at one of: the F of a chunk's last layer ((n − 1) saved + a complete set + the output), the
+// head (n saved + the head's tensors), or, when B defers, inside a layer's B.
+// tp, sp: the stage's layers are tensor-parallel (on a larger mesh; the ZB-H1 terms are derived
+// for tp 1).
+inline double predict_stage_activations(const Plan& pl, int rank, const ModelConfig& c, int64_t b, DType dt, Recompute rc,
+                                        int tp = 1, bool sp = false) {
+  const double tokens = double(b) * c.seq, n = c.layers / pl.K(), e = dtype_size(dt) * (sp ? 1.0 / tp : 1.0);
+  const double S = layer_activation_bytes(c, dt, rc, tp, sp), all = layer_activation_bytes(c, dt, Recompute::None, tp, sp);
+  const double Wd = deferred_bytes_per_token(c, dt), X = deferred_b_peak_per_token(c, dt);
+  double peak = 0, held = 0;  // bytes per token held by chunks in flight
+  for (const Timed& t : pl.timeline[rank]) {
+    const bool last = pl.stage(rank, t.a.chunk) == pl.K() - 1;
+    if (t.a.op == Op::F) {
+      peak = std::max(peak, held + (n - 1) * S + all + c.dim * e);
+      if (last) peak = std::max(peak, held + n * S + head_activation_bytes(c, dt, tp, sp));
+      held += n * S;
+    } else if (t.a.op == Op::B && pl.schedule == Schedule::ZBH1) {
+      held -= n * S;
+      for (int i = 0; i < int(n); i++) peak = std::max(peak, held + (n - 1 - i) * S + i * Wd + all + X);
+      held += n * Wd;
+    } else {
+      held -= t.a.op == Op::B ? n * S : n * Wd;
+    }
+  }
+  return tokens * peak;
+}
+
+// p2p wire bytes a rank sends per step: one [b·s, h] activation per micro-batch and chunk to
+// the next stage, one gradient of the same size to the previous one (the playbook's s·b·h per
+// micro-batch each way), except past the ends of the pipeline.
+// token_share: the part of a micro-batch's tokens a rank's residual stream holds on a larger mesh
+// (1/cp under context parallelism, and 1/tp more under sequence parallelism).
+inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int p, int m, int V, int rank,
+                                 double token_share = 1.0) {
+  if (p == 1) return 0;
+  const double K = double(b) * c.seq * token_share * c.dim * dtype_size(dt);
+  const double acts = double(m) * V - (rank == p - 1 ? m : 0), grads = double(m) * V - (rank == 0 ? m : 0);
+  return (acts + grads) * K;
+}
+
+inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& pl, int rank) {
+  const int64_t psi = local_param_count(Model::make_table(rc.model, 1, shard_spec(rc.model, pl.p, pl.V, rank)));
+  MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);
+  p.activations = predict_stage_activations(pl, rank, rc.model, rc.micro_batch, rc.dtype, rc.recompute);
+  return p;
+}
+
+inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool chart) {
+  print_model(log, rc.model);
+  const int n = rc.model.layers / pl.K();
+  log.line("pp %d, schedule %s, %d virtual stage%s per rank of %d layer%s; m = %d micro-batches of %d", pl.p,
+           schedule_name(pl.schedule), pl.V, pl.V > 1 ? "s" : "", n, n > 1 ? "s" : "", pl.m, rc.micro_batch);
+  for (int s = 0; s < pl.p; s++) {
+    const MemoryPrediction mp = predict_memory(rc, pl, s);
+    log.line("  stage %d: params %s, grads %s, optimizer %s, activations %s; p2p sent per step %s", s,
+             human_bytes(mp.params).c_str(), human_bytes(mp.grads).c_str(), human_bytes(mp.optimizer).c_str(),
+             human_bytes(mp.activations).c_str(),
+             human_bytes(predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, s)).c_str());
+  }
+  log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(),
+           bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  if (chart)
+    for (const std::string& r : schedule_chart(pl)) log.line("%s", r.c_str());
+}
+
+// ----- the executor -------------------------------------------------------------------------------
+
+// Runs this rank's action list for one step. Activations received are saved tensors (the first
+// layer's input); gradients received are workspace. Each p2p group is posted at once and waited
+// for before the next compute action, so what a stage holds is exactly what its list says.
+class Pipeline {
+ public:
+  // tokens: b·s of a micro-batch, the rows of every tensor that travels.
+  Pipeline(Model& m, Comm& group, const Plan& plan, int rank, int64_t tokens)
+      : m_(m), pp_(group), pl_(plan), rank_(rank), tokens_(tokens), grouped_(completes_under_rendezvous(plan)) {}
+  // Where micro-batch mb of a step comes from on a larger mesh (this dp rank's sequences, this
+  // cp rank's tokens and positions); by default the global batch's sequences [mb·b, (mb+1)·b).
+  std::function<ForwardState(long step, int mb)> begin_microbatch;
+
+  // Returns the summed token losses of this rank (non-zero on the last stage only).
+  double run_step(const TokenData& data, const RunConfig& rc, long step) {
+    st_.clear();
+    acts_.clear();
+    grads_.clear();
+    loss_ = 0;
+    const double t0 = Trace::get().now_us();
+    const std::vector<Action>& list = pl_.actions[rank_];
+    std::vector<Action> group;
+    for (const Action& a : list) {
+      if (!is_compute(a.op)) {
+        group.push_back(a);
+        continue;
+      }
+      flush(group);
+      const double c0 = Trace::get().now_us();
+      compute(a, data, rc, step);
+      busy_us_ += Trace::get().now_us() - c0;
+    }
+    flush(group);
+    for (Work& w : in_flight_) w.wait();  // every receive has completed, so every send is matched
+    in_flight_.clear();
+    span_us_ += Trace::get().now_us() - t0;
+    st_.clear();
+    return loss_;
+  }
+  double busy_us() const { return busy_us_; }
+  double idle_us() const { return span_us_ - busy_us_; }
+
+ private:
+  int K() const { return pl_.K(); }
+  std::pair<int, int> key(int mb, int k) const { return {mb, k}; }
+  static Tensor take(std::map<std::pair<int, int>, Tensor>& from, std::pair<int, int> k) {
+    auto it = from.find(k);
+    TS_CHECK(it != from.end(), "pipeline: no tensor for micro-batch %d, stage %d", k.first, k.second);
+    Tensor t = it->second;
+    from.erase(it);
+    return t;
+  }
+
+  void compute(const Action& a, const TokenData& data, const RunConfig& rc, long step) {
+    const int k = pl_.stage(rank_, a.chunk), L = m_.cfg.layers, T = rc.model.seq, b = rc.micro_batch;
+    const auto [ub, ue] = stage_units(L, K(), k);
+    if (!st_.count(a.mb)) {
+      if (begin_microbatch) {
+        st_.emplace(a.mb, begin_microbatch(step, a.mb));
+      } else {
+        MicroBatch mbt = make_microbatch(data, step, rc.batch, T, a.mb * b, b, m_.dev);
+        st_.emplace(a.mb, m_.begin_microbatch(mbt.inputs, mbt.targets, b));
+      }
+    }
+    ForwardState& st = st_.at(a.mb);
+    const std::string what = " mb " + std::to_string(a.mb) + " stage " + std::to_string(k);
+    if (a.op == Op::F) {
+      TraceScope ts("F" + what);
+      Tensor x = k == 0 ? Tensor() : take(acts_, key(a.mb, k));
+      for (int u = ub; u < ue; u++) m_.unit_forward(u, st, x, 1.f / (float(rc.batch) * T));
+      if (k == K() - 1) {
+        loss_ += st.loss;  // in micro-batch order, as 01 sums them
+        grads_[key(a.mb, k)] = x;  // the head left d(loss)/d(its input) in x
+      } else {
+        acts_[key(a.mb, k + 1)] = x;
+      }
+    } else if (a.op == Op::B) {
+      const bool defer = pl_.schedule == Schedule::ZBH1;
+      TraceScope ts((defer ? "B (input grad)" : "B") + what);
+      Tensor dx = take(grads_, key(a.mb, k));
+      for (int u = std::min(ue, L + 1) - 1; u >= ub; u--) m_.unit_backward(u, st, dx, defer);
+      if (k > 0) grads_[key(a.mb, k - 1)] = dx;
+    } else {
+      TraceScope ts("W" + what);
+      for (int u = std::min(ue, L + 1) - 1; u >= std::max(ub, 1); u--) m_.unit_backward_weights(u, st);
+    }
+  }
+
+  // Rendezvous-safe lists (AFAB, 1F1B, ZB-H1): a group's sends and receives are posted together
+  // (a send and a receive as one send_recv, which NCCL groups) and waited for together.
+  // Otherwise (interleaved: one link carries both directions of several chunks in orders that
+  // differ at its two ends) a send goes out from a copy (Tag::Comm) without waiting, and only
+  // receives block. Every receive's message was sent at an earlier slot of the simulation, whose
+  // order each list keeps, so by induction over the slots every receive completes.
+  void flush(std::vector<Action>& group) {
+    if (group.empty()) return;
+    TraceScope ts("pp p2p", Lane::Comm);
+    std::vector<std::pair<Tensor, int>> sends, recvs;  // tensor, tag
+    std::vector<int> send_peer, recv_peer;
+    for (const Action& a : group) {
+      const Message msg = message_of(pl_, rank_, a);
+      // Grouped lists keep one order per link at both ends (the rendezvous check proves it), so
+      // messages match in order under one tag; buffered ones are matched by a tag per message.
+      const int tag = grouped_ ? 0 : ((msg.dir * K() + msg.from) * pl_.m + msg.mb) % 32768;
+      const int peer = peer_of(pl_, rank_, a);
+      const int k = pl_.stage(rank_, a.chunk);
+      if (is_send(a.op)) {
+        Tensor t = a.op == Op::SendAct ? take(acts_, key(a.mb, k + 1)) : take(grads_, key(a.mb, k - 1));
+        if (!grouped_) {
+          Tensor c = Tensor::empty(t.shape, t.dtype, t.device(), Tag::Comm);
+          copy(c, t);
+          t = c;
+        }
+        sends.push_back({t, tag});
+        send_peer.push_back(peer);
+      } else {
+        Tensor t = Tensor::empty({tokens_, m_.cfg.dim}, m_.dtype, m_.dev, a.op == Op::RecvAct ? Tag::Activations : Tag::Workspace);
+        (a.op == Op::RecvAct ? acts_ : grads_)[key(a.mb, k)] = t;
+        recvs.push_back({t, tag});
+        recv_peer.push_back(peer);
+      }
+    }
+    group.clear();
+    std::vector<Work> works;
+    size_t i = 0;
+    if (grouped_)
+      for (; i < sends.size() && i < recvs.size(); i++)
+        works.push_back(pp_.send_recv_async(sends[i].first, send_peer[i], recvs[i].first, recv_peer[i], sends[i].second));
+    for (size_t j = i; j < sends.size(); j++) {
+      Work w = pp_.send_async(sends[j].first, send_peer[j], sends[j].second);
+      if (grouped_) works.push_back(std::move(w));
+      else in_flight_.push_back(std::move(w));
+    }
+    for (size_t j = i; j < recvs.size(); j++) works.push_back(pp_.recv_async(recvs[j].first, recv_peer[j], recvs[j].second));
+    for (Work& w : works) w.wait();
+    in_flight_.erase(std::remove_if(in_flight_.begin(), in_flight_.end(), [](Work& w) { return w.done(); }), in_flight_.end());
+  }
+
+  Model& m_;
+  Comm& pp_;
+  const Plan& pl_;
+  int rank_;
+  int64_t tokens_;
+  bool grouped_;
+  std::vector<Work> in_flight_;  // buffered sends not known to be complete
+  std::map<int, ForwardState> st_;
+  std::map<std::pair<int, int>, Tensor> acts_, grads_;  // (micro-batch, virtual stage) -> its input / output gradient
+  double loss_ = 0, busy_us_ = 0, span_us_ = 0;
+};
+
+}  // namespace pp
+
+// ----- the program ------------------------------------------------------------------------------------
+#if TS_PROGRAM == 5
+using namespace ts;
+
+static const char* kDoc =
+    "05_pipeline_parallel: pipeline parallelism with the AFAB (GPipe), 1F1B, interleaved 1F1B and ZB-H1 schedules.\n"
+    "usage: mpirun -np P 05_pipeline_parallel --pp P --schedule afab|1f1b|interleaved|zb-h1 [--virtual-stages V] [flags]";
+
+// Every stage runs its list; the last holds the loss (the others add 0), every stage holds
+// different parameters, so the gradient norm is summed over the pp group.
+static StepResult train_step(Model& model, AdamW& opt, pp::Pipeline& pipe, const TokenData& data, const RunConfig& rc,
+                             Mesh& mesh, long step) {
+  ts::zero(model.grads);
+  const double loss_sum = pipe.run_step(data, rc, step);
+  const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.pp().mpi()});
+  opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
+  return {global_mean_loss(loss_sum, double(rc.batch) * rc.model.seq, {mesh.pp().mpi()}), norm};
+}
+
+// Per stage, gathered to rank 0 for the summary: activations measured and predicted, p2p bytes
+// sent per step measured and predicted, and the idle and busy time of the pipeline phase.
+static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp::Plan& pl, const pp::Pipeline& pipe,
+                         long steps) {
+  const Comm& g = mesh.pp();
+  double sent = 0;
+  for (auto& [op, s] : g.stats()) sent += s.wire_bytes;
+  const double mine[6] = {double(mem_stats(mesh.device).peak[int(Tag::Activations)]),
+                          pp::predict_stage_activations(pl, mesh.pp_rank, rc.model, rc.micro_batch, rc.dtype, rc.recompute),
+                          sent / double(std::max(1L, steps)),
+                          pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, mesh.pp_rank),
+                          pipe.idle_us(), pipe.busy_us()};
+  std::vector<double> all(size_t(6 * pl.p));
+  MPI_CHECK(MPI_Gather(mine, 6, MPI_DOUBLE, all.data(), 6, MPI_DOUBLE, 0, g.mpi()));
+  Json stages = Json::array();
+  log.line("stage   activations measured / predicted      p2p sent per step measured / predicted   bubble measured");
+  for (int s = 0; s < pl.p; s++) {
+    const double* v = &all[size_t(6 * s)];
+    Json j = Json::object();
+    j["activations_measured"] = v[0];
+    j["activations_predicted"] = v[1];
+    j["send_bytes"] = v[2];
+    j["send_predicted"] = v[3];
+    j["bubble_measured"] = v[5] > 0 ? v[4] / v[5] : 0.0;
+    log.line("  %d   %14s %14s            %14s %14s          %.4f", s, human_bytes(v[0]).c_str(), human_bytes(v[1]).c_str(),
+             human_bytes(v[2]).c_str(), human_bytes(v[3]).c_str(), v[5] > 0 ? v[4] / v[5] : 0.0);
+    stages.push_back(std::move(j));
+  }
+  log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  Json r = Json::object();
+  r["stages"] = std::move(stages);
+  r["bubble_simulated"] = pl.bubble();
+  r["bubble_formula"] = pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V);
+  r["schedule"] = pp::schedule_name(pl.schedule);
+  return r;
+}
+
+int main(int argc, char** argv) {
+  int p = 1, V = 1;
+  std::string sched_name;
+  bool chart = false;
+  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)");
+    sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
+    V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
+    chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
+  });
+  RunConfig& rc = prog.rc;
+  RunLog& log = prog.log();
+  pp::Schedule sched;
+  if (!pp::parse_schedule(sched_name, sched))
+    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched_name.c_str());
+  pp::validate(rc, p, V, sched);
+  const pp::Plan plan = pp::build_plan(p, rc.batch / rc.micro_batch, V, sched);
+  TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks",
+           pp::schedule_name(sched), p, plan.m, V);
+  if (prog.dry_run([&] { pp::print_plan(log, rc, plan, chart); })) return 0;
+  prog.open();  // validates world == pp before any collective
+  Mesh& mesh = prog.mesh;
+  pp::print_plan(log, rc, plan, chart);
+
+  ModelLayout layout;
+  layout.shard = pp::shard_spec(rc.model, p, V, mesh.pp_rank);
+  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
+  AdamW opt(model, 0, model.table.total, rc.master_weights);
+  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
+  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
+  pp::Pipeline pipe(model, mesh.pp(), plan, mesh.pp_rank, int64_t(rc.micro_batch) * rc.model.seq);
+
+  Loop loop;
+  loop.predicted = pp::predict_memory(rc, plan, 0);
+  loop.step = [&](long step) { return train_step(model, opt, pipe, prog.data, rc, mesh, step); };
+  loop.save = [&](long step) {
+    // Every stage writes its units at their global offsets: the file is the same for any mesh.
+    Json m = Json::object();
+    m["pp"] = p;
+    m["schedule"] = pp::schedule_name(sched);
+    m["virtual_stages"] = V;
+    save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}},
+                    step, m);
+  };
+  long steps_run = 0;
+  loop.comm = [&](long n) {
+    steps_run = n;
+    std::map<std::string, double> pred = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, p, plan.m, V, 0)},
+                                          {"recv", 0.0}};
+    return comm_report(log, mesh.pp(), n, pred);
+  };
+  loop.extra = [&](Json& s) { s["pp"] = stage_report(log, mesh, rc, plan, pipe, steps_run); };
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
+  return 0;
+}
+#endif  // TS_PROGRAM == 5
+#endif  // TS_05_PIPELINE_PARALLEL_CU

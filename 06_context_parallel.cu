@@ -1,0 +1,542 @@
+// 06_context_parallel.cu — context parallelism: every sequence is split across the --cp ranks.
+//
+// The playbook's context-parallel chapter, runnable. Each rank keeps 1/cp of every sequence's
+// tokens, so every activation it stores is 1/cp of 01's; the weights are replicated and their
+// gradients all-reduced over cp (02's bucketed reducer). Only attention mixes tokens, and it has
+// two ways to see the whole sequence:
+//   --cp-mode ring     ring attention (Liu et al. 2023): the K/V block of each rank travels round
+//                      the ring while every rank computes its queries against the block it holds;
+//                      the partial outputs are merged by the online-softmax rule on their
+//                      log-sum-exp. Backward runs the ring again and carries dK/dV home.
+//   --cp-mode ulysses  DeepSpeed-Ulysses (Jacobs et al. 2023): an all-to-all turns the sequence
+//                      shards of q/k/v into head shards of the full sequence, attention runs
+//                      locally, and an all-to-all turns the output back.
+// --zigzag 1 (default) cuts each sequence into 2·cp chunks and gives rank i chunks i and 2cp−1−i,
+// so that every rank does the same causal work (the load balance of Megatron's and Llama 3's
+// context parallelism); --zigzag 0 gives rank i the i-th contiguous block.
+//
+//   mpirun -np 4 ./build/06_context_parallel --cp 4 --seq 4096 --batch 1
+//   mpirun -np 4 ./build/06_context_parallel --cp 4 --cp-mode ulysses --heads 8 --kv-heads 4
+//   ./build/06_context_parallel --dry-run --preset 8b --cp 16 --seq 1048576 --batch 1 --dtype bf16
+#ifndef TS_06_CONTEXT_PARALLEL_CU
+#define TS_06_CONTEXT_PARALLEL_CU
+#include <algorithm>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "02_data_parallel.cu"  // dp::GradReducer: the gradients are all-reduced over cp
+#include "checkpoint.h"
+#include "comm.h"
+#include "data.h"
+#include "mesh.h"
+#include "model.h"
+#include "trace.h"
+#include "train.h"
+
+namespace cp {
+using namespace ts;
+
+enum class Mode { Ring, Ulysses };
+struct Options {
+  Mode mode = Mode::Ring;
+  bool zigzag = true;
+};
+inline const char* mode_name(Mode m) { return m == Mode::Ring ? "ring" : "ulysses"; }
+
+// ----- which tokens a rank holds --------------------------------------------------------------------
+
+// The absolute positions of rank r's tokens of a sequence of T. Zigzag: 2C chunks of T/(2C),
+// rank r holds chunks r and 2C−1−r (an early one and a late one). Contiguous: block r of T/C.
+inline std::vector<int32_t> positions(int T, int C, int r, bool zigzag) {
+  std::vector<int32_t> p;
+  auto chunk = [&](int i, int len) {
+    for (int j = 0; j < len; j++) p.push_back(int32_t(i * len + j));
+  };
+  if (zigzag) {
+    chunk(r, T / (2 * C));
+    chunk(2 * C - 1 - r, T / (2 * C));
+  } else {
+    chunk(r, T / C);
+  }
+  return p;
+}
+
+inline Tensor device_ints(const std::vector<int32_t>& v, Device dev) {
+  Tensor t = Tensor::empty({int64_t(v.size())}, DType::I32, dev, Tag::Workspace);
+  std::vector<float> f(v.begin(), v.end());  // exact: positions and token ids are below 2^24
+  from_host_f32(t, f.data());
+  return t;
+}
+
+// This rank's tokens of each of the B sequences: full [B·T] -> [B·S], S = pos.size().
+inline Tensor local_tokens(const Tensor& full, int B, int T, const std::vector<int32_t>& pos) {
+  const std::vector<float> all = to_host_f32(full);
+  std::vector<int32_t> mine;
+  for (int b = 0; b < B; b++)
+    for (int32_t p : pos) mine.push_back(int32_t(all[size_t(b) * T + p]));
+  return device_ints(mine, full.device());
+}
+
+// The causal work of queries at qpos against keys at kpos: the (query, key) pairs with
+// kpos[j] <= qpos[i], the score products attention forms per head and sequence.
+inline double visible_pairs(const std::vector<int32_t>& qpos, std::vector<int32_t> kpos) {
+  std::sort(kpos.begin(), kpos.end());
+  double n = 0;
+  for (int32_t q : qpos) n += double(std::upper_bound(kpos.begin(), kpos.end(), q) - kpos.begin());
+  return n;
+}
+
+// Attention work a rank did: key blocks computed (ring: one per visible block; Ulysses: one) and
+// score pairs (query, key) over every sequence and head it computed. Forward only.
+struct AttentionWork {
+  double blocks = 0, pairs = 0;
+};
+
+// ----- ring attention -------------------------------------------------------------------------------
+
+// Tensors travelling round the ring: start() sends the held ones to rank r+1 and receives rank
+// r−1's into spare buffers (async, so the caller computes meanwhile: Liu et al.'s overlap of
+// communication with the blockwise computation); finish() waits and makes the received ones held.
+class Rotation {
+ public:
+  Rotation(Comm& group, std::vector<Tensor> held, int tag0, std::string name)
+      : c_(group), held_(std::move(held)), tag0_(tag0), name_(std::move(name)) {}
+  const Tensor& operator[](size_t i) const { return held_[i]; }
+  void start() {
+    const int n = c_.size(), r = c_.rank();
+    std::vector<Tensor>& spare = slots_[slot_];
+    if (spare.empty())
+      for (const Tensor& t : held_) spare.push_back(Tensor::empty(t.shape, t.dtype, t.device(), Tag::Comm));
+    start_us_ = Trace::get().now_us();
+    for (size_t i = 0; i < held_.size(); i++)
+      work_.push_back(c_.send_recv_async(held_[i], (r + 1) % n, spare[i], (r + n - 1) % n, tag0_ + int(i)));
+  }
+  void finish() {
+    for (Work& w : work_) w.wait();
+    work_.clear();
+    Trace::get().add(name_, Lane::Comm, start_us_, Trace::get().now_us() - start_us_);
+    held_ = slots_[slot_];
+    slot_ ^= 1;  // the block just sent is free again: the next one arrives there
+  }
+
+ private:
+  Comm& c_;
+  std::vector<Tensor> held_, slots_[2];
+  int tag0_, slot_ = 0;
+  std::string name_;
+  std::vector<Work> work_;
+  double start_us_ = 0;
+};
+
+// Rank r's queries against every rank's keys, one K/V block per ring step: at step t it holds
+// the block of rank r − t. Forward merges each block's (output, lse) into the running result
+// (attention_merge); a block the causal mask hides from all of r's queries is not computed, but
+// still passed on. Only the kv_heads travel, never K/V expanded to the query heads.
+class RingAttention : public AttentionCore {
+ public:
+  RingAttention(Comm& group, int T, bool zigzag, Device dev) : cp_(group) {
+    const int C = group.size();
+    for (int r = 0; r < C; r++) {
+      hpos_.push_back(positions(T, C, r, zigzag));
+      pos_.push_back(device_ints(hpos_.back(), dev));
+    }
+    for (int s = 0; s < C; s++) pairs_.push_back(visible_pairs(hpos_[group.rank()], hpos_[s]));
+  }
+
+  void forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+               const Tensor& pos) override {
+    const int C = cp_.size(), r = cp_.rank();
+    Rotation kv(cp_, {k, v}, 0, "cp ring K/V (forward)");
+    Tensor part, part_lse;
+    for (int t = 0; t < C; t++) {
+      const int src = (r - t + C) % C;
+      if (t > 0) kv.finish();
+      if (t + 1 < C) kv.start();
+      if (t == 0) {
+        attention_forward(out, lse, q, k, v, pos, pos_[src]);  // the diagonal block: always visible
+      } else if (pairs_[src] > 0) {
+        if (!part.defined()) {
+          part = Tensor::empty(out.shape, out.dtype, out.device(), Tag::Workspace);
+          part_lse = Tensor::empty(lse.shape, DType::F32, lse.device(), Tag::Workspace);
+        }
+        attention_forward(part, part_lse, q, kv[0], kv[1], pos, pos_[src]);
+        attention_merge(out, lse, part, part_lse);
+      } else {
+        continue;
+      }
+      work_.blocks += 1;
+      work_.pairs += pairs_[src] * double(q.size(0) * q.size(2));
+    }
+  }
+
+  // Each block's dq, dk, dv from the merged output and lse: P_ij = exp(s_ij − lse_i) is already
+  // the global softmax, so the per-block gradients add up to the full ones. dq sums here; the
+  // block's dK/dV accumulate on the ranks it visits (r+1, …, r−1) and travel with it, arriving
+  // home after cp−1 hops, where the owner adds its own part (computed first, while K/V leave).
+  void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& pos) override {
+    const int C = cp_.size(), r = cp_.rank();
+    Rotation kv(cp_, {k, v}, 0, "cp ring K/V (backward)");
+    if (C > 1) kv.start();
+    attention_backward(dq, dk, dv, dout, out, lse, q, k, v, pos, pos);
+    if (C == 1) return;
+    auto like = [](const Tensor& t, Tag tag) { return Tensor::empty(t.shape, t.dtype, t.device(), tag); };
+    Tensor pdq = like(q, Tag::Workspace), pdk = like(k, Tag::Workspace), pdv = like(k, Tag::Workspace);
+    Tensor acc_k = like(k, Tag::Comm), acc_v = like(k, Tag::Comm);
+    ts::zero(acc_k);
+    ts::zero(acc_v);
+    Rotation acc(cp_, {acc_k, acc_v}, 2, "cp ring dK/dV");
+    for (int t = 1; t < C; t++) {
+      const int src = (r - t + C) % C;
+      kv.finish();
+      if (t + 1 < C) kv.start();
+      const bool visible = pairs_[src] > 0;
+      if (visible) {
+        attention_backward(pdq, pdk, pdv, dout, out, lse, q, kv[0], kv[1], pos, pos_[src]);
+        add_inplace(dq, pdq);
+      }
+      if (t > 1) acc.finish();  // block src's dK/dV so far, from rank r − 1
+      if (visible) {
+        add_inplace(acc[0], pdk);
+        add_inplace(acc[1], pdv);
+      }
+      acc.start();
+    }
+    acc.finish();  // our own block's dK/dV from every other rank
+    add_inplace(dk, acc[0]);
+    add_inplace(dv, acc[1]);
+  }
+
+  const AttentionWork& work() const { return work_; }
+
+ private:
+  Comm& cp_;
+  std::vector<std::vector<int32_t>> hpos_;  // every rank's token positions
+  std::vector<Tensor> pos_;                 // the same on the device
+  std::vector<double> pairs_;               // visible pairs of this rank's queries per key block
+  AttentionWork work_;
+};
+
+// ----- Ulysses ---------------------------------------------------------------------------------------
+
+// All-to-all from sequence shards to head shards and back. The full sequence is kept in rank
+// order (rank 0's tokens, rank 1's, …): attention masks by position, so no reordering is needed.
+// Forward: q, k, v in, the output back (four all-to-alls). The head-sharded q, k, v and lse are
+// what the backward needs; they have exactly the sizes of the sequence-sharded ones, so they are
+// kept in those buffers (the model reads q, k, v and lse only to hand them back to the core).
+// Backward: dout and the output in, dq, dk, dv back (five).
+class UlyssesAttention : public AttentionCore {
+ public:
+  UlyssesAttention(Comm& group, int T, bool zigzag, Device dev) : cp_(group) {
+    std::vector<int32_t> all;
+    for (int r = 0; r < group.size(); r++)
+      for (int32_t p : positions(T, group.size(), r, zigzag)) all.push_back(p);
+    pos_ = device_ints(all, dev);
+    pairs_ = visible_pairs(all, all);
+  }
+
+  void forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+               const Tensor&) override {
+    Tensor qh = to_heads(q, "q"), kh = to_heads(k, "k"), vh = to_heads(v, "v");
+    Tensor oh = Tensor::empty(qh.shape, qh.dtype, qh.device(), Tag::Workspace);
+    attention_forward(oh, head_lse(lse, qh), qh, kh, vh, pos_, pos_);
+    to_sequence(out, oh, "out");
+    copy(q, qh.reshape(q.shape));
+    copy(k, kh.reshape(k.shape));
+    copy(v, vh.reshape(v.shape));
+    work_.blocks += 1;
+    work_.pairs += pairs_ * double(qh.size(0) * qh.size(2));
+  }
+
+  void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&) override {
+    const Tensor qh = q.reshape(head_shape(q)), kh = k.reshape(head_shape(k)), vh = v.reshape(head_shape(v));
+    Tensor doh = to_heads(dout, "dout"), oh = to_heads(out, "out");
+    auto work = [](const Tensor& t) { return Tensor::empty(t.shape, t.dtype, t.device(), Tag::Workspace); };
+    Tensor dqh = work(qh), dkh = work(kh), dvh = work(kh);
+    attention_backward(dqh, dkh, dvh, doh, oh, head_lse(lse, qh), qh, kh, vh, pos_, pos_);
+    to_sequence(dq, dqh, "dq");
+    to_sequence(dk, dkh, "dk");
+    to_sequence(dv, dvh, "dv");
+  }
+
+  const AttentionWork& work() const { return work_; }
+
+ private:
+  // [B, S, X, hd] (sequence shard, all X heads) <-> [B, C·S, X/C, hd] (head shard, every token).
+  std::vector<int64_t> head_shape(const Tensor& x) const {
+    const int64_t C = cp_.size();
+    return {x.size(0), x.size(1) * C, x.size(2) / C, x.size(3)};
+  }
+  // lse [B, H, S] holds the head-sharded [B, H/C, C·S]: the same number of rows.
+  static Tensor head_lse(const Tensor& lse, const Tensor& qh) { return lse.reshape({qh.size(0), qh.size(2), qh.size(1)}); }
+
+  // Chunk p of what this rank sends is head group p of its tokens; chunk p it receives is rank
+  // p's tokens of this rank's head group.
+  Tensor to_heads(const Tensor& x, const char* what) {
+    TraceScope s(std::string("cp all_to_all (") + what + " to heads)", Lane::Comm);
+    const int64_t C = cp_.size(), B = x.size(0), rows = x.size(0) * x.size(1);
+    Tensor send = Tensor::empty({x.numel()}, x.dtype, x.device(), Tag::Comm);
+    Tensor recv = Tensor::empty({x.numel()}, x.dtype, x.device(), Tag::Comm);
+    swap_leading(send, x, rows, C);  // [B·S, C, w] -> [C, B·S, w]
+    cp_.all_to_all(recv, send);
+    Tensor y = Tensor::empty(head_shape(x), x.dtype, x.device(), Tag::Workspace);
+    swap_leading(y, recv, C, B);  // [C, B, S·w] -> [B, C, S·w] = [B, C·S, X/C, hd]
+    return y;
+  }
+  // The inverse: dst [B, S, X, hd] from y [B, C·S, X/C, hd].
+  void to_sequence(const Tensor& dst, const Tensor& y, const char* what) {
+    TraceScope s(std::string("cp all_to_all (") + what + " to sequence)", Lane::Comm);
+    const int64_t C = cp_.size(), B = dst.size(0), rows = dst.size(0) * dst.size(1);
+    Tensor send = Tensor::empty({y.numel()}, y.dtype, y.device(), Tag::Comm);
+    Tensor recv = Tensor::empty({y.numel()}, y.dtype, y.device(), Tag::Comm);
+    swap_leading(send, y, B, C);  // [B, C, S·w] -> [C, B, S·w]: chunk p = rank p's tokens
+    cp_.all_to_all(recv, send);
+    swap_leading(dst, recv, C, rows);  // [C, B·S, w] -> [B·S, C, w]
+  }
+
+  Comm& cp_;
+  Tensor pos_;  // the positions of the full sequence in rank order
+  double pairs_;
+  AttentionWork work_;
+};
+
+// Installs the attention core; returns a view of its work counters.
+inline std::function<AttentionWork()> install(Model& m, Comm& group, const Options& o) {
+  if (o.mode == Mode::Ring) {
+    auto core = std::make_unique<RingAttention>(group, m.cfg.seq, o.zigzag, m.dev);
+    RingAttention* c = core.get();
+    m.attention = std::move(core);
+    return [c] { return c->work(); };
+  }
+  auto core = std::make_unique<UlyssesAttention>(group, m.cfg.seq, o.zigzag, m.dev);
+  UlyssesAttention* c = core.get();
+  m.attention = std::move(core);
+  return [c] { return c->work(); };
+}
+
+// This rank's tokens of every sequence, on the device: inputs, targets (global sequences [s0,
+// s0 + n) of the step, as every technique reads them) and their positions.
+struct LocalBatch {
+  Tensor inputs, targets;
+};
+inline LocalBatch local_batch(const MicroBatch& b, int n, int T, const std::vector<int32_t>& pos) {
+  return {local_tokens(b.inputs, n, T, pos), local_tokens(b.targets, n, T, pos)};
+}
+
+// ----- checks ----------------------------------------------------------------------------------------
+
+inline void validate(const RunConfig& rc, int C, const Options& o) {
+  const ModelConfig& m = rc.model;
+  if (C < 1) config_error("--cp must be >= 1 (got %d)", C);
+  if (o.zigzag && m.seq % (2 * C))
+    config_error("--seq %d is not divisible by 2·cp = %d (zigzag cuts each sequence into 2·cp chunks; --zigzag 0 needs cp)",
+                 m.seq, 2 * C);
+  if (!o.zigzag && m.seq % C) config_error("--seq %d is not divisible by --cp %d", m.seq, C);
+  if (o.mode == Mode::Ulysses && m.heads % C)
+    config_error("--cp-mode ulysses: --heads %d is not divisible by --cp %d (the all-to-all shards heads)", m.heads, C);
+  if (o.mode == Mode::Ulysses && m.kv_heads % C)
+    config_error("--cp-mode ulysses: --kv-heads %d is not divisible by --cp %d (the all-to-all shards kv heads)",
+                 m.kv_heads, C);
+}
+
+// ----- predict: memory, bytes and attention work per rank (notes/06 derives each line) -------------
+
+// The model at this rank's share of each sequence: what one rank stores per micro-batch.
+inline ModelConfig local_model(const ModelConfig& m, int C) {
+  ModelConfig l = m;
+  l.seq = m.seq / C;
+  return l;
+}
+
+// Weights, gradients and optimizer states whole (replicated over cp); activations of T/cp tokens
+// per sequence: every saved tensor is per token (attention saves only lse), so exactly 1/cp.
+inline MemoryPrediction predict_memory(const RunConfig& rc, int C) {
+  MemoryPrediction p = predict_states(param_count(rc.model), param_count(rc.model), rc.dtype, rc.master_weights);
+  p.activations = predict_activations(local_model(rc.model, C), rc.micro_batch, rc.dtype, rc.recompute);
+  return p;
+}
+
+// Bytes this rank sends per step on the cp group. With kv = one K (or V) block of a micro-batch,
+// b·(s/cp)·kv_heads·hd·bytes, and a = one q-sized block, b·(s/cp)·h·bytes, per layer:
+//   ring     forward (cp−1)·2kv (K and V, cp−1 hops); backward (cp−1)·2kv again plus (cp−1)·2kv
+//            for dK/dV (cp−1 hops home);
+//   ulysses  all-to-all sends (cp−1)/cp of its input: forward q, k, v and the output,
+//            (cp−1)/cp·(2a + 2kv); backward dout, the output and dq, dk, dv, (cp−1)/cp·(3a + 2kv).
+// Full recompute runs each layer's forward again in backward.
+inline std::map<std::string, double> predict_comm(const RunConfig& rc, int C, const Options& o) {
+  const ModelConfig& m = rc.model;
+  const double e = dtype_size(rc.dtype), L = m.layers, mbs = double(rc.batch) / rc.micro_batch;
+  const double tokens = double(rc.micro_batch) * m.seq / C, kv = tokens * m.kv_dim() * e, a = tokens * m.dim * e;
+  const double fwd = rc.recompute == Recompute::Full ? 2 : 1;
+  std::map<std::string, double> c;
+  if (C == 1) return c;
+  if (o.mode == Mode::Ring) {
+    c["send"] = mbs * L * (C - 1) * (fwd * 2 * kv + 4 * kv);
+    c["recv"] = 0;  // the sender counts the wire bytes
+  } else {
+    c["all_to_all"] = mbs * L * (C - 1.0) / C * (fwd * (2 * a + 2 * kv) + 3 * a + 2 * kv);
+  }
+  return c;
+}
+
+// Attention work of rank r per step (see AttentionWork): the blocks its queries see and their
+// visible pairs, times heads and sequences, for every layer forward (twice under full recompute).
+inline AttentionWork predict_work(const RunConfig& rc, int C, const Options& o, int r) {
+  const ModelConfig& m = rc.model;
+  const double runs = double(m.layers) * (rc.batch / rc.micro_batch) * (rc.recompute == Recompute::Full ? 2 : 1);
+  AttentionWork w;
+  if (o.mode == Mode::Ulysses) {
+    std::vector<int32_t> all;
+    for (int s = 0; s < C; s++)
+      for (int32_t p : positions(m.seq, C, s, o.zigzag)) all.push_back(p);
+    w.blocks = runs;
+    w.pairs = runs * visible_pairs(all, all) * rc.micro_batch * (m.heads / C);
+    return w;
+  }
+  const std::vector<int32_t> mine = positions(m.seq, C, r, o.zigzag);
+  for (int s = 0; s < C; s++) {
+    const double p = visible_pairs(mine, positions(m.seq, C, s, o.zigzag));
+    if (p > 0) w.blocks += runs, w.pairs += runs * p * rc.micro_batch * m.heads;
+  }
+  return w;
+}
+
+inline void print_plan(RunLog& log, const RunConfig& rc, int C, const Options& o) {
+  const MemoryPrediction p = predict_memory(rc, C);
+  const ModelConfig& m = rc.model;
+  print_model(log, m);
+  log.line("cp %d, %s, %s: %d of %d tokens per sequence per rank", C, mode_name(o.mode),
+           o.zigzag ? "zigzag (2·cp chunks, rank i holds i and 2cp−1−i)" : "contiguous blocks", m.seq / C, m.seq);
+  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s (micro-batch %d, recompute %s)",
+           human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
+           human_bytes(p.activations).c_str(), rc.micro_batch, recompute_name(rc.recompute));
+  for (auto& [op, b] : predict_comm(rc, C, o))
+    if (b > 0) log.line("per-rank cp %s per step: %s", op.c_str(), human_bytes(b).c_str());
+  log.line("per-rank dp_cp all_reduce per step (gradients, 2(cp-1)/cp · 4Ψ): %s",
+           human_bytes(dp::predict_allreduce_bytes(rc, C)).c_str());
+  std::string blocks, pairs;
+  for (int r = 0; r < C && r < 16; r++) {
+    const AttentionWork w = predict_work(rc, C, o, r);
+    blocks += " " + std::to_string(long(w.blocks));
+    char b[32];
+    snprintf(b, sizeof b, " %.4g", w.pairs);
+    pairs += b;
+  }
+  log.line("attention work per step, rank 0..%d: blocks%s; score pairs%s", std::min(C, 16) - 1, blocks.c_str(),
+           pairs.c_str());
+}
+
+}  // namespace cp
+
+// ----- the program ------------------------------------------------------------------------------------
+#if TS_PROGRAM == 6
+using namespace ts;
+
+static const char* kDoc =
+    "06_context_parallel: context parallelism, ring attention (zigzag-balanced) or Ulysses all-to-all.\n"
+    "usage: mpirun -np C 06_context_parallel --cp C [--cp-mode ring|ulysses] [--zigzag 1|0] [flags]";
+
+// Every cp rank reads the same sequences and keeps its tokens of each; the loss is the sum of
+// every rank's token losses over the global token count, and the gradients are SUM-all-reduced
+// over cp (each rank's are the gradient of its tokens' share of the mean loss).
+static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& reducer, const TokenData& data,
+                             const RunConfig& rc, Mesh& mesh, const std::vector<int32_t>& mine, const Tensor& pos,
+                             long step) {
+  const int T = rc.model.seq, mb = rc.micro_batch;
+  ts::zero(model.grads);
+  double loss_sum = 0;
+  for (int s0 = 0; s0 < rc.batch; s0 += mb) {
+    reducer.set_sync(s0 + mb == rc.batch);
+    const cp::LocalBatch b = cp::local_batch(make_microbatch(data, step, rc.batch, T, s0, mb, model.dev), mb, T, mine);
+    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T), pos);
+  }
+  reducer.finish();
+  // The gradients are identical on every rank now: the norm needs no communication.
+  const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
+  opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
+  return {global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.cp().mpi()}), norm};
+}
+
+// Every rank's measured work per step, next to the prediction (a metric: MPI directly, uncounted).
+static Json work_report(RunLog& log, Mesh& mesh, const cp::AttentionWork& w, long steps, const RunConfig& rc,
+                        const cp::Options& o) {
+  const int C = mesh.cfg.cp;
+  const double n = double(std::max(1L, steps)), mine[2] = {w.blocks / n, w.pairs / n};
+  std::vector<double> all(2 * size_t(C));
+  MPI_Allgather(mine, 2, MPI_DOUBLE, all.data(), 2, MPI_DOUBLE, mesh.cp().mpi());
+  Json blocks = Json::array(), pairs = Json::array(), pred = Json::array();
+  for (int r = 0; r < C; r++) {
+    const cp::AttentionWork p = cp::predict_work(rc, C, o, r);
+    blocks.push_back(all[2 * r]);
+    pairs.push_back(all[2 * r + 1]);
+    pred.push_back(p.pairs);
+    log.line("attention work rank %d per step: %5.0f blocks, %.6g score pairs (predicted %.6g)", r, all[2 * r],
+             all[2 * r + 1], p.pairs);
+  }
+  Json j = Json::object();
+  j["blocks"] = std::move(blocks);
+  j["pairs"] = std::move(pairs);
+  j["predicted_pairs"] = std::move(pred);
+  return j;
+}
+
+int main(int argc, char** argv) {
+  std::string mode;
+  int zigzag = 1;
+  double bucket_mb = 25;
+  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)");
+    mode = args.get_str("--cp-mode", "ring", "ring | ulysses");
+    zigzag = args.get_int("--zigzag", 1, "1: rank i holds chunks i and 2cp-1-i of 2cp (balanced); 0: contiguous");
+    bucket_mb = args.get_double("--bucket-mb", 25, "gradient all-reduce bucket size in MiB");
+  });
+  RunConfig& rc = prog.rc;
+  const MeshConfig& mc = prog.mc;
+  RunLog& log = prog.log();
+  if (mode != "ring" && mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", mode.c_str());
+  if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
+  if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
+  const cp::Options opt_cp{mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+  cp::validate(rc, mc.cp, opt_cp);
+  if (prog.dry_run([&] { cp::print_plan(log, rc, mc.cp, opt_cp); })) return 0;
+  prog.open();  // validates world == cp before any collective
+  Mesh& mesh = prog.mesh;
+  cp::print_plan(log, rc, mc.cp, opt_cp);
+
+  Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
+  const std::function<cp::AttentionWork()> work = cp::install(model, mesh.cp(), opt_cp);
+  const std::vector<int32_t> mine = cp::positions(rc.model.seq, mc.cp, mesh.cp_rank, opt_cp.zigzag);
+  const Tensor pos = cp::device_ints(mine, model.dev);
+  AdamW opt(model, 0, model.table.total, rc.master_weights);
+  // Every rank initialises (or loads) the same full weights: no broadcast.
+  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
+  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
+  dp::GradReducer reducer(model, mesh.dp_cp(), /*bucketed=*/true, bucket_mb);
+
+  Loop loop;
+  loop.predicted = cp::predict_memory(rc, mc.cp);
+  loop.step = [&](long step) { return train_step(model, opt, reducer, prog.data, rc, mesh, mine, pos, step); };
+  loop.save = [&](long step) {
+    // Replicas are identical: rank 0 writes the whole model, the others nothing.
+    std::vector<CheckpointSlice> slices;
+    if (mesh.rank == 0) slices.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
+    Json m = Json::object();
+    m["cp"] = mc.cp;
+    m["cp_mode"] = mode;
+    m["zigzag"] = opt_cp.zigzag;
+    save_checkpoint(rc.save_dir, rc, model.table, slices, step, m);
+  };
+  loop.comm = [&](long steps_run) {
+    Json c = comm_report(log, mesh.cp(), steps_run, cp::predict_comm(rc, mc.cp, opt_cp));
+    Json d = comm_report(log, mesh.dp_cp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.cp)}});
+    c["dp_cp"] = d.at("dp_cp");
+    return c;
+  };
+  loop.extra = [&](Json& s) { s["attention_work"] = work_report(log, mesh, work(), rc.steps - first, rc, opt_cp); };
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
+  return 0;
+}
+#endif  // TS_PROGRAM == 6
+#endif  // TS_06_CONTEXT_PARALLEL_CU

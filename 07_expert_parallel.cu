@@ -1,0 +1,342 @@
+// 07_expert_parallel.cu — expert parallelism: the experts of a mixture-of-experts model are
+// spread over the --ep ranks of each expert-parallel group, and tokens travel to their experts.
+//
+// The playbook's expert-parallel chapter, runnable, on the Mixtral-style model of 01 --experts.
+// Every rank trains on its dp slice of the global batch (world = dp) and holds E/ep experts of
+// every layer; the dense weights (attention, norms, embeddings, routers) are replicated. In each
+// MoE layer a rank routes its own tokens, then
+//   dispatch  all-to-all of variable counts (the counts are exchanged first): each token row goes
+//             to the rank that owns its expert;
+//   experts   the owner runs each of its experts over every row it received, grouped per expert
+//             in global token order (the order 01 uses);
+//   combine   a second all-to-all returns the outputs to the tokens' ranks, which weight and sum.
+// Backward mirrors it: the output gradients are dispatched, the input gradients combined. Dense
+// gradients are averaged over all dp ranks; an expert's over the dp/ep ranks that hold it (the
+// mesh's ep_dp group), both with 02's bucketed reducer.
+//
+//   mpirun -np 4 ./build/07_expert_parallel --dp 4 --ep 2 --experts 4 --top-k 2
+//   ./build/07_expert_parallel --dry-run --dp 8 --ep 8 --experts 8 --top-k 2 --dim 4096 ...
+#ifndef TS_07_EXPERT_PARALLEL_CU
+#define TS_07_EXPERT_PARALLEL_CU
+#include <map>
+
+#include "02_data_parallel.cu"
+#include "checkpoint.h"
+#include "comm.h"
+#include "mesh.h"
+#include "model.h"
+#include "moe.h"
+#include "trace.h"
+#include "train.h"
+
+namespace ep {
+using namespace ts;
+
+// ----- dispatch and combine ------------------------------------------------------------------------
+
+// Who sends what: rank p of the ep group owns experts [p·per, (p+1)·per). The routing plan groups
+// this rank's rows by global expert, so the rows for peer p are one contiguous block.
+struct Exchange {
+  std::vector<int64_t> send_rows, recv_rows;  // [P] rows to / from each peer
+  std::vector<int64_t> local_counts;          // [per] rows each local expert received
+  std::vector<int32_t> grouped;               // received row of each grouped row ([expert][peer] order)
+  std::vector<int32_t> ungrouped;             // grouped row of each received row
+};
+
+// recv_counts[p·per + i]: rows peer p sends to local expert i ([peer][expert] order as received).
+inline Exchange plan_exchange(const std::vector<int64_t>& counts, const std::vector<int32_t>& recv_counts, int P,
+                              int per) {
+  Exchange x;
+  x.send_rows.assign(size_t(P), 0);
+  x.recv_rows.assign(size_t(P), 0);
+  x.local_counts.assign(size_t(per), 0);
+  std::vector<int64_t> at(size_t(P) * per);  // where (peer, expert) starts in the received rows
+  int64_t off = 0;
+  for (int p = 0; p < P; p++)
+    for (int i = 0; i < per; i++) {
+      x.send_rows[size_t(p)] += counts[size_t(p) * per + i];
+      const int64_t n = recv_counts[size_t(p) * per + i];
+      x.recv_rows[size_t(p)] += n;
+      x.local_counts[size_t(i)] += n;
+      at[size_t(p) * per + i] = off;
+      off += n;
+    }
+  x.ungrouped.assign(size_t(off), 0);
+  for (int i = 0; i < per; i++)
+    for (int p = 0; p < P; p++)
+      for (int64_t r = 0; r < recv_counts[size_t(p) * per + i]; r++) {
+        x.ungrouped[size_t(at[size_t(p) * per + i] + r)] = int32_t(x.grouped.size());
+        x.grouped.push_back(int32_t(at[size_t(p) * per + i] + r));
+      }
+  return x;
+}
+
+// The MoE block with its experts behind two all-to-alls. Routing, capacity, the aux loss and the
+// combine's weighting are the base block's: only where the experts run changes.
+class ExpertParallelMoe : public MoeBlock {
+ public:
+  ExpertParallelMoe(const Model& m, Comm& group) : MoeBlock(m), ep_(group) {
+    keeps_input_ = false;  // the owner keeps the rows it received instead
+    per_ = m.cfg.experts / group.size();
+  }
+
+  Tensor experts_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) override {
+    const int P = ep_.size(), E = m.cfg.experts;
+    Tensor send_c = Tensor::empty({E}, DType::I32, Device::CPU, Tag::Comm);
+    Tensor recv_c = Tensor::empty({E}, DType::I32, Device::CPU, Tag::Comm);
+    for (int e = 0; e < E; e++) send_c.i32()[e] = int32_t(counts[size_t(e)]);
+    {
+      TraceScope t("ep all_to_all (counts)", Lane::Comm);
+      ep_.all_to_all(recv_c, send_c);  // counts first: each owner learns how many rows will arrive
+    }
+    a.mlp_state.resize(kNumSlots + 1);
+    a.mlp_state[kNumSlots] = recv_c;
+    const Exchange xc = plan_exchange(counts, std::vector<int32_t>(recv_c.i32(), recv_c.i32() + E), P, per_);
+    tally(xc, m, E);
+    Tensor recv = rows(m, xc.grouped.size(), Tag::Workspace);
+    dispatch(recv, x, xc, "dispatch");
+    Tensor xr = rows(m, xc.grouped.size(), Tag::Activations);
+    moe_gather(xr, recv, index(xc.grouped, m.dev), Tensor());
+    a.mlp_state[kIn] = xr;
+    Tensor outr = rows(m, xr.size(0), Tag::Workspace);
+    run_experts(m, l, ep_.rank() * per_, xc.local_counts, xr, outr, a);
+    Tensor back = rows(m, xr.size(0), Tag::Workspace);
+    moe_gather(back, outr, index(xc.ungrouped, m.dev), Tensor());
+    Tensor out = rows(m, x.size(0), Tag::Activations);
+    combine(out, back, xc, "combine");
+    return out;
+  }
+
+  void experts_backward(Model& m, int l, const Tensor& dx, const Tensor& dout, const std::vector<int64_t>& counts,
+                        LayerActs& a) override {
+    const int E = m.cfg.experts;
+    const Tensor& rc = a.mlp_state[kNumSlots];
+    const Exchange xc = plan_exchange(counts, std::vector<int32_t>(rc.i32(), rc.i32() + E), ep_.size(), per_);
+    tally(xc, m, 0);
+    const int64_t R = int64_t(xc.grouped.size());
+    Tensor recv = rows(m, R, Tag::Workspace), dr = rows(m, R, Tag::Workspace), dxr = rows(m, R, Tag::Workspace);
+    dispatch(recv, dout, xc, "dispatch backward");
+    moe_gather(dr, recv, index(xc.grouped, m.dev), Tensor());
+    run_experts_backward(m, l, ep_.rank() * per_, xc.local_counts, a.mlp_state[kIn], dr, dxr, a);
+    moe_gather(recv, dxr, index(xc.ungrouped, m.dev), Tensor());
+    combine(dx, recv, xc, "combine backward");
+  }
+
+  // Wire bytes this rank's all-to-alls send, from the routing counts (measured = predicted).
+  double predicted_bytes = 0;
+
+ private:
+  Tensor rows(const Model& m, size_t n, Tag tag) const {
+    return Tensor::empty({int64_t(n), m.cfg.dim}, m.dtype, m.dev, tag);
+  }
+  static Tensor index(const std::vector<int32_t>& v, Device dev) {
+    Tensor h = Tensor::empty({int64_t(v.size())}, DType::I32, Device::CPU, Tag::Workspace);
+    std::copy(v.begin(), v.end(), h.i32());
+    if (dev == Device::CPU) return h;
+    Tensor d = Tensor::empty(h.shape, DType::I32, dev, Tag::Workspace);
+    copy(d, h);
+    return d;
+  }
+  std::vector<int64_t> elems(const std::vector<int64_t>& r, int64_t D) const {
+    std::vector<int64_t> v;
+    for (int64_t n : r) v.push_back(n * D);
+    return v;
+  }
+  void dispatch(const Tensor& recv, const Tensor& send, const Exchange& xc, const char* what) {
+    TraceScope t(std::string("ep all_to_all_v (") + what + ")", Lane::Comm);
+    const int64_t D = send.size(1);
+    ep_.all_to_all_v(recv, elems(xc.recv_rows, D), send, elems(xc.send_rows, D));
+  }
+  void combine(const Tensor& out, const Tensor& back, const Exchange& xc, const char* what) {
+    TraceScope t(std::string("ep all_to_all_v (") + what + ")", Lane::Comm);
+    const int64_t D = back.size(1);
+    ep_.all_to_all_v(out, elems(xc.send_rows, D), back, elems(xc.recv_rows, D));
+  }
+  // One dispatch and one combine: the rows sent to and received from the other ranks, each a row
+  // of D elements; plus the counts exchange (E/ep int32 to each other rank) when count_ints = E.
+  void tally(const Exchange& xc, const Model& m, int count_ints) {
+    double rows_out = 0;
+    for (int p = 0; p < ep_.size(); p++)
+      if (p != ep_.rank()) rows_out += double(xc.send_rows[size_t(p)] + xc.recv_rows[size_t(p)]);
+    predicted_bytes += rows_out * m.cfg.dim * dtype_size(m.dtype);
+    predicted_bytes += double(count_ints) / ep_.size() * (ep_.size() - 1) * 4;
+  }
+  Comm& ep_;
+  int per_ = 1;
+};
+
+// Installs the expert-parallel MoE block into a model built with the ep shard spec.
+inline ExpertParallelMoe& install(Model& m, Comm& group) {
+  auto* b = new ExpertParallelMoe(m, group);
+  m.mlp.reset(b);
+  return *b;
+}
+
+// The flat ranges of dense and of expert gradients: each layer's held experts are one run.
+inline void split_ranges(const ParamTable& t, std::vector<std::pair<int64_t, int64_t>>& dense,
+                         std::vector<std::pair<int64_t, int64_t>>& experts) {
+  for (const ParamEntry& e : t.entries) {
+    if (e.numel == 0) continue;
+    auto& v = is_expert_param(e) ? experts : dense;
+    if (!v.empty() && v.back().second == e.offset) v.back().second = e.offset + e.numel;
+    else v.push_back({e.offset, e.offset + e.numel});
+  }
+}
+
+inline ShardSpec shard_spec(int ep, int ep_rank) {
+  ShardSpec s;
+  s.ep = ep;
+  s.ep_rank = ep_rank;
+  return s;
+}
+
+inline void validate(const RunConfig& rc, const MeshConfig& mc) {
+  const ModelConfig& m = rc.model;
+  if (m.experts < 1) config_error("07_expert_parallel needs a mixture of experts: pass --experts E (and --top-k K)");
+  if (mc.ep < 1) config_error("--ep must be >= 1 (got %d)", mc.ep);
+  if (m.experts % mc.ep) config_error("--experts %d is not divisible by --ep %d", m.experts, mc.ep);
+  if (mc.dp % mc.ep) config_error("--ep %d does not divide --dp %d (expert-parallel groups are cut from the dp ranks)", mc.ep, mc.dp);
+}
+
+// ----- predict: memory and bytes per rank ----------------------------------------------------------
+
+struct ParamSplit {
+  int64_t dense, experts;  // parameters this rank holds
+};
+inline ParamSplit param_split(const RunConfig& rc, int ep) {
+  const ParamTable t = Model::make_table(rc.model, 1, shard_spec(ep, 0));
+  ParamSplit s{0, 0};
+  for (const ParamEntry& e : t.entries) (is_expert_param(e) ? s.experts : s.dense) += e.numel;
+  return s;
+}
+
+inline MemoryPrediction predict_memory(const RunConfig& rc, int ep) {
+  const ParamSplit s = param_split(rc, ep);
+  MemoryPrediction p = predict_states(s.dense + s.experts, s.dense + s.experts, rc.dtype, rc.master_weights);
+  p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);  // balanced routing
+  return p;
+}
+
+// Balanced routing: of a micro-batch's N·K routed rows, (ep−1)/ep go to other ranks in the
+// dispatch and as many come back in the combine; backward repeats both, and full recompute reruns
+// the forward's pair. Plus E/ep int32 counts to each other rank per layer forward.
+inline double predict_balanced_bytes(const RunConfig& rc, int dp, int ep) {
+  const ModelConfig& m = rc.model;
+  const double f = (ep - 1.0) / ep, mbs = double(rc.batch / dp) / rc.micro_batch, full = rc.recompute == Recompute::Full;
+  const double rows = 2 * f * double(rc.micro_batch) * m.seq * m.top_k * (2 + full);
+  const double counts = (1 + full) * (ep - 1.0) * (m.experts / ep) * 4;
+  return mbs * m.layers * (rows * m.dim * dtype_size(rc.dtype) + counts);
+}
+
+inline void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
+  const ParamSplit s = param_split(rc, ep);
+  const MemoryPrediction p = predict_memory(rc, ep);
+  const ModelConfig& m = rc.model;
+  print_model(log, m);
+  const double e = dtype_size(rc.dtype);
+  log.line("dp %d, ep %d: per rank %d of %d experts per layer; expert params %s, dense params %s (replicated)", dp, ep,
+           m.experts / ep, m.experts, human_bytes(e * s.experts).c_str(), human_bytes(e * s.dense).c_str());
+  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s (balanced routing)",
+           human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
+           human_bytes(p.activations).c_str());
+  const double rows = double(rc.micro_batch) * m.seq * m.top_k;
+  log.line("per layer and micro-batch: N·K = %.0f routed rows of %s; balanced, (ep-1)/ep of them cross ranks: "
+           "dispatch %s + combine %s forward, the same backward",
+           rows, human_bytes(m.dim * e).c_str(), human_bytes((ep - 1.0) / ep * rows * m.dim * e).c_str(),
+           human_bytes((ep - 1.0) / ep * rows * m.dim * e).c_str());
+  log.line("per-rank all_to_all per step (balanced): %s", human_bytes(predict_balanced_bytes(rc, dp, ep)).c_str());
+}
+
+}  // namespace ep
+
+// ----- the program ------------------------------------------------------------------------------------
+#if TS_PROGRAM == 7
+using namespace ts;
+
+static const char* kDoc =
+    "07_expert_parallel: expert parallelism for the mixture-of-experts model: experts sharded over --ep ranks,\n"
+    "tokens dispatched and combined with all-to-all, dense weights data-parallel.\n"
+    "usage: mpirun -np N 07_expert_parallel --dp N --ep E --experts X [--top-k K] [flags]";
+
+// Like 02: this rank's contiguous slice of the global batch in micro-batches, only the last one
+// reducing. The gradient norm counts the dense tensors once (ep rank 0) and each expert on its
+// owner, summed over the ep group (every ep group holds the same reduced values).
+static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& dense, dp::GradReducer& experts,
+                             const TokenData& data, const RunConfig& rc, Mesh& mesh, long step) {
+  const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
+  ts::zero(model.grads);
+  double loss_sum = 0;
+  for (int s0 = 0; s0 < local; s0 += mb) {
+    dense.set_sync(s0 + mb == local);
+    experts.set_sync(s0 + mb == local);
+    MicroBatch b = make_microbatch(data, step, rc.batch, T, mesh.dp_rank * local + s0, mb, model.dev);
+    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+  }
+  dense.finish();
+  experts.finish();
+  const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.ep().mpi()});
+  opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
+  StepResult r{global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.dp().mpi()}), norm};
+  moe_step_report(model, r, {mesh.dp().mpi()});
+  return r;
+}
+
+int main(int argc, char** argv) {
+  double bucket_mb = 0;
+  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
+    mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks");
+    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB");
+  });
+  RunConfig& rc = prog.rc;
+  const MeshConfig& mc = prog.mc;
+  RunLog& log = prog.log();
+  ep::validate(rc, mc);
+  if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
+  if (prog.dry_run([&] { ep::print_plan(log, rc, mc.dp, mc.ep); })) return 0;
+  prog.open();  // validates world == dp before any collective
+  Mesh& mesh = prog.mesh;
+  ep::print_plan(log, rc, mc.dp, mc.ep);
+
+  ModelLayout layout;
+  layout.shard = ep::shard_spec(mc.ep, mesh.ep_rank);
+  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
+  ep::ExpertParallelMoe& moe = ep::install(model, mesh.ep());
+  AdamW opt(model, 0, model.table.total, rc.master_weights);
+  // Each rank initialises (or loads) its experts and the dense weights: no broadcast.
+  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
+  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
+  std::vector<std::pair<int64_t, int64_t>> dense_r, expert_r;
+  ep::split_ranges(model.table, dense_r, expert_r);
+  dp::GradReducer dense(model, mesh.dp(), true, bucket_mb, dense_r);
+  dp::GradReducer experts(model, mesh.ep_dp(), true, bucket_mb, expert_r);
+
+  Loop loop;
+  loop.predicted = ep::predict_memory(rc, mc.ep);
+  loop.step = [&](long step) { return train_step(model, opt, dense, experts, prog.data, rc, mesh, step); };
+  loop.save = [&](long step) {
+    // The first ep group writes: each expert by its owner, the dense tensors by ep rank 0 (the
+    // copies that count), all at their global offsets.
+    std::vector<CheckpointSlice> mine;
+    if (mesh.dp_rank < mc.ep) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
+    Json m = Json::object();
+    m["dp"] = mc.dp;
+    m["ep"] = mc.ep;
+    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
+  };
+  loop.comm = [&](long steps_run) {
+    const double n = double(std::max(1L, steps_run));
+    const double dense_psi = double(ep::param_split(rc, mc.ep).dense), expert_psi = double(ep::param_split(rc, mc.ep).experts);
+    const double edp = mesh.ep_dp().size();
+    Json c = comm_report(log, mesh.ep(), steps_run, {{"all_to_all", moe.predicted_bytes / n}});
+    Json d = comm_report(log, mesh.dp(), steps_run, {{"all_reduce", 2.0 * (mc.dp - 1) / mc.dp * 4 * dense_psi}});
+    Json x = comm_report(log, mesh.ep_dp(), steps_run, {{"all_reduce", 2.0 * (edp - 1) / edp * 4 * expert_psi}});
+    for (const Json* j : {&d, &x})
+      for (const auto& [k, v] : j->items()) c[k] = v;
+    return c;
+  };
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
+  return 0;
+}
+#endif  // TS_PROGRAM == 7
+#endif  // TS_07_EXPERT_PARALLEL_CU

@@ -1,0 +1,675 @@
+// 08_5d_mesh.cu — the techniques on one mesh, composed from their own files.
+//
+// The playbook's closing chapters, runnable: world = dp × pp × cp × tp ranks (TP innermost, then
+// CP, PP, DP, as in common/mesh.h). This file re-implements nothing: every piece below is the
+// technique file's own —
+//   02_data_parallel.cu    dp::GradReducer             gradients all-reduced over dp, bucketed
+//   03_zero.cu             zero::Zero                  ZeRO-1/2/3 over dp, per-unit shards
+//   04_tensor_parallel.cu  tp::install, tp::reduce_norm_grads   column/row-parallel layers, f/g,
+//                                                      vocabulary-parallel loss, sequence parallel
+//   05_pipeline_parallel.cu pp::shard_spec, pp::build_plan, pp::Pipeline   stages of units, the
+//                                                      schedule as action lists, its executor
+//   06_context_parallel.cu cp::install, cp::positions  ring (zigzag) or Ulysses attention core
+// — and 08 only wires them onto one model and one mesh: the model is built with the tp shard
+// spec, f/g and the loss come from 04, the attention core from 06, and the gradients of that
+// shard go to 02's reducer or 03's sharder over dp × cp (cp ranks hold different tokens of the
+// same weights). Hooks take several subscribers, so the sequence-parallel norm
+// reduction and ZeRO's reduce-scatter act on the same unit in that order.
+//
+//   mpirun -np 8 ./build/08_5d_mesh --dp 2 --tp 4 --zero 1 --sequence-parallel --kv-heads 4
+//   ./build/08_5d_mesh --dry-run --preset 8b --dp 8 --tp 8 --zero 1 --micro-batch 1 --dtype bf16
+#ifndef TS_08_5D_MESH_CU
+#define TS_08_5D_MESH_CU
+#include "02_data_parallel.cu"
+#include "03_zero.cu"
+#include "04_tensor_parallel.cu"
+#include "05_pipeline_parallel.cu"
+#include "06_context_parallel.cu"
+
+namespace mesh5d {
+using namespace ts;
+
+// The composition one run asks for.
+struct Plan {
+  MeshConfig mesh;
+  int zero = 0;  // 0: plain data parallelism (02), 1–3: ZeRO stage (03)
+  bool sp = false;
+  bool prefetch = true;
+  std::string dp_mode = "bucketed";
+  double bucket_mb = 25;
+  cp::Options cp{cp::Mode::Ring, true};
+  pp::Schedule schedule = pp::Schedule::OneFOneB;
+  int virtual_stages = 1;
+};
+
+// Every check of the pieces, before any collective; the unsupported combinations name why.
+// What one cp rank holds of each sequence: the model at seq/cp tokens (what 04's and 06's
+// formulas see on this mesh); and the model one tp rank holds (dim, heads, kv heads over tp).
+inline RunConfig local_run(const RunConfig& rc, const Plan& p) {
+  RunConfig l = rc;
+  l.model = cp::local_model(rc.model, p.mesh.cp);
+  return l;
+}
+inline RunConfig tp_share(const RunConfig& rc, const Plan& p) {
+  RunConfig l = rc;
+  l.model.dim /= p.mesh.tp;
+  l.model.heads /= p.mesh.tp;
+  l.model.kv_heads /= p.mesh.tp;
+  l.batch = rc.batch / p.mesh.dp;  // this dp rank's sequences
+  return l;
+}
+
+inline void validate(const RunConfig& rc, const Plan& p) {
+  cp::validate(rc, p.mesh.cp, p.cp);
+  tp::validate(local_run(rc, p), p.mesh.tp, p.sp);
+  if (p.cp.mode == cp::Mode::Ulysses && p.mesh.tp > 1 &&
+      ((rc.model.heads / p.mesh.tp) % p.mesh.cp || (rc.model.kv_heads / p.mesh.tp) % p.mesh.cp))
+    config_error("--cp-mode ulysses with --tp %d: the %d heads and %d kv heads per tp rank must divide by --cp %d",
+                 p.mesh.tp, rc.model.heads / p.mesh.tp, rc.model.kv_heads / p.mesh.tp, p.mesh.cp);
+  if (p.zero < 0 || p.zero > 3) config_error("--zero must be 0 (plain DP), 1, 2 or 3 (got %d)", p.zero);
+  if (p.mesh.ep != 1) config_error("--ep is not composed by 08_5d_mesh (07_expert_parallel runs it on dp ranks)");
+  if (p.mesh.pp > 1) {
+    RunConfig per_dp = rc;
+    per_dp.batch = rc.batch / p.mesh.dp;  // the pipeline's micro-batches are this dp rank's
+    pp::validate(per_dp, p.mesh.pp, p.virtual_stages, p.schedule);
+    if (p.zero >= 2)
+      config_error("--zero %d with --pp %d: ZeRO-2/3 shard gradients or weights per micro-batch, which a pipeline "
+                   "re-reads every micro-batch (the playbook: rarely worth it); use --zero 0 or 1",
+                   p.zero, p.mesh.pp);
+    if (p.schedule == pp::Schedule::ZBH1 && p.mesh.tp > 1)
+      config_error("--schedule zb-h1 with --tp %d is not composed: its deferred-gradient memory is derived for tp 1",
+                   p.mesh.tp);
+  }
+  if (p.dp_mode != "naive" && p.dp_mode != "bucketed")
+    config_error("--dp-mode must be naive or bucketed (got '%s')", p.dp_mode.c_str());
+  if (p.zero > 0 && p.dp_mode != "bucketed") config_error("--dp-mode applies to plain data parallelism (--zero 0) only");
+}
+
+// Dense gradients are reduced (or ZeRO-sharded) over the ranks that hold the same weights and
+// different tokens: dp × cp.
+inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
+
+// This rank's shard: its tp blocks of its pipeline stage's units.
+inline ShardSpec shard_spec(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank) {
+  ShardSpec s = tp::shard_spec(p.mesh.tp, tp_rank);
+  if (p.mesh.pp > 1) s.unit_runs = pp::shard_spec(rc.model, p.mesh.pp, p.virtual_stages, pp_rank).unit_runs;
+  return s;
+}
+
+// This rank's table, each unit padded to a multiple of dp·cp when ZeRO shards it.
+inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank = 0) {
+  return Model::make_table(rc.model, p.zero > 0 ? dense_group_size(p) : 1, shard_spec(rc, p, tp_rank, pp_rank));
+}
+
+// The pipeline's action lists over this dp rank's micro-batches.
+inline pp::Plan pipeline_plan(const RunConfig& rc, const Plan& p) {
+  return pp::build_plan(p.mesh.pp, rc.batch / p.mesh.dp / rc.micro_batch, p.virtual_stages, p.schedule);
+}
+// The part of a micro-batch's tokens one rank's residual stream holds (what travels between stages).
+inline double token_share(const Plan& p) { return 1.0 / p.mesh.cp / (p.sp ? p.mesh.tp : 1); }
+
+// ----- predict: memory and communication per rank, from the pieces' own formulas ------------------
+
+inline double micro_batches_per_rank(const RunConfig& rc, const Plan& p) {
+  return double(rc.batch) / p.mesh.dp / rc.micro_batch;
+}
+
+// For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports).
+inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank = 0) {
+  const ParamTable t = local_table(rc, p, 0, pp_rank);
+  MemoryPrediction m;
+  if (p.zero == 0) {
+    const int64_t psi = local_param_count(t);
+    m = predict_states(psi, psi, rc.dtype, rc.master_weights);
+  } else {
+    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t});
+  }
+  const ModelConfig local = cp::local_model(rc.model, p.mesh.cp);
+  if (p.mesh.pp > 1)
+    m.activations = pp::predict_stage_activations(pipeline_plan(rc, p), pp_rank, local, rc.micro_batch, rc.dtype,
+                                                  rc.recompute, p.mesh.tp, p.sp);
+  else
+    m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
+  return m;
+}
+
+// The name of the dense group on the mesh: dp, or dp_cp when cp ranks join it.
+inline std::string dense_group_name(const Plan& p) { return p.mesh.cp > 1 ? "dp_cp" : "dp"; }
+
+// Wire bytes per rank per step, per group: tp from 04's formula at this rank's tokens and
+// micro-batches, cp from 06's at this tp rank's heads, the dense group from 02's all-reduce or
+// 03's reduce-scatter/all-gather over the tp-local Ψ.
+// A pipeline stage's share: its layers, the embedding on the first, the head on the last.
+inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p,
+                                                                         int pp_rank = 0) {
+  const double mbs = micro_batches_per_rank(rc, p);
+  const int P = p.mesh.pp, layers = rc.model.layers / P;
+  const bool first = pp_rank == 0, last = pp_rank == P - 1;
+  std::map<std::string, std::map<std::string, double>> c;
+  if (p.mesh.tp > 1)
+    c["tp"] = tp::predict_comm(local_run(rc, p), p.mesh.tp, p.sp, mbs, p.sp && p.zero >= 2, layers, first, last);
+  if (p.mesh.cp > 1) {
+    RunConfig stage = tp_share(rc, p);
+    stage.model.layers = layers;
+    c["cp"] = cp::predict_comm(stage, p.mesh.cp, p.cp);
+  }
+  if (P > 1) {
+    const pp::Plan pl = pipeline_plan(rc, p);
+    c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, P, pl.m, pl.V, pp_rank, token_share(p))},
+               {"recv", 0.0}};
+  }
+  const int n = dense_group_size(p);
+  if (n > 1) {
+    const ParamTable t = local_table(rc, p, 0, pp_rank);
+    if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(t.total, n)}};
+    else c[dense_group_name(p)] = zero::predict_comm(rc, {p.zero, n, int(mbs), p.prefetch, t});
+  }
+  return c;
+}
+
+inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
+  print_model(log, rc.model);
+  const MemoryPrediction m = predict_memory(rc, p);
+  log.line("mesh dp %d × pp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batches of %d",
+           p.mesh.dp, p.mesh.pp, p.mesh.cp, p.mesh.tp, p.sp ? " (sequence parallel)" : "",
+           p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
+           p.mesh.cp > 1 ? (std::string(", ") + cp::mode_name(p.cp.mode) + (p.cp.zigzag ? " zigzag" : "")).c_str() : "",
+           rc.batch / p.mesh.dp, micro_batches_per_rank(rc, p), rc.micro_batch);
+  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s", human_bytes(m.params).c_str(),
+           human_bytes(m.grads).c_str(), human_bytes(m.optimizer).c_str(), human_bytes(m.activations).c_str());
+  for (auto& [group, ops] : predict_comm(rc, p))
+    for (auto& [op, b] : ops) log.line("per-rank %s %s per step: %s", group.c_str(), op.c_str(), human_bytes(b).c_str());
+  if (p.mesh.pp > 1) {
+    const pp::Plan pl = pipeline_plan(rc, p);
+    log.line("pipeline: %s, %d virtual stage(s) per rank, m = %d; bubble simulated %.4f, formula %.4f%s",
+             pp::schedule_name(pl.schedule), pl.V, pl.m, pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V),
+             p.zero == 0 && dense_group_size(p) > 1 ? "; dense gradients reduced after the flush, per tensor" : "");
+  }
+}
+
+// ----- the planner: predict before running ----------------------------------------------------------
+
+// A GPU: memory, dense bf16 peak, and the all-reduce bus bandwidth NCCL reaches inside a node
+// (NVLink) and between nodes (per GPU). The bandwidths are nominal figures from the hardware
+// (H100/H200: NVLink 4 at 900 GB/s bidirectional, of which a ring all-reduce sustains about half;
+// 8 × 400 Gb/s NICs per node = 50 GB/s per GPU), not measurements of this project.
+struct Gpu {
+  const char* name;
+  double mem_gib, bf16_tflops, intra_gbs, inter_gbs;
+};
+inline const Gpu* find_gpu(const std::string& name) {
+  static const Gpu kGpus[] = {{"h100", 80, 989, 450, 50}, {"h200", 141, 989, 450, 50}, {"a100", 80, 312, 230, 25}};
+  for (const Gpu& g : kGpus)
+    if (name == g.name) return &g;
+  return nullptr;
+}
+
+// The cluster and the job the planner sizes a mesh for.
+struct Cluster {
+  const Gpu* gpu;
+  double mem_gib;  // usable memory per GPU (--gpu-mem overrides the table)
+  int gpus, per_node;
+};
+
+// Stated assumptions of the time model (notes/08 discusses them):
+constexpr double kMatmulEfficiency = 0.5;  // fraction of the bf16 peak the step's FLOPs run at
+constexpr double kMemoryHeadroom = 0.9;    // of the GPU's memory, the rest for workspace and fragmentation
+constexpr double kBackwardShare = 2.0 / 3; // backward's share of compute, behind which DP hides its reduction
+
+struct Candidate {
+  Plan plan;
+  int micro_batch = 1;
+  Recompute recompute = Recompute::None;
+  MemoryPrediction mem;
+  double mem_total = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0, step = 0,
+         tokens_per_s_gpu = 0, mfu = 0;
+  std::string reject;  // why it cannot run ("" = it fits)
+};
+
+inline double group_bw(const Cluster& c, int span) { return span <= c.per_node ? c.gpu->intra_gbs : c.gpu->inter_gbs; }
+inline double sum_bytes(const std::map<std::string, double>& ops) {
+  double b = 0;
+  for (auto& [op, v] : ops) b += v;
+  return b;
+}
+
+// Memory from the same functions a run prints as "predicted"; time = compute at the stated
+// efficiency + TP's collectives (on the critical path) + what of the ring's K/V transfers the
+// attention compute cannot hide + what of the dp × cp reduction backward cannot hide.
+inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& p, int mb, Recompute r) {
+  Candidate c;
+  c.plan = p;
+  c.micro_batch = mb;
+  c.recompute = r;
+  RunConfig rc = base;
+  rc.micro_batch = mb;
+  rc.recompute = r;
+  c.mem = predict_memory(rc, p);
+  c.mem_total = c.mem.params + c.mem.grads + c.mem.optimizer + c.mem.activations;
+  const double tokens = double(rc.batch) * rc.model.seq, gpus = double(cl.gpus);
+  // Full recompute runs the forward (a third of 6N) again: 8N instead of 6N per token.
+  const double redo = r == Recompute::Full ? 8.0 / 6.0 : 1.0;
+  c.t_compute = flops_per_token(rc.model) * tokens * redo / gpus / (cl.gpu->bf16_tflops * 1e12 * kMatmulEfficiency);
+  const auto comm = predict_comm(rc, p);
+  // tp ranks are neighbours (innermost); a cp group spans cp·tp ranks, the dense group all of them.
+  const int span = p.mesh.dp * p.mesh.cp * p.mesh.tp;
+  if (comm.count("tp")) c.t_tp = sum_bytes(comm.at("tp")) / (group_bw(cl, p.mesh.tp) * 1e9);
+  if (comm.count("cp")) c.t_cp = sum_bytes(comm.at("cp")) / (group_bw(cl, p.mesh.cp * p.mesh.tp) * 1e9);
+  const std::string dense = dense_group_name(p);
+  if (comm.count(dense)) c.t_dp = sum_bytes(comm.at(dense)) / (group_bw(cl, span) * 1e9);
+  // The ring overlaps its transfers with attention: 12·L·h·s of the 6N + 12·L·h·s FLOPs per token.
+  const ModelConfig& m = rc.model;
+  const double attn_share = 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m);
+  c.t_cp_exposed = p.cp.mode == cp::Mode::Ring ? std::max(0.0, c.t_cp - attn_share * c.t_compute) : c.t_cp;
+  const double hide = (p.zero == 3 ? 1.0 : kBackwardShare) * c.t_compute;  // ZeRO-3 prefetches under forward too
+  c.t_dp_exposed = std::max(0.0, c.t_dp - hide);
+  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed;
+  c.tokens_per_s_gpu = tokens / c.step / gpus;
+  c.mfu = flops_per_token(rc.model) * c.tokens_per_s_gpu / (cl.gpu->bf16_tflops * 1e12);
+  if (c.mem_total > cl.mem_gib * kMemoryHeadroom * 1073741824.0)
+    c.reject = "does not fit: " + human_bytes(c.mem_total) + " > " + human_bytes(cl.mem_gib * kMemoryHeadroom * 1073741824.0);
+  return c;
+}
+
+// Every valid mesh of the cluster: tp dividing the heads and kv heads, cp (ring, zigzag)
+// dividing the sequence into 2·cp chunks, dp the rest, each ZeRO stage, micro-batches that divide
+// the batch, each recompute mode; sequence parallel with tp.
+inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
+  std::vector<Candidate> all;
+  const ModelConfig& m = rc.model;
+  for (int tp = 1; tp <= cl.gpus; tp *= 2)
+  for (int cpn = 1; cpn * tp <= cl.gpus && cpn <= 16; cpn *= 2) {
+    if (cl.gpus % (tp * cpn) || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
+    if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 512)) continue;  // cp for long sequences only
+    const int dp = cl.gpus / (tp * cpn);
+    if (rc.batch % dp) continue;
+    for (int zero = 0; zero <= 3; zero++)
+      for (int mb = 1; mb <= rc.batch / dp; mb *= 2) {
+        if ((rc.batch / dp) % mb) continue;
+        for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+          Plan p;
+          p.mesh.dp = dp;
+          p.mesh.tp = tp;
+          p.mesh.cp = cpn;
+          p.zero = dp * cpn > 1 ? zero : 0;
+          if (dp * cpn == 1 && zero > 0) continue;
+          p.sp = tp > 1;
+          all.push_back(evaluate(rc, cl, p, mb, r));
+        }
+      }
+  }
+  return all;
+}
+
+inline std::string describe(const Candidate& c) {
+  char b[256];
+  snprintf(b, sizeof b, "dp %d%s tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp,
+           c.plan.mesh.cp > 1 ? (" cp " + std::to_string(c.plan.mesh.cp)).c_str() : "", c.plan.mesh.tp,
+           c.plan.sp ? "+sp" : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
+           recompute_name(c.recompute));
+  return b;
+}
+
+inline Json candidate_json(const Candidate& c) {
+  Json j = Json::object();
+  j["dp"] = c.plan.mesh.dp;
+  j["tp"] = c.plan.mesh.tp;
+  j["cp"] = c.plan.mesh.cp;
+  j["zero"] = c.plan.zero;
+  j["sequence_parallel"] = c.plan.sp;
+  j["micro_batch"] = c.micro_batch;
+  j["recompute"] = recompute_name(c.recompute);
+  j["memory_bytes"] = c.mem_total;
+  j["step_s"] = c.step;
+  j["tokens_per_s_per_gpu"] = c.tokens_per_s_gpu;
+  j["mfu"] = c.mfu;
+  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed;
+  j["reject"] = c.reject;
+  return j;
+}
+
+// Ranks the candidates that fit by tokens/s/GPU and says, for the best of those that lose, why.
+inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, std::vector<Candidate> all) {
+  log.line("plan: %s on %d × %s (%.0f GiB usable, %d per node), seq %d, %d sequences per step (%.0f tokens)",
+           rc.preset.c_str(), cl.gpus, cl.gpu->name, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch,
+           double(rc.batch) * rc.model.seq);
+  log.line("assumed: matmuls at %.0f%% of %.0f TFLOP/s; all-reduce bus bandwidth %.0f GB/s in a node, %.0f GB/s across;"
+           " DP hides behind backward (%.0f%% of compute)", 100 * kMatmulEfficiency, cl.gpu->bf16_tflops,
+           cl.gpu->intra_gbs, cl.gpu->inter_gbs, 100 * kBackwardShare);
+  // Equal throughput (within 0.1%): the simpler mesh first — lower ZeRO stage, less
+  // recomputation, less TP, less CP, larger micro-batches (fewer kernel launches than the model counts).
+  auto simpler = [](const Candidate& a, const Candidate& b) {
+    if (a.plan.zero != b.plan.zero) return a.plan.zero < b.plan.zero;
+    if (a.recompute != b.recompute) return int(a.recompute) < int(b.recompute);
+    if (a.plan.mesh.tp != b.plan.mesh.tp) return a.plan.mesh.tp < b.plan.mesh.tp;
+    if (a.plan.mesh.cp != b.plan.mesh.cp) return a.plan.mesh.cp < b.plan.mesh.cp;
+    return a.micro_batch > b.micro_batch;
+  };
+  // Throughput in per-mille steps of the fastest: a strict ordering that still treats near-equal as equal.
+  double top = 1e-30;
+  for (const Candidate& c : all) top = std::max(top, c.tokens_per_s_gpu);
+  auto level = [&](const Candidate& c) { return std::llround(1000.0 * c.tokens_per_s_gpu / top); };
+  auto ties = [&](const Candidate& a, const Candidate& b) { return level(a) == level(b); };
+  std::stable_sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
+    if (a.reject.empty() != b.reject.empty()) return a.reject.empty();
+    if (!ties(a, b)) return level(a) > level(b);
+    return simpler(a, b);
+  });
+  log.line("%-4s %-52s %10s %12s %7s %10s", "rank", "mesh", "memory", "tok/s/GPU", "MFU", "exposed");
+  int shown = 0;
+  for (const Candidate& c : all) {
+    if (!c.reject.empty() || shown == 8) break;
+    log.line("%-4d %-52s %10s %12.0f %6.1f%% %8.1f ms", ++shown, describe(c).c_str(), human_bytes(c.mem_total).c_str(),
+             c.tokens_per_s_gpu, 100 * c.mfu, 1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed));
+  }
+  if (shown == 0) {
+    log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(all.empty() ? 0 : all.back().mem_total).c_str());
+    return;
+  }
+  const Candidate& best = all.front();
+  // The best candidate of each other kind (in ranking order: one that fits if any does), and why
+  // it loses to the best.
+  auto why = [&](const char* what, const std::function<bool(const Candidate&)>& pick) {
+    const Candidate* w = nullptr;
+    for (const Candidate& c : all)
+      if (pick(c)) {
+        w = &c;
+        break;
+      }
+    if (!w || w == &best) return;
+    std::string reason = !w->reject.empty() ? w->reject
+                         : ties(*w, best) ? "as fast; the ranking prefers the simpler mesh (lower ZeRO stage, less recomputation)"
+                         : w->plan.mesh.tp > cl.per_node ? "tp crosses nodes: its all-reduces run at inter-node bandwidth"
+                         : w->t_tp > best.t_tp + 1e-9 ? "more TP communication on the critical path"
+                         : w->t_cp_exposed > best.t_cp_exposed ? "the ring's K/V transfers outlast the attention they hide behind"
+                         : w->t_dp_exposed > best.t_dp_exposed ? "DP communication no longer hides behind backward"
+                         : w->recompute == Recompute::Full ? "recomputation costs a third more compute"
+                                                             : "less throughput per GPU";
+    log.line("  %-24s %s: %.0f tok/s/GPU — %s", what, describe(*w).c_str(), w->tokens_per_s_gpu, reason.c_str());
+  };
+  log.line("best: %s; alternatives:", describe(best).c_str());
+  why("plain data parallel", [](const Candidate& c) { return c.plan.mesh.tp == 1 && c.plan.zero == 0; });
+  why("more tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp > best.plan.mesh.tp; });
+  why("less tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp < best.plan.mesh.tp; });
+  why("other ZeRO stage", [&](const Candidate& c) {
+    return c.plan.mesh.tp == best.plan.mesh.tp && c.plan.zero != best.plan.zero;
+  });
+  why("no recomputation", [](const Candidate& c) { return c.recompute == Recompute::None; });
+  why("context parallel", [&](const Candidate& c) { return c.plan.mesh.cp != best.plan.mesh.cp; });
+}
+
+// ----- the composed step ----------------------------------------------------------------------------
+
+// One model on one mesh, with the pieces of 02/03/04 attached to it.
+class Composed {
+ public:
+  Composed(const RunConfig& rc, const Plan& p, Mesh& mesh)
+      : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
+        model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)), plan_(pipeline_plan(rc, p)) {
+    tp::install(model_, mesh.tp(), p.sp);
+    if (p.mesh.cp > 1) {
+      cp::install(model_, mesh.cp(), p.cp);
+      mine_ = cp::positions(rc.model.seq, p.mesh.cp, mesh.cp_rank, p.cp.zigzag);
+      pos_ = cp::device_ints(mine_, model_.dev);
+    }
+    if (p.mesh.pp > 1) {
+      const int64_t rows = std::llround(double(rc.micro_batch) * rc.model.seq * token_share(p));
+      pipe_ = std::make_unique<pp::Pipeline>(model_, mesh.pp(), plan_, mesh.pp_rank, rows);
+      pipe_->begin_microbatch = [this](long step, int mb) {
+        const MicroBatch b = local_microbatch(step, mb);
+        return model_.begin_microbatch(b.inputs, b.targets, rc_.micro_batch, pos_);
+      };
+    }
+    // Sequence-parallel norm gradients are partial over tp: reduced before ZeRO-2/3 scatters the
+    // unit (a subscriber added first runs first), else once per step in finish_backward.
+    if (p.sp && p.zero >= 2) model_.unit_grads_ready.add([this](int u) { tp::reduce_norm_grads(model_, mesh_.tp(), u); });
+    if (p.zero == 0) {
+      opt_ = std::make_unique<AdamW>(model_, 0, model_.table.total, rc.master_weights);
+      // Under a pipeline a stage's micro-batch backwards interleave: its gradients are reduced
+      // after the flush, tensor by tensor (02's naive mode).
+      const bool bucketed = p.dp_mode == "bucketed" && p.mesh.pp == 1;
+      reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, bucketed, p.bucket_mb);
+    } else {
+      zero_ = std::make_unique<zero::Zero>(model_, dense_, p.zero, p.prefetch, rc);
+    }
+  }
+
+  // Each rank initialises or loads exactly its blocks; ZeRO-1/2 then gather the full tp block.
+  long init_or_resume() {
+    long first = 0;
+    if (zero_) {
+      for (int u = 0; u < zero_->units(); u++) {
+        const AdamW& o = zero_->opt(u);
+        first = ts::init_or_resume(model_, zero_->opt(u), rc_, o.begin, o.end, zero_->weights(u));
+      }
+      zero_->all_gather_weights();
+    } else {
+      first = ts::init_or_resume(model_, *opt_, rc_, 0, model_.table.total, model_.params);
+    }
+    for (Comm* g : groups()) g->reset_stats();
+    return first;
+  }
+
+  // Micro-batch mb of this dp rank's contiguous slice of the global batch; tp ranks read the
+  // same, cp ranks their chunks of each sequence at their absolute positions.
+  MicroBatch local_microbatch(long step, int mb) const {
+    const int T = rc_.model.seq, b = rc_.micro_batch, first_seq = mesh_.dp_rank * (rc_.batch / p_.mesh.dp);
+    MicroBatch m = make_microbatch(*data_, step, rc_.batch, T, first_seq + mb * b, b, model_.dev);
+    if (p_.mesh.cp > 1) {
+      const cp::LocalBatch l = cp::local_batch(m, b, T, mine_);
+      m.inputs = l.inputs;
+      m.targets = l.targets;
+    }
+    return m;
+  }
+
+  StepResult step(const TokenData& data, long step) {
+    data_ = &data;
+    const int T = rc_.model.seq, mb = rc_.micro_batch, n = rc_.batch / p_.mesh.dp / mb;
+    if (zero_) zero_->begin_step();
+    else ts::zero(model_.grads);
+    double loss_sum = 0;
+    if (pipe_) {  // the stage's schedule runs every micro-batch; gradients are reduced after the flush
+      loss_sum = pipe_->run_step(data, rc_, step);
+      if (zero_) {
+        if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());
+        zero_->end_microbatch(true);
+      }
+    }
+    for (int i = 0; i < n && !pipe_; i++) {
+      const bool last = i + 1 == n;
+      if (zero_) zero_->begin_microbatch();
+      else reducer_->set_sync(last);
+      const MicroBatch b = local_microbatch(step, i);
+      loss_sum += model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
+      if (zero_) {
+        if (last && p_.sp && p_.zero == 1) tp::reduce_norm_grads(model_, mesh_.tp());  // before the scatter
+        zero_->end_microbatch(last);
+      }
+    }
+    // tp blocks and pipeline stages hold different parameters: the norm sums over both.
+    const std::vector<MPI_Comm> shards = {mesh_.tp().mpi(), mesh_.pp().mpi()};
+    double norm;
+    if (zero_) {
+      norm = zero_->grad_norm(shards);
+      zero_->optimizer_step(rc_, step, norm);
+    } else {
+      reducer_->finish();  // under a pipeline, naive mode: every tensor after the flush
+      if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());  // after the dp all-reduce has landed
+      norm = global_grad_norm(model_.table, {{0, model_.grads}}, shards);
+      opt_->step(model_, model_.params, model_.grads, lr_at(rc_, step), step + 1, clip_coefficient(norm, rc_.clip), rc_);
+    }
+    // The last stage holds the loss (the others add 0).
+    return {global_mean_loss(loss_sum, double(rc_.batch) * T, {dense_.mpi(), mesh_.pp().mpi()}), norm};
+  }
+
+  // The groups this mesh communicates on (size > 1), for the comm report.
+  std::vector<Comm*> groups() const {
+    std::vector<Comm*> g;
+    for (Comm* c : {&dense_, &mesh_.tp(), &mesh_.cp(), &mesh_.pp()})
+      if (c->size() > 1) g.push_back(c);
+    return g;
+  }
+
+  // Plain DP: dp rank 0's tp ranks write their blocks; ZeRO: every rank writes its chunks.
+  std::vector<CheckpointSlice> checkpoint_slices() const {
+    if (zero_) return zero_->checkpoint_slices();
+    if (dense_.rank() != 0) return {};  // the dp × cp replicas are identical; every stage writes its units
+    return {{0, model_.table.total, weights_f32(model_.params, *opt_), opt_.get()}};
+  }
+
+  Model& model() { return model_; }
+  double hidden_fraction() const { return reducer_ ? reducer_->hidden_fraction() : 0.0; }
+
+ private:
+  static ModelLayout layout(const RunConfig& rc, const Plan& p, const Mesh& mesh) {
+    ModelLayout l;
+    l.shard = shard_spec(rc, p, mesh.tp_rank, mesh.pp_rank);
+    if (p.zero > 0) l.align = dense_group_size(p);
+    l.hold_params = p.zero < 3;
+    l.hold_grads = p.zero < 2;
+    return l;
+  }
+  const RunConfig& rc_;
+  Plan p_;
+  Mesh& mesh_;
+  Comm& dense_;  // dp, or dp × cp: where dense gradients are reduced
+  Model model_;
+  std::vector<int32_t> mine_;  // this cp rank's token positions (cp > 1)
+  Tensor pos_;
+  pp::Plan plan_;
+  std::unique_ptr<pp::Pipeline> pipe_;
+  const TokenData* data_ = nullptr;
+  std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<dp::GradReducer> reducer_;
+  std::unique_ptr<zero::Zero> zero_;
+};
+
+}  // namespace mesh5d
+
+// ----- the program ------------------------------------------------------------------------------------
+#if TS_PROGRAM == 8
+using namespace ts;
+
+static const char* kDoc =
+    "08_5d_mesh: data, tensor (+ sequence), context parallelism and ZeRO on one mesh, composed from 02–06.\n"
+    "usage: mpirun -np N 08_5d_mesh --dp D --cp C --tp T [--zero 0|1|2|3] [--sequence-parallel] [--cp-mode ring|ulysses]\n"
+    "       [flags]  (N = D·C·T); 08_5d_mesh --plan --preset 8b --gpus 64 [--gpu h100] (runs nothing)";
+
+// --plan: runs nothing; ranks every valid mesh for the cluster, or predicts the one given.
+static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl, const mesh5d::Plan* given) {
+  std::vector<mesh5d::Candidate> all;
+  if (given) {
+    all.push_back(mesh5d::evaluate(rc, cl, *given, rc.micro_batch, rc.recompute));
+    const mesh5d::Candidate& c = all[0];
+    log.line("plan: %s on %d × %s: %s", rc.preset.c_str(), cl.gpus, cl.gpu->name, mesh5d::describe(c).c_str());
+    log.line("  memory per GPU %s (params %s, grads %s, optimizer %s, activations %s)%s%s",
+             human_bytes(c.mem_total).c_str(), human_bytes(c.mem.params).c_str(), human_bytes(c.mem.grads).c_str(),
+             human_bytes(c.mem.optimizer).c_str(), human_bytes(c.mem.activations).c_str(), c.reject.empty() ? "" : " — ",
+             c.reject.c_str());
+    log.line("  step %.3f s: compute %.3f s, tp %.3f s, cp %.3f s (%.3f exposed), dp %.3f s (%.3f exposed); %.0f tok/s/GPU,"
+             " MFU %.1f%%", c.step, c.t_compute, c.t_tp, c.t_cp, c.t_cp_exposed, c.t_dp, c.t_dp_exposed,
+             c.tokens_per_s_gpu, 100 * c.mfu);
+  } else {
+    all = mesh5d::enumerate(rc, cl);
+    mesh5d::print_ranking(log, rc, cl, all);
+  }
+  Json cands = Json::array();
+  for (const mesh5d::Candidate& c : all) cands.push_back(mesh5d::candidate_json(c));
+  Json s = Json::object();
+  s["candidates"] = std::move(cands);
+  log.summary(s);
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  mesh5d::Plan plan;
+  bool planning = false, mesh_given = false;
+  mesh5d::Cluster cluster{nullptr, 0, 8, 8};
+  Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
+    planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
+    const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100");
+    const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
+    cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
+    cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
+    const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq)");
+    mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp");
+    mc.dp = a.get_int("--dp", 1, "data-parallel degree");
+    mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)");
+    mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree");
+    mc.cp = a.get_int("--cp", 1, "context-parallel degree");
+    mc.ep = a.get_int("--ep", 1, "expert-parallel degree");
+    plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
+    plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
+    plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
+    plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
+    plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB");
+    const std::string cp_mode = a.get_str("--cp-mode", "ring", "cp > 1: ring | ulysses");
+    const int zigzag = a.get_int("--zigzag", 1, "cp > 1: 1 = zigzag chunks (balanced), 0 = contiguous");
+    if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());
+    if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
+    plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+    const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1");
+    plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank");
+    if (!pp::parse_schedule(sched, plan.schedule))
+      config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
+    if (!planning) return;
+    cluster.gpu = mesh5d::find_gpu(gpu);
+    if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
+    cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
+    if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
+    if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training
+    if (batch_tokens > 0) rc.batch = int(batch_tokens / rc.model.seq);
+    if (rc.batch < 1) config_error("--global-batch-tokens %.0f is less than one sequence of %d", batch_tokens, rc.model.seq);
+    if (!mesh_given) mc = MeshConfig{};  // the batch is split per candidate
+  });
+  RunConfig& rc = prog.rc;
+  plan.mesh = prog.mc;
+  RunLog& log = prog.log();
+  if (planning) {
+    if (mesh_given) {
+      plan.sp = plan.sp || plan.mesh.tp > 1;
+      if (plan.mesh.dp * plan.mesh.cp * plan.mesh.tp != cluster.gpus)
+        config_error("--plan: dp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.cp, plan.mesh.tp,
+                     cluster.gpus);
+      mesh5d::validate(rc, plan);
+    }
+    return plan_only(log, rc, cluster, mesh_given ? &plan : nullptr);
+  }
+  mesh5d::validate(rc, plan);
+  if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;
+  prog.open();  // validates world == dp·pp·cp·tp before any collective
+  Mesh& mesh = prog.mesh;
+  mesh5d::print_plan(log, rc, plan);
+
+  mesh5d::Composed run(rc, plan, mesh);
+  const long first = run.init_or_resume();
+  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
+
+  Loop loop;
+  loop.predicted = mesh5d::predict_memory(rc, plan);
+  loop.step = [&](long step) { return run.step(prog.data, step); };
+  loop.save = [&](long step) {
+    Json m = Json::object();
+    m["dp"] = plan.mesh.dp;
+    m["tp"] = plan.mesh.tp;
+    m["zero"] = plan.zero;
+    m["cp"] = plan.mesh.cp;
+    m["pp"] = plan.mesh.pp;
+    m["sequence_parallel"] = plan.sp;
+    save_checkpoint(rc.save_dir, rc, run.model().table, run.checkpoint_slices(), step, m);
+  };
+  loop.comm = [&](long steps_run) {
+    const auto pred = mesh5d::predict_comm(rc, plan);
+    Json c = Json::object();
+    for (Comm* g : run.groups()) {
+      Json one = comm_report(log, *g, steps_run, pred.count(g->name()) ? pred.at(g->name()) : std::map<std::string, double>{});
+      c[g->name()] = one.at(g->name());
+    }
+    return c;
+  };
+  train_loop(rc, prog.dev, log, prog.data, first, loop);
+  return 0;
+}
+#endif  // TS_PROGRAM == 8
+#endif  // TS_08_5D_MESH_CU

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Re-runs the commands quoted in the notes and the README and compares what they print now with
+the excerpt that follows each one.
+
+An excerpt is a line "$ COMMAND" (in a ``` block or an indented block) followed by the lines it
+printed, up to the next "$ " line, the end of the block or a blank line; a line "..." stands for
+lines left out. Every other excerpt line must appear in the output, in order, after the fields
+that change from run to run (times, rates, ETA, hidden fraction, thread counts) are masked on
+both sides. Commands are run from the repository root with ./build/ replaced by --build.
+
+  scripts/check_notes.py [--build DIR] [--quick] [FILE.md ...]    (default: README.md notes/*.md)
+
+--quick skips commands that train more than 50 steps (make test runs it with --quick).
+"""
+import argparse
+import glob
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+# Fields whose value depends on the machine or the moment, masked before comparing.
+UNSTABLE = [
+    (re.compile(r"[\d.]+ tok/s"), "# tok/s"),
+    (re.compile(r"MFU +[\d.]+%"), "MFU #%"),
+    (re.compile(r"[\d.]+ GFLOP/s"), "# GFLOP/s"),
+    (re.compile(r"[\d.]+ ms\b"), "# ms"),
+    (re.compile(r"(ETA|took) \S+"), r"\1 #"),
+    (re.compile(r"median [\d.]+ tokens/s"), "median # tokens/s"),
+    (re.compile(r"hidden behind backward: [\d.]+%"), "hidden behind backward: #%"),
+    (re.compile(r"^threads: .*"), "threads: #"),
+]
+
+
+def mask(line):
+    line = " ".join(line.split())
+    for pattern, repl in UNSTABLE:
+        line = pattern.sub(repl, line)
+    return line
+
+
+def excerpts(path):
+    """(line number, command, expected lines) for every "$ " excerpt of a markdown file."""
+    lines = open(path, encoding="utf-8").read().split("\n")
+    found = []
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^(\s*)\$ (.*)$", lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, command, start = len(m.group(1)), m.group(2).strip(), i + 1
+        expected = []
+        i += 1
+        while i < len(lines):
+            line = lines[i]
+            if line.strip().startswith("```") or re.match(r"^\s*\$ ", line) or not line.strip():
+                break
+            if len(line) - len(line.lstrip()) < indent:
+                break
+            expected.append(line.strip())
+            i += 1
+        found.append((start, command, expected))
+    return found
+
+
+def runnable(command):
+    words = shlex.split(command)
+    if words and words[0] == "mpirun":
+        words = words[3:] if len(words) > 3 and words[1] == "-np" else []
+    return bool(words) and words[0].startswith("./build/")
+
+
+def steps_of(command):
+    m = re.search(r"--steps (\d+)", command)
+    return int(m.group(1)) if m else 50  # the default
+
+
+def in_order(expected, output):
+    """The first excerpt line not found in order in the output, or None."""
+    got = [mask(l) for l in output.split("\n")]
+    k = 0
+    for want in expected:
+        if want == "...":
+            continue
+        w = mask(want)
+        while k < len(got) and got[k] != w:
+            k += 1
+        if k == len(got):
+            return want
+        k += 1
+    return None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--build", default="build")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("files", nargs="*")
+    args = ap.parse_args()
+    files = args.files or ["README.md"] + sorted(glob.glob("notes/*.md"))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    checked = failed = skipped = 0
+    for path in files:
+        for lineno, command, expected in excerpts(path):
+            if not runnable(command) or not expected:
+                continue
+            if args.quick and steps_of(command) > 50 and "--dry-run" not in command:
+                skipped += 1
+                continue
+            cmd = command.replace("./build/", args.build.rstrip("/") + "/")
+            if "--device" not in cmd:
+                cmd += " --device cpu"  # the excerpts are CPU runs
+            out = subprocess.run(cmd, shell=True, env=env, capture_output=True, text=True, timeout=600)
+            checked += 1
+            missing = in_order(expected, out.stdout + out.stderr)
+            if missing is not None:
+                failed += 1
+                print(f"{path}:{lineno}: $ {command}\n  this excerpt line is not in the output (in order):\n    {missing}")
+                print("  output:\n" + "\n".join("    " + l for l in (out.stdout + out.stderr).split("\n")))
+    print(f"{checked} excerpts checked, {failed} differ" + (f", {skipped} long runs skipped (--quick)" if skipped else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+#!/usr/bin/python3
+"""Draws what --log-json files recorded: the loss curves of several runs on one plot with the
+data's loss floor, each run's memory per category measured next to predicted, and throughput.
+
+  /usr/bin/python3 scripts/plot.py RUN.jsonl [RUN.jsonl ...] [-o runs.png] [--labels a,b,...]
+
+Runs of different techniques at the same global batch lie on one loss curve (the equivalence the
+tests prove); their memory bars show where each technique saves. Needs Debian's python3-matplotlib
+(`make deps` installs it), hence /usr/bin/python3 rather than the first python3 on PATH.
+"""
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+
+CATEGORIES = ["params", "grads", "optimizer", "activations", "comm", "workspace"]
+
+
+def read_log(path):
+    steps, summary = [], {}
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            j = json.loads(line)
+            if "summary" in j:
+                summary = j["summary"]
+            else:
+                steps.append(j)
+    if not steps:
+        sys.exit(f"{path}: no step records (is it a --log-json file?)")
+    return steps, summary
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("logs", nargs="+", help="--log-json files")
+    ap.add_argument("-o", "--output", default="runs.png")
+    ap.add_argument("--labels", help="comma-separated names, one per log (default: the file names)")
+    args = ap.parse_args()
+    labels = args.labels.split(",") if args.labels else [os.path.basename(p).rsplit(".", 1)[0] for p in args.logs]
+    if len(labels) != len(args.logs):
+        sys.exit(f"--labels names {len(labels)} runs but {len(args.logs)} logs were given")
+    runs = [(label, *read_log(p)) for label, p in zip(labels, args.logs)]
+
+    fig, (ax_loss, ax_mem, ax_tps) = plt.subplots(1, 3, figsize=(16, 4.8))
+
+    # Later runs are drawn thinner and dashed so that curves that coincide stay visible.
+    floors = set()
+    for k, (label, steps, summary) in enumerate(runs):
+        ax_loss.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=label, color=f"C{k}",
+                     linewidth=max(0.8, 2.4 - 0.6 * k), linestyle="-" if k == 0 else (0, (4, 2 + k)))
+        if summary.get("loss_floor") is not None:
+            floors.add(round(summary["loss_floor"], 6))
+    for f in sorted(floors):
+        ax_loss.axhline(f, color="black", linestyle=":", linewidth=1)
+        ax_loss.annotate(f"loss floor {f:.4f}", (0.99, f), xycoords=("axes fraction", "data"), ha="right",
+                         va="bottom", fontsize=8)
+    ax_loss.set(title="training loss", xlabel="step", ylabel="loss (nats/token)")
+    ax_loss.legend(fontsize=8)
+
+    # Memory: per category, two bars per run side by side: measured (solid), predicted (hatched;
+    # comm and workspace have none).
+    width = 0.8 / max(1, 2 * len(runs))
+    for k, (label, _, summary) in enumerate(runs):
+        mem = summary.get("memory", {})
+        xs = [i + (2 * k - (2 * len(runs) - 1) / 2) * width for i in range(len(CATEGORIES))]
+        measured = [mem.get(c, {}).get("measured", 0) / 2**20 for c in CATEGORIES]
+        predicted = [mem.get(c, {}).get("predicted", 0) / 2**20 for c in CATEGORIES]
+        ax_mem.bar(xs, measured, width * 0.95, color=f"C{k}", label=f"{label} measured")
+        ax_mem.bar([x + width for x in xs], predicted, width * 0.95, fill=False, hatch="//", edgecolor=f"C{k}",
+                   label=f"{label} predicted")
+    ax_mem.set_xticks(range(len(CATEGORIES)), CATEGORIES, fontsize=8)
+    ax_mem.set(title="memory per category (rank 0 peak)", ylabel="MiB")
+    ax_mem.legend(fontsize=7)
+
+    # A running median over 1% of the steps: single steps on a shared machine are noisy.
+    for k, (label, steps, _) in enumerate(runs):
+        tps = [s["tokens_per_s"] for s in steps]
+        h = max(1, len(tps) // 200)
+        smooth = [sorted(tps[max(0, i - h):i + h + 1])[len(tps[max(0, i - h):i + h + 1]) // 2] for i in range(len(tps))]
+        ax_tps.plot([s["step"] for s in steps], smooth, label=label, color=f"C{k}", linewidth=1)
+    ax_tps.set(title="throughput (running median)", xlabel="step", ylabel="tokens/s (whole job)")
+    ax_tps.legend(fontsize=8)
+
+    fig.tight_layout()
+    fig.savefig(args.output, dpi=80)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

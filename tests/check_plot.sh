@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# scripts/plot.py draws real logs: 01 and 02 (dp 2) at the same global batch, overlaid, into a PNG
+# of the size it asks for (16 × 4.8 in at 80 dpi = 1280 × 384 px).
+set -eu
+BUILD=${BUILD:-build}
+d=$(mktemp -d); trap 'rm -rf "$d"' EXIT
+args="--preset tiny --steps 6 --batch 8 --quiet --device cpu"
+"$BUILD/01_single_gpu" $args --log-json "$d/01.jsonl" >/dev/null
+mpirun -np 2 "$BUILD/02_data_parallel" $args --dp 2 --log-json "$d/02.jsonl" >/dev/null
+/usr/bin/python3 scripts/plot.py "$d/01.jsonl" "$d/02.jsonl" --labels 01,02 -o "$d/runs.png"
+/usr/bin/python3 - "$d/runs.png" <<'PY'
+import struct, sys
+data = open(sys.argv[1], "rb").read()
+assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+w, h = struct.unpack(">II", data[16:24])  # the IHDR chunk's width and height
+assert (w, h) == (1280, 384), f"{w} x {h}"
+assert len(data) > 20000, f"only {len(data)} bytes: an empty figure?"
+print(f"PNG {w} x {h}, {len(data)} bytes")
+PY

@@ -1,0 +1,138 @@
+// ranks: 1
+// What a newcomer meets in the first minutes: the launch mistakes the binaries explain, a shape too
+// big for the machine, the checkpoint's config.json, and the numbers each line reports.
+#include <catch2/catch.hpp>
+
+#include "json.h"
+#include "model.h"
+#include "test_util.h"
+#include "train.h"
+
+namespace {
+
+const std::string kTiny = "--preset tiny --lr-schedule constant ";
+
+bool has(const std::string& out, const std::string& s) { return out.find(s) != std::string::npos; }
+
+// A tiny run on one rank that must succeed.
+tst::Result run_ok(const std::string& bin, const std::string& args) {
+  tst::Result r = tst::run_bin(bin, kTiny + args, 1, 60);
+  INFO(bin << " " << args << "\n" << r.output);
+  REQUIRE(r.status == 0);
+  return r;
+}
+
+}  // namespace
+
+TEST_CASE("launch: ranks without the mesh flag name the flag this binary has", "[newcomer][launch]") {
+  struct Case {
+    std::string bin, args, says, never;
+  } cases[] = {
+      {"02_data_parallel", "", "--dp 1 needs 1 ranks but the job has 2: add --dp 2 (or launch with mpirun -np 1)", "--tp"},
+      {"03_zero", "--zero 2", "add --dp 2", "--tp"},
+      {"04_tensor_parallel", "", "--tp 1 needs 1 ranks but the job has 2: add --tp 2", "--dp"},
+      {"02_data_parallel", "--dp 4", "--dp 4 needs 4 ranks but the job has 2: set --dp 2 (or launch with mpirun -np 4)", "--tp"},
+      {"01_single_gpu", "", "01_single_gpu runs on one rank (got 2)", "--dp"},
+  };
+  for (const Case& c : cases) {
+    tst::Result r = tst::run_bin(c.bin, kTiny + "--steps 1 " + c.args, 2, 60);
+    INFO(c.bin << " " << c.args << "\n" << r.output);
+    CHECK(r.status != 0);
+    CHECK(r.status != 124);
+    CHECK(has(r.output, c.says));
+    CHECK(!has(r.output, c.never));
+  }
+}
+
+TEST_CASE("memory: a shape the machine cannot hold stops before allocating, with the comparison", "[newcomer][memory]") {
+  // 64 sequences of 8b's 4096 tokens in one micro-batch: ~18 TiB of activations, more than any node.
+  tst::Result r = tst::run_bin("01_single_gpu", "--preset 8b --batch 64 --steps 1", 1, 60);
+  INFO(r.output);
+  CHECK(r.status == 2);  // a config_error, not the allocator or the OOM killer
+  CHECK(has(r.output, "error: predicted "));
+  CHECK(has(r.output, "per rank (params 29.92 GiB, grads 29.92 GiB, optimizer 59.83 GiB, activations "));
+  CHECK(has(r.output, "available (MemAvailable in /proc/meminfo)"));
+  CHECK(!has(r.output, "step 0"));
+  // The same shape under --dry-run is a plan, not an error.
+  tst::Result dry = tst::run_bin("01_single_gpu", "--preset 8b --batch 64 --dry-run", 1, 60);
+  INFO(dry.output);
+  CHECK(dry.status == 0);
+}
+
+TEST_CASE("config.json: positions for generation past the training length, eps as written", "[newcomer][ckpt]") {
+  CHECK(ts::shortest_decimal(1e-5f) == 1e-5);
+  CHECK(ts::shortest_decimal(0.1f) == 0.1);
+  CHECK(ts::shortest_decimal(500000.f) == 500000.0);
+  CHECK(ts::Json(ts::shortest_decimal(1e-5f)).dump() == "1e-05");
+  tst::TempDir d;
+  run_ok("01_single_gpu", "--steps 0 --save " + d.file("ck"));
+  const std::string text = ts::read_text_file(d.file("ck/config.json"));
+  INFO(text);
+  CHECK(has(text, "\"rms_norm_eps\": 1e-05,"));
+  ts::Json cfg = ts::Json::parse(text);
+  CHECK(cfg.at("max_position_embeddings").as_int() == 2048);  // max(seq 32, 2048)
+  CHECK(cfg.at("rope_theta").as_double() == 10000.0);
+}
+
+TEST_CASE("step lines: GFLOP/s without a peak, MFU with --peak-tflops", "[newcomer][log]") {
+  tst::TempDir d;
+  tst::Result cpu = run_ok("01_single_gpu", "--steps 2 --log-json " + d.file("a.jsonl"));
+  INFO(cpu.output);
+  CHECK(has(cpu.output, " GFLOP/s | "));
+  CHECK(!has(cpu.output, "MFU"));
+  ts::ModelConfig tiny;
+  REQUIRE(ts::apply_preset("tiny", tiny));
+  for (const ts::Json& s : tst::read_log(d.file("a.jsonl")).steps) {
+    const double expected = ts::flops_per_token(tiny) * s.at("tokens_per_s").as_double();
+    CHECK(s.at("flops_per_s").as_double() == Approx(expected).epsilon(1e-12));
+  }
+  tst::Result peak = run_ok("01_single_gpu", "--steps 2 --peak-tflops 1");
+  INFO(peak.output);
+  CHECK(has(peak.output, "| MFU "));
+  CHECK(!has(peak.output, "GFLOP/s"));
+}
+
+TEST_CASE("02 at dp 1 has nothing to hide; the memory table says why two rows have no prediction", "[newcomer][log]") {
+  tst::TempDir d;
+  tst::Result r = run_ok("02_data_parallel", "--steps 2 --log-json " + d.file("a.jsonl"));
+  INFO(r.output);
+  CHECK(has(r.output, "communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)"));
+  CHECK(!tst::read_log(d.file("a.jsonl")).summary.contains("comm_hidden_fraction"));
+  CHECK(has(r.output, "(no prediction for comm: host staging of CUDA tensors sent over MPI"));
+  CHECK(has(r.output, "workspace:"));
+}
+
+TEST_CASE("--config: a JSON file of flags, the command line overriding; a checkpoint's trainer.json repeats its run",
+          "[newcomer][config]") {
+  tst::TempDir d;
+  tst::write_bytes(d.file("run.json"), R"({"preset": "tiny", "dim": 32, "heads": 2, "kv_heads": 1, "steps": 2,
+                                           "lr-schedule": "constant", "lr": 0.002, "quiet": true, "dp": 2})");
+  const std::string spelled = "--preset tiny --dim 32 --heads 2 --kv-heads 1 --lr-schedule constant --lr 0.002 --quiet --dp 2";
+  tst::Result a = tst::run_bin("02_data_parallel", "--config " + d.file("run.json") + " --steps 3 --save " +
+                                                       d.file("ck") + " --log-json " + d.file("a.jsonl"), 2, 60);
+  INFO(a.output);
+  REQUIRE(a.status == 0);
+  tst::Result b = tst::run_bin("02_data_parallel", spelled + " --steps 3 --log-json " + d.file("b.jsonl"), 2, 60);
+  INFO(b.output);
+  REQUIRE(b.status == 0);
+  CHECK(has(b.output, "mesh: 2 ranks = dp 2 x pp 1 x cp 1 x tp 1; cpu tensors travel by mpi"));
+  const std::vector<double> losses = tst::read_log(d.file("b.jsonl")).losses();
+  CHECK(losses.size() == 3);  // --steps 3 on the command line beat the file's 2
+  CHECK(tst::read_log(d.file("a.jsonl")).losses() == losses);
+
+  // The checkpoint recorded every flag: its trainer.json alone gives the same run.
+  ts::Json flags = ts::Json::parse(ts::read_text_file(d.file("ck/trainer.json"))).at("flags");
+  CHECK(flags.at("dim").as_string() == "32");
+  CHECK(flags.at("dp").as_string() == "2");
+  tst::Result c = tst::run_bin("02_data_parallel", "--config " + d.file("ck/trainer.json") + " --save " +
+                                                       d.file("ck2") + " --log-json " + d.file("c.jsonl"), 2, 60);
+  INFO(c.output);
+  REQUIRE(c.status == 0);
+  CHECK(tst::read_log(d.file("c.jsonl")).losses() == losses);
+
+  tst::write_bytes(d.file("bad.json"), R"({"steps": 2, "dpp": 2})");
+  tst::Result bad = tst::run_bin("02_data_parallel", "--config " + d.file("bad.json"), 1, 60);
+  INFO(bad.output);
+  CHECK(bad.status == 2);
+  CHECK(has(bad.output, "error: unknown flag --dpp in --config " + d.file("bad.json")));
+}

@@ -1,0 +1,258 @@
+// ranks: 1
+// 05_pipeline_parallel: the schedules as data (every action once, in dependency order, exact
+// bubbles, lists that cannot deadlock), then end to end against 01 at pp 2 and 4 for every
+// schedule, per-stage memory and p2p bytes against the formulas, checkpoints crossing between
+// pp 4, pp 2 and 01, and bad input.
+#include <catch2/catch.hpp>
+
+#include <cmath>
+#include <map>
+#include <set>
+
+#include "../05_pipeline_parallel.cu"
+#include "test_util.h"
+
+using namespace ts;
+
+namespace {
+
+const std::string kTiny = "--preset tiny --quiet --lr-schedule constant ";
+const int kSteps = 4;
+const pp::Schedule kAll[] = {pp::Schedule::AFAB, pp::Schedule::OneFOneB, pp::Schedule::Interleaved, pp::Schedule::ZBH1};
+
+using Run = tst::CachedRun;
+std::string args(int layers, int batch, const std::string& extra = "") {
+  return kTiny + "--layers " + std::to_string(layers) + " --steps " + std::to_string(kSteps) + " --batch " +
+         std::to_string(batch) + " --micro-batch 1 " + extra;
+}
+const Run& single(int layers, int batch, const std::string& extra = "") {
+  return tst::cached_run("01_single_gpu", 1, args(layers, batch, extra));
+}
+const Run& pipe(int p, pp::Schedule s, int layers, int batch, const std::string& extra = "") {
+  const std::string v = s == pp::Schedule::Interleaved ? " --virtual-stages 2 " : " ";
+  return tst::cached_run("05_pipeline_parallel", p,
+                         args(layers, batch, "--pp " + std::to_string(p) + " --schedule " + pp::schedule_name(s) + v + extra));
+}
+std::string model_file(const Run& r) { return r.ckpt + "/model.safetensors"; }
+// Layers: pp·V must divide them (V = 2 for interleaved).
+int layers_for(int p, pp::Schedule s) { return s == pp::Schedule::Interleaved && p == 4 ? 8 : 4; }
+const Json& stage(const Run& r, int s) { return r.log.summary.at("pp").at("stages")[size_t(s)]; }
+
+}  // namespace
+
+// ----- the action lists ------------------------------------------------------------------------------
+
+TEST_CASE("every micro-batch gets one F and one B (and one W) per chunk, in dependency order", "[05][schedule]") {
+  for (pp::Schedule s : kAll)
+    for (int p = 1; p <= 5; p++)
+      for (int m = 1; m <= 12; m++) {
+        const int V = s == pp::Schedule::Interleaved ? 2 : 1;
+        if (s == pp::Schedule::Interleaved && m % p) continue;
+        const pp::Plan pl = pp::build_plan(p, m, V, s);
+        INFO(pp::schedule_name(s) << " p " << p << " m " << m);
+        REQUIRE(pl.complete);
+        std::map<std::tuple<int, int, int>, int> finish;  // (op, mb, virtual stage) -> finish slot
+        int count = 0;
+        for (int r = 0; r < p; r++) {
+          int free = 0;
+          for (const pp::Timed& t : pl.timeline[r]) {
+            CHECK(t.start >= free);  // one action at a time per rank
+            free = t.start + t.dur;
+            const int k = pl.stage(r, t.a.chunk);
+            CHECK(finish.emplace(std::make_tuple(int(t.a.op), t.a.mb, k), free).second);  // exactly once
+            count++;
+          }
+        }
+        const int per = s == pp::Schedule::ZBH1 ? 3 : 2;
+        CHECK(count == per * m * V * p);
+        for (int r = 0; r < p; r++)
+          for (const pp::Timed& t : pl.timeline[r]) {
+            const int k = pl.stage(r, t.a.chunk), K = pl.K();
+            auto done_by = [&](pp::Op op, int kk) { return finish.at(std::make_tuple(int(op), t.a.mb, kk)) <= t.start; };
+            if (t.a.op == pp::Op::F && k > 0) CHECK(done_by(pp::Op::F, k - 1));
+            if (t.a.op == pp::Op::B) CHECK(done_by(pp::Op::F, k));
+            if (t.a.op == pp::Op::B && k < K - 1) CHECK(done_by(pp::Op::B, k + 1));
+            if (t.a.op == pp::Op::W) CHECK(done_by(pp::Op::B, k));
+          }
+      }
+}
+
+TEST_CASE("simulated bubbles: (p−1)/m for AFAB and 1F1B, (p−1)/(V·m) interleaved, ZB-H1 below 1F1B", "[05][schedule]") {
+  for (int p = 2; p <= 8; p++)
+    for (int m = 1; m <= 24; m++) {
+      INFO("p " << p << " m " << m);
+      const double f = (p - 1.0) / m;
+      CHECK(pp::build_plan(p, m, 1, pp::Schedule::AFAB).bubble() == Approx(f).epsilon(1e-12));
+      const double one = pp::build_plan(p, m, 1, pp::Schedule::OneFOneB).bubble();
+      CHECK(one == Approx(f).epsilon(1e-12));
+      const double zb = pp::build_plan(p, m, 1, pp::Schedule::ZBH1).bubble();
+      CHECK(zb < one);
+      if (m >= p) CHECK(zb == Approx((p - 1.0) / (3.0 * m)).epsilon(1e-12));  // Qi et al.'s (p−1)(F+B−W)
+      if (m % p == 0)
+        for (int V : {2, 4})
+          CHECK(pp::build_plan(p, m, V, pp::Schedule::Interleaved).bubble() == Approx(f / V).epsilon(1e-12));
+    }
+}
+
+TEST_CASE("in flight: AFAB holds m micro-batches, 1F1B at most p − s, ZB-H1 at most p until W", "[05][schedule]") {
+  const int p = 4, m = 8;
+  for (pp::Schedule s : {pp::Schedule::AFAB, pp::Schedule::OneFOneB, pp::Schedule::ZBH1}) {
+    const pp::Plan pl = pp::build_plan(p, m, 1, s);
+    for (int r = 0; r < p; r++) {
+      int held = 0, peak = 0;
+      for (const pp::Timed& t : pl.timeline[r]) {
+        const bool frees = s == pp::Schedule::ZBH1 ? t.a.op == pp::Op::W : t.a.op == pp::Op::B;
+        held += t.a.op == pp::Op::F ? 1 : frees ? -1 : 0;
+        peak = std::max(peak, held);
+      }
+      INFO(pp::schedule_name(s) << " stage " << r);
+      CHECK(peak == (s == pp::Schedule::AFAB ? m : s == pp::Schedule::OneFOneB ? p - r : p));
+    }
+  }
+}
+
+TEST_CASE("p2p lists: rendezvous-safe for AFAB, 1F1B and ZB-H1; message counts equal the formula", "[05][schedule]") {
+  for (pp::Schedule s : kAll)
+    for (int p = 2; p <= 6; p++)
+      for (int m = 1; m <= 10; m++) {
+        const int V = s == pp::Schedule::Interleaved ? 2 : 1;
+        if (s == pp::Schedule::Interleaved && m % p) continue;
+        const pp::Plan pl = pp::build_plan(p, m, V, s);
+        INFO(pp::schedule_name(s) << " p " << p << " m " << m);
+        if (s != pp::Schedule::Interleaved) CHECK(pp::completes_under_rendezvous(pl));
+        std::multiset<std::pair<int, int>> sent, received;  // (dir, mb·K + from)
+        for (int r = 0; r < p; r++) {
+          int sends = 0;
+          for (const pp::Action& a : pl.actions[r]) {
+            if (pp::is_compute(a.op)) continue;
+            const pp::Message msg = pp::message_of(pl, r, a);
+            (pp::is_send(a.op) ? sent : received).insert({msg.dir, msg.mb * pl.K() + msg.from});
+            sends += pp::is_send(a.op);
+          }
+          // One unit of b·s·h·bytes per message.
+          const ModelConfig c;
+          CHECK(sends * double(c.seq) * c.dim * 4 == pp::predict_send_bytes(c, 1, DType::F32, p, m, V, r));
+        }
+        CHECK(sent == received);  // every message sent is received once
+      }
+}
+
+TEST_CASE("--schedule-chart prints the timeline: 1F1B at p 4, m 8", "[05][schedule]") {
+  const std::vector<std::string> rows = pp::schedule_chart(pp::build_plan(4, 8, 1, pp::Schedule::OneFOneB));
+  REQUIRE(rows.size() == 8);
+  CHECK(rows[0] == "stage 0 |FFFF......BBFBBFBBFBBFBB.BB.BB.BB|");
+  CHECK(rows[6] == "stage 3 |...FBBFBBFBBFBBFBBFBBFBBFBB......|");
+  tst::Result r = tst::run_bin("05_pipeline_parallel", "--dry-run --pp 4 --layers 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart", 1, 60);
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("stage 0 |FFFF...BWFBWFBWFBWFBWBWBWBW|") != std::string::npos);
+  CHECK(r.output.find("simulated 0.1250, formula 0.1250") != std::string::npos);
+}
+
+// ----- end to end against 01 ---------------------------------------------------------------------------
+
+// Each stage runs exactly 01's kernels on exactly 01's tensors, and every gradient accumulates
+// over the micro-batches in 01's order (B and W in micro-batch order on every chunk), so the
+// losses and final weights come out bit-identical (measured difference 0 at pp 2 and 4, every
+// schedule). Only the gradient norm's sum of squares is grouped by stage, which may move the
+// clip coefficient by an ulp: asserted at 1e-6 relative for losses, 1e-6 absolute for weights.
+const double kLossTol = 1e-6, kWeightTol = 1e-6;
+
+TEST_CASE("pp 2 and 4 × every schedule × m ∈ {p, 2p, not a multiple of p} reproduce 01 (fp32, clipped)",
+          "[05][e2e][equiv]") {
+  for (int p : {2, 4})
+    for (pp::Schedule s : kAll)
+      for (int m : {p, 2 * p, p + 1}) {
+        if (s == pp::Schedule::Interleaved && m % p) continue;
+        const int L = layers_for(p, s);
+        const Run& ref = single(L, m);
+        const Run& t = pipe(p, s, L, m);
+        INFO(pp::schedule_name(s) << " pp " << p << " m " << m);
+        CHECK(ref.log.steps[0].at("grad_norm").as_double() > 1.2);  // clipping at 1.0 is active
+        REQUIRE(t.log.steps.size() == size_t(kSteps));
+        CHECK(tst::max_rel_diff(t.log.losses(), ref.log.losses()) <= kLossTol);
+        for (int i = 0; i < kSteps; i++)
+          CHECK(t.log.steps[size_t(i)].at("grad_norm").as_double() ==
+                Approx(ref.log.steps[size_t(i)].at("grad_norm").as_double()).epsilon(1e-12));
+        CHECK(tst::max_abs_diff_files(model_file(t), model_file(ref)) <= kWeightTol);
+      }
+}
+
+TEST_CASE("recompute full and selective under 1F1B, interleaved and ZB-H1 reproduce 01", "[05][e2e][equiv]") {
+  for (const char* rc : {"--recompute full", "--recompute selective"})
+    for (pp::Schedule s : {pp::Schedule::OneFOneB, pp::Schedule::Interleaved, pp::Schedule::ZBH1}) {
+      const Run& ref = single(4, 4, rc);
+      const Run& t = pipe(2, s, 4, 4, rc);
+      INFO(rc << " " << pp::schedule_name(s));
+      CHECK(tst::max_rel_diff(t.log.losses(), ref.log.losses()) <= kLossTol);
+      CHECK(tst::max_abs_diff_files(model_file(t), model_file(ref)) <= kWeightTol);
+    }
+}
+
+// ----- memory and bytes per stage --------------------------------------------------------------------
+
+TEST_CASE("activations per stage measured equal predicted for every schedule; AFAB > 1F1B on stage 0", "[05][e2e][mem]") {
+  for (int p : {2, 4})
+    for (pp::Schedule s : kAll)
+      for (int m : {p, 2 * p}) {
+        const Run& t = pipe(p, s, layers_for(p, s), m);
+        for (int st = 0; st < p; st++) {
+          INFO(pp::schedule_name(s) << " pp " << p << " m " << m << " stage " << st);
+          CHECK(stage(t, st).at("activations_measured").as_double() == stage(t, st).at("activations_predicted").as_double());
+          CHECK(stage(t, st).at("send_bytes").as_double() == stage(t, st).at("send_predicted").as_double());
+        }
+      }
+  // Recompute modes change the per-layer term, not the rule.
+  for (const char* rc : {"--recompute full", "--recompute selective"})
+    for (pp::Schedule s : {pp::Schedule::OneFOneB, pp::Schedule::ZBH1}) {
+      const Run& t = pipe(2, s, 4, 4, rc);
+      for (int st = 0; st < 2; st++)
+        CHECK(stage(t, st).at("activations_measured").as_double() == stage(t, st).at("activations_predicted").as_double());
+    }
+  // The closed forms for 1F1B and AFAB (tiny, 4 layers, pp 4: n = 1 layer per stage, b·s = 32 tokens):
+  // stage 0 holds k micro-batches: (k·n − 1)·saved + complete + the output, k = p − s or m.
+  const ModelConfig c{64, 4, 4, 2, 160, 256, 32};
+  const double S = layer_activation_bytes(c, DType::F32, Recompute::None), out = 64 * 4;
+  const int p = 4, m = 8;
+  CHECK(stage(pipe(p, pp::Schedule::OneFOneB, 4, m), 0).at("activations_measured").as_double() == 32 * (p * S + out));
+  CHECK(stage(pipe(p, pp::Schedule::AFAB, 4, m), 0).at("activations_measured").as_double() == 32 * (m * S + out));
+  // Params: stage 0 holds the embedding and one layer of the four.
+  const Run& t = pipe(p, pp::Schedule::OneFOneB, 4, m);
+  const double layer = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64 + 2 * 64;  // q, o; k, v (kv dim 32); the MLP; two norms
+  CHECK(t.log.summary.at("memory").at("params").at("measured").as_double() == 4 * (256 * 64 + layer));
+  CHECK(t.log.summary.at("comm").at("pp").at("send").at("bytes").as_double() == m * 32 * 64 * 4.0);
+}
+
+// ----- checkpoints -----------------------------------------------------------------------------------
+
+TEST_CASE("a pp 4 checkpoint resumes in 01 and at pp 2 on 01's curve", "[05][e2e][ckpt]") {
+  const Run& ref = tst::cached_run("01_single_gpu", 1, kTiny + "--layers 4 --steps 6 --batch 8 --micro-batch 1");
+  const Run& from = tst::cached_run("05_pipeline_parallel", 4,
+                                    kTiny + "--layers 4 --steps 3 --batch 8 --micro-batch 1 --pp 4 --schedule 1f1b");
+  const std::vector<double> want = ref.log.losses();
+  for (auto [bin, np, extra] : {std::tuple<std::string, int, std::string>{"01_single_gpu", 1, ""},
+                                {"05_pipeline_parallel", 2, "--pp 2 --schedule zb-h1 "}}) {
+    const std::string log = tst::scratch("pp_resume.jsonl"), out = tst::scratch("pp_resume_ck");
+    tst::Result r = tst::run_bin(bin, kTiny + extra + "--layers 4 --steps 6 --batch 8 --micro-batch 1 --resume " +
+                                          from.ckpt + " --save " + out + " --log-json " + log, np, 120);
+    INFO(bin << "\n" << r.output);
+    REQUIRE(r.status == 0);
+    std::vector<double> l = tst::read_log(log).losses();
+    REQUIRE(l.size() == 3);
+    CHECK(tst::max_rel_diff(l, std::vector<double>(want.begin() + 3, want.end())) <= kLossTol);
+    CHECK(tst::max_abs_diff_files(out + "/model.safetensors", model_file(ref)) <= kWeightTol);
+  }
+}
+
+// ----- bad input ---------------------------------------------------------------------------------------
+
+TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[05][errors]") {
+  tst::check_errors("05_pipeline_parallel", kTiny + "--steps 2 --batch 8 --micro-batch 1 ", {
+      {2, "--pp 2 --layers 3", "--layers 3 is not divisible by --pp 2"},
+      {2, "--pp 2 --layers 4 --schedule interleaved --virtual-stages 4", "--layers 4 is not divisible by --pp 2 × --virtual-stages 4"},
+      {4, "--pp 4 --layers 8 --schedule interleaved --virtual-stages 2 --batch 6", "to be a multiple of --pp 4"},
+      {2, "--pp 2 --layers 4 --schedule gpipe", "unknown --schedule 'gpipe'"},
+      {2, "--pp 2 --layers 4 --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"},
+      {2, "--pp 4 --layers 4", "needs 4 ranks but the job has 2"},
+  });
+}
