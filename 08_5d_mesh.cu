@@ -614,6 +614,7 @@ int main(int argc, char** argv) {
     if (!pp::parse_schedule(sched, plan.schedule))
       config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
     if (!planning) return;
+    rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
     cluster.gpu = mesh5d::find_gpu(gpu);
     if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
     cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
@@ -641,13 +642,14 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == dp·pp·cp·tp before any collective
   Mesh& mesh = prog.mesh;
   mesh5d::print_plan(log, rc, plan);
+  check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 
   mesh5d::Composed run(rc, plan, mesh);
   const long first = run.init_or_resume();
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
 
   Loop loop;
-  loop.predicted = mesh5d::predict_memory(rc, plan);
+  loop.predicted = mesh5d::predict_memory(rc, plan);  // rank 0's (pipeline stage 0), the one the table reports
   loop.step = [&](long step) { return run.step(prog.data, step); };
   loop.save = [&](long step) {
     Json m = Json::object();
