@@ -30,6 +30,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -636,6 +637,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == pp before any collective
   Mesh& mesh = prog.mesh;
   pp::print_plan(log, rc, plan, chart);
+  check_memory_fits(pp::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 
   ModelLayout layout;
   layout.shard = pp::shard_spec(rc.model, p, V, mesh.pp_rank);

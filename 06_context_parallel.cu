@@ -31,6 +31,7 @@
 #include "data.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "trace.h"
 #include "train.h"
 
@@ -504,6 +505,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == cp before any collective
   Mesh& mesh = prog.mesh;
   cp::print_plan(log, rc, mc.cp, opt_cp);
+  check_memory_fits(cp::predict_memory(rc, mc.cp), prog.dev);
 
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
   const std::function<cp::AttentionWork()> work = cp::install(model, mesh.cp(), opt_cp);

@@ -25,6 +25,7 @@
 #include "comm.h"
 #include "mesh.h"
 #include "model.h"
+#include "run.h"
 #include "moe.h"
 #include "trace.h"
 #include "train.h"
@@ -297,6 +298,7 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == dp before any collective
   Mesh& mesh = prog.mesh;
   ep::print_plan(log, rc, mc.dp, mc.ep);
+  check_memory_fits(ep::predict_memory(rc, mc.ep), prog.dev);
 
   ModelLayout layout;
   layout.shard = ep::shard_spec(mc.ep, mesh.ep_rank);

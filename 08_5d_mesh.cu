@@ -221,8 +221,8 @@ struct Candidate {
   int micro_batch = 1;
   Recompute recompute = Recompute::None;
   MemoryPrediction mem;
-  double mem_total = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0, step = 0,
-         tokens_per_s_gpu = 0, mfu = 0;
+  double mem_total = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0, t_bubble = 0,
+         t_pp = 0, bubble = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
   std::string reject;  // why it cannot run ("" = it fits)
 };
 
@@ -244,8 +244,15 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   RunConfig rc = base;
   rc.micro_batch = mb;
   rc.recompute = r;
-  c.mem = predict_memory(rc, p);
-  c.mem_total = c.mem.params + c.mem.grads + c.mem.optimizer + c.mem.activations;
+  // The fullest pipeline stage sets the memory: the first (embedding, most micro-batches in
+  // flight) or the last (head and logits).
+  auto total = [](const MemoryPrediction& m) { return m.params + m.grads + m.optimizer + m.activations; };
+  c.mem = predict_memory(rc, p, 0);
+  if (p.mesh.pp > 1) {
+    const MemoryPrediction last = predict_memory(rc, p, p.mesh.pp - 1);
+    if (total(last) > total(c.mem)) c.mem = last;
+  }
+  c.mem_total = total(c.mem);
   const double tokens = double(rc.batch) * rc.model.seq, gpus = double(cl.gpus);
   // Full recompute runs the forward (a third of 6N) again: 8N instead of 6N per token.
   const double redo = r == Recompute::Full ? 8.0 / 6.0 : 1.0;
@@ -263,7 +270,18 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   c.t_cp_exposed = p.cp.mode == cp::Mode::Ring ? std::max(0.0, c.t_cp - attn_share * c.t_compute) : c.t_cp;
   const double hide = (p.zero == 3 ? 1.0 : kBackwardShare) * c.t_compute;  // ZeRO-3 prefetches under forward too
   c.t_dp_exposed = std::max(0.0, c.t_dp - hide);
-  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed;
+  // The pipeline: its simulated bubble (idle over compute) of the compute, and the stage that
+  // sends the most (a middle one) on the critical path, its group spanning pp·cp·tp ranks.
+  if (p.mesh.pp > 1) {
+    const pp::Plan pl = pipeline_plan(rc, p);
+    c.bubble = pl.bubble();
+    c.t_bubble = c.bubble * c.t_compute;
+    double send = 0;
+    for (int s = 0; s < p.mesh.pp; s++)
+      send = std::max(send, pp::predict_send_bytes(rc.model, mb, rc.dtype, pl.p, pl.m, pl.V, s, token_share(p)));
+    c.t_pp = send / (group_bw(cl, p.mesh.pp * p.mesh.cp * p.mesh.tp) * 1e9);
+  }
+  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_bubble + c.t_pp;
   c.tokens_per_s_gpu = tokens / c.step / gpus;
   c.mfu = flops_per_token(rc.model) * c.tokens_per_s_gpu / (cl.gpu->bf16_tflops * 1e12);
   if (c.mem_total > cl.mem_gib * kMemoryHeadroom * 1073741824.0)
@@ -272,38 +290,53 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
 }
 
 // Every valid mesh of the cluster: tp dividing the heads and kv heads, cp (ring, zigzag)
-// dividing the sequence into 2·cp chunks, dp the rest, each ZeRO stage, micro-batches that divide
-// the batch, each recompute mode; sequence parallel with tp.
+// dividing the sequence into 2·cp chunks, pp dividing the layers (1F1B, and interleaved with two
+// chunks per rank where it divides), dp the rest; each ZeRO stage (only 0 and 1 with pp), the
+// micro-batches that divide the batch, each recompute mode; sequence parallel with tp.
 inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
   std::vector<Candidate> all;
   const ModelConfig& m = rc.model;
   for (int tp = 1; tp <= cl.gpus; tp *= 2)
-  for (int cpn = 1; cpn * tp <= cl.gpus && cpn <= 16; cpn *= 2) {
-    if (cl.gpus % (tp * cpn) || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
-    if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 512)) continue;  // cp for long sequences only
-    const int dp = cl.gpus / (tp * cpn);
-    if (rc.batch % dp) continue;
-    for (int zero = 0; zero <= 3; zero++)
-      for (int mb = 1; mb <= rc.batch / dp; mb *= 2) {
-        if ((rc.batch / dp) % mb) continue;
-        for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-          Plan p;
-          p.mesh.dp = dp;
-          p.mesh.tp = tp;
-          p.mesh.cp = cpn;
-          p.zero = dp * cpn > 1 ? zero : 0;
-          if (dp * cpn == 1 && zero > 0) continue;
-          p.sp = tp > 1;
-          all.push_back(evaluate(rc, cl, p, mb, r));
+    for (int cpn = 1; cpn * tp <= cl.gpus && cpn <= 16; cpn *= 2)
+      for (int pp = 1; pp * cpn * tp <= cl.gpus && pp <= m.layers; pp *= 2) {
+        if (cl.gpus % (tp * cpn * pp) || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
+        if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 512)) continue;  // cp for long sequences only
+        if (m.layers % pp) continue;
+        const int dp = cl.gpus / (tp * cpn * pp);
+        if (rc.batch % dp) continue;
+        for (int V : {1, 2}) {
+          if (V > 1 && (pp == 1 || m.layers % (pp * V))) continue;
+          for (int zero = 0; zero <= (pp > 1 ? 1 : 3); zero++)
+            for (int mb = 1; mb <= rc.batch / dp; mb *= 2) {
+              if ((rc.batch / dp) % mb) continue;
+              const int micro = rc.batch / dp / mb;
+              if (V > 1 && micro % pp) continue;  // interleaved needs m a multiple of pp
+              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+                Plan p;
+                p.mesh.dp = dp;
+                p.mesh.tp = tp;
+                p.mesh.cp = cpn;
+                p.mesh.pp = pp;
+                p.zero = dp * cpn > 1 ? zero : 0;
+                if (dp * cpn == 1 && zero > 0) continue;
+                p.sp = tp > 1;
+                p.virtual_stages = V;
+                p.schedule = V > 1 ? pp::Schedule::Interleaved : pp::Schedule::OneFOneB;
+                p.dp_mode = pp > 1 ? "naive" : "bucketed";
+                all.push_back(evaluate(rc, cl, p, mb, r));
+              }
+            }
         }
       }
-  }
   return all;
 }
 
 inline std::string describe(const Candidate& c) {
   char b[256];
-  snprintf(b, sizeof b, "dp %d%s tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp,
+  const std::string pipe = c.plan.mesh.pp > 1 ? " pp " + std::to_string(c.plan.mesh.pp) +
+                                                   (c.plan.virtual_stages > 1 ? "×" + std::to_string(c.plan.virtual_stages) : "")
+                                             : "";
+  snprintf(b, sizeof b, "dp %d%s%s tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, pipe.c_str(),
            c.plan.mesh.cp > 1 ? (" cp " + std::to_string(c.plan.mesh.cp)).c_str() : "", c.plan.mesh.tp,
            c.plan.sp ? "+sp" : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
            recompute_name(c.recompute));
@@ -315,6 +348,9 @@ inline Json candidate_json(const Candidate& c) {
   j["dp"] = c.plan.mesh.dp;
   j["tp"] = c.plan.mesh.tp;
   j["cp"] = c.plan.mesh.cp;
+  j["pp"] = c.plan.mesh.pp;
+  j["virtual_stages"] = c.plan.virtual_stages;
+  j["bubble"] = c.bubble;
   j["zero"] = c.plan.zero;
   j["sequence_parallel"] = c.plan.sp;
   j["micro_batch"] = c.micro_batch;
@@ -323,7 +359,7 @@ inline Json candidate_json(const Candidate& c) {
   j["step_s"] = c.step;
   j["tokens_per_s_per_gpu"] = c.tokens_per_s_gpu;
   j["mfu"] = c.mfu;
-  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed;
+  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp;
   j["reject"] = c.reject;
   return j;
 }
@@ -343,6 +379,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
     if (a.recompute != b.recompute) return int(a.recompute) < int(b.recompute);
     if (a.plan.mesh.tp != b.plan.mesh.tp) return a.plan.mesh.tp < b.plan.mesh.tp;
     if (a.plan.mesh.cp != b.plan.mesh.cp) return a.plan.mesh.cp < b.plan.mesh.cp;
+    if (a.plan.mesh.pp != b.plan.mesh.pp) return a.plan.mesh.pp < b.plan.mesh.pp;
     return a.micro_batch > b.micro_batch;
   };
   // Throughput in per-mille steps of the fastest: a strict ordering that still treats near-equal as equal.
@@ -355,12 +392,13 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
     if (!ties(a, b)) return level(a) > level(b);
     return simpler(a, b);
   });
-  log.line("%-4s %-52s %10s %12s %7s %10s", "rank", "mesh", "memory", "tok/s/GPU", "MFU", "exposed");
+  log.line("%-4s %-58s %10s %12s %7s %10s %7s", "rank", "mesh", "memory", "tok/s/GPU", "MFU", "exposed", "bubble");
   int shown = 0;
   for (const Candidate& c : all) {
     if (!c.reject.empty() || shown == 8) break;
-    log.line("%-4d %-52s %10s %12.0f %6.1f%% %8.1f ms", ++shown, describe(c).c_str(), human_bytes(c.mem_total).c_str(),
-             c.tokens_per_s_gpu, 100 * c.mfu, 1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed));
+    log.line("%-4d %-58s %10s %12.0f %6.1f%% %8.1f ms %6.1f%%", ++shown, describe(c).c_str(),
+             human_bytes(c.mem_total).c_str(), c.tokens_per_s_gpu, 100 * c.mfu,
+             1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp), 100 * c.bubble);
   }
   if (shown == 0) {
     log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(all.empty() ? 0 : all.back().mem_total).c_str());
@@ -382,6 +420,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
                          : w->plan.mesh.tp > cl.per_node ? "tp crosses nodes: its all-reduces run at inter-node bandwidth"
                          : w->t_tp > best.t_tp + 1e-9 ? "more TP communication on the critical path"
                          : w->t_cp_exposed > best.t_cp_exposed ? "the ring's K/V transfers outlast the attention they hide behind"
+                         : w->t_bubble > best.t_bubble ? "the pipeline bubble idles its stages"
                          : w->t_dp_exposed > best.t_dp_exposed ? "DP communication no longer hides behind backward"
                          : w->recompute == Recompute::Full ? "recomputation costs a third more compute"
                                                              : "less throughput per GPU";
@@ -396,6 +435,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
   });
   why("no recomputation", [](const Candidate& c) { return c.recompute == Recompute::None; });
   why("context parallel", [&](const Candidate& c) { return c.plan.mesh.cp != best.plan.mesh.cp; });
+  why("pipeline parallel", [&](const Candidate& c) { return c.plan.mesh.pp != best.plan.mesh.pp; });
 }
 
 // ----- the composed step ----------------------------------------------------------------------------
@@ -567,9 +607,9 @@ static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl
              human_bytes(c.mem_total).c_str(), human_bytes(c.mem.params).c_str(), human_bytes(c.mem.grads).c_str(),
              human_bytes(c.mem.optimizer).c_str(), human_bytes(c.mem.activations).c_str(), c.reject.empty() ? "" : " — ",
              c.reject.c_str());
-    log.line("  step %.3f s: compute %.3f s, tp %.3f s, cp %.3f s (%.3f exposed), dp %.3f s (%.3f exposed); %.0f tok/s/GPU,"
-             " MFU %.1f%%", c.step, c.t_compute, c.t_tp, c.t_cp, c.t_cp_exposed, c.t_dp, c.t_dp_exposed,
-             c.tokens_per_s_gpu, 100 * c.mfu);
+    log.line("  step %.3f s: compute %.3f s, tp %.3f s, cp %.3f s (%.3f exposed), dp %.3f s (%.3f exposed), bubble "
+             "%.3f s, pp p2p %.3f s; %.0f tok/s/GPU, MFU %.1f%%", c.step, c.t_compute, c.t_tp, c.t_cp, c.t_cp_exposed,
+             c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp, c.tokens_per_s_gpu, 100 * c.mfu);
   } else {
     all = mesh5d::enumerate(rc, cl);
     mesh5d::print_ranking(log, rc, cl, all);
@@ -593,7 +633,7 @@ int main(int argc, char** argv) {
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
     const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq)");
-    mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp");
+    mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp");
     mc.dp = a.get_int("--dp", 1, "data-parallel degree");
     mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)");
     mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree");
@@ -614,6 +654,7 @@ int main(int argc, char** argv) {
     if (!pp::parse_schedule(sched, plan.schedule))
       config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
     if (!planning) return;
+    rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
     cluster.gpu = mesh5d::find_gpu(gpu);
     if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
     cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
@@ -629,9 +670,9 @@ int main(int argc, char** argv) {
   if (planning) {
     if (mesh_given) {
       plan.sp = plan.sp || plan.mesh.tp > 1;
-      if (plan.mesh.dp * plan.mesh.cp * plan.mesh.tp != cluster.gpus)
-        config_error("--plan: dp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.cp, plan.mesh.tp,
-                     cluster.gpus);
+      if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != cluster.gpus)
+        config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
+                     plan.mesh.tp, cluster.gpus);
       mesh5d::validate(rc, plan);
     }
     return plan_only(log, rc, cluster, mesh_given ? &plan : nullptr);
@@ -641,13 +682,14 @@ int main(int argc, char** argv) {
   prog.open();  // validates world == dp·pp·cp·tp before any collective
   Mesh& mesh = prog.mesh;
   mesh5d::print_plan(log, rc, plan);
+  check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 
   mesh5d::Composed run(rc, plan, mesh);
   const long first = run.init_or_resume();
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
 
   Loop loop;
-  loop.predicted = mesh5d::predict_memory(rc, plan);
+  loop.predicted = mesh5d::predict_memory(rc, plan);  // rank 0's (pipeline stage 0), the one the table reports
   loop.step = [&](long step) { return run.step(prog.data, step); };
   loop.save = [&](long step) {
     Json m = Json::object();

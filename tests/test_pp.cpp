@@ -189,6 +189,20 @@ TEST_CASE("recompute full and selective under 1F1B, interleaved and ZB-H1 reprod
     }
 }
 
+// bf16 activations and weights with fp32 masters: a stage runs exactly 01's kernels on the same
+// tensors, so the curve is 01 bf16's bit for bit (measured: identical); and the memory exact.
+TEST_CASE("bf16: 1F1B and ZB-H1 at pp 2 give 01 bf16's losses; activations equal predicted", "[05][e2e][bf16]") {
+  for (pp::Schedule s : {pp::Schedule::OneFOneB, pp::Schedule::ZBH1}) {
+    const Run& ref = single(4, 4, "--dtype bf16");
+    const Run& t = pipe(2, s, 4, 4, "--dtype bf16");
+    INFO(pp::schedule_name(s));
+    CHECK(tst::max_rel_diff(t.log.losses(), ref.log.losses()) <= kLossTol);
+    const ts::Json& st = t.log.summary.at("pp").at("stages");
+    for (size_t k = 0; k < st.size(); k++)
+      CHECK(st.as_array()[k].at("activations_measured").as_double() == st.as_array()[k].at("activations_predicted").as_double());
+  }
+}
+
 // ----- memory and bytes per stage --------------------------------------------------------------------
 
 TEST_CASE("activations per stage measured equal predicted for every schedule; AFAB > 1F1B on stage 0", "[05][e2e][mem]") {
