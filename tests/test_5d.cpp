@@ -153,6 +153,7 @@ TEST_CASE("--plan: the planner's memory per GPU equals what a run of the mesh me
     if (c.cp > 1 || (c.tp > 1) != sp) continue;  // the planner searches cp only for long sequences, and uses SP with tp
     for (const ts::Json& k : cands.as_array()) {
       if (k.at("dp").as_int() != c.dp || k.at("tp").as_int() != c.tp || k.at("zero").as_int() != zero ||
+          k.at("pp").as_int() != 1 || k.at("cp").as_int() != 1 ||
           k.at("micro_batch").as_int() != c.micro || k.at("recompute").as_string() != "none")
         continue;
       double measured = 0;
@@ -163,6 +164,25 @@ TEST_CASE("--plan: the planner's memory per GPU equals what a run of the mesh me
     }
   }
   CHECK(compared >= 2);
+  // And a pipeline mesh it ranks: the fuller stage's memory (here stage 0, the one a run reports).
+  const std::string log4 = tst::scratch("plan4.jsonl");
+  tst::Result r4 = tst::run_bin("08_5d_mesh", kTiny + kPipe + "--plan --gpus 8 --dtype fp32 --batch 8 --log-json " + log4, 1, 60);
+  REQUIRE(r4.status == 0);
+  const Case& pc = kPipeCases[1];  // dp 2 × tp 2 (+ SP, as the planner pairs them) × pp 2, interleaved
+  const Run& piped = mesh(pc.dp, pc.tp, kPipe + pc.flags + " " + steps(8, pc.micro), pc.cp, pc.pp);
+  double measured = 0;
+  for (const char* cat : {"params", "grads", "optimizer", "activations"}) measured += mem(piped, cat, "measured");
+  int found = 0;
+  const tst::Log plan4 = tst::read_log(log4);  // kept: the loop reads into it
+  for (const ts::Json& k : plan4.summary.at("candidates").as_array())
+    if (k.at("dp").as_int() == 2 && k.at("tp").as_int() == 2 && k.at("pp").as_int() == 2 && k.at("cp").as_int() == 1 &&
+        k.at("virtual_stages").as_int() == 2 && k.at("zero").as_int() == 0 && k.at("micro_batch").as_int() == 2 &&
+        k.at("recompute").as_string() == "none") {
+      found++;
+      CHECK(k.at("memory_bytes").as_double() == measured);
+      CHECK(k.at("bubble").as_double() > 0);
+    }
+  CHECK(found == 1);
   // One given mesh: the prediction for 8B at dp 8 × tp 8 on 64 H100s is printed with its parts.
   tst::Result one = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 64 --dp 8 --tp 8 --zero 1 --micro-batch 1", 1, 60);
   INFO(one.output);
