@@ -61,6 +61,19 @@ const Case kPipeCases[] = {
 // updates are sign-like, so a rounding difference in a near-zero gradient becomes O(lr)).
 const double kLossTol = 1e-6, kWeightTol = 5e-5;
 
+// Weights of a composed mesh: every element but a few within 1e-5 of 01's. The few are AdamW's
+// near-zero-gradient elements (the kWeightTol mechanism): tp × cp orders its sums so that one
+// element of up_proj moves by up to 6.4e-5 (measured; its m and v agree with 01's to 3e-4, and 04
+// alone moves one by 4.4e-5 at 4 layers). Such an element can differ by at most 2·lr per step, so
+// none may exceed 2·lr·steps; the count keeps a real bug (which moves thousands) from passing.
+void check_weights(const Run& r, const Run& ref) {
+  const tst::WeightDiff d = tst::weight_diff(model_file(r), model_file(ref), 1e-5);
+  INFO("max |Δw| " << d.max_abs << ", " << d.over << " of " << d.total << " elements above 1e-5");
+  CHECK(d.total > 100000);
+  CHECK(d.over <= 2);
+  CHECK(d.max_abs <= 2 * 3e-3 * kSteps);
+}
+
 TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce 01 (fp32, clipped)", "[08][e2e][equiv]") {
   const Run& ref = single(steps(8, 8));
   CHECK(ref.log.steps[0].at("grad_norm").as_double() > 1.2);  // clipping at 1.0 is active
@@ -72,7 +85,7 @@ TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce
     for (int s = 0; s < kSteps; s++)
       CHECK(r.log.steps[size_t(s)].at("grad_norm").as_double() ==
             Approx(ref.log.steps[size_t(s)].at("grad_norm").as_double()).epsilon(1e-6));
-    CHECK(tst::max_abs_diff_files(model_file(r), model_file(ref)) <= kWeightTol);
+    check_weights(r, ref);
   }
 }
 
@@ -84,14 +97,7 @@ TEST_CASE("with a pipeline: dp × tp × pp (1F1B, interleaved), tp × cp × pp, 
     REQUIRE(r.log.steps.size() == size_t(kSteps));
     // 4 tensor-parallel layers sum in more orders: measured ≤ 3.1e-7 (04 alone at 4 layers: 1.8e-7).
     CHECK(tst::max_rel_diff(r.log.losses(), ref.log.losses()) <= kLossTol);
-    // Weights: every element but a few within 1e-5. The few are AdamW's near-zero-gradient
-    // elements (see kWeightTol): at 4 layers, tp 2 × cp 2 moves one element of up_proj by 6.4e-5
-    // (its m and v agree with 01's to 3e-4; 04 alone moves one by 4.4e-5). Such an element can
-    // differ by at most 2·lr per step, so none may exceed 2·lr·steps.
-    const tst::WeightDiff d = tst::weight_diff(model_file(r), model_file(ref), 1e-5);
-    INFO("max |Δw| " << d.max_abs << ", " << d.over << " elements above 1e-5");
-    CHECK(d.over <= 2);
-    CHECK(d.max_abs <= 2 * 3e-3 * kSteps);
+    check_weights(r, ref);
     for (const char* cat : {"params", "grads", "optimizer", "activations"})
       CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
     const ts::Json& pp = r.log.summary.at("comm").at("pp").at("send");
@@ -153,6 +159,7 @@ TEST_CASE("--plan: the planner's memory per GPU equals what a run of the mesh me
     if (c.cp > 1 || (c.tp > 1) != sp) continue;  // the planner searches cp only for long sequences, and uses SP with tp
     for (const ts::Json& k : cands.as_array()) {
       if (k.at("dp").as_int() != c.dp || k.at("tp").as_int() != c.tp || k.at("zero").as_int() != zero ||
+          k.at("pp").as_int() != 1 || k.at("cp").as_int() != 1 ||
           k.at("micro_batch").as_int() != c.micro || k.at("recompute").as_string() != "none")
         continue;
       double measured = 0;
@@ -163,6 +170,25 @@ TEST_CASE("--plan: the planner's memory per GPU equals what a run of the mesh me
     }
   }
   CHECK(compared >= 2);
+  // And a pipeline mesh it ranks: the fuller stage's memory (here stage 0, the one a run reports).
+  const std::string log4 = tst::scratch("plan4.jsonl");
+  tst::Result r4 = tst::run_bin("08_5d_mesh", kTiny + kPipe + "--plan --gpus 8 --dtype fp32 --batch 8 --log-json " + log4, 1, 60);
+  REQUIRE(r4.status == 0);
+  const Case& pc = kPipeCases[1];  // dp 2 × tp 2 (+ SP, as the planner pairs them) × pp 2, interleaved
+  const Run& piped = mesh(pc.dp, pc.tp, kPipe + pc.flags + " " + steps(8, pc.micro), pc.cp, pc.pp);
+  double measured = 0;
+  for (const char* cat : {"params", "grads", "optimizer", "activations"}) measured += mem(piped, cat, "measured");
+  int found = 0;
+  const tst::Log plan4 = tst::read_log(log4);  // kept: the loop reads into it
+  for (const ts::Json& k : plan4.summary.at("candidates").as_array())
+    if (k.at("dp").as_int() == 2 && k.at("tp").as_int() == 2 && k.at("pp").as_int() == 2 && k.at("cp").as_int() == 1 &&
+        k.at("virtual_stages").as_int() == 2 && k.at("zero").as_int() == 0 && k.at("micro_batch").as_int() == 2 &&
+        k.at("recompute").as_string() == "none") {
+      found++;
+      CHECK(k.at("memory_bytes").as_double() == measured);
+      CHECK(k.at("bubble").as_double() > 0);
+    }
+  CHECK(found == 1);
   // One given mesh: the prediction for 8B at dp 8 × tp 8 on 64 H100s is printed with its parts.
   tst::Result one = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 64 --dp 8 --tp 8 --zero 1 --micro-batch 1", 1, 60);
   INFO(one.output);
