@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # make bench: kernels, collectives and the training step, each next to its reference.
-# OpenBLAS is given the right core for every side of a comparison (DESIGN.md, "Measuring on these
-# machines"): Debian's build misdetects this CPU and runs sgemm several times slower otherwise.
+# OpenBLAS is given the right core for every side of a comparison: Debian's build misdetects some
+# CPUs as an old core and runs sgemm several times slower otherwise.
 set -uo pipefail
 BUILD=${BUILD:-build}
 if grep -qw avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}
