@@ -417,7 +417,7 @@ class Pipeline {
       : m_(m), pp_(group), pl_(plan), rank_(rank), tokens_(tokens), grouped_(completes_under_rendezvous(plan)) {}
   // Where micro-batch mb of a step comes from on a larger mesh (this dp rank's sequences, this
   // cp rank's tokens and positions); by default the global batch's sequences [mb·b, (mb+1)·b).
-  std::function<ForwardState(long step, int mb)> begin_microbatch;
+  std::function<ForwardState(const TokenData& data, long step, int mb)> begin_microbatch;
 
   // Returns the summed token losses of this rank (non-zero on the last stage only).
   double run_step(const TokenData& data, const RunConfig& rc, long step) {
@@ -464,7 +464,7 @@ class Pipeline {
     const auto [ub, ue] = stage_units(L, K(), k);
     if (!st_.count(a.mb)) {
       if (begin_microbatch) {
-        st_.emplace(a.mb, begin_microbatch(step, a.mb));
+        st_.emplace(a.mb, begin_microbatch(data, step, a.mb));
       } else {
         MicroBatch mbt = make_microbatch(data, step, rc.batch, T, a.mb * b, b, m_.dev);
         st_.emplace(a.mb, m_.begin_microbatch(mbt.inputs, mbt.targets, b));

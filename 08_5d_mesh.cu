@@ -468,8 +468,8 @@ class Composed {
     if (p.mesh.pp > 1) {
       const int64_t rows = std::llround(double(rc.micro_batch) * rc.model.seq * token_share(p));
       pipe_ = std::make_unique<pp::Pipeline>(model_, mesh.pp(), plan_, mesh.pp_rank, rows);
-      pipe_->begin_microbatch = [this](long step, int mb) {
-        const MicroBatch b = local_microbatch(step, mb);
+      pipe_->begin_microbatch = [this](const TokenData& data, long step, int mb) {
+        const MicroBatch b = local_microbatch(data, step, mb);
         return model_.begin_microbatch(b.inputs, b.targets, rc_.micro_batch, pos_);
       };
     }
@@ -505,9 +505,9 @@ class Composed {
 
   // Micro-batch mb of this dp rank's contiguous slice of the global batch; tp ranks read the
   // same, cp ranks their chunks of each sequence at their absolute positions.
-  MicroBatch local_microbatch(long step, int mb) const {
+  MicroBatch local_microbatch(const TokenData& data, long step, int mb) const {
     const int T = rc_.model.seq, b = rc_.micro_batch, first_seq = mesh_.dp_rank * (rc_.batch / p_.mesh.dp);
-    MicroBatch m = make_microbatch(*data_, step, rc_.batch, T, first_seq + mb * b, b, model_.dev);
+    MicroBatch m = make_microbatch(data, step, rc_.batch, T, first_seq + mb * b, b, model_.dev);
     if (p_.mesh.cp > 1) {
       const cp::LocalBatch l = cp::local_batch(m, b, T, mine_);
       m.inputs = l.inputs;
@@ -517,7 +517,6 @@ class Composed {
   }
 
   StepResult step(const TokenData& data, long step) {
-    data_ = &data;
     const int T = rc_.model.seq, mb = rc_.micro_batch, n = rc_.batch / p_.mesh.dp / mb;
     if (zero_) zero_->begin_step();
     else ts::zero(model_.grads);
@@ -528,16 +527,17 @@ class Composed {
         if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());
         zero_->end_microbatch(true);
       }
-    }
-    for (int i = 0; i < n && !pipe_; i++) {
-      const bool last = i + 1 == n;
-      if (zero_) zero_->begin_microbatch();
-      else reducer_->set_sync(last);
-      const MicroBatch b = local_microbatch(step, i);
-      loss_sum += model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
-      if (zero_) {
-        if (last && p_.sp && p_.zero == 1) tp::reduce_norm_grads(model_, mesh_.tp());  // before the scatter
-        zero_->end_microbatch(last);
+    } else {
+      for (int i = 0; i < n; i++) {
+        const bool last = i + 1 == n;
+        if (zero_) zero_->begin_microbatch();
+        else reducer_->set_sync(last);
+        const MicroBatch b = local_microbatch(data, step, i);
+        loss_sum += model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
+        if (zero_) {
+          if (last && p_.sp && p_.zero == 1) tp::reduce_norm_grads(model_, mesh_.tp());  // before the scatter
+          zero_->end_microbatch(last);
+        }
       }
     }
     // tp blocks and pipeline stages hold different parameters: the norm sums over both.
@@ -592,7 +592,6 @@ class Composed {
   Tensor pos_;
   pp::Plan plan_;
   std::unique_ptr<pp::Pipeline> pipe_;
-  const TokenData* data_ = nullptr;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<dp::GradReducer> reducer_;
   std::unique_ptr<zero::Zero> zero_;
