@@ -43,12 +43,16 @@ long current_step() { return g_step; }
   exit(status);
 }
 
+// The printf-style message of an error function, formatted once.
+#define TS_FORMAT_MESSAGE(msg, fmt) \
+  char msg[2048];                   \
+  va_list ap;                       \
+  va_start(ap, fmt);                \
+  vsnprintf(msg, sizeof msg, fmt, ap); \
+  va_end(ap)
+
 void fatal_at(const char* file, int line, const char* fmt, ...) {
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
+  TS_FORMAT_MESSAGE(msg, fmt);
   if (g_step >= 0)
     fprintf(stderr, "error [rank %d, step %ld] %s:%d: %s\n", world_rank(), g_step, file, line, msg);
   else
@@ -58,22 +62,14 @@ void fatal_at(const char* file, int line, const char* fmt, ...) {
 }
 
 void rank_error(const char* fmt, ...) {
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
+  TS_FORMAT_MESSAGE(msg, fmt);
   fprintf(stderr, "error [rank %d]: %s\n", world_rank(), msg);
   fflush(stderr);
   abort_job(2);
 }
 
 void config_error(const char* fmt, ...) {
-  char msg[2048];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
+  TS_FORMAT_MESSAGE(msg, fmt);
   if (world_rank() == 0) {
     fprintf(stderr, "error: %s\n", msg);
     fflush(stderr);
