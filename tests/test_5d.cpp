@@ -20,10 +20,7 @@ const Run& single(const std::string& args) { return run("01_single_gpu", 1, args
 const Run& mesh(int dp, int tp, const std::string& args, int cp = 1, int pp = 1) {
   return run("08_5d_mesh", dp * tp * cp * pp, "--dp " + std::to_string(dp) + " --tp " + std::to_string(tp) + " " + args);
 }
-std::string steps(int batch, int micro) {
-  return "--steps " + std::to_string(kSteps) + " --batch " + std::to_string(batch) + " --micro-batch " +
-         std::to_string(micro);
-}
+std::string steps(int batch, int micro) { return tst::steps_args(kSteps, batch, micro); }
 std::string model_file(const Run& r) { return r.ckpt + "/model.safetensors"; }
 double mem(const Run& r, const char* cat, const char* which) {
   return r.log.summary.at("memory").at(cat).at(which).as_double();

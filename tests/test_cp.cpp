@@ -20,10 +20,7 @@ const int kSteps = 6;
 using Run = tst::CachedRun;
 const Run& run(const std::string& bin, int np, const std::string& args) { return tst::cached_run(bin, np, kTiny + args); }
 
-std::string steps_args(int batch, int micro) {
-  return "--steps " + std::to_string(kSteps) + " --batch " + std::to_string(batch) + " --micro-batch " +
-         std::to_string(micro);
-}
+std::string steps_args(int batch, int micro) { return tst::steps_args(kSteps, batch, micro); }
 const Run& single(const std::string& args) { return run("01_single_gpu", 1, args); }
 // Ulysses shards kv heads over cp: at cp 4 the model gets 4 kv heads (01 runs the same shape).
 std::string shape(const std::string& mode, int C) { return mode == "ulysses" && C == 4 ? " --kv-heads 4 " : " "; }

@@ -171,6 +171,12 @@ inline WeightDiff weight_diff(const std::string& a, const std::string& b, double
   return d;
 }
 
+// "--steps S --batch B --micro-batch M": the same global batch run in micro-batches of M.
+inline std::string steps_args(int steps, int batch, int micro) {
+  return "--steps " + std::to_string(steps) + " --batch " + std::to_string(batch) + " --micro-batch " +
+         std::to_string(micro);
+}
+
 // ----- shared end-to-end pieces (need Catch2's macros: include after catch.hpp) -----------------
 
 // A run of a technique binary with --save and --log-json into scratch space; runs are cached by
