@@ -49,16 +49,15 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   const int T = rc.model.seq, mb = rc.micro_batch;
   const float scale = 1.f / (float(rc.batch) * T);
   zero(model.grads);
-  double loss_sum = 0;
   const bool show = step < 2 && !rc.quiet;  // the first two steps print their memory
   model.after_forward.clear();
   if (show) model.after_forward.add([&] { print_memory(log, model.dev, step, "after forward"); });
   for (int s0 = 0; s0 < rc.batch; s0 += mb) {
     MicroBatch b = make_microbatch(data, step, rc.batch, T, s0, mb, model.dev);
-    loss_sum += model.forward_backward(b.inputs, b.targets, mb, scale);
+    model.forward_backward(b.inputs, b.targets, mb, scale);
   }
   if (show) print_memory(log, model.dev, step, "after backward");
-  const double loss = global_mean_loss(loss_sum, double(rc.batch) * T, {});
+  const double loss = global_mean_loss(model.take_loss(), double(rc.batch) * T, {});
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   if (show) print_memory(log, model.dev, step, "after optimizer");

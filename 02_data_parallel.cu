@@ -156,17 +156,16 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
   const int first_seq = mesh.dp_rank * local;
   ts::zero(model.grads);
-  double loss_sum = 0;
   for (int s0 = 0; s0 < local; s0 += mb) {
     dp.set_sync(s0 + mb == local);
     MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
-    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+    model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
   }
   dp.finish();
   // Gradients are identical on every rank now: the norm needs no communication.
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
-  return {global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.dp().mpi()}), norm};
+  return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
 }
 
 int main(int argc, char** argv) {

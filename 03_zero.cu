@@ -295,16 +295,15 @@ static StepResult train_step(Model& model, Zero& zero, const TokenData& data, co
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
   const int first_seq = mesh.dp_rank * local;
   zero.begin_step();
-  double loss_sum = 0;
   for (int s0 = 0; s0 < local; s0 += mb) {
     zero.begin_microbatch();
     MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
-    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+    model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
     zero.end_microbatch(s0 + mb == local);
   }
   const double norm = zero.grad_norm();
   zero.optimizer_step(rc, step, norm);
-  return {global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.dp().mpi()}), norm};
+  return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
 }
 
 // ----- main ---------------------------------------------------------------------------------------------

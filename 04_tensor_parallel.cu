@@ -213,15 +213,14 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
                              bool sp, long step) {
   const int T = rc.model.seq, mb = rc.micro_batch;
   ts::zero(model.grads);
-  double loss_sum = 0;
   for (int s0 = 0; s0 < rc.batch; s0 += mb) {
     MicroBatch b = make_microbatch(data, step, rc.batch, T, s0, mb, model.dev);
-    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+    model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
   }
   if (sp) tp::reduce_norm_grads(model, mesh.tp());
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.tp().mpi()});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
-  return {global_mean_loss(loss_sum, double(rc.batch) * T, {}), norm};
+  return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {}), norm};
 }
 
 int main(int argc, char** argv) {

@@ -419,12 +419,12 @@ class Pipeline {
   // cp rank's tokens and positions); by default the global batch's sequences [mb·b, (mb+1)·b).
   std::function<ForwardState(const TokenData& data, long step, int mb)> begin_microbatch;
 
-  // Returns the summed token losses of this rank (non-zero on the last stage only).
-  double run_step(const TokenData& data, const RunConfig& rc, long step) {
+  // Runs this rank's action list for one step. The last stage's head adds the token losses to
+  // the model's tally (take_loss); the other stages add none.
+  void run_step(const TokenData& data, const RunConfig& rc, long step) {
     st_.clear();
     acts_.clear();
     grads_.clear();
-    loss_ = 0;
     const double t0 = Trace::get().now_us();
     const std::vector<Action>& list = pl_.actions[rank_];
     std::vector<Action> group;
@@ -443,7 +443,6 @@ class Pipeline {
     in_flight_.clear();
     span_us_ += Trace::get().now_us() - t0;
     st_.clear();
-    return loss_;
   }
   double busy_us() const { return busy_us_; }
   double idle_us() const { return span_us_ - busy_us_; }
@@ -477,7 +476,8 @@ class Pipeline {
       Tensor x = k == 0 ? Tensor() : take(acts_, key(a.mb, k));
       for (int u = ub; u < ue; u++) m_.unit_forward(u, st, x, 1.f / (float(rc.batch) * T));
       if (k == K() - 1) {
-        loss_ += st.loss;  // in micro-batch order, as 01 sums them
+        // The head added this micro-batch's token losses to the model's tally, in micro-batch
+        // order as 01 adds them.
         grads_[key(a.mb, k)] = x;  // the head left d(loss)/d(its input) in x
       } else {
         acts_[key(a.mb, k + 1)] = x;
@@ -553,7 +553,7 @@ class Pipeline {
   std::vector<Work> in_flight_;  // buffered sends not known to be complete
   std::map<int, ForwardState> st_;
   std::map<std::pair<int, int>, Tensor> acts_, grads_;  // (micro-batch, virtual stage) -> its input / output gradient
-  double loss_ = 0, busy_us_ = 0, span_us_ = 0;
+  double busy_us_ = 0, span_us_ = 0;
 };
 
 }  // namespace pp
@@ -571,10 +571,10 @@ static const char* kDoc =
 static StepResult train_step(Model& model, AdamW& opt, pp::Pipeline& pipe, const TokenData& data, const RunConfig& rc,
                              Mesh& mesh, long step) {
   ts::zero(model.grads);
-  const double loss_sum = pipe.run_step(data, rc, step);
+  pipe.run_step(data, rc, step);
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.pp().mpi()});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
-  return {global_mean_loss(loss_sum, double(rc.batch) * rc.model.seq, {mesh.pp().mpi()}), norm};
+  return {global_mean_loss(model.take_loss(), double(rc.batch) * rc.model.seq, {mesh.pp().mpi()}), norm};
 }
 
 // Per stage, gathered to rank 0 for the summary: activations measured and predicted, p2p bytes

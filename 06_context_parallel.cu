@@ -447,17 +447,16 @@ static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& reducer,
                              long step) {
   const int T = rc.model.seq, mb = rc.micro_batch;
   ts::zero(model.grads);
-  double loss_sum = 0;
   for (int s0 = 0; s0 < rc.batch; s0 += mb) {
     reducer.set_sync(s0 + mb == rc.batch);
     const cp::LocalBatch b = cp::local_batch(make_microbatch(data, step, rc.batch, T, s0, mb, model.dev), mb, T, mine);
-    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T), pos);
+    model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T), pos);
   }
   reducer.finish();
   // The gradients are identical on every rank now: the norm needs no communication.
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
-  return {global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.cp().mpi()}), norm};
+  return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.cp().mpi()}), norm};
 }
 
 // Every rank's measured work per step, next to the prediction (a metric: MPI directly, uncounted).

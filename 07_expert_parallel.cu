@@ -266,18 +266,17 @@ static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& dense, d
                              const TokenData& data, const RunConfig& rc, Mesh& mesh, long step) {
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
   ts::zero(model.grads);
-  double loss_sum = 0;
   for (int s0 = 0; s0 < local; s0 += mb) {
     dense.set_sync(s0 + mb == local);
     experts.set_sync(s0 + mb == local);
     MicroBatch b = make_microbatch(data, step, rc.batch, T, mesh.dp_rank * local + s0, mb, model.dev);
-    loss_sum += model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
+    model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
   }
   dense.finish();
   experts.finish();
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.ep().mpi()});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
-  StepResult r{global_mean_loss(loss_sum, double(rc.batch) * T, {mesh.dp().mpi()}), norm};
+  StepResult r{global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
   moe_step_report(model, r, {mesh.dp().mpi()});
   return r;
 }

@@ -520,9 +520,8 @@ class Composed {
     const int T = rc_.model.seq, mb = rc_.micro_batch, n = rc_.batch / p_.mesh.dp / mb;
     if (zero_) zero_->begin_step();
     else ts::zero(model_.grads);
-    double loss_sum = 0;
     if (pipe_) {  // the stage's schedule runs every micro-batch; gradients are reduced after the flush
-      loss_sum = pipe_->run_step(data, rc_, step);
+      pipe_->run_step(data, rc_, step);
       if (zero_) {
         if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());
         zero_->end_microbatch(true);
@@ -533,7 +532,7 @@ class Composed {
         if (zero_) zero_->begin_microbatch();
         else reducer_->set_sync(last);
         const MicroBatch b = local_microbatch(data, step, i);
-        loss_sum += model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
+        model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
         if (zero_) {
           if (last && p_.sp && p_.zero == 1) tp::reduce_norm_grads(model_, mesh_.tp());  // before the scatter
           zero_->end_microbatch(last);
@@ -553,7 +552,7 @@ class Composed {
       opt_->step(model_, model_.params, model_.grads, lr_at(rc_, step), step + 1, clip_coefficient(norm, rc_.clip), rc_);
     }
     // The last stage holds the loss (the others add 0).
-    return {global_mean_loss(loss_sum, double(rc_.batch) * T, {dense_.mpi(), mesh_.pp().mpi()}), norm};
+    return {global_mean_loss(model_.take_loss(), double(rc_.batch) * T, {dense_.mpi(), mesh_.pp().mpi()}), norm};
   }
 
   // The groups this mesh communicates on (size > 1), for the comm report.

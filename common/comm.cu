@@ -27,7 +27,7 @@ void comm_init(int* argc, char*** argv) {
   int init = 0;
   MPI_Initialized(&init);
   if (init) return;
-  prepare_thread_env(*argv);
+  prepare_process_env(*argv);
   MPI_CHECK(MPI_Init(argc, argv));
 }
 
@@ -118,6 +118,9 @@ struct Work::Pending {
   virtual ~Pending() = default;
   virtual bool test() = 0;  // progresses the transfer once; true when it has completed
   virtual void abort() {}
+  // Completes the wait on the device instead of the host: true when later work on the compute
+  // stream is now ordered after the transfer (NCCL), so the host need not block.
+  virtual bool hand_to_stream() { return false; }
 };
 
 struct MpiPending : Work::Pending {
@@ -149,7 +152,52 @@ struct NcclPending : Work::Pending {
   }
   // A timed-out NCCL kernel never returns on its own; aborting the communicator releases it.
   void abort() override { ncclCommAbort(comm); }
+  bool hand_to_stream() override;
 };
+
+// The NCCL operations the compute stream has been told to wait for. The host blocks for the GPU
+// only in sync_compute_stream (core.h), and learns there of a stalled peer: the watch below
+// checks these operations' errors while it waits and, past the timeout, names the oldest one
+// still running and aborts its communicator. Once the stream is idle every one has completed.
+struct InFlight {
+  cudaEvent_t done;
+  ncclComm_t comm;
+  std::string what;
+};
+static std::vector<InFlight> g_in_flight;
+
+static void watch_in_flight(double waited) {
+  for (const InFlight& f : g_in_flight) {
+    ncclResult_t r = ncclSuccess;
+    NCCL_CHECK(ncclCommGetAsyncError(f.comm, &r));
+    if (r != ncclSuccess && r != ncclInProgress) fatal("NCCL failed in %s: %s", f.what.c_str(), ncclGetErrorString(r));
+  }
+  if (waited <= g_timeout) return;
+  std::string what = "work queued on the GPU";
+  for (const InFlight& f : g_in_flight)
+    if (cudaEventQuery(f.done) == cudaErrorNotReady) {
+      what = f.what;
+      break;
+    }
+  for (const InFlight& f : g_in_flight) ncclCommAbort(f.comm);
+  const std::string at = current_step() >= 0 ? " at step " + std::to_string(current_step()) : "";
+  fatal("watchdog: rank %d waited %.1f s for the GPU, still in %s%s; aborting every rank", world_rank(), waited,
+        what.c_str(), at.c_str());
+}
+
+static void forget_in_flight() {
+  for (const InFlight& f : g_in_flight) cudaEventDestroy(f.done);
+  g_in_flight.clear();
+}
+
+// The compute stream waits for the event; the buffers may go back to the allocator now, because
+// whatever reuses them is queued on the compute stream after this wait.
+bool NcclPending::hand_to_stream() {
+  CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), done, 0));
+  g_in_flight.push_back({done, comm, what});
+  done = nullptr;
+  return true;
+}
 #endif
 
 static void complete(std::unique_ptr<Work::Pending>& p) {
@@ -178,6 +226,10 @@ bool Work::done() {
 
 void Work::wait() {
   if (!p_) return;
+  if (p_->then.empty() && p_->hand_to_stream()) {
+    p_.reset();
+    return;
+  }
   auto t0 = std::chrono::steady_clock::now();
   while (!p_->test()) {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -207,18 +259,24 @@ static std::string group_name(MPI_Comm comm) {
   return n > 0 ? std::string(name, size_t(n)) : "unnamed";
 }
 
-// A test hook: TS_STOP_IN=TEXT stops the last rank (SIGSTOP, as a stalled node would) as it enters
-// the first watched operation whose label contains TEXT, so the tests can prove the others see it.
+// Test hooks: TS_STOP_IN=TEXT stops the last rank (SIGSTOP, as a stalled node would) as it enters
+// the first watched operation whose label contains TEXT, so the tests can prove the others see
+// it; TS_KILL_IN=TEXT kills it there (SIGKILL, as a lost node would).
 static void maybe_stop(const std::string& what) {
-  static const char* text = getenv("TS_STOP_IN");
+  static const char* stop = getenv("TS_STOP_IN");
+  static const char* kill = getenv("TS_KILL_IN");
   int world = 1;
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
-  if (text && *text && what.find(text) != std::string::npos && world_rank() == world - 1) {
-    text = nullptr;
-    fprintf(stderr, "TS_STOP_IN: rank %d stops in %s\n", world - 1, what.c_str());
-    fflush(stderr);
-    raise(SIGSTOP);
-  }
+  if (world_rank() != world - 1) return;
+  for (const char** text : {&stop, &kill})
+    if (*text && **text && what.find(*text) != std::string::npos) {
+      *text = nullptr;
+      const bool stopping = text == &stop;
+      fprintf(stderr, "%s: rank %d %s in %s\n", stopping ? "TS_STOP_IN" : "TS_KILL_IN", world - 1,
+              stopping ? "stops" : "is killed", what.c_str());
+      fflush(stderr);
+      raise(stopping ? SIGSTOP : SIGKILL);
+    }
 }
 
 static void watched(MPI_Comm comm, const std::string& what, const std::function<void(MPI_Request*)>& start) {
@@ -316,6 +374,7 @@ Comm::Comm(std::string name, MPI_Comm comm, void* nccl) : name_(std::move(name))
     cudaStream_t s;
     CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     stream_ = s;
+    set_stream_watch({watch_in_flight, forget_in_flight});
   }
 #endif
   g_live.push_back(this);

@@ -65,7 +65,10 @@ class Work {
   Work(Work&& o) noexcept;
   Work& operator=(Work&& o) noexcept;
   ~Work();
-  void wait();  // blocks under the watchdog's deadline
+  // MPI: blocks under the watchdog's deadline. NCCL: makes the compute stream wait for the
+  // transfer and returns at once: whatever is queued next runs after it, and the host waits only
+  // when it reads a result (sync_compute_stream, watched by the same deadline).
+  void wait();
   bool done();  // polls once; true (and finished) when complete
 
  private:

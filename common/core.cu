@@ -7,6 +7,7 @@
 #include <cstdarg>
 #include <cstdlib>
 #include <algorithm>
+#include <chrono>
 #include <map>
 #include <mutex>
 
@@ -329,7 +330,7 @@ void copy(const Tensor& dst, const Tensor& src) {
 #ifdef TS_CUDA
   CUDA_CHECK(cudaMemcpyAsync(dst.raw(), src.raw(), src.nbytes(), copy_kind(dst.device(), src.device()),
                              compute_stream()));
-  if (dst.device() == Device::CPU) CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  if (dst.device() == Device::CPU) sync_compute_stream();
 #endif
 }
 
@@ -396,9 +397,36 @@ cublasHandle_t cublas() {
 }
 #endif
 
+#ifdef TS_CUDA
+static StreamWatch g_watch;
+void set_stream_watch(StreamWatch w) { g_watch = std::move(w); }
+
+void sync_compute_stream() {
+  if (!g_watch.waiting) {
+    CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  } else {
+    cudaEvent_t idle;
+    CUDA_CHECK(cudaEventCreateWithFlags(&idle, cudaEventDisableTiming));
+    CUDA_CHECK(cudaEventRecord(idle, compute_stream()));
+    const auto t0 = std::chrono::steady_clock::now();
+    cudaError_t e;
+    while ((e = cudaEventQuery(idle)) == cudaErrorNotReady) {
+      const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (waited > 0.005) {  // a short wait is the normal case: spin; then check and sleep
+        g_watch.waiting(waited);
+        usleep(200);
+      }
+    }
+    CUDA_CHECK(e);
+    CUDA_CHECK(cudaEventDestroy(idle));
+  }
+  if (g_watch.synced) g_watch.synced();
+}
+#endif
+
 void device_sync(Device dev) {
 #ifdef TS_CUDA
-  if (dev == Device::CUDA) CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  if (dev == Device::CUDA) sync_compute_stream();
 #else
   (void)dev;
 #endif

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -194,6 +195,17 @@ void from_host_f32(const Tensor& t, const float* src);  // converts to t's dtype
 // The compute stream and cuBLAS handle every CUDA kernel uses.
 cudaStream_t compute_stream();
 cublasHandle_t cublas();
+// The host's one way to wait for the compute stream (device-to-host copies, device_sync, sums
+// read on the host). NCCL collectives are ordered before later kernels by stream waits, not by
+// the host (comm.cu), so a stalled peer shows here as a wait that does not end: while it waits,
+// the watch set by the comm layer runs every few milliseconds (it checks the NCCL operations in
+// flight and ends the job past the watchdog's timeout), and `synced` once the stream is idle.
+void sync_compute_stream();
+struct StreamWatch {
+  std::function<void(double waited_s)> waiting;
+  std::function<void()> synced;
+};
+void set_stream_watch(StreamWatch w);
 #endif
 void device_sync(Device dev);
 

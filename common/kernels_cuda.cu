@@ -57,7 +57,7 @@ static void* scratch(size_t bytes) {
   if (bytes > cap) {
     if (ptr) {
       // Kernels already queued may still read the old buffer: drain the stream before freeing.
-      CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+      sync_compute_stream();
       mem_free(ptr, cap, Device::CUDA, Tag::Workspace);
     }
     cap = bytes;
@@ -1087,7 +1087,7 @@ double sum_squares(const Tensor& x) {
   KERNEL_CHECK();
   double host = 0.0;
   CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, compute_stream()));
-  CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  sync_compute_stream();
   return host;
 }
 
@@ -1107,7 +1107,7 @@ std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
   }
   std::vector<double> host(k);
   CUDA_CHECK(cudaMemcpyAsync(host.data(), results, sizeof(double) * k, cudaMemcpyDeviceToHost, compute_stream()));
-  CUDA_CHECK(cudaStreamSynchronize(compute_stream()));
+  sync_compute_stream();
   return host;
 }
 

@@ -373,7 +373,7 @@ void Model::layer_forward(int l, ForwardState& st, Tensor& x) {
 }
 
 // The head: final RMSNorm, f, LM head (column-parallel by vocabulary), the loss, and straight
-// back through the LM head, f and the norm. Sets st.loss to the summed token losses; x leaves
+// back through the LM head, f and the norm. Adds the token losses to the tally; x leaves
 // holding d(loss)/d(head input).
 void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale) {
   const int64_t Nr = x.size(0), N = int64_t(st.B) * st.S;
@@ -387,11 +387,7 @@ void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale)
   linear_forward(st.logits, h, w_[head_]);
   Tensor losses = Tensor::empty({N}, DType::F32, dev, Tag::Workspace);
   loss->forward_backward(losses, st.logits, st.logits, st.targets, vocab_start, grad_scale);
-  // Summed in double in token order on the host: the same value on every backend and mesh.
-  std::vector<float> l = to_host_f32(losses);
-  double sum = 0;
-  for (float v : l) sum += v;
-  st.loss = sum;
+  this->losses.add(losses);
   after_forward();
 
   Tensor dh = work({N, cfg.dim});
@@ -453,6 +449,28 @@ void Model::embed_backward(ForwardState& st, const Tensor& dx) {
   embedding_backward(g_[emb_], tp->g_backward(dx), st.inputs, vocab_start);
 }
 
+// ----- the loss tally ----------------------------------------------------------------------------
+
+static double sum_in_order(const Tensor& losses) {
+  double sum = 0;
+  for (float v : to_host_f32(losses)) sum += v;
+  return sum;
+}
+
+void LossTally::add(const Tensor& losses) {
+  if (losses.device() == Device::CPU && pending_.empty()) sums_.push_back(sum_in_order(losses));
+  else pending_.push_back(losses);
+}
+
+double LossTally::take() {
+  for (const Tensor& l : pending_) sums_.push_back(sum_in_order(l));
+  double total = 0;
+  for (double s : sums_) total += s;
+  sums_.clear();
+  pending_.clear();
+  return total;
+}
+
 // ----- units -------------------------------------------------------------------------------------
 
 void Model::unit_forward(int u, ForwardState& st, Tensor& x, float grad_scale) {
@@ -510,13 +528,12 @@ void Model::unit_backward_weights(int u, ForwardState& st) {
 // The whole model on one rank, unit by unit, firing the hooks in the order the techniques rely
 // on: forward 0..L+1 (the head runs its backward at once), then backward L..0 with
 // unit_grads_ready as each unit's gradients finish.
-double Model::forward_backward(const Tensor& inputs, const Tensor& targets, int B, float grad_scale, const Tensor& pos) {
+void Model::forward_backward(const Tensor& inputs, const Tensor& targets, int B, float grad_scale, const Tensor& pos) {
   for (int u = 0; u < table.num_units(); u++) TS_CHECK(holds(u), "forward_backward needs the whole model");
   ForwardState st = begin_microbatch(inputs, targets, B, pos);
   Tensor x;
   for (int u = 0; u <= cfg.layers + 1; u++) unit_forward(u, st, x, grad_scale);
   for (int u = cfg.layers; u >= 0; u--) unit_backward(u, st, x);
-  return st.loss;
 }
 
 }  // namespace ts

@@ -178,7 +178,6 @@ struct ForwardState {
   std::vector<LayerActs> layers;
   Tensor xf, hf, rstdf;     // final RMSNorm input/output
   Tensor logits;            // [N, V_local]; holds dlogits after the loss kernel
-  double loss = 0;          // summed token losses (set by the head)
   double aux_loss = 0;      // the MLP blocks' auxiliary losses, summed over layers
   std::vector<DeferredGrad> deferred;  // weight gradients waiting for unit_backward_weights
 };
@@ -197,6 +196,19 @@ struct AttentionCore {
 };
 
 class Model;
+
+// The token losses of a step's micro-batches, read on the host once per step: on a GPU each read
+// is a device-to-host copy that waits for the whole queue, so reading per micro-batch would
+// stall the launch of the next. Each micro-batch is summed in double in token order, then the
+// micro-batches in the order they were added: the same value on every backend and mesh.
+class LossTally {
+ public:
+  void add(const Tensor& losses);  // a CPU tensor is summed at once (free); a GPU one is kept
+  double take();                   // the sum since the last take (one host sync on a GPU)
+ private:
+  std::vector<double> sums_;       // per micro-batch, in order, once read
+  std::vector<Tensor> pending_;    // GPU tensors not yet read, after sums_
+};
 
 // The MLP block (post-attention RMSNorm output h -> the residual branch) is swappable: expert
 // parallelism replaces SwiGLU by a routed mixture of experts. It sees h after f and returns its
@@ -294,7 +306,7 @@ class Model {
   ForwardState begin_microbatch(const Tensor& inputs, const Tensor& targets, int B, const Tensor& pos = Tensor());
   // Unit u's forward: x is the residual stream in and out (built from the tokens at unit 0).
   // The head (u = L+1) runs its backward at once, because the fused loss turns the logits into
-  // their gradient in place: it sets st.loss and leaves d(loss)/d(head input) in x.
+  // their gradient in place: it adds the token losses to `losses` and leaves d(loss)/d(head input) in x.
   // grad_scale multiplies every token's loss gradient. Fires before_unit/after_unit (and the
   // head's backward hooks).
   void unit_forward(int u, ForwardState& st, Tensor& x, float grad_scale);
@@ -307,9 +319,13 @@ class Model {
   // unit_grads_ready and after_unit.
   void unit_backward_weights(int u, ForwardState& st);
 
-  // The whole model on one rank: forward 0..L+1, backward L..0. Returns the summed token
-  // losses (not divided); gradients += d(loss_sum * grad_scale)/dparams.
-  double forward_backward(const Tensor& inputs, const Tensor& targets, int B, float grad_scale,
+  // The token losses of the micro-batches run since the last take_loss, summed (not divided).
+  LossTally losses;
+  double take_loss() { return losses.take(); }
+
+  // The whole model on one rank: forward 0..L+1, backward L..0. Adds the micro-batch's token
+  // losses to `losses`; gradients += d(loss_sum * grad_scale)/dparams.
+  void forward_backward(const Tensor& inputs, const Tensor& targets, int B, float grad_scale,
                           const Tensor& pos = Tensor());
 
   // dx [N, in] = dy @ W (or += when accumulate_dx); dW += dy^T @ x now, or queued when the

@@ -17,9 +17,10 @@
 
 namespace ts {
 
-void prepare_thread_env(char** argv) {
-  if (getenv("OMP_WAIT_POLICY")) return;
-  setenv("OMP_WAIT_POLICY", "passive", 1);
+void prepare_process_env(char** argv) {
+  if (getenv("OMP_WAIT_POLICY") && getenv("UCX_HANDLE_ERRORS")) return;
+  setenv("OMP_WAIT_POLICY", "passive", 0);
+  setenv("UCX_HANDLE_ERRORS", "none", 0);
   execv("/proc/self/exe", argv);
   // Without /proc the run continues with spinning threads: slower on a busy machine, same results.
 }

@@ -6,10 +6,12 @@
 
 namespace ts {
 
-// Before MPI_Init: unless the environment already says, idle OpenMP threads wait passively.
-// libgomp reads OMP_WAIT_POLICY once, when it is loaded, so setting it means re-executing the
-// process with it (argv unchanged, same pid, before any MPI state exists).
-void prepare_thread_env(char** argv);
+// Before MPI_Init, unless the environment already says: idle OpenMP threads wait passively, and
+// UCX (MPICH's transport) prints no backtrace of its own when a peer dies under it (the job's
+// one-line error and mpirun's report of the lost rank are what a reader needs, last). libgomp
+// and UCX read these once, when they are loaded, so setting them means re-executing the process
+// with them (argv unchanged, same pid, before any MPI state exists).
+void prepare_process_env(char** argv);
 
 struct ThreadChoice {
   int threads = 1;       // OpenMP threads per rank (the CPU kernels)

@@ -77,6 +77,16 @@ TEST_CASE("a rank stopped in the loss or gradient-norm all-reduce ends the job w
   }
 }
 
+TEST_CASE("a rank killed in a collective ends the job at once, with no transport backtrace", "[fault]") {
+  Timed t = timed("02_data_parallel", kTiny + "--dp 4 --steps 4", 4, 40, "TS_KILL_IN=\"the step's loss\"");
+  INFO(t.secs << " s\n" << t.r.output);
+  CHECK(t.r.status != 0);
+  CHECK(t.r.status != 124);
+  CHECK(t.secs < 10);
+  CHECK(has(t.r.output, "TS_KILL_IN: rank 3 is killed in all_reduce (the step's loss)"));
+  for (const char* noise : {"UCX", "backtrace", "==== "}) CHECK_FALSE(has(t.r.output, noise));
+}
+
 TEST_CASE("a rank stopped inside a checkpoint save ends the job within --timeout, naming the save", "[fault][ckpt]") {
   tst::TempDir d;
   Timed t = timed("02_data_parallel", kTiny + "--dp 2 --steps 6 --save-every 2 --timeout 3 --save " + d.file("ck"), 2,

@@ -4,6 +4,7 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <numeric>
 
 #include "checkpoint.h"
 #include "model.h"
@@ -56,7 +57,8 @@ TEST_CASE("loss and every gradient match PyTorch on the reference fixture", "[01
   Tensor in, tg;
   fx.batch(0, m, in, tg);
   zero(m.grads);
-  const double loss = m.forward_backward(in, tg, fx.B, 1.f / (fx.B * fx.T)) / (fx.B * fx.T);
+  m.forward_backward(in, tg, fx.B, 1.f / (fx.B * fx.T));
+  const double loss = m.take_loss() / (fx.B * fx.T);
   const double ref = fx.get("loss0")[0];
   CHECK(std::fabs(loss - ref) / ref <= 1e-5);
   for (size_t i = 0; i < m.table.entries.size(); i++) {
@@ -82,7 +84,8 @@ TEST_CASE("five AdamW steps with clipping match PyTorch's losses and weights", "
     Tensor in, tg;
     fx.batch(k, m, in, tg);
     zero(m.grads);
-    double loss = m.forward_backward(in, tg, fx.B, 1.f / (fx.B * fx.T)) / (fx.B * fx.T);
+    m.forward_backward(in, tg, fx.B, 1.f / (fx.B * fx.T));
+    double loss = m.take_loss() / (fx.B * fx.T);
     double norm = std::sqrt(sum_squares(m.grads));
     INFO("step " << k);
     CHECK(std::fabs(loss - ref[k]) / ref[k] <= 1e-5);
@@ -326,3 +329,54 @@ TEST_CASE("--trace writes a Chrome trace with the compute lane", "[01][e2e]") {
     if (e.at("name").as_string().rfind("fwd layer", 0) == 0) layers++;
   CHECK(layers == 2 * 2);  // 2 steps x 2 layers
 }
+
+// The step's loss is read once: each micro-batch summed in double in token order, then the
+// micro-batches in order, whether a tensor was summed when added (CPU) or at take (GPU).
+static std::vector<Tensor> tally_losses(Device dev) {
+  std::vector<Tensor> v;
+  for (int k = 0; k < 3; k++) {
+    std::vector<float> x(37);
+    for (size_t i = 0; i < x.size(); i++) x[i] = float(1.0 + 0.1 * k + 1e-3 * double(i * i % 17));
+    Tensor h = Tensor::empty({int64_t(x.size())}, DType::F32, Device::CPU, Tag::Workspace);
+    from_host_f32(h, x.data());
+    if (dev == Device::CPU) {
+      v.push_back(h);
+    } else {
+      Tensor d = Tensor::empty(h.shape, DType::F32, dev, Tag::Workspace);
+      copy(d, h);
+      v.push_back(d);
+    }
+  }
+  return v;
+}
+
+TEST_CASE("the loss tally sums micro-batches in order, once per step", "[01]") {
+  const std::vector<Tensor> ls = tally_losses(Device::CPU);
+  double want = 0;
+  for (const Tensor& l : ls) {
+    double mb = 0;
+    for (float v : to_host_f32(l)) mb += v;
+    want += mb;
+  }
+  LossTally t;
+  for (const Tensor& l : ls) t.add(l);
+  CHECK(t.take() == want);  // bitwise: the order 01 has always used
+  CHECK(t.take() == 0);     // a take empties it
+  t.add(ls[0]);
+  const std::vector<float> first = to_host_f32(ls[0]);
+  CHECK(t.take() == std::accumulate(first.begin(), first.end(), 0.0));
+  CHECK(want > 3 * 37);  // the fixture's values are all above 1
+}
+
+#ifdef TS_CUDA
+TEST_CASE("cuda twin: the loss tally reads GPU losses at take, equal to the CPU's", "[cuda]") {
+  if (!cuda_available()) {
+    WARN("no GPU visible: CUDA twin not run");
+    return;
+  }
+  LossTally cpu, gpu;
+  for (const Tensor& l : tally_losses(Device::CPU)) cpu.add(l);
+  for (const Tensor& l : tally_losses(Device::CUDA)) gpu.add(l);
+  CHECK(gpu.take() == cpu.take());
+}
+#endif
