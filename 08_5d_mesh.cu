@@ -404,7 +404,9 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
              1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp), 100 * c.bubble);
   }
   if (shown == 0) {
-    log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(all.empty() ? 0 : all.back().mem_total).c_str());
+    double least = all.empty() ? 0 : all.front().mem_total;
+    for (const Candidate& c : all) least = std::min(least, c.mem_total);
+    log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(least).c_str());
     return;
   }
   const Candidate& best = all.front();

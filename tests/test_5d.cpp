@@ -194,6 +194,24 @@ TEST_CASE("--plan: the planner's memory per GPU equals what a run of the mesh me
   CHECK(one.output.find("tok/s/GPU") != std::string::npos);
 }
 
+// When nothing fits, the planner names the least memory any candidate needs: here tp 8 with full
+// recomputation, the mesh that shards the most on one node, priced alone.
+TEST_CASE("--plan: when no mesh fits, the smallest candidate's memory is named", "[08][plan]") {
+  const std::string shape = "--plan --preset 70b --gpus 8 --seq 4096 --global-batch-tokens 1048576";
+  tst::Result all = tst::run_bin("08_5d_mesh", shape, 1, 60);
+  tst::Result one = tst::run_bin("08_5d_mesh", shape + " --dp 1 --tp 8 --zero 0 --recompute full --micro-batch 1", 1, 60);
+  INFO(all.output << one.output);
+  REQUIRE(all.status == 0);
+  REQUIRE(one.status == 0);
+  auto after = [](const std::string& s, const std::string& key) {
+    const size_t at = s.find(key);
+    return at == std::string::npos ? std::string() : s.substr(at + key.size(), s.find(" per GPU", at) - at - key.size());
+  };
+  const std::string least = after(all.output, "no mesh fits: the smallest needs ");
+  CHECK(!least.empty());
+  CHECK(least == after(one.output, "memory per GPU ").substr(0, least.size()));
+}
+
 TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[08][errors]") {
   tst::check_errors("08_5d_mesh", kTiny + "--steps 2 ", {
       {4, "--dp 2 --tp 4", "needs 8 ranks but the job has 4"},
