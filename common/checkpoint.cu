@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <set>
 #include <cstdlib>
 #include <filesystem>
 
@@ -383,6 +384,41 @@ std::vector<std::string> resume_notes(const TrainerRecord& rec, const RunConfig&
   return notes;
 }
 
+// Each file whole against the digest trainer.json records, so a checkpoint that mixes two saves
+// (or a damaged file) is refused by every rank before any reads its part. The files are shared
+// out (rank r hashes files r, r + P, ...) and each process checks a checkpoint once, though ZeRO
+// loads it unit by unit: on a shared file system P ranks each reading the whole checkpoint would
+// cost P times the I/O. Any rank's mismatch ends every rank with that rank's message.
+static void verify_digests(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& files) {
+  static std::set<std::string> verified;  // dir and its recorded digests
+  std::string key = dir;
+  for (const auto& [name, digest] : files) key += "\n" + name + " " + digest;
+  if (files.empty() || verified.count(key)) return;
+  int rank = 0, world = 1;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  std::string err;
+  for (size_t i = size_t(rank); i < files.size() && err.empty(); i += size_t(world)) {
+    const auto& [name, digest] = files[i];
+    std::string got;
+    try {
+      got = file_digest(dir + "/" + name);
+    } catch (const FormatError& e) {
+      err = "trainer.json lists " + name + ", which cannot be read: " + e.what();
+      break;
+    }
+    if (got != digest)
+      err = name + " has digest " + got + " but trainer.json records " + digest +
+            ": the files come from different saves, or one was changed since";
+  }
+  err = first_error(err, MPI_COMM_WORLD, "checkpoint " + dir + ": file digests");
+  if (!err.empty()) {
+    if (world == 1) err = err.substr(err.find(": ") + 2);  // "rank 0: " says nothing on one rank
+    config_error("checkpoint %s: %s", dir.c_str(), err.c_str());
+  }
+  verified.insert(key);
+}
+
 CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, const ParamTable& table,
                                int64_t begin, int64_t end, const Tensor& weights, AdamW* opt) {
   if (!exists(dir)) config_error("--resume %s: no such checkpoint directory", dir.c_str());
@@ -399,20 +435,7 @@ CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, c
   } catch (const FormatError& e) {
     config_error("checkpoint %s: trainer.json: %s", dir.c_str(), e.what());
   }
-  // Every rank checks every file whole, so a checkpoint that mixes two saves (or a damaged file)
-  // is refused by all alike, before any rank reads its own part.
-  for (const auto& [name, digest] : rec.files) {
-    std::string got;
-    try {
-      got = file_digest(dir + "/" + name);
-    } catch (const FormatError& e) {
-      config_error("checkpoint %s: trainer.json lists %s, which cannot be read: %s", dir.c_str(), name.c_str(), e.what());
-    }
-    if (got != digest)
-      config_error("checkpoint %s: %s has digest %s but trainer.json records %s: the files come from different saves, "
-                   "or one was changed since",
-                   dir.c_str(), name.c_str(), got.c_str(), digest.c_str());
-  }
+  verify_digests(dir, rec.files);
   // Names, shapes and dtypes of every tensor, checked by every rank alike before any reads its part.
   auto check_tensors = [&](const SafetensorsReader& r, const char* file, const std::string& prefix) {
     for (const ParamEntry& p : table.entries) {

@@ -152,6 +152,13 @@ TEST_CASE("a checkpoint whose files come from two saves is refused on load", "[c
   CHECK(r.status == 2);
   CHECK(has(r.output, "optimizer.safetensors has digest"));
   CHECK(has(r.output, "the files come from different saves"));
+  // On two ranks the files are shared out: rank 1 hashes the optimizer file, finds the mismatch
+  // and ends both ranks with its message (ZeRO loads unit by unit, each file is hashed once).
+  tst::Result z = tst::run_bin("03_zero", kTiny + "--dp 2 --zero 1 --steps 4 --resume " + d.file("a"), 2, 60);
+  INFO(z.output);
+  CHECK(z.status != 0);
+  CHECK(has(z.output, "rank 1: optimizer.safetensors has digest"));
+  CHECK(has(z.output, "the files come from different saves"));
 }
 
 TEST_CASE("a diverging run keeps its last good checkpoint", "[fault][ckpt]") {

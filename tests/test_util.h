@@ -45,8 +45,7 @@ inline std::string build_dir() {
 // A scratch directory unique to this process.
 inline std::string scratch(const std::string& name) {
   std::string d = "/tmp/ts_test_" + std::to_string(getpid());
-  std::string cmd = "mkdir -p " + d;
-  if (system(cmd.c_str()) != 0) abort();
+  std::filesystem::create_directories(d);  // throws, and so fails the test, if it cannot
   return d + "/" + name;
 }
 
