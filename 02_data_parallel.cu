@@ -222,6 +222,11 @@ int main(int argc, char** argv) {
   loop.extra = [&](Json& s) {
     // One rank sends nothing (the all-reduce of a group of one is a no-op): no fraction to report.
     if (mc.dp == 1) return log.line("communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)");
+    // The fraction is timed on the host. With NCCL the host does not wait for the all-reduces
+    // (the compute stream does), so the host's clock cannot see what the GPU overlapped.
+    if (std::string(mesh.dp().transport(prog.dev)) == "nccl")
+      return log.line("communication hidden behind backward: not measured with NCCL (the host does not wait for "
+                      "it; see the overlap on a GPU profile, e.g. nsys)");
     s["comm_hidden_fraction"] = dp.hidden_fraction();
     log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
   };
