@@ -262,7 +262,7 @@ struct Candidate {
   Recompute recompute = Recompute::None;
   MemoryPrediction mem;
   double mem_total = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0, t_bubble = 0,
-         t_pp = 0, bubble = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
+         t_pp = 0, t_ep = 0, bubble = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
   std::string reject;  // why it cannot run ("" = it fits)
 };
 
@@ -305,6 +305,11 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   if (comm.count("cp")) c.t_cp = sum_bytes(comm.at("cp")) / (group_bw(cl, p.mesh.cp * p.mesh.tp) * 1e9);
   const std::string dense = dense_group_name(p);
   if (comm.count(dense)) c.t_dp = sum_bytes(comm.at(dense)) / (group_bw(cl, span) * 1e9);
+  // Expert parallelism: the expert gradients' all-reduce over ep_dp (spanning the mesh) hides
+  // behind backward with the dense one; the all-to-alls (balanced routing) sit on the critical
+  // path, their group ep dp × cp ranks pp·cp·tp apart, so spanning ep·pp·cp·tp ranks.
+  if (comm.count("ep_dp")) c.t_dp += sum_bytes(comm.at("ep_dp")) / (group_bw(cl, span) * 1e9);
+  if (comm.count("ep")) c.t_ep = sum_bytes(comm.at("ep")) / (group_bw(cl, p.mesh.ep * p.mesh.pp * p.mesh.cp * p.mesh.tp) * 1e9);
   // The ring overlaps its transfers with attention: 12·L·h·s of the 6N + 12·L·h·s FLOPs per token.
   const ModelConfig& m = rc.model;
   const double attn_share = 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m);
@@ -322,7 +327,7 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
       send = std::max(send, pp::predict_send_bytes(rc.model, mb, rc.dtype, pl.p, pl.m, pl.V, s, token_share(p)));
     c.t_pp = send / (group_bw(cl, p.mesh.pp * p.mesh.cp * p.mesh.tp) * 1e9);
   }
-  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_bubble + c.t_pp;
+  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_bubble + c.t_pp + c.t_ep;
   c.tokens_per_s_gpu = tokens / c.step / gpus;
   c.mfu = flops_per_token(rc.model) * c.tokens_per_s_gpu / (cl.gpu->bf16_tflops * 1e12);
   if (c.mem_total > cl.mem_gib * kMemoryHeadroom * 1073741824.0)
@@ -333,7 +338,9 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
 // Every valid mesh of the cluster: tp dividing the heads and kv heads, cp (ring, zigzag)
 // dividing the sequence into 2·cp chunks, pp dividing the layers (1F1B, and interleaved with two
 // chunks per rank where it divides), dp the rest; each ZeRO stage (only 0 and 1 with pp), the
-// micro-batches that divide the batch, each recompute mode; sequence parallel with tp.
+// micro-batches that divide the batch, each recompute mode; sequence parallel with tp. With
+// experts: each ep dividing dp and the experts (ZeRO only at ep 1), no cp and no sequence
+// parallelism (validate says why); a dense model gets exactly the meshes it got before.
 inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
   std::vector<Candidate> all;
   const ModelConfig& m = rc.model;
@@ -344,6 +351,7 @@ inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) 
         // cp for long sequences only: below ~1k tokens per rank a ring's K/V transfer outlasts the
         // attention it hides behind (notes/06), which this time model does not see.
         if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 1024)) continue;
+        if (m.experts > 0 && cpn > 1) continue;
         if (m.layers % pp) continue;
         const int dp = cl.gpus / (tp * cpn * pp);
         if (rc.batch % dp) continue;
@@ -354,20 +362,23 @@ inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) 
               if ((rc.batch / dp) % mb) continue;
               const int micro = rc.batch / dp / mb;
               if (V > 1 && micro % pp) continue;  // interleaved needs m a multiple of pp
-              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-                Plan p;
-                p.mesh.dp = dp;
-                p.mesh.tp = tp;
-                p.mesh.cp = cpn;
-                p.mesh.pp = pp;
-                p.zero = dp * cpn > 1 ? zero : 0;
-                if (dp * cpn == 1 && zero > 0) continue;
-                p.sp = tp > 1;
-                p.virtual_stages = V;
-                p.schedule = V > 1 ? pp::Schedule::Interleaved : pp::Schedule::OneFOneB;
-                p.dp_mode = pp > 1 ? "naive" : "bucketed";
-                all.push_back(evaluate(rc, cl, p, mb, r));
-              }
+              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full})
+                for (int ep = 1; ep <= (m.experts > 0 ? dp * cpn : 1); ep *= 2) {
+                  if ((dp * cpn) % ep || (m.experts > 0 && m.experts % ep) || (ep > 1 && zero > 0)) continue;
+                  Plan p;
+                  p.mesh.dp = dp;
+                  p.mesh.tp = tp;
+                  p.mesh.cp = cpn;
+                  p.mesh.pp = pp;
+                  p.mesh.ep = ep;
+                  p.zero = dp * cpn > 1 ? zero : 0;
+                  if (dp * cpn == 1 && zero > 0) continue;
+                  p.sp = tp > 1 && m.experts == 0;
+                  p.virtual_stages = V;
+                  p.schedule = V > 1 ? pp::Schedule::Interleaved : pp::Schedule::OneFOneB;
+                  p.dp_mode = pp > 1 ? "naive" : "bucketed";
+                  all.push_back(evaluate(rc, cl, p, mb, r));
+                }
             }
         }
       }
@@ -379,9 +390,9 @@ inline std::string describe(const Candidate& c) {
   const std::string pipe = c.plan.mesh.pp > 1 ? " pp " + std::to_string(c.plan.mesh.pp) +
                                                    (c.plan.virtual_stages > 1 ? "×" + std::to_string(c.plan.virtual_stages) : "")
                                              : "";
-  snprintf(b, sizeof b, "dp %d%s%s tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, pipe.c_str(),
+  snprintf(b, sizeof b, "dp %d%s%s tp %d%s%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, pipe.c_str(),
            c.plan.mesh.cp > 1 ? (" cp " + std::to_string(c.plan.mesh.cp)).c_str() : "", c.plan.mesh.tp,
-           c.plan.sp ? "+sp" : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
+           c.plan.sp ? "+sp" : "", c.plan.mesh.ep > 1 ? (" ep " + std::to_string(c.plan.mesh.ep)).c_str() : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
            recompute_name(c.recompute));
   return b;
 }
@@ -392,6 +403,7 @@ inline Json candidate_json(const Candidate& c) {
   j["tp"] = c.plan.mesh.tp;
   j["cp"] = c.plan.mesh.cp;
   j["pp"] = c.plan.mesh.pp;
+  j["ep"] = c.plan.mesh.ep;
   j["virtual_stages"] = c.plan.virtual_stages;
   j["bubble"] = c.bubble;
   j["zero"] = c.plan.zero;
@@ -402,7 +414,7 @@ inline Json candidate_json(const Candidate& c) {
   j["step_s"] = c.step;
   j["tokens_per_s_per_gpu"] = c.tokens_per_s_gpu;
   j["mfu"] = c.mfu;
-  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp;
+  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp + c.t_ep;
   j["reject"] = c.reject;
   return j;
 }
@@ -423,6 +435,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
     if (a.plan.mesh.tp != b.plan.mesh.tp) return a.plan.mesh.tp < b.plan.mesh.tp;
     if (a.plan.mesh.cp != b.plan.mesh.cp) return a.plan.mesh.cp < b.plan.mesh.cp;
     if (a.plan.mesh.pp != b.plan.mesh.pp) return a.plan.mesh.pp < b.plan.mesh.pp;
+    if (a.plan.mesh.ep != b.plan.mesh.ep) return a.plan.mesh.ep < b.plan.mesh.ep;
     return a.micro_batch > b.micro_batch;
   };
   // Throughput in per-mille steps of the fastest: a strict ordering that still treats near-equal as equal.
@@ -441,7 +454,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
     if (!c.reject.empty() || shown == 8) break;
     log.line("%-4d %-58s %10s %12.0f %6.1f%% %8.1f ms %6.1f%%", ++shown, describe(c).c_str(),
              human_bytes(c.mem_total).c_str(), c.tokens_per_s_gpu, 100 * c.mfu,
-             1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp), 100 * c.bubble);
+             1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp + c.t_ep), 100 * c.bubble);
   }
   if (shown == 0) {
     log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(all.empty() ? 0 : all.back().mem_total).c_str());
@@ -467,7 +480,8 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
         {w->t_cp_exposed - best.t_cp_exposed, "the ring's K/V transfers outlast the attention they hide behind"},
         {w->t_dp_exposed - best.t_dp_exposed, "DP communication no longer hides behind backward"},
         {w->t_bubble - best.t_bubble, "the pipeline bubble idles its stages"},
-        {w->t_pp - best.t_pp, "the pipeline's p2p transfers"}};
+        {w->t_pp - best.t_pp, "the pipeline's p2p transfers"},
+        {w->t_ep - best.t_ep, "the all-to-alls of expert parallelism"}};
     const auto* worst = &parts[0];
     for (const auto& q : parts)
       if (q.first > worst->first) worst = &q;
@@ -479,7 +493,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
   };
   log.line("best: %s; alternatives:", describe(best).c_str());
   why("plain data parallel", [](const Candidate& c) {
-    return c.plan.mesh.tp == 1 && c.plan.mesh.pp == 1 && c.plan.mesh.cp == 1 && c.plan.zero == 0;
+    return c.plan.mesh.tp == 1 && c.plan.mesh.pp == 1 && c.plan.mesh.cp == 1 && c.plan.mesh.ep == 1 && c.plan.zero == 0;
   });
   why("more tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp > best.plan.mesh.tp; });
   why("less tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp < best.plan.mesh.tp; });
@@ -489,6 +503,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
   why("no recomputation", [](const Candidate& c) { return c.recompute == Recompute::None; });
   why("context parallel", [&](const Candidate& c) { return c.plan.mesh.cp != best.plan.mesh.cp; });
   why("pipeline parallel", [&](const Candidate& c) { return c.plan.mesh.pp != best.plan.mesh.pp; });
+  why("other expert parallel", [&](const Candidate& c) { return c.plan.mesh.ep != best.plan.mesh.ep; });
 }
 
 // ----- the composed step ----------------------------------------------------------------------------
@@ -689,6 +704,7 @@ static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl
     log.line("  step %.3f s: compute %.3f s, tp %.3f s, cp %.3f s (%.3f exposed), dp %.3f s (%.3f exposed), bubble "
              "%.3f s, pp p2p %.3f s; %.0f tok/s/GPU, MFU %.1f%%", c.step, c.t_compute, c.t_tp, c.t_cp, c.t_cp_exposed,
              c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp, c.tokens_per_s_gpu, 100 * c.mfu);
+    if (c.plan.mesh.ep > 1) log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
   } else {
     all = mesh5d::enumerate(rc, cl);
     mesh5d::print_ranking(log, rc, cl, all);
