@@ -136,6 +136,9 @@ inline void validate(const RunConfig& rc, int tp, bool sp) {
   if (sp && (int64_t(rc.micro_batch) * m.seq) % tp)
     config_error("--sequence-parallel: %d tokens per micro-batch (micro-batch %d × seq %d) are not divisible by --tp %d",
                  rc.micro_batch * m.seq, rc.micro_batch, m.seq, tp);
+  if (sp && tp > 1 && m.experts > 0)
+    config_error("--sequence-parallel with --experts is not composed: each tp rank would route only its own tokens "
+                 "and the expert gradients would be partial over tp");
 }
 
 // ----- predict: memory and communication per rank (notes/04 derives each line) ----------------------
@@ -166,7 +169,9 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, b
   std::map<std::string, double> c;
   if (!sp) {
     // Forward: g after the embedding and 2 per layer; backward: f before the head and 2 per layer.
-    c["all_reduce"] = mbs * (2 * f * K * (E + H + 4 * L + 2 * L * full) + loss);
+    // A MoE layer has 1 of each: its block is replicated over tp, with no f and g around it.
+    const double regions = m.experts > 0 ? 1 : 2;
+    c["all_reduce"] = mbs * (2 * f * K * (E + H + 2 * regions * L + regions * L * full) + loss);
     return c;
   }
   // Forward per layer: f, g, f, g = 2 all-gathers + 2 reduce-scatters (+ g after the embedding,

@@ -204,12 +204,13 @@ inline void validate(const RunConfig& rc, const MeshConfig& mc) {
 struct ParamSplit {
   int64_t dense, experts;  // parameters this rank holds
 };
-inline ParamSplit param_split(const RunConfig& rc, int ep) {
-  const ParamTable t = Model::make_table(rc.model, 1, shard_spec(ep, 0));
+// Of any rank's table (08 passes its tp, pipeline and ep shard).
+inline ParamSplit param_split(const ParamTable& t) {
   ParamSplit s{0, 0};
   for (const ParamEntry& e : t.entries) (is_expert_param(e) ? s.experts : s.dense) += e.numel;
   return s;
 }
+inline ParamSplit param_split(const RunConfig& rc, int ep) { return param_split(Model::make_table(rc.model, 1, shard_spec(ep, 0))); }
 
 inline MemoryPrediction predict_memory(const RunConfig& rc, int ep) {
   const ParamSplit s = param_split(rc, ep);

@@ -10,13 +10,22 @@
 //   05_pipeline_parallel.cu pp::shard_spec, pp::build_plan, pp::Pipeline   stages of units, the
 //                                                      schedule as action lists, its executor
 //   06_context_parallel.cu cp::install, cp::positions  ring (zigzag) or Ulysses attention core
-// — and 08 only wires them onto one model and one mesh: the model is built with the tp shard
-// spec, f/g and the loss come from 04, the attention core from 06, and the gradients of that
-// shard go to 02's reducer or 03's sharder over dp × cp (cp ranks hold different tokens of the
-// same weights). Hooks take several subscribers, so the sequence-parallel norm
-// reduction and ZeRO's reduce-scatter act on the same unit in that order.
+//   07_expert_parallel.cu  ep::install, ep::split_ranges   experts over the ep group, tokens
+//                                                      dispatched and combined by all-to-all
+// — and 08 only wires them onto one model and one mesh: the model is built with the tp (and ep)
+// shard spec, f/g and the loss come from 04, the attention core from 06, the MoE block from 07,
+// and the gradients of that shard go to 02's reducer or 03's sharder over dp × cp (cp ranks hold
+// different tokens of the same weights); with --ep, 02's reducer takes the dense ranges over dp
+// and the expert ranges over ep_dp, as in 07. Hooks take several subscribers, so the
+// sequence-parallel norm reduction and ZeRO's reduce-scatter act on the same unit in that order.
+//
+// The MoE block under tp is Megatron's expert tensor parallel 1: without sequence parallelism
+// every tp rank holds the micro-batch's full tokens at the MLP, so the router and the experts are
+// replicated over tp and each tp rank runs the same routing and the same all-to-alls in its own
+// ep group (the ep groups are cut from dp × cp at each pp, tp coordinate).
 //
 //   mpirun -np 8 ./build/08_5d_mesh --dp 2 --tp 4 --zero 1 --sequence-parallel --kv-heads 4
+//   mpirun -np 8 ./build/08_5d_mesh --dp 4 --tp 2 --ep 4 --experts 4 --top-k 2
 //   ./build/08_5d_mesh --dry-run --preset 8b --dp 8 --tp 8 --zero 1 --micro-batch 1 --dtype bf16
 #ifndef TS_08_5D_MESH_CU
 #define TS_08_5D_MESH_CU
@@ -25,6 +34,7 @@
 #include "04_tensor_parallel.cu"
 #include "05_pipeline_parallel.cu"
 #include "06_context_parallel.cu"
+#include "07_expert_parallel.cu"
 
 namespace mesh5d {
 using namespace ts;
@@ -59,6 +69,10 @@ inline RunConfig tp_share(const RunConfig& rc, const Plan& p) {
   return l;
 }
 
+// Dense gradients are reduced (or ZeRO-sharded) over the ranks that hold the same weights and
+// different tokens: dp × cp.
+inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
+
 inline void validate(const RunConfig& rc, const Plan& p) {
   cp::validate(rc, p.mesh.cp, p.cp);
   tp::validate(local_run(rc, p), p.mesh.tp, p.sp);
@@ -67,7 +81,19 @@ inline void validate(const RunConfig& rc, const Plan& p) {
     config_error("--cp-mode ulysses with --tp %d: the %d heads and %d kv heads per tp rank must divide by --cp %d",
                  p.mesh.tp, rc.model.heads / p.mesh.tp, rc.model.kv_heads / p.mesh.tp, p.mesh.cp);
   if (p.zero < 0 || p.zero > 3) config_error("--zero must be 0 (plain DP), 1, 2 or 3 (got %d)", p.zero);
-  if (p.mesh.ep != 1) config_error("--ep is not composed by 08_5d_mesh (07_expert_parallel runs it on dp ranks)");
+  const ModelConfig& m = rc.model;
+  if (p.mesh.ep < 1) config_error("--ep must be >= 1 (got %d)", p.mesh.ep);
+  if (p.mesh.ep > 1 && m.experts < 1) config_error("--ep %d needs a mixture of experts: pass --experts E (and --top-k K)", p.mesh.ep);
+  if (m.experts > 0 && m.experts % p.mesh.ep) config_error("--experts %d is not divisible by --ep %d", m.experts, p.mesh.ep);
+  if (dense_group_size(p) % p.mesh.ep)
+    config_error("--ep %d does not divide dp × cp = %d (expert-parallel groups are cut from the dp × cp ranks)", p.mesh.ep,
+                 dense_group_size(p));
+  if (m.experts > 0 && p.mesh.cp > 1)
+    config_error("--experts with --cp %d is not composed: expert capacity and the aux loss are per sequence, and cp "
+                 "splits each sequence across ranks", p.mesh.cp);
+  if (p.mesh.ep > 1 && p.zero > 0)
+    config_error("--zero %d with --ep %d is not composed: expert weights differ across the dp ranks of an ep group; "
+                 "ZeRO shards one flat buffer over dp", p.zero, p.mesh.ep);
   if (p.mesh.pp > 1) {
     RunConfig per_dp = rc;
     per_dp.batch = rc.batch / p.mesh.dp;  // the pipeline's micro-batches are this dp rank's
@@ -85,20 +111,20 @@ inline void validate(const RunConfig& rc, const Plan& p) {
   if (p.zero > 0 && p.dp_mode != "bucketed") config_error("--dp-mode applies to plain data parallelism (--zero 0) only");
 }
 
-// Dense gradients are reduced (or ZeRO-sharded) over the ranks that hold the same weights and
-// different tokens: dp × cp.
-inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
-
-// This rank's shard: its tp blocks of its pipeline stage's units.
-inline ShardSpec shard_spec(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank) {
+// This rank's shard: its tp blocks of its pipeline stage's units, and of the experts its ep rank's.
+inline ShardSpec shard_spec(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank, int ep_rank) {
   ShardSpec s = tp::shard_spec(p.mesh.tp, tp_rank);
   if (p.mesh.pp > 1) s.unit_runs = pp::shard_spec(rc.model, p.mesh.pp, p.virtual_stages, pp_rank).unit_runs;
+  const ShardSpec e = ep::shard_spec(p.mesh.ep, ep_rank);
+  s.ep = e.ep;
+  s.ep_rank = e.ep_rank;
   return s;
 }
 
-// This rank's table, each unit padded to a multiple of dp·cp when ZeRO shards it.
-inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank = 0) {
-  return Model::make_table(rc.model, p.zero > 0 ? dense_group_size(p) : 1, shard_spec(rc, p, tp_rank, pp_rank));
+// This rank's table, each unit padded to a multiple of dp·cp when ZeRO shards it. Every ep rank
+// holds E/ep experts: ep rank 0's table predicts them all.
+inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank = 0, int ep_rank = 0) {
+  return Model::make_table(rc.model, p.zero > 0 ? dense_group_size(p) : 1, shard_spec(rc, p, tp_rank, pp_rank, ep_rank));
 }
 
 // The pipeline's action lists over this dp rank's micro-batches.
@@ -138,7 +164,9 @@ inline std::string dense_group_name(const Plan& p) { return p.mesh.cp > 1 ? "dp_
 
 // Wire bytes per rank per step, per group: tp from 04's formula at this rank's tokens and
 // micro-batches, cp from 06's at this tp rank's heads, the dense group from 02's all-reduce or
-// 03's reduce-scatter/all-gather over the tp-local Ψ.
+// 03's reduce-scatter/all-gather over the tp-local Ψ. With --ep, 07's: the dense group reduces
+// the dense Ψ only, ep_dp this rank's experts, and ep's all-to-alls are predicted for balanced
+// routing (a run reports them from its own routing counts instead).
 // A pipeline stage's share: its layers, the embedding on the first, the head on the last.
 inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p,
                                                                          int pp_rank = 0) {
@@ -158,11 +186,18 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
     c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, P, pl.m, pl.V, pp_rank, token_share(p))},
                {"recv", 0.0}};
   }
-  const int n = dense_group_size(p);
+  const int n = dense_group_size(p), E = p.mesh.ep;
+  const ParamTable t = local_table(rc, p, 0, pp_rank);
+  const ep::ParamSplit split = ep::param_split(t);
   if (n > 1) {
-    const ParamTable t = local_table(rc, p, 0, pp_rank);
-    if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(t.total, n)}};
+    if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(E > 1 ? split.dense : t.total, n)}};
     else c[dense_group_name(p)] = zero::predict_comm(rc, {p.zero, n, int(mbs), p.prefetch, t});
+  }
+  if (E > 1) {
+    RunConfig stage = rc;
+    stage.model.layers = layers;
+    c["ep"] = {{"all_to_all", ep::predict_balanced_bytes(stage, p.mesh.dp, E)}};
+    if (n / E > 1) c["ep_dp"] = {{"all_reduce", dp::allreduce_bytes(split.experts, n / E)}};
   }
   return c;
 }
@@ -175,8 +210,13 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
            p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
            p.mesh.cp > 1 ? (std::string(", ") + cp::mode_name(p.cp.mode) + (p.cp.zigzag ? " zigzag" : "")).c_str() : "",
            rc.batch / p.mesh.dp, micro_batches_per_rank(rc, p), rc.micro_batch);
-  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s", human_bytes(m.params).c_str(),
-           human_bytes(m.grads).c_str(), human_bytes(m.optimizer).c_str(), human_bytes(m.activations).c_str());
+  if (p.mesh.ep > 1)
+    log.line("ep %d (groups cut from dp × cp): per rank %d of %d experts per layer; dense gradients over %s, expert "
+             "gradients over ep_dp of %d", p.mesh.ep, rc.model.experts / p.mesh.ep, rc.model.experts,
+             dense_group_name(p).c_str(), dense_group_size(p) / p.mesh.ep);
+  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s%s", human_bytes(m.params).c_str(),
+           human_bytes(m.grads).c_str(), human_bytes(m.optimizer).c_str(), human_bytes(m.activations).c_str(),
+           p.mesh.ep > 1 ? " (balanced routing)" : "");
   for (auto& [group, ops] : predict_comm(rc, p))
     for (auto& [op, b] : ops) log.line("per-rank %s %s per step: %s", group.c_str(), op.c_str(), human_bytes(b).c_str());
   if (p.mesh.pp > 1) {
@@ -222,7 +262,7 @@ struct Candidate {
   Recompute recompute = Recompute::None;
   MemoryPrediction mem;
   double mem_total = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0, t_bubble = 0,
-         t_pp = 0, bubble = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
+         t_pp = 0, t_ep = 0, bubble = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
   std::string reject;  // why it cannot run ("" = it fits)
 };
 
@@ -265,6 +305,11 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   if (comm.count("cp")) c.t_cp = sum_bytes(comm.at("cp")) / (group_bw(cl, p.mesh.cp * p.mesh.tp) * 1e9);
   const std::string dense = dense_group_name(p);
   if (comm.count(dense)) c.t_dp = sum_bytes(comm.at(dense)) / (group_bw(cl, span) * 1e9);
+  // Expert parallelism: the expert gradients' all-reduce over ep_dp (spanning the mesh) hides
+  // behind backward with the dense one; the all-to-alls (balanced routing) sit on the critical
+  // path, their group ep dp × cp ranks pp·cp·tp apart, so spanning ep·pp·cp·tp ranks.
+  if (comm.count("ep_dp")) c.t_dp += sum_bytes(comm.at("ep_dp")) / (group_bw(cl, span) * 1e9);
+  if (comm.count("ep")) c.t_ep = sum_bytes(comm.at("ep")) / (group_bw(cl, p.mesh.ep * p.mesh.pp * p.mesh.cp * p.mesh.tp) * 1e9);
   // The ring overlaps its transfers with attention: 12·L·h·s of the 6N + 12·L·h·s FLOPs per token.
   const ModelConfig& m = rc.model;
   const double attn_share = 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m);
@@ -282,7 +327,7 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
       send = std::max(send, pp::predict_send_bytes(rc.model, mb, rc.dtype, pl.p, pl.m, pl.V, s, token_share(p)));
     c.t_pp = send / (group_bw(cl, p.mesh.pp * p.mesh.cp * p.mesh.tp) * 1e9);
   }
-  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_bubble + c.t_pp;
+  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_bubble + c.t_pp + c.t_ep;
   c.tokens_per_s_gpu = tokens / c.step / gpus;
   c.mfu = flops_per_token(rc.model) * c.tokens_per_s_gpu / (cl.gpu->bf16_tflops * 1e12);
   if (c.mem_total > cl.mem_gib * kMemoryHeadroom * 1073741824.0)
@@ -293,7 +338,9 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
 // Every valid mesh of the cluster: tp dividing the heads and kv heads, cp (ring, zigzag)
 // dividing the sequence into 2·cp chunks, pp dividing the layers (1F1B, and interleaved with two
 // chunks per rank where it divides), dp the rest; each ZeRO stage (only 0 and 1 with pp), the
-// micro-batches that divide the batch, each recompute mode; sequence parallel with tp.
+// micro-batches that divide the batch, each recompute mode; sequence parallel with tp. With
+// experts: each ep dividing dp and the experts (ZeRO only at ep 1), no cp and no sequence
+// parallelism (validate says why); a dense model gets exactly the meshes it got before.
 inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
   std::vector<Candidate> all;
   const ModelConfig& m = rc.model;
@@ -304,6 +351,7 @@ inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) 
         // cp for long sequences only: below ~1k tokens per rank a ring's K/V transfer outlasts the
         // attention it hides behind (notes/06), which this time model does not see.
         if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 1024)) continue;
+        if (m.experts > 0 && cpn > 1) continue;
         if (m.layers % pp) continue;
         const int dp = cl.gpus / (tp * cpn * pp);
         if (rc.batch % dp) continue;
@@ -314,20 +362,23 @@ inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) 
               if ((rc.batch / dp) % mb) continue;
               const int micro = rc.batch / dp / mb;
               if (V > 1 && micro % pp) continue;  // interleaved needs m a multiple of pp
-              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
-                Plan p;
-                p.mesh.dp = dp;
-                p.mesh.tp = tp;
-                p.mesh.cp = cpn;
-                p.mesh.pp = pp;
-                p.zero = dp * cpn > 1 ? zero : 0;
-                if (dp * cpn == 1 && zero > 0) continue;
-                p.sp = tp > 1;
-                p.virtual_stages = V;
-                p.schedule = V > 1 ? pp::Schedule::Interleaved : pp::Schedule::OneFOneB;
-                p.dp_mode = pp > 1 ? "naive" : "bucketed";
-                all.push_back(evaluate(rc, cl, p, mb, r));
-              }
+              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full})
+                for (int ep = 1; ep <= (m.experts > 0 ? dp * cpn : 1); ep *= 2) {
+                  if ((dp * cpn) % ep || (m.experts > 0 && m.experts % ep) || (ep > 1 && zero > 0)) continue;
+                  Plan p;
+                  p.mesh.dp = dp;
+                  p.mesh.tp = tp;
+                  p.mesh.cp = cpn;
+                  p.mesh.pp = pp;
+                  p.mesh.ep = ep;
+                  p.zero = dp * cpn > 1 ? zero : 0;
+                  if (dp * cpn == 1 && zero > 0) continue;
+                  p.sp = tp > 1 && m.experts == 0;
+                  p.virtual_stages = V;
+                  p.schedule = V > 1 ? pp::Schedule::Interleaved : pp::Schedule::OneFOneB;
+                  p.dp_mode = pp > 1 ? "naive" : "bucketed";
+                  all.push_back(evaluate(rc, cl, p, mb, r));
+                }
             }
         }
       }
@@ -339,9 +390,9 @@ inline std::string describe(const Candidate& c) {
   const std::string pipe = c.plan.mesh.pp > 1 ? " pp " + std::to_string(c.plan.mesh.pp) +
                                                    (c.plan.virtual_stages > 1 ? "×" + std::to_string(c.plan.virtual_stages) : "")
                                              : "";
-  snprintf(b, sizeof b, "dp %d%s%s tp %d%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, pipe.c_str(),
+  snprintf(b, sizeof b, "dp %d%s%s tp %d%s%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, pipe.c_str(),
            c.plan.mesh.cp > 1 ? (" cp " + std::to_string(c.plan.mesh.cp)).c_str() : "", c.plan.mesh.tp,
-           c.plan.sp ? "+sp" : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
+           c.plan.sp ? "+sp" : "", c.plan.mesh.ep > 1 ? (" ep " + std::to_string(c.plan.mesh.ep)).c_str() : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
            recompute_name(c.recompute));
   return b;
 }
@@ -352,6 +403,7 @@ inline Json candidate_json(const Candidate& c) {
   j["tp"] = c.plan.mesh.tp;
   j["cp"] = c.plan.mesh.cp;
   j["pp"] = c.plan.mesh.pp;
+  j["ep"] = c.plan.mesh.ep;
   j["virtual_stages"] = c.plan.virtual_stages;
   j["bubble"] = c.bubble;
   j["zero"] = c.plan.zero;
@@ -362,7 +414,7 @@ inline Json candidate_json(const Candidate& c) {
   j["step_s"] = c.step;
   j["tokens_per_s_per_gpu"] = c.tokens_per_s_gpu;
   j["mfu"] = c.mfu;
-  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp;
+  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp + c.t_ep;
   j["reject"] = c.reject;
   return j;
 }
@@ -383,6 +435,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
     if (a.plan.mesh.tp != b.plan.mesh.tp) return a.plan.mesh.tp < b.plan.mesh.tp;
     if (a.plan.mesh.cp != b.plan.mesh.cp) return a.plan.mesh.cp < b.plan.mesh.cp;
     if (a.plan.mesh.pp != b.plan.mesh.pp) return a.plan.mesh.pp < b.plan.mesh.pp;
+    if (a.plan.mesh.ep != b.plan.mesh.ep) return a.plan.mesh.ep < b.plan.mesh.ep;
     return a.micro_batch > b.micro_batch;
   };
   // Throughput in per-mille steps of the fastest: a strict ordering that still treats near-equal as equal.
@@ -401,7 +454,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
     if (!c.reject.empty() || shown == 8) break;
     log.line("%-4d %-58s %10s %12.0f %6.1f%% %8.1f ms %6.1f%%", ++shown, describe(c).c_str(),
              human_bytes(c.mem_total).c_str(), c.tokens_per_s_gpu, 100 * c.mfu,
-             1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp), 100 * c.bubble);
+             1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp + c.t_ep), 100 * c.bubble);
   }
   if (shown == 0) {
     double least = all.empty() ? 0 : all.front().mem_total;
@@ -429,7 +482,8 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
         {w->t_cp_exposed - best.t_cp_exposed, "the ring's K/V transfers outlast the attention they hide behind"},
         {w->t_dp_exposed - best.t_dp_exposed, "DP communication no longer hides behind backward"},
         {w->t_bubble - best.t_bubble, "the pipeline bubble idles its stages"},
-        {w->t_pp - best.t_pp, "the pipeline's p2p transfers"}};
+        {w->t_pp - best.t_pp, "the pipeline's p2p transfers"},
+        {w->t_ep - best.t_ep, "the all-to-alls of expert parallelism"}};
     const auto* worst = &parts[0];
     for (const auto& q : parts)
       if (q.first > worst->first) worst = &q;
@@ -441,7 +495,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
   };
   log.line("best: %s; alternatives:", describe(best).c_str());
   why("plain data parallel", [](const Candidate& c) {
-    return c.plan.mesh.tp == 1 && c.plan.mesh.pp == 1 && c.plan.mesh.cp == 1 && c.plan.zero == 0;
+    return c.plan.mesh.tp == 1 && c.plan.mesh.pp == 1 && c.plan.mesh.cp == 1 && c.plan.mesh.ep == 1 && c.plan.zero == 0;
   });
   why("more tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp > best.plan.mesh.tp; });
   why("less tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp < best.plan.mesh.tp; });
@@ -451,6 +505,7 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
   why("no recomputation", [](const Candidate& c) { return c.recompute == Recompute::None; });
   why("context parallel", [&](const Candidate& c) { return c.plan.mesh.cp != best.plan.mesh.cp; });
   why("pipeline parallel", [&](const Candidate& c) { return c.plan.mesh.pp != best.plan.mesh.pp; });
+  why("other expert parallel", [&](const Candidate& c) { return c.plan.mesh.ep != best.plan.mesh.ep; });
 }
 
 // ----- the composed step ----------------------------------------------------------------------------
@@ -462,6 +517,7 @@ class Composed {
       : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
         model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)), plan_(pipeline_plan(rc, p)) {
     tp::install(model_, mesh.tp(), p.sp);
+    if (p.mesh.ep > 1) moe_ = &ep::install(model_, mesh.ep());
     if (p.mesh.cp > 1) {
       cp::install(model_, mesh.cp(), p.cp);
       mine_ = cp::positions(rc.model.seq, p.mesh.cp, mesh.cp_rank, p.cp.zigzag);
@@ -483,7 +539,14 @@ class Composed {
       // Under a pipeline a stage's micro-batch backwards interleave: its gradients are reduced
       // after the flush, tensor by tensor (02's naive mode).
       const bool bucketed = p.dp_mode == "bucketed" && p.mesh.pp == 1;
-      reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, bucketed, p.bucket_mb);
+      if (p.mesh.ep > 1) {  // 07's split: dense ranges over the dense group, each held expert over ep_dp
+        std::vector<std::pair<int64_t, int64_t>> dense_r, expert_r;
+        ep::split_ranges(model_.table, dense_r, expert_r);
+        reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, bucketed, p.bucket_mb, dense_r);
+        experts_ = std::make_unique<dp::GradReducer>(model_, mesh.ep_dp(), bucketed, p.bucket_mb, expert_r);
+      } else {
+        reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, bucketed, p.bucket_mb);
+      }
     } else {
       zero_ = std::make_unique<zero::Zero>(model_, dense_, p.zero, p.prefetch, rc);
     }
@@ -533,6 +596,7 @@ class Composed {
         const bool last = i + 1 == n;
         if (zero_) zero_->begin_microbatch();
         else reducer_->set_sync(last);
+        if (experts_) experts_->set_sync(last);
         const MicroBatch b = local_microbatch(data, step, i);
         model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
         if (zero_) {
@@ -541,20 +605,26 @@ class Composed {
         }
       }
     }
-    // tp blocks and pipeline stages hold different parameters: the norm sums over both.
-    const std::vector<MPI_Comm> shards = {mesh_.tp().mpi(), mesh_.pp().mpi()};
+    // tp blocks, pipeline stages and ep ranks (their experts) hold different parameters: the norm
+    // sums over all three, each copy counted once (ParamEntry::counts).
+    std::vector<MPI_Comm> shards = {mesh_.tp().mpi(), mesh_.pp().mpi()};
+    if (moe_) shards.push_back(mesh_.ep().mpi());
     double norm;
     if (zero_) {
       norm = zero_->grad_norm(shards);
       zero_->optimizer_step(rc_, step, norm);
     } else {
       reducer_->finish();  // under a pipeline, naive mode: every tensor after the flush
+      if (experts_) experts_->finish();
       if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());  // after the dp all-reduce has landed
       norm = global_grad_norm(model_.table, {{0, model_.grads}}, shards);
       opt_->step(model_, model_.params, model_.grads, lr_at(rc_, step), step + 1, clip_coefficient(norm, rc_.clip), rc_);
     }
-    // The last stage holds the loss (the others add 0).
-    return {global_mean_loss(model_.take_loss(), double(rc_.batch) * T, {dense_.mpi(), mesh_.pp().mpi()}), norm};
+    // The last stage holds the loss (the others add 0); each stage its layers' routing statistics.
+    const std::vector<MPI_Comm> token_groups = {dense_.mpi(), mesh_.pp().mpi()};
+    StepResult r{global_mean_loss(model_.take_loss(), double(rc_.batch) * T, token_groups), norm};
+    if (rc_.model.experts > 0) moe_step_report(model_, r, token_groups);
+    return r;
   }
 
   // The groups this mesh communicates on (size > 1), for the comm report.
@@ -562,15 +632,23 @@ class Composed {
     std::vector<Comm*> g;
     for (Comm* c : {&dense_, &mesh_.tp(), &mesh_.cp(), &mesh_.pp()})
       if (c->size() > 1) g.push_back(c);
+    if (moe_)
+      for (Comm* c : {&mesh_.ep(), &mesh_.ep_dp()})
+        if (c->size() > 1) g.push_back(c);
     return g;
   }
 
-  // Plain DP: dp rank 0's tp ranks write their blocks; ZeRO: every rank writes its chunks.
+  // Plain DP: the first ep group's tp ranks write their blocks (as 07: each expert by its owner,
+  // the dense tensors by ep rank 0, chosen by ParamEntry::counts; without ep, dp rank 0);
+  // ZeRO: every rank writes its chunks.
   std::vector<CheckpointSlice> checkpoint_slices() const {
     if (zero_) return zero_->checkpoint_slices();
-    if (dense_.rank() != 0) return {};  // the dp × cp replicas are identical; every stage writes its units
+    if (dense_.rank() >= p_.mesh.ep) return {};  // the other ep groups are replicas; every stage writes its units
     return {{0, model_.table.total, weights_f32(model_.params, *opt_), opt_.get()}};
   }
+
+  // The ep group's all-to-all bytes so far, from this rank's routing counts (07's prediction).
+  double ep_predicted_bytes() const { return moe_ ? moe_->predicted_bytes : 0.0; }
 
   Model& model() { return model_; }
   double hidden_fraction() const { return reducer_ ? reducer_->hidden_fraction() : 0.0; }
@@ -578,7 +656,7 @@ class Composed {
  private:
   static ModelLayout layout(const RunConfig& rc, const Plan& p, const Mesh& mesh) {
     ModelLayout l;
-    l.shard = shard_spec(rc, p, mesh.tp_rank, mesh.pp_rank);
+    l.shard = shard_spec(rc, p, mesh.tp_rank, mesh.pp_rank, mesh.ep_rank);
     if (p.zero > 0) l.align = dense_group_size(p);
     l.hold_params = p.zero < 3;
     l.hold_grads = p.zero < 2;
@@ -595,6 +673,8 @@ class Composed {
   std::unique_ptr<pp::Pipeline> pipe_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<dp::GradReducer> reducer_;
+  std::unique_ptr<dp::GradReducer> experts_;  // --ep: the expert ranges over ep_dp
+  ep::ExpertParallelMoe* moe_ = nullptr;      // --ep: the model's MoE block (the model owns it)
   std::unique_ptr<zero::Zero> zero_;
 };
 
@@ -605,8 +685,9 @@ class Composed {
 using namespace ts;
 
 static const char* kDoc =
-    "08_5d_mesh: data, pipeline, context, tensor (+ sequence) parallelism and ZeRO on one mesh, composed from 02–06.\n"
-    "usage: mpirun -np N 08_5d_mesh --dp D --pp P --cp C --tp T [--zero 0|1|2|3] [--sequence-parallel]\n"
+    "08_5d_mesh: data, pipeline, context, tensor (+ sequence) and expert parallelism and ZeRO on one mesh, composed\n"
+    "from 02–07.\n"
+    "usage: mpirun -np N 08_5d_mesh --dp D --pp P --cp C --tp T [--ep E --experts X] [--zero 0|1|2|3] [--sequence-parallel]\n"
     "       [--schedule 1f1b|afab|interleaved|zb-h1] [--cp-mode ring|ulysses] [flags]  (N = D·P·C·T)\n"
     "       08_5d_mesh --plan --preset 8b --gpus 64 [--gpu h100] (runs nothing)";
 
@@ -624,6 +705,7 @@ static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl
     log.line("  step %.3f s: compute %.3f s, tp %.3f s, cp %.3f s (%.3f exposed), dp %.3f s (%.3f exposed), bubble "
              "%.3f s, pp p2p %.3f s; %.0f tok/s/GPU, MFU %.1f%%", c.step, c.t_compute, c.t_tp, c.t_cp, c.t_cp_exposed,
              c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp, c.tokens_per_s_gpu, 100 * c.mfu);
+    if (c.plan.mesh.ep > 1) log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
   } else {
     all = mesh5d::enumerate(rc, cl);
     mesh5d::print_ranking(log, rc, cl, all);
@@ -647,12 +729,12 @@ int main(int argc, char** argv) {
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
     const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq)");
-    mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp");
+    mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp") || a.has("--ep");
     mc.dp = a.get_int("--dp", 1, "data-parallel degree");
     mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)");
     mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree");
     mc.cp = a.get_int("--cp", 1, "context-parallel degree");
-    mc.ep = a.get_int("--ep", 1, "expert-parallel degree");
+    mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)");
     plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
     plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
     plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
@@ -683,7 +765,7 @@ int main(int argc, char** argv) {
   RunLog& log = prog.log();
   if (planning) {
     if (mesh_given) {
-      plan.sp = plan.sp || plan.mesh.tp > 1;
+      plan.sp = plan.sp || (plan.mesh.tp > 1 && rc.model.experts == 0);  // the MoE block is not composed with SP
       if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != cluster.gpus)
         config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
                      plan.mesh.tp, cluster.gpus);
@@ -712,6 +794,7 @@ int main(int argc, char** argv) {
     m["zero"] = plan.zero;
     m["cp"] = plan.mesh.cp;
     m["pp"] = plan.mesh.pp;
+    m["ep"] = plan.mesh.ep;
     m["sequence_parallel"] = plan.sp;
     save_checkpoint(rc.save_dir, rc, run.model().table, run.checkpoint_slices(), step, m);
   };
@@ -719,7 +802,10 @@ int main(int argc, char** argv) {
     const auto pred = mesh5d::predict_comm(rc, plan);
     Json c = Json::object();
     for (Comm* g : run.groups()) {
-      Json one = comm_report(log, *g, steps_run, pred.count(g->name()) ? pred.at(g->name()) : std::map<std::string, double>{});
+      std::map<std::string, double> want = pred.count(g->name()) ? pred.at(g->name()) : std::map<std::string, double>{};
+      // As 07: the all-to-alls from this run's own routing counts (the balanced figure is the plan's).
+      if (g->name() == "ep") want["all_to_all"] = run.ep_predicted_bytes() / double(std::max(1L, steps_run));
+      Json one = comm_report(log, *g, steps_run, want);
       c[g->name()] = one.at(g->name());
     }
     return c;

@@ -16,9 +16,10 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
 }
 
 // Mixtral's sparse MoE block in HF names: the router, then each expert's w1 (gate), w2 (down),
-// w3 (up). Expert j lives on ep rank j / (E/ep); elsewhere its entries hold nothing.
+// w3 (up). Expert j lives on ep rank j / (E/ep); elsewhere its entries hold nothing. Under
+// tensor parallelism the router and the experts are whole on every tp rank (replicated over tp,
+// counted on tp rank 0, as the norms): the MoE block is not split over tp (MlpBlock::split_over_tp).
 template <class Add> static void add_experts(const ModelConfig& c, const ShardSpec& sh, int l, Add& add, bool& expert) {
-  if (sh.tp > 1) config_error("--experts with tensor parallelism is not supported (experts are split by ep, not tp)");
   if (c.experts % sh.ep) config_error("--experts %d is not divisible by --ep %d", c.experts, sh.ep);
   const int64_t D = c.dim, F = c.ffn, per = c.experts / sh.ep;
   add(moe_gate_name(l), {c.experts, D}, Split::Whole, false);
@@ -66,8 +67,10 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
       e.local_shape[0] = 0;
     }
     if (sh.ep > 1 && !expert && split != Split::None) {  // dense tensors: one copy per ep rank
-      e.replicated_over = "ep";
-      e.counts = sh.ep_rank == 0;
+      // A whole tensor under tp is replicated over both; it keeps the name tp (the group sequence
+      // parallelism reduces norm gradients over) and counts on tp rank 0 of ep rank 0.
+      if (e.replicated_over.empty()) e.replicated_over = "ep";
+      e.counts = e.counts && sh.ep_rank == 0;
     }
     e.numel = 1;
     for (int64_t d : e.local_shape) e.numel *= d;
@@ -349,8 +352,9 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos
   Tensor out = act({Nr, cfg.dim});
   {
     Tensor y2 = work({N, cfg.dim});
-    mlp->forward(*this, l, y2, tp->f_forward(a.h2), a);
-    add(out, a.x_mid, tp->g_forward(y2));
+    const bool split = mlp->split_over_tp();
+    mlp->forward(*this, l, y2, split ? tp->f_forward(a.h2) : a.h2, a);
+    add(out, a.x_mid, split ? tp->g_forward(y2) : y2);
   }
   return out;
 }
@@ -416,12 +420,14 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
   }
   // MLP: out = x_mid + g(MLP(f(h2))), h2 = RMSNorm(x_mid). The column-parallel input f(h2) is
   // rebuilt rather than stored: under sequence parallelism that is a second all-gather, and
-  // only the 1/tp token block is kept (Korthikanti et al.'s sbh/t·(34 + 5as/h)).
+  // only the 1/tp token block is kept (Korthikanti et al.'s sbh/t·(34 + 5as/h)). A block
+  // replicated over tp has no f and g: its input gradient is already whole on every tp rank.
   Tensor tmp = work({Nr, cfg.dim});
   {
     Tensor dh2 = work({N, cfg.dim});
-    mlp->backward(*this, l, dh2, tp->g_backward(dx), tp->f_forward(a.h2), a);
-    rmsnorm_backward(tmp, g_[L.ln2], tp->f_backward(dh2), a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
+    const bool split = mlp->split_over_tp();
+    mlp->backward(*this, l, dh2, split ? tp->g_backward(dx) : dx, split ? tp->f_forward(a.h2) : a.h2, a);
+    rmsnorm_backward(tmp, g_[L.ln2], split ? tp->f_backward(dh2) : dh2, a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
     add_inplace(dx, tmp);  // dx := d x_mid (residual path + norm path)
   }
   a.h2 = a.g = a.u = a.act = a.x_mid = a.rstd2 = Tensor();

@@ -223,6 +223,10 @@ struct MlpBlock {
   virtual void backward(Model& m, int layer, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) = 0;
   // Selective recompute: drops the saved tensors backward can rebuild without a matmul.
   virtual void drop_recomputable(LayerActs& a) = 0;
+  // Split over tp (SwiGLU: column- then row-parallel, between f and g), or replicated over tp
+  // (the MoE block, Megatron's expert tensor parallel 1: every tp rank holds the router and the
+  // experts whole and runs the block on the same full tokens, so f and g do not wrap it).
+  virtual bool split_over_tp() const { return true; }
 };
 
 // Tensor parallelism's conjugate operators around the column- and row-parallel matmuls

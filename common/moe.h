@@ -81,6 +81,7 @@ class MoeBlock : public MlpBlock {
   void forward(Model& m, int layer, const Tensor& y, const Tensor& h, LayerActs& a) override;
   void backward(Model& m, int layer, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) override;
   void drop_recomputable(LayerActs& a) override { a.act = Tensor(); }
+  bool split_over_tp() const override { return false; }  // router and experts whole on every tp rank
 
   // The experts over the expert-grouped rows x [M, D] (counts[e] rows of global expert e, in
   // order): returns their outputs [M, D] (Tag::Activations). Local here; 07 dispatches.

@@ -484,7 +484,8 @@ static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc
   const double split = ((2 * D + 2 * KV + 3 * F) * e + 4 * H) / t;  // q, y, k, v, g, u, act + lse
   if (c.experts > 0) {  // dropless MoE (moe.h): probs, choices, src per token; per routed row its
     const double E = c.experts, K = c.top_k;  // token, weight, g, u, act, input and output rows
-    const double moe = (2 * D + 2 * KV) * e + 4 * H + 4 * E + 8 * K + K * (8 + (3 * F + 2 * D) * e);
+    // Attention is split over tp; the MoE block is replicated (every tp rank routes every token).
+    const double moe = ((2 * D + 2 * KV) * e + 4 * H) / t + 4 * E + 8 * K + K * (8 + (3 * F + 2 * D) * e);
     if (rc == Recompute::None) return region + moe;
     if (rc == Recompute::Selective) return region + moe - r * 2 * D * e - K * F * e;
   }

@@ -1,7 +1,7 @@
 // ranks: 1
-// 08_5d_mesh: the pieces of 02, 03, 04, 05 and 06 composed on one mesh reproduce 01 end to end (fp32,
-// clipping active, accumulation), at up to 8 ranks; memory and bytes per rank per group equal
-// the predictions; checkpoints cross between meshes and 01; bad input.
+// 08_5d_mesh: the pieces of 02, 03, 04, 05, 06 and 07 composed on one mesh reproduce 01 end to end
+// (fp32, clipping active, accumulation), at up to 8 ranks; memory and bytes per rank per group
+// equal the predictions; checkpoints cross between meshes and 01; bad input.
 #include <catch2/catch.hpp>
 
 #include <string>
@@ -222,9 +222,129 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {4, "--dp 2 --pp 2 --zero 2 --layers 4", "ZeRO-2/3 shard gradients or weights per micro-batch"},
       {8, "--dp 2 --pp 2 --tp 2 --schedule zb-h1 --layers 4", "--schedule zb-h1 with --tp 2 is not composed"},
       {4, "--dp 2 --pp 2 --layers 3", "--layers 3 is not divisible by --pp 2"},
-      {4, "--dp 1 --pp 4 --ep 2 --layers 4", "--ep is not composed"},
       {4, "--dp 2 --tp 2 --zero 4", "--zero must be 0 (plain DP), 1, 2 or 3"},
       {4, "--dp 4 --batch 6", "--batch 6 is not divisible by --dp 4"},
       {4, "--dp 2 --tp 2 --zero 1 --dp-mode naive", "--dp-mode applies to plain data parallelism"},
   });
+}
+
+// ----- expert parallelism on the mesh ------------------------------------------------------------
+
+namespace {
+// The MoE model of test_ep (experts of ffn 64), with a load-balancing loss so that the router's
+// aux gradient takes part; 01 --experts runs the same.
+const std::string kMoe = "--experts 4 --top-k 2 --ffn 64 --aux-loss-coef 0.01 ";
+// dp 4 × tp 2: ep 4 (ep_dp of 1), ep 2 (ep_dp of 2) and ep 1 (the MoE block replicated over dp
+// and tp only); dp 2 × pp 2 × tp 2 with ep 2 (each stage's ep groups run the same 1F1B schedule).
+const Case kMoeCases[] = {
+    {4, 2, "--ep 4", 1},
+    {4, 2, "--ep 2", 2},
+    {4, 2, "", 2},
+    {2, 2, "--pp 2 --ep 2", 2, 1, 2},
+};
+const Run& moe_mesh(const Case& c) { return mesh(c.dp, c.tp, kMoe + c.flags + " " + steps(8, c.micro), c.cp, c.pp); }
+double mem_total(const Run& r, const char* which) {
+  double t = 0;
+  for (const char* cat : {"params", "grads", "optimizer", "activations"}) t += mem(r, cat, which);
+  return t;
+}
+}  // namespace
+
+TEST_CASE("MoE under tp with ep 4, ep 2, ep 1, and with a pipeline reproduces 01 --experts", "[08][e2e][equiv][ep]") {
+  const Run& ref = single(kMoe + steps(8, 8));
+  for (const Case& c : kMoeCases) {
+    const Run& r = moe_mesh(c);
+    INFO("dp " << c.dp << " tp " << c.tp << " pp " << c.pp << " " << c.flags << " micro-batch " << c.micro);
+    REQUIRE(r.log.steps.size() == size_t(kSteps));
+    CHECK(tst::max_rel_diff(r.log.losses(), ref.log.losses()) <= kLossTol);
+    for (int s = 0; s < kSteps; s++) {
+      const ts::Json& a = r.log.steps[size_t(s)];
+      const ts::Json& b = ref.log.steps[size_t(s)];
+      CHECK(a.at("grad_norm").as_double() == Approx(b.at("grad_norm").as_double()).epsilon(1e-6));
+      CHECK(a.at("moe_tokens_per_expert").dump() == b.at("moe_tokens_per_expert").dump());
+      CHECK(a.at("moe_aux_loss").as_double() == Approx(b.at("moe_aux_loss").as_double()).epsilon(1e-6));
+    }
+    check_weights(r, ref);
+  }
+}
+
+// Params, grads and optimizer states exactly (each rank holds E/ep experts, whole over tp);
+// activations where routing does not move rows between ranks (ep 1: 07 predicts ep > 1 for
+// balanced routing only); every group's bytes: ep's all-to-alls from the run's own routing counts,
+// the dense group's all-reduce over the dense Ψ, ep_dp's over this rank's experts.
+TEST_CASE("MoE on the mesh: memory and bytes per rank and group equal the predictions", "[08][e2e][mem][comm][ep]") {
+  for (const Case& c : kMoeCases) {
+    const Run& r = moe_mesh(c);
+    INFO("dp " << c.dp << " tp " << c.tp << " pp " << c.pp << " " << c.flags);
+    for (const char* cat : {"params", "grads", "optimizer"}) CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
+    if (c.flags.find("--ep") == std::string::npos) CHECK(mem(r, "activations", "measured") == mem(r, "activations", "predicted"));
+    const ts::Json& comm = r.log.summary.at("comm");
+    int ops = 0;
+    for (const char* group : {"dp", "tp", "pp", "ep", "ep_dp"})
+      for (const char* op : {"all_reduce", "send", "all_to_all"}) {
+        if (!comm.contains(group) || !comm.at(group).contains(op)) continue;
+        const ts::Json& g = comm.at(group).at(op);
+        ops++;
+        CHECK(g.at("bytes").as_double() == Approx(g.at("predicted").as_double()).epsilon(1e-12));
+        CHECK(g.at("predicted").as_double() > 0);
+      }
+    const bool ep = c.flags.find("--ep") != std::string::npos, ep_dp = c.flags.find("--ep 2") != std::string::npos && c.pp == 1;
+    CHECK(comm.contains("ep") == ep);
+    CHECK(comm.contains("ep_dp") == ep_dp);
+    CHECK(ops == 2 + ep + ep_dp + (c.pp > 1));
+  }
+  // dp 4 × tp 2: ep 4 holds 1 of the 4 experts of each layer, ep 1 all 4 (each 3·F·D, fp32).
+  const double D = 64, F = 64, L = 2;
+  CHECK(mem(moe_mesh(kMoeCases[2]), "params", "measured") - mem(moe_mesh(kMoeCases[0]), "params", "measured") ==
+        4 * L * 3 * 3 * F * D);
+  // ep 4 and ep 2 at the same tokens: one expert in four stays local instead of one in two.
+  CHECK(mem(moe_mesh(kMoeCases[0]), "params", "measured") < mem(moe_mesh(kMoeCases[1]), "params", "measured"));
+}
+
+TEST_CASE("a dp 4 × tp 2 × ep 4 checkpoint resumes in 01 --experts and on dp 2 × pp 2 × tp 2 × ep 2", "[08][e2e][ckpt][ep]") {
+  const Run& ref = single(kMoe + steps(8, 8));
+  const Run& from = mesh(4, 2, kMoe + "--ep 4 --steps 3 --batch 8 --micro-batch 1");
+  tst::check_resume("01_single_gpu", 1, kTiny + kMoe + steps(8, 8), from.ckpt, ref, 3, kLossTol, kWeightTol);
+  tst::check_resume("08_5d_mesh", 8, kTiny + kMoe + "--dp 2 --tp 2 --pp 2 --ep 2 " + steps(8, 2), from.ckpt, ref, 3,
+                    kLossTol, kWeightTol);
+}
+
+// The planner ranks ep for a MoE model, and its memory for a mesh is that run's own prediction.
+TEST_CASE("--plan with experts: ep is searched, its memory is the run's prediction", "[08][plan][ep]") {
+  const std::string log = tst::scratch("plan_moe.jsonl");
+  tst::Result r = tst::run_bin("08_5d_mesh", kTiny + kMoe + "--plan --gpus 8 --dtype fp32 --batch 8 --log-json " + log, 1, 60);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  const tst::Log plan = tst::read_log(log);
+  int eps = 0, found = 0;
+  for (const ts::Json& k : plan.summary.at("candidates").as_array()) {
+    eps += k.at("ep").as_int() > 1;
+    CHECK(!k.at("sequence_parallel").as_bool());  // not composed with MoE
+    if (k.at("ep").as_int() > 1) CHECK(k.at("zero").as_int() == 0);
+    if (k.at("dp").as_int() == 4 && k.at("tp").as_int() == 2 && k.at("ep").as_int() == 4 && k.at("pp").as_int() == 1 &&
+        k.at("micro_batch").as_int() == 1 && k.at("recompute").as_string() == "none") {
+      found++;
+      CHECK(k.at("memory_bytes").as_double() == Approx(mem_total(moe_mesh(kMoeCases[0]), "predicted")).epsilon(1e-12));
+    }
+  }
+  CHECK(eps > 10);
+  CHECK(found == 1);
+}
+
+TEST_CASE("bad input with experts: a one-line message, a non-zero exit on every rank, no hang", "[08][errors][ep]") {
+  tst::check_errors("08_5d_mesh", kTiny + "--steps 2 ", {
+      {4, "--dp 4 --ep 2", "--ep 2 needs a mixture of experts"},
+      {4, "--dp 4 --ep 3 --experts 6 --batch 12", "--ep 3 does not divide dp × cp = 4"},
+      {4, "--dp 4 --ep 4 --experts 6", "--experts 6 is not divisible by --ep 4"},
+      {4, "--dp 4 --ep 2 --experts 4 --zero 1", "expert weights differ across the dp ranks of an ep group"},
+      {4, "--dp 2 --tp 2 --experts 4 --sequence-parallel", "--sequence-parallel with --experts is not composed"},
+      {4, "--dp 2 --cp 2 --experts 4", "--experts with --cp 2 is not composed"},
+  });
+  // One line for the whole job: rank 0 prints it, the other ranks exit with it unprinted.
+  tst::Result r = tst::run_bin("08_5d_mesh", kTiny + "--steps 2 --dp 4 --ep 2 --experts 4 --zero 1", 4, 60);
+  int lines = 0;
+  for (size_t at = r.output.find("error"); at != std::string::npos; at = r.output.find("error", at + 1)) lines++;
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(lines == 1);
 }

@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iterator>
+#include <map>
 
 #include "checkpoint.h"
 #include "model.h"
@@ -101,6 +102,41 @@ TEST_CASE("the split rule: column-parallel rows, row-parallel columns, norms rep
   CHECK(s.find("model.embed_tokens.weight").numel == 0);
   CHECK(s.total == Model::make_table(kCfg).unit_begin[3] - Model::make_table(kCfg).unit_begin[1]);
   CHECK(s.unit_begin[1] == 0);
+}
+
+// Experts under tp × ep (08): the router and each held expert whole on every tp rank; every copy
+// counted exactly once over the tp × ep ranks (what the gradient norm and checkpoints rely on).
+TEST_CASE("tp 2 × ep 2 with experts: router and experts whole over tp, each tensor counted once", "[shard][ep]") {
+  ModelConfig c = kCfg;
+  c.experts = 4;
+  c.top_k = 2;
+  std::map<std::string, int> counted;
+  std::map<std::string, int64_t> held;
+  for (int tp_rank = 0; tp_rank < 2; tp_rank++)
+    for (int ep_rank = 0; ep_rank < 2; ep_rank++) {
+      ShardSpec sh{2, tp_rank, {}};
+      sh.ep = 2;
+      sh.ep_rank = ep_rank;
+      const ParamTable t = Model::make_table(c, 1, sh);
+      const ParamEntry& gate = t.find("model.layers.0.block_sparse_moe.gate.weight");
+      CHECK(gate.split == Split::Whole);
+      CHECK(gate.numel == 4 * 64);
+      const ParamEntry& mine = t.find("model.layers.0.block_sparse_moe.experts." + std::to_string(2 * ep_rank) + ".w1.weight");
+      CHECK(mine.split == Split::Whole);
+      CHECK(mine.numel == 160 * 64);  // ffn not split over tp
+      CHECK(t.find("model.layers.0.block_sparse_moe.experts." + std::to_string(2 - 2 * ep_rank) + ".w1.weight").numel == 0);
+      for (const ParamEntry& e : t.entries) {
+        counted[e.name] += e.counts && e.held();
+        if (e.counts && e.held()) held[e.name] += e.numel;
+      }
+    }
+  for (const auto& [name, n] : counted) {
+    INFO(name);
+    CHECK(n == (Model::make_table(c).find(name).split == Split::Whole ? 1 : 2));  // whole: once; a tp block: once per tp rank
+  }
+  int64_t total = 0;
+  for (const auto& [name, n] : held) total += n;
+  CHECK(total == Model::make_table(c).total);  // the counted copies are the whole model, once
 }
 
 TEST_CASE("a column block maps to one run per row, a row block to one run", "[shard]") {
