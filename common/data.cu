@@ -182,7 +182,8 @@ TokenData split_held_out(TokenData& train, const std::string& eval_path, int mod
   e.vocab = train.vocab;
   e.bytes = train.bytes;
   e.entropy_floor = train.entropy_floor;
-  e.description = "tokens [" + std::to_string(n - tail) + ", " + std::to_string(n) + ") of the training data";
+  e.description = "tokens [" + std::to_string(n - tail) + ", " + std::to_string(n) + ") of the data, the last " +
+                  std::to_string(tail) + ", which the training order no longer reads";
   train.tokens.resize(size_t(n - tail));
   return e;
 }

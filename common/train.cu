@@ -743,10 +743,9 @@ void Program::open() {
   if (rc.eval_every > 0) {
     const int64_t windows = int64_t(rc.eval_batches) * rc.batch;
     held_out = split_held_out(data, rc.eval_data, rc.model.vocab, windows, rc.model.seq);
-    log().line("held out: %s, %zu tokens, never read by the training order (now %zu tokens); %lld evaluation "
-               "windows of %d (--eval-batches %d × --batch %d) every %ld steps and at the end",
-               held_out.description.c_str(), held_out.tokens.size(), data.tokens.size(), (long long)windows,
-               rc.model.seq, rc.eval_batches, rc.batch, rc.eval_every);
+    log().line("held out: %s; %lld evaluation windows of %d (--eval-batches %d × --batch %d) every %ld steps and at "
+               "the end", held_out.description.c_str(), (long long)windows, rc.model.seq, rc.eval_batches, rc.batch,
+               rc.eval_every);
   }
 }
 
