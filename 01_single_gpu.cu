@@ -7,15 +7,18 @@
 //
 //   ./build/01_single_gpu --preset tiny --steps 200
 //   ./build/01_single_gpu --dry-run --preset 8b --micro-batch 1 --dtype bf16 --recompute full
+//   ./build/01_single_gpu --preset tiny --steps 200 --eval-every 50 --sample 200 --prompt "the "
 #ifndef TS_01_SINGLE_GPU_CU
 #define TS_01_SINGLE_GPU_CU
 #include <cmath>
+#include <vector>
 
 #include "checkpoint.h"
 #include "comm.h"
 #include "data.h"
 #include "model.h"
 #include "moe.h"
+#include "rng.h"
 #include "run.h"
 #include "train.h"
 
@@ -49,9 +52,7 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   const int T = rc.model.seq, mb = rc.micro_batch;
   const float scale = 1.f / (float(rc.batch) * T);
   zero(model.grads);
-  const bool show = step < 2 && !rc.quiet;  // the first two steps print their memory
-  model.after_forward.clear();
-  if (show) model.after_forward.add([&] { print_memory(log, model.dev, step, "after forward"); });
+  const bool show = show_step_memory(model, log, rc, step);
   for (int s0 = 0; s0 < rc.batch; s0 += mb) {
     MicroBatch b = make_microbatch(data, step, rc.batch, T, s0, mb, model.dev);
     model.forward_backward(b.inputs, b.targets, mb, scale);
@@ -66,10 +67,99 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   return r;
 }
 
+// ----- sampling ---------------------------------------------------------------------------------------
+
+// Bytes as a terminal shows them: printable ASCII as is, \n, \t and \\ escaped, anything else \xNN.
+static std::string escape_bytes(const std::vector<int32_t>& bytes) {
+  std::string out;
+  for (int32_t b : bytes) {
+    char buf[8];
+    if (b == '\n') out += "\\n";
+    else if (b == '\t') out += "\\t";
+    else if (b == '\\') out += "\\\\";
+    else if (b >= 0x20 && b < 0x7f) out += char(b);
+    else snprintf(buf, sizeof buf, "\\x%02x", unsigned(b)), out += buf;
+  }
+  return out;
+}
+
+// The next byte from one row of logits: the argmax (temperature 0), or a draw from
+// softmax(logits / temperature) with the counter-based generator (the same bytes on every run
+// with the same --seed).
+static int32_t next_byte(const std::vector<float>& logits, double temperature, uint64_t key, uint64_t i) {
+  int32_t best = 0;
+  for (int32_t v = 1; v < int32_t(logits.size()); v++)
+    if (logits[size_t(v)] > logits[size_t(best)]) best = v;
+  if (temperature == 0) return best;
+  std::vector<double> p(logits.size());
+  double total = 0;
+  for (size_t v = 0; v < p.size(); v++) total += p[v] = std::exp((logits[v] - logits[size_t(best)]) / temperature);
+  double u = rng_uniform(key, i) * total;
+  for (size_t v = 0; v < p.size(); v++)
+    if ((u -= p[v]) <= 0) return int32_t(v);
+  return best;  // rounding left u just above 0
+}
+
+// n bytes after `context`. Attention is causal: the logits at position t depend only on the
+// tokens up to t, so one full forward over the last `seq` tokens, read at the last position,
+// gives the next byte's distribution. That recomputes the whole window for every byte (no
+// key-value cache): simple, and fast enough for the models this program trains.
+static std::vector<int32_t> generate(Model& model, std::vector<int32_t> context, int n, double temperature,
+                                     uint64_t seed) {
+  const uint64_t key = rng_key(seed, "sample");
+  std::vector<int32_t> out;
+  for (int i = 0; i < n; i++) {
+    const size_t S = std::min(context.size(), size_t(model.cfg.seq));
+    const std::vector<int32_t> window(context.end() - long(S), context.end());
+    const Tensor logits = model.forward_logits(device_tokens(window, model.dev), 1);
+    const std::vector<float> all = to_host_f32(logits);
+    const std::vector<float> last(all.end() - model.cfg.vocab, all.end());
+    const int32_t b = next_byte(last, temperature, key, uint64_t(i));
+    out.push_back(b);
+    context.push_back(b);
+  }
+  return out;
+}
+
+struct SampleFlags {
+  int bytes = 0;
+  std::string prompt;
+  double temperature = 0.8;
+};
+
+// Sampling prints bytes: the model and the data must be byte-level (checked before training).
+static void check_sample(const RunConfig& rc, const TokenData& data, const SampleFlags& f) {
+  if (f.bytes == 0) return;
+  if (rc.model.vocab < 256) config_error("--sample needs a vocabulary of bytes (--vocab 256 or more, got %d)", rc.model.vocab);
+  if (!data.bytes)
+    config_error("--sample: %s holds token ids, not bytes (an llm.c shard of another tokenizer); --sample prints "
+                 "bytes: train on text, or on scripts/prepare_data.py's shards", data.description.c_str());
+}
+
+// After training: `f.bytes` bytes greedily and at the temperature, after the prompt (the data's
+// first byte without one).
+static void print_samples(Model& model, const TokenData& data, const RunConfig& rc, const SampleFlags& f, RunLog& log) {
+  std::vector<int32_t> prompt(f.prompt.begin(), f.prompt.end());
+  for (auto& b : prompt) b &= 0xff;  // char may be signed
+  if (prompt.empty()) prompt.push_back(data.tokens[0]);
+  log.line("sample, greedy, %d bytes after \"%s\":", f.bytes, escape_bytes(prompt).c_str());
+  log.line("  %s", escape_bytes(generate(model, prompt, f.bytes, 0, rc.seed)).c_str());
+  log.line("sample, temperature %g, seed %llu, %d bytes after \"%s\":", f.temperature, (unsigned long long)rc.seed,
+           f.bytes, escape_bytes(prompt).c_str());
+  log.line("  %s", escape_bytes(generate(model, prompt, f.bytes, f.temperature, rc.seed)).c_str());
+}
+
 // ----- main -----------------------------------------------------------------------------------------
 #if TS_PROGRAM == 1
 int main(int argc, char** argv) {
-  Program prog(argc, argv, kDoc, [](Args&, RunConfig&, MeshConfig&) {
+  SampleFlags sample;
+  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig&) {
+    sample.bytes = args.get_int("--sample", 0, "after training, print N bytes generated by the model (byte data: vocab >= 256)");
+    sample.prompt = args.get_str("--prompt", "", "--sample: the text to continue (default: the data's first byte)");
+    sample.temperature = args.get_double("--temperature", sample.temperature,
+                                         "--sample: softmax temperature of the second sample (the first is greedy)");
+    if (sample.bytes < 0) config_error("--sample must be >= 0 (got %d)", sample.bytes);
+    if (sample.temperature <= 0) config_error("--temperature must be > 0 (got %g)", sample.temperature);
     int world = 1;
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     if (world != 1) config_error("01_single_gpu runs on one rank (got %d); see 02_data_parallel for more", world);
@@ -78,6 +168,7 @@ int main(int argc, char** argv) {
   RunLog& log = prog.log();
   if (prog.dry_run([&] { print_prediction(log, rc); })) return 0;
   prog.open();
+  check_sample(rc, prog.data, sample);
   print_prediction(log, rc);
   check_memory_fits(predict_replica(rc, param_count(rc.model)), prog.dev);
 
@@ -95,7 +186,9 @@ int main(int argc, char** argv) {
     save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}}, step,
                     mesh);
   };
+  loop.eval = [&] { return held_out_loss(model, prog.held_out, rc, 0, rc.batch, {}); };
   train_loop(rc, prog.dev, log, prog.data, first, loop);
+  if (sample.bytes > 0) print_samples(model, prog.data, rc, sample, log);
   return 0;
 }
 #endif  // TS_PROGRAM == 1

@@ -152,9 +152,10 @@ static const char* kDoc =
 
 // This rank's sequences of the global batch: a contiguous slice, in micro-batches.
 static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const TokenData& data, const RunConfig& rc,
-                             Mesh& mesh, long step) {
+                             Mesh& mesh, long step, RunLog& log) {
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
   const int first_seq = mesh.dp_rank * local;
+  const bool show = show_step_memory(model, log, rc, step);
   ts::zero(model.grads);
   for (int s0 = 0; s0 < local; s0 += mb) {
     dp.set_sync(s0 + mb == local);
@@ -162,9 +163,11 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
     model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
   }
   dp.finish();
+  if (show) print_memory(log, model.dev, step, "after backward");
   // Gradients are identical on every rank now: the norm needs no communication.
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
+  if (show) print_memory(log, model.dev, step, "after optimizer");
   return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
 }
 
@@ -207,7 +210,12 @@ int main(int argc, char** argv) {
 
   Loop loop;
   loop.predicted = dp::predict_memory(rc);
-  loop.step = [&](long step) { return train_step(model, opt, dp, prog.data, rc, mesh, step); };
+  loop.step = [&](long step) { return train_step(model, opt, dp, prog.data, rc, mesh, step, log); };
+  // Each rank evaluates its slice of every evaluation batch, as it trains on its slice of a step's.
+  loop.eval = [&] {
+    const int local = rc.batch / mc.dp;
+    return held_out_loss(model, prog.held_out, rc, mesh.dp_rank * local, local, {mesh.dp().mpi()});
+  };
   loop.save = [&](long step) {
     // Replicas are identical: rank 0 writes the whole model, the others nothing.
     std::vector<CheckpointSlice> mine;

@@ -129,6 +129,23 @@ class Zero {
     return mine;
   }
 
+  // A forward-only pass `f` (the held-out loss): ZeRO-3 gathers each unit as in training, in
+  // forward order only (0..L+1, then the next micro-batch's 0), and drops whatever is still
+  // gathered afterwards. Its collectives are not counted with the training steps'.
+  double evaluate(const std::function<double()>& f) {
+    const auto counted = dp_.stats();
+    forward_only_ = true;
+    use_pos_ = 0;
+    const double loss = f();
+    for (Gathered& g : gathered_) {
+      if (g.in_flight) g.work.wait();
+      g = Gathered();
+    }
+    forward_only_ = false;
+    dp_.set_stats(counted);
+    return loss;
+  }
+
   // Each rank updates its chunks; stages 1/2 then all-gather the updated weights.
   void optimizer_step(const RunConfig& rc, long step, double norm) {
     const float clip = clip_coefficient(norm, rc.clip);
@@ -180,6 +197,7 @@ class Zero {
   // backward at once), then the layers' backward L..1 (the embedding's backward reads none).
   int use_sequence(int pos) const {
     const int L = m_.cfg.layers;
+    if (forward_only_) return pos % (L + 2);
     if (pos <= L + 1) return pos;
     int u = 2 * (L + 1) - pos;
     return u >= 1 ? u : -1;
@@ -222,6 +240,7 @@ class Zero {
   double pending_start_ = 0;
   std::vector<Gathered> gathered_;
   int use_pos_ = 0;
+  bool forward_only_ = false;  // evaluate() is running
 };
 
 // ----- predict: memory and communication per rank (notes/03 derives each line) ---------------------
@@ -291,9 +310,10 @@ static const char* kDoc =
 // ----- one optimizer step ----------------------------------------------------------------------------
 
 static StepResult train_step(Model& model, Zero& zero, const TokenData& data, const RunConfig& rc, Mesh& mesh,
-                             long step) {
+                             long step, RunLog& log) {
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
   const int first_seq = mesh.dp_rank * local;
+  const bool show = show_step_memory(model, log, rc, step);
   zero.begin_step();
   for (int s0 = 0; s0 < local; s0 += mb) {
     zero.begin_microbatch();
@@ -301,8 +321,10 @@ static StepResult train_step(Model& model, Zero& zero, const TokenData& data, co
     model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
     zero.end_microbatch(s0 + mb == local);
   }
+  if (show) print_memory(log, model.dev, step, "after backward");
   const double norm = zero.grad_norm();
   zero.optimizer_step(rc, step, norm);
+  if (show) print_memory(log, model.dev, step, "after optimizer");
   return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
 }
 
@@ -343,7 +365,12 @@ int main(int argc, char** argv) {
 
   Loop loop;
   loop.predicted = predict_memory(rc, plan);
-  loop.step = [&](long step) { return train_step(model, zero, prog.data, rc, mesh, step); };
+  loop.step = [&](long step) { return train_step(model, zero, prog.data, rc, mesh, step, log); };
+  // Each rank evaluates its slice of every evaluation batch, as it trains on its slice of a step's.
+  loop.eval = [&] {
+    const int local = rc.batch / mc.dp;
+    return zero.evaluate([&] { return held_out_loss(model, prog.held_out, rc, mesh.dp_rank * local, local, {mesh.dp().mpi()}); });
+  };
   loop.save = [&](long step) {
     Json m = Json::object();
     m["dp"] = mc.dp;

@@ -359,9 +359,11 @@ TrainerRecord parse_trainer_record(const Json& t) {
 }
 
 std::vector<std::string> resume_notes(const TrainerRecord& rec, const RunConfig& rc) {
-  if (rec.step >= rc.steps)
+  if (rec.step > rc.steps || (rec.step == rc.steps && !rc.without_steps))
     throw FormatError("the checkpoint is at step " + std::to_string(rec.step) + " and --steps is " +
-                      std::to_string(rc.steps) + ": no step would run (--steps is the total, not the steps to add)");
+                      std::to_string(rc.steps) + ": no step would run (--steps is the total, not the steps to add; "
+                      "--steps " + std::to_string(rec.step) + " with --eval-every 1 or 01's --sample N reads the "
+                      "checkpoint without training)");
   const std::string data = rc.data.empty() ? "synthetic" : rc.data;
   if (rec.has_seed && int64_t(rec.seed) != int64_t(rc.seed) && rec.data == "synthetic" && data == "synthetic")
     throw FormatError("the checkpoint trained on the synthetic source of seed " + std::to_string(int64_t(rec.seed)) +

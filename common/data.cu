@@ -92,7 +92,7 @@ static TokenData load_shard(const std::string& path) {
   const int64_t header_bytes = kShardHeaderInts * 4;
   if (int64_t(bytes.size()) < header_bytes)
     throw bad(std::to_string(bytes.size()) + " bytes, too short for the 1024-byte llm.c shard header");
-  int32_t header[3];
+  int32_t header[kShardKindInt + 1];
   memcpy(header, bytes.data(), sizeof header);
   if (header[0] != kShardMagic)
     throw bad("wrong magic number " + std::to_string(header[0]) + " (an llm.c token shard starts with " +
@@ -118,7 +118,8 @@ static TokenData load_shard(const std::string& path) {
     max_id = std::max<int32_t>(max_id, t);
   }
   d.vocab = max_id + 1;
-  d.description = path + ": llm.c shard, " + std::to_string(count) + " tokens";
+  d.bytes = header[kShardKindInt] == kShardBytes;
+  d.description = path + ": llm.c shard, " + std::to_string(count) + (d.bytes ? " byte tokens" : " tokens");
   return d;
 }
 
@@ -137,10 +138,14 @@ TokenData load_data_or_throw(const std::string& path, int model_vocab, uint64_t 
   } else {
     d = ends_with(path, ".bin") ? load_shard(path) : load_text(path);
   }
-  for (size_t i = 0; i < d.tokens.size(); i++)
-    if (d.tokens[i] >= model_vocab)
-      throw FormatError(name + ": token " + std::to_string(d.tokens[i]) + " at position " + std::to_string(i) +
-                        " is outside the model's vocabulary of " + std::to_string(model_vocab));
+  // The message names the largest id, so that it says which --vocab would hold the whole file.
+  const auto max_it = std::max_element(d.tokens.begin(), d.tokens.end());
+  if (max_it != d.tokens.end() && *max_it >= model_vocab) {
+    const auto first = std::find_if(d.tokens.begin(), d.tokens.end(), [&](int32_t t) { return t >= model_vocab; });
+    throw FormatError(name + " holds token " + std::to_string(*max_it) + " ≥ --vocab " + std::to_string(model_vocab) +
+                      ": pass --vocab " + std::to_string(*max_it + 1) + " or more (the first token out of range is at "
+                      "position " + std::to_string(first - d.tokens.begin()) + ")");
+  }
   if (int64_t(d.tokens.size()) < min_tokens)
     throw FormatError(name + ": " + std::to_string(d.tokens.size()) +
                       " tokens, too short for one sequence (needs at least " + std::to_string(min_tokens) +
@@ -154,6 +159,33 @@ TokenData load_data(const std::string& path, int model_vocab, uint64_t data_seed
   } catch (const FormatError& e) {
     config_error("%s", e.what());
   }
+}
+
+// ----- held-out data ----------------------------------------------------------------------------
+
+TokenData split_held_out(TokenData& train, const std::string& eval_path, int model_vocab, int64_t windows, int seq) {
+  const int64_t need = held_out_tokens_needed(windows, seq);
+  if (!eval_path.empty()) {
+    TokenData e = load_data(eval_path, model_vocab, 0, seq + 2);
+    if (int64_t(e.tokens.size()) < need)
+      config_error("--eval-data %s: %zu tokens, too few for %lld evaluation windows of %d (needs %lld; lower "
+                   "--eval-batches)", eval_path.c_str(), e.tokens.size(), (long long)windows, seq, (long long)need);
+    return e;
+  }
+  const int64_t n = int64_t(train.tokens.size()), tail = std::max(n / 10, need);
+  if (n - tail < int64_t(seq) + 2)
+    config_error("%s: %lld tokens cannot hold %lld held-out tokens (%lld evaluation windows of %d) and one training "
+                 "window of %d + 2; lower --eval-batches or give --eval-data", train.description.c_str(),
+                 (long long)n, (long long)tail, (long long)windows, seq, seq);
+  TokenData e;
+  e.tokens.assign(train.tokens.end() - tail, train.tokens.end());
+  e.vocab = train.vocab;
+  e.bytes = train.bytes;
+  e.entropy_floor = train.entropy_floor;
+  e.description = "tokens [" + std::to_string(n - tail) + ", " + std::to_string(n) + ") of the data, the last " +
+                  std::to_string(tail) + ", which the training order no longer reads";
+  train.tokens.resize(size_t(n - tail));
+  return e;
 }
 
 // ----- the batch order ---------------------------------------------------------------------------

@@ -379,16 +379,23 @@ void Model::layer_forward(int l, ForwardState& st, Tensor& x) {
 // The head: final RMSNorm, f, LM head (column-parallel by vocabulary), the loss, and straight
 // back through the LM head, f and the norm. Adds the token losses to the tally; x leaves
 // holding d(loss)/d(head input).
-void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale) {
+// The head's forward up to the logits (st.logits); returns f(final norm output), the LM head's input.
+Tensor Model::head_logits(ForwardState& st, const Tensor& x) {
   const int64_t Nr = x.size(0), N = int64_t(st.B) * st.S;
   st.xf = x;
   st.rstdf = Tensor::empty({Nr}, DType::F32, dev, Tag::Activations);
-  Tensor wn = fp32_weight(w_[normf_]);
   st.hf = act({Nr, cfg.dim});
-  rmsnorm_forward(st.hf, st.rstdf, st.xf, wn, cfg.norm_eps);
+  rmsnorm_forward(st.hf, st.rstdf, st.xf, fp32_weight(w_[normf_]), cfg.norm_eps);
   const Tensor h = tp->f_forward(st.hf);
   st.logits = act({N, int64_t(local_vocab)});
   linear_forward(st.logits, h, w_[head_]);
+  return h;
+}
+
+void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale) {
+  const int64_t Nr = x.size(0), N = int64_t(st.B) * st.S;
+  const Tensor h = head_logits(st, x);
+  Tensor wn = fp32_weight(w_[normf_]);
   Tensor losses = Tensor::empty({N}, DType::F32, dev, Tag::Workspace);
   loss->forward_backward(losses, st.logits, st.logits, st.targets, vocab_start, grad_scale);
   this->losses.add(losses);
@@ -529,6 +536,20 @@ void Model::unit_backward_weights(int u, ForwardState& st) {
                     st.deferred.end());
   unit_grads_ready(u);
   after_unit(u);
+}
+
+Tensor Model::forward_logits(const Tensor& inputs, int B) {
+  ForwardState st = begin_microbatch(inputs, inputs, B);
+  Tensor x;
+  for (int u = 0; u <= cfg.layers; u++) {
+    unit_forward(u, st, x, 0.f);
+    if (u > 0) st.layers[size_t(u - 1)].release();  // nothing runs backward
+  }
+  const int head = cfg.layers + 1;
+  before_unit(head);
+  head_logits(st, x);
+  after_unit(head);
+  return st.logits;
 }
 
 // The whole model on one rank, unit by unit, firing the hooks in the order the techniques rely

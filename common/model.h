@@ -332,6 +332,11 @@ class Model {
   void forward_backward(const Tensor& inputs, const Tensor& targets, int B, float grad_scale,
                           const Tensor& pos = Tensor());
 
+  // Forward only (evaluation, sampling): units 0..L, then the head's norm and LM head, firing
+  // before_unit/after_unit for each (ZeRO-3 gathers) and no gradient hook; every saved
+  // activation is dropped as soon as the next unit has run. Returns the logits [B*S, V_local].
+  Tensor forward_logits(const Tensor& inputs, int B);
+
   // dx [N, in] = dy @ W (or += when accumulate_dx); dW += dy^T @ x now, or queued when the
   // current backward defers weight gradients. What layers and MLP blocks call.
   void linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
@@ -352,6 +357,7 @@ class Model {
   void embed_forward(ForwardState& st, Tensor& x);
   void layer_forward(int layer, ForwardState& st, Tensor& x);
   Tensor layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos);
+  Tensor head_logits(ForwardState& st, const Tensor& x);
   void head_forward_backward(ForwardState& st, Tensor& x, float grad_scale);
   void layer_backward(int layer, ForwardState& st, Tensor& dx);
   void embed_backward(ForwardState& st, const Tensor& dx);

@@ -218,6 +218,11 @@ RunConfig parse_run_config(Args& a) {
   rc.min_lr = a.get_double("--min-lr", 0, "final learning rate of the cosine schedule");
   rc.seed = uint64_t(a.get_long("--seed", long(rc.seed), "initialisation and synthetic-data seed"));
   rc.data = a.get_str("--data", "", "training text (.txt, bytes) or llm.c shard (.bin); default: embedded synthetic");
+  rc.eval_every = a.get_long("--eval-every", 0, "held-out loss every N steps and at the end (0: none; holds out the "
+                             "data's last tenth unless --eval-data)");
+  rc.eval_batches = a.get_int("--eval-batches", rc.eval_batches, "--eval-every: batches of --batch windows per evaluation");
+  rc.eval_data = a.get_str("--eval-data", "", "--eval-every: held-out text or llm.c shard (e.g. prepare_data.py's "
+                           "val .bin) instead of the data's tail");
   std::string r = a.get_str("--recompute", "none", "activation recomputation: none | selective | full");
   if (r == "none") rc.recompute = Recompute::None;
   else if (r == "selective") rc.recompute = Recompute::Selective;
@@ -252,12 +257,16 @@ RunConfig parse_run_config(Args& a) {
   if (rc.log_every < 0) config_error("--log-every must be >= 0 (got %ld)", rc.log_every);
   if (rc.keep_last < 0) config_error("--keep-last must be >= 0 (got %d)", rc.keep_last);
   if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
+  if (rc.eval_every < 0) config_error("--eval-every must be >= 0 (got %ld)", rc.eval_every);
+  if (rc.eval_batches < 1) config_error("--eval-batches must be >= 1 (got %d)", rc.eval_batches);
+  if (!rc.eval_data.empty() && rc.eval_every == 0) config_error("--eval-data %s needs --eval-every N", rc.eval_data.c_str());
   if (rc.batch < 1 || rc.steps < 0 || rc.micro_batch < 0) config_error("--batch must be >= 1, --steps and --micro-batch >= 0");
   // Token positions (step·batch + i)·seq and trainer.json's tokens_seen are 64-bit.
   if (rc.steps > INT64_MAX / (int64_t(rc.batch) * m.seq))
     config_error("--steps %ld × --batch %d × --seq %d tokens overflow a 64-bit count", rc.steps, rc.batch, m.seq);
   if (rc.lr_schedule != "constant" && rc.lr_schedule != "cosine")
     config_error("--lr-schedule must be constant or cosine (got '%s')", rc.lr_schedule.c_str());
+  rc.without_steps = rc.eval_every > 0 || a.has("--sample");  // --sample: 01's flag, read after these
   if (!rc.resume_dir.empty()) {
     rc.resume_dir = resolve_checkpoint(rc.resume_dir);
     const std::string tj = rc.resume_dir + "/trainer.json";
@@ -426,21 +435,19 @@ void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, lo
 
 // ----- data --------------------------------------------------------------------------------------
 
+Tensor device_tokens(const std::vector<int32_t>& tokens, Device dev) {
+  Tensor h = Tensor::empty({int64_t(tokens.size())}, DType::I32, Device::CPU, Tag::Workspace);
+  memcpy(h.raw(), tokens.data(), tokens.size() * 4);
+  if (dev == Device::CPU) return h;
+  Tensor d = Tensor::empty(h.shape, DType::I32, dev, Tag::Workspace);
+  copy(d, h);
+  return d;
+}
+
 MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev) {
   std::vector<int32_t> in(size_t(nseq) * T), tg(size_t(nseq) * T);
   fill_batch(d, step, B, T, seq0, nseq, in.data(), tg.data());
-  MicroBatch mb;
-  for (auto [dst, src] : {std::pair<Tensor*, std::vector<int32_t>*>{&mb.inputs, &in}, {&mb.targets, &tg}}) {
-    Tensor h = Tensor::empty({int64_t(src->size())}, DType::I32, Device::CPU, Tag::Workspace);
-    memcpy(h.raw(), src->data(), src->size() * 4);
-    if (dev == Device::CPU) {
-      *dst = h;
-    } else {
-      *dst = Tensor::empty(h.shape, DType::I32, dev, Tag::Workspace);
-      copy(*dst, h);
-    }
-  }
-  return mb;
+  return {device_tokens(in, dev), device_tokens(tg, dev)};
 }
 
 void check_blas_setup() {
@@ -593,6 +600,14 @@ bool RunLog::line_due(long step, std::chrono::steady_clock::time_point now) cons
   return step == first_ || step + 1 == rc_.steps || step % every_ == 0;
 }
 
+// " | eval 2.345678" on the steps that evaluated.
+static std::string eval_field(double eval_loss) {
+  if (!std::isfinite(eval_loss)) return "";
+  char buf[32];
+  snprintf(buf, sizeof buf, " | eval %.6f", eval_loss);
+  return buf;
+}
+
 void RunLog::step(const StepRecord& r) {
   if (!rank0_) return;
   const auto now = std::chrono::steady_clock::now();
@@ -600,7 +615,7 @@ void RunLog::step(const StepRecord& r) {
     first_ = r.step;
     start_ = last_line_ = now - std::chrono::microseconds(std::llround(r.step_ms * 1e3));
   }
-  if (line_due(r.step, now)) {
+  if (line_due(r.step, now) || std::isfinite(r.eval_loss)) {  // an evaluation is always shown
     // The mean wall time per step of this run so far, saves and logging included.
     const double elapsed = std::chrono::duration<double>(now - start_).count();
     const long done = r.step + 1 - first_, left = rc_.steps - r.step - 1;
@@ -611,9 +626,9 @@ void RunLog::step(const StepRecord& r) {
     char rate[32];
     if (r.mfu > 0) snprintf(rate, sizeof rate, "MFU %5.2f%%", 100 * r.mfu);
     else snprintf(rate, sizeof rate, "%6.2f GFLOP/s", r.flops_per_s * 1e-9);
-    printf("step %*ld/%ld | loss %.6f | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s%s | %s\n",
-           width, r.step, rc_.steps, r.loss, r.lr, r.grad_norm, r.tokens_per_s, rate, r.step_ms,
-           human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
+    printf("step %*ld/%ld | loss %.6f%s | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s%s | %s\n",
+           width, r.step, rc_.steps, r.loss, eval_field(r.eval_loss).c_str(), r.lr, r.grad_norm, r.tokens_per_s, rate,
+           r.step_ms, human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
     fflush(stdout);
     last_line_ = now;
   }
@@ -621,6 +636,7 @@ void RunLog::step(const StepRecord& r) {
     Json j = Json::object();
     j["step"] = r.step;
     j["loss"] = r.loss;
+    if (std::isfinite(r.eval_loss)) j["eval_loss"] = r.eval_loss;
     j["lr"] = r.lr;
     j["grad_norm"] = r.grad_norm;
     j["tokens_per_s"] = r.tokens_per_s;
@@ -695,6 +711,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   comm_init(&argc, &argv);
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
+  rc.program = argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "";
   own(args, rc, mc);
   args.finish();
   rc.flags = args.effective();
@@ -724,6 +741,13 @@ void Program::open() {
     log().line("mesh: %d ranks = dp %d x pp %d x cp %d x tp %d; %s tensors travel by %s", mesh.world, mc.dp, mc.pp,
                mc.cp, mc.tp, device_name(dev), mesh.world_comm().transport(dev));
   data = open_data(rc, dev, log());
+  if (rc.eval_every > 0) {
+    const int64_t windows = int64_t(rc.eval_batches) * rc.batch;
+    held_out = split_held_out(data, rc.eval_data, rc.model.vocab, windows, rc.model.seq);
+    log().line("held out: %s; %lld evaluation windows of %d (--eval-batches %d × --batch %d) every %ld steps and at "
+               "the end", held_out.description.c_str(), (long long)windows, rc.model.seq, rc.eval_batches, rc.batch,
+               rc.eval_every);
+  }
 }
 
 void print_model(RunLog& log, const ModelConfig& m) {
@@ -780,7 +804,41 @@ void print_memory(RunLog& log, Device dev, long step, const char* when) {
            b(Tag::Params).c_str(), b(Tag::Grads).c_str(), b(Tag::Optimizer).c_str(), b(Tag::Activations).c_str());
 }
 
+bool show_step_memory(Model& model, RunLog& log, const RunConfig& rc, long step) {
+  const bool show = step < 2 && !rc.quiet;
+  model.after_forward.clear();
+  if (show) model.after_forward.add([&log, &model, step] { print_memory(log, model.dev, step, "after forward"); });
+  return show;
+}
+
+double held_out_loss(Model& model, const TokenData& held_out, const RunConfig& rc, int seq0, int nseq,
+                     const std::vector<MPI_Comm>& token_groups) {
+  const int T = rc.model.seq, mb = rc.micro_batch;
+  LossTally sum;  // read once at the end, as the training loss is read once per step
+  // Evaluation batch k reads the windows training step k would read, in the held-out tokens.
+  for (long k = 0; k < rc.eval_batches; k++)
+    for (int s0 = 0; s0 < nseq; s0 += mb) {
+      MicroBatch b = make_microbatch(held_out, k, rc.batch, T, seq0 + s0, mb, model.dev);
+      Tensor logits = model.forward_logits(b.inputs, mb);
+      Tensor losses = Tensor::empty({int64_t(mb) * T}, DType::F32, model.dev, Tag::Workspace);
+      // grad_scale 0: the loss function's gradient output is zeros, written over the logits.
+      model.loss->forward_backward(losses, logits, logits, b.targets, model.vocab_start, 0.f);
+      sum.add(losses);
+    }
+  return global_mean_loss(sum.take(), double(rc.eval_batches) * rc.batch * T, token_groups);
+}
+
+// Without an evaluation pass a technique refuses the flag rather than ignoring it: its checkpoint
+// holds the whole model, which 01 evaluates.
+static void check_eval_available(const RunConfig& rc, const Loop& loop) {
+  if (rc.eval_every == 0 || loop.eval) return;
+  config_error("--eval-every is not available in %s: it has no evaluation pass (01, 02 and 03 have one); save with "
+               "--save DIR and evaluate its checkpoint with 01_single_gpu --resume DIR --steps <the checkpoint's step> "
+               "--eval-every 1 (and the same --preset and --data)", rc.program.c_str());
+}
+
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop) {
+  check_eval_available(rc, loop);
   // tokens/s is the whole job's (the global batch per step) and the peak is one device's: MFU is
   // per device, so the job's FLOP rate is measured against the peak of all its devices.
   int world = 1;
@@ -792,7 +850,8 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   if (!rc.trace.empty()) Trace::get().enable();
   ProfileScope::reset();
   catch_stop_signals();
-  long done = first, saved = -1;
+  long done = first, saved = -1, evaluated = -1;
+  double last_eval = NAN;
   int stop = 0;
   for (long step = first; step < rc.steps && !stop; step++) {
     set_current_step(step);
@@ -803,10 +862,13 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     if (!std::isfinite(r.loss)) fatal("loss is %f at step %ld: the run diverged (try a lower --lr)", r.loss, step);
     tps.push_back(tokens / secs);
     last_loss = r.loss;
+    done = step + 1;
+    // After the update, outside the step's time: the loss of the weights this step produced.
+    const bool eval_due = rc.eval_every > 0 && (done % rc.eval_every == 0 || done == rc.steps);
+    if (eval_due) last_eval = loop.eval(), evaluated = done;
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
               peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak,
-              r.extra, r.note, flops_per_token(rc.model) * tokens / secs});
-    done = step + 1;
+              r.extra, r.note, flops_per_token(rc.model) * tokens / secs, eval_due ? last_eval : NAN});
     if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
       loop.save(done);
       saved = done;
@@ -814,6 +876,11 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     stop = agreed_stop_signal();
   }
   set_current_step(-1);
+  // No step ran (a --resume at its own step: evaluating a checkpoint), or a signal stopped the run.
+  if (rc.eval_every > 0 && evaluated != done) {
+    last_eval = loop.eval();
+    log.line("eval loss %.6f after step %ld (held-out data)", last_eval, done);
+  }
   if (!rc.save_dir.empty() && saved != done) loop.save(done);
   const char* stop_name = stop == SIGINT ? "SIGINT" : "SIGTERM";
   if (stop) {
@@ -829,11 +896,14 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   summary["steps_done"] = done;
   if (stop) summary["stopped_by"] = stop_name;
   summary["loss_floor"] = data.entropy_floor;
+  if (rc.eval_every > 0) summary["eval_loss"] = last_eval;
   if (!tps.empty()) {
     std::sort(tps.begin(), tps.end());
     summary["tokens_per_s_median"] = tps[tps.size() / 2];
-    log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)", tps[tps.size() / 2], tps.size(),
-             last_loss, data.entropy_floor);
+    char eval[48] = "";
+    if (rc.eval_every > 0) snprintf(eval, sizeof eval, "; eval loss %.4f", last_eval);
+    log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
+             last_loss, data.entropy_floor, eval);
   }
   if (loop.extra) loop.extra(summary);
   log.summary(summary);

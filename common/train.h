@@ -62,6 +62,13 @@ struct RunConfig {
   double min_lr = 0;
   uint64_t seed = 1337;
   std::string data;  // "" = embedded synthetic source
+  // The held-out loss every eval_every steps and at the end (0: none, and no data held out), over
+  // eval_batches batches of `batch` windows of eval_data, or of the data's tail when "".
+  long eval_every = 0;
+  int eval_batches = 4;
+  std::string eval_data;
+  std::string program;  // the binary's name, for messages
+  bool without_steps = false;  // evaluating or sampling: --resume may run no step (--steps = its step)
   Recompute recompute = Recompute::None;
   std::string log_json, trace, save_dir, resume_dir;
   long save_every = 0;
@@ -138,6 +145,8 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
 struct MicroBatch {
   Tensor inputs, targets;  // int32 [nseq * seq]
 };
+// int32 token ids on `dev`.
+Tensor device_tokens(const std::vector<int32_t>& tokens, Device dev);
 // Global sequences [seq0, seq0 + nseq) of step `step` (the data order of notes/00), on `dev`.
 MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev);
 
@@ -173,6 +182,7 @@ struct StepRecord {
   Json extra;        // merged into the JSON record
   std::string note;  // appended to the printed line
   double flops_per_s = 0;  // the job's model FLOP/s (6N + 12·L·h·s per token): the line without a peak
+  double eval_loss = NAN;  // the held-out loss after this step's update, on the --eval-every steps
 };
 double peak_tflops_for(Device dev, DType dt, double override_tflops);
 std::string device_description(Device dev);
@@ -209,10 +219,12 @@ class Program {
   Device dev = Device::CPU;
   Mesh mesh;
   TokenData data;
+  TokenData held_out;  // with --eval-every: the evaluation windows' tokens (see split_held_out)
   RunLog& log() { return *log_; }
   // --dry-run: calls print (the technique's predictions) and returns true: main returns 0.
   bool dry_run(const std::function<void()>& print);
-  // The device, the mesh (validated against the world before any collective), the data.
+  // The device, the mesh (validated against the world before any collective), the data and,
+  // with --eval-every, the held-out data.
   void open();
 
  private:
@@ -236,6 +248,17 @@ long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t
 Tensor weights_f32(const Tensor& weights, const AdamW& opt);
 // Prints the current bytes per category (the first-step anomaly lines).
 void print_memory(RunLog& log, Device dev, long step, const char* when);
+// The first two steps (not under --quiet) print their memory after each forward (armed here on
+// model.after_forward), after backward and after the optimizer: the optimizer states appear
+// only at the first update. Returns whether `step` prints; the caller prints the last two lines.
+bool show_step_memory(Model& model, RunLog& log, const RunConfig& rc, long step);
+
+// The held-out loss: the mean token loss over rc.eval_batches batches of rc.batch windows of
+// `held_out`, forward only (no gradient or optimizer state is touched). This rank evaluates
+// sequences [seq0, seq0 + nseq) of each batch in micro-batches of rc.micro_batch, as it trains;
+// the sums add up over `token_groups`, as global_mean_loss does for the training loss.
+double held_out_loss(Model& model, const TokenData& held_out, const RunConfig& rc, int seq0, int nseq,
+                     const std::vector<MPI_Comm>& token_groups);
 
 struct StepResult {
   double loss, grad_norm;
@@ -247,11 +270,14 @@ struct Loop {
   std::function<void(long next_step)> save;             // write a checkpoint (collective)
   std::function<Json(long steps_run)> comm;             // the summary's "comm" object
   std::function<void(Json&)> extra;                     // anything else for the summary
+  // The held-out loss of the current weights (collective; see held_out_loss). A technique that
+  // sets none refuses --eval-every.
+  std::function<double()> eval;
   MemoryPrediction predicted;
 };
 // Runs steps [first, rc.steps): timing, the step log (loss, lr, grad norm, tokens/s, MFU, peak
-// memory), NaN/inf detection, periodic and final checkpoints, then the summary with the memory
-// table. Collective: every rank calls it.
+// memory), NaN/inf detection, the held-out loss every --eval-every steps and at the end, periodic
+// and final checkpoints, then the summary with the memory table. Collective: every rank calls it.
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop);
 
 // The summary's "comm" object for one group: per op, calls, wire bytes and payload bytes per step

@@ -1,6 +1,6 @@
 #!/usr/bin/python3
 """Draws what --log-json files recorded: the loss curves of several runs on one plot with the
-data's loss floor, each run's memory per category measured next to predicted, and throughput.
+data's loss floor (and the held-out loss of runs with --eval-every, as dots on their curve's colour), each run's memory per category measured next to predicted, and throughput.
 
   /usr/bin/python3 scripts/plot.py RUN.jsonl [RUN.jsonl ...] [-o runs.png] [--labels a,b,...]
 
@@ -55,13 +55,17 @@ def main():
     for k, (label, steps, summary) in enumerate(runs):
         ax_loss.plot([s["step"] for s in steps], [s["loss"] for s in steps], label=label, color=f"C{k}",
                      linewidth=max(0.8, 2.4 - 0.6 * k), linestyle="-" if k == 0 else (0, (4, 2 + k)))
+        evals = [s for s in steps if s.get("eval_loss") is not None]
+        if evals:
+            ax_loss.plot([s["step"] for s in evals], [s["eval_loss"] for s in evals], label=f"{label} eval (held out)",
+                         color=f"C{k}", marker="o", markersize=4, linestyle=":", linewidth=1)
         if summary.get("loss_floor") is not None:
             floors.add(round(summary["loss_floor"], 6))
     for f in sorted(floors):
         ax_loss.axhline(f, color="black", linestyle=":", linewidth=1)
         ax_loss.annotate(f"loss floor {f:.4f}", (0.99, f), xycoords=("axes fraction", "data"), ha="right",
                          va="bottom", fontsize=8)
-    ax_loss.set(title="training loss", xlabel="step", ylabel="loss (nats/token)")
+    ax_loss.set(title="loss", xlabel="step", ylabel="loss (nats/token)")
     ax_loss.legend(fontsize=8)
 
     # Memory: per category, two bars per run side by side: measured (solid), predicted (hatched;
@@ -90,7 +94,8 @@ def main():
 
     fig.tight_layout()
     fig.savefig(args.output, dpi=80)
-    print(f"wrote {args.output}")
+    evals = ", ".join(f"{label} {sum('eval_loss' in s for s in steps)}" for label, steps, _ in runs)
+    print(f"wrote {args.output}; eval points: {evals}")
 
 
 if __name__ == "__main__":

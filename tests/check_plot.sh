@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # scripts/plot.py draws real logs: 01 and 02 (dp 2) at the same global batch, overlaid, into a PNG
-# of the size it asks for (16 × 4.8 in at 80 dpi = 1280 × 384 px).
+# of the size it asks for (16 × 4.8 in at 80 dpi = 1280 × 384 px), with 01's held-out loss
+# (--eval-every 3 over 6 steps: after steps 2 and 5) as dots.
 set -eu
 BUILD=${BUILD:-build}
 d=$(mktemp -d); trap 'rm -rf "$d"' EXIT
 args="--preset tiny --steps 6 --batch 8 --quiet --device cpu"
-"$BUILD/01_single_gpu" $args --log-json "$d/01.jsonl" >/dev/null
+"$BUILD/01_single_gpu" $args --eval-every 3 --log-json "$d/01.jsonl" >/dev/null
 mpirun -np 2 "$BUILD/02_data_parallel" $args --dp 2 --log-json "$d/02.jsonl" >/dev/null
-/usr/bin/python3 scripts/plot.py "$d/01.jsonl" "$d/02.jsonl" --labels 01,02 -o "$d/runs.png"
+out=$(/usr/bin/python3 scripts/plot.py "$d/01.jsonl" "$d/02.jsonl" --labels 01,02 -o "$d/runs.png")
+echo "$out"
+[ "$out" = "wrote $d/runs.png; eval points: 01 2, 02 0" ] || { echo "expected 2 eval points for 01, none for 02"; exit 1; }
 /usr/bin/python3 - "$d/runs.png" <<'PY'
 import struct, sys
 data = open(sys.argv[1], "rb").read()

@@ -104,7 +104,8 @@ TEST_CASE("data: a text file gives its bytes", "[data]") {
   CHECK(d.description == p + ": " + std::to_string(text.size()) + " bytes");
   CHECK(std::isnan(d.entropy_floor));
   // A byte the model's vocabulary cannot hold is an error at its position (0xc3 = 195 fits).
-  CHECK(load_error(p, 200) == p + ": token 255 at position 15 is outside the model's vocabulary of 200");
+  CHECK(load_error(p, 200) ==
+        p + " holds token 255 ≥ --vocab 200: pass --vocab 256 or more (the first token out of range is at position 15)");
 }
 
 TEST_CASE("data: an llm.c shard loads", "[data]") {
@@ -118,8 +119,9 @@ TEST_CASE("data: an llm.c shard loads", "[data]") {
   for (size_t k = 0; k < toks.size(); k++) CHECK(d.tokens[k] == toks[k]);
   CHECK(d.vocab == *std::max_element(toks.begin(), toks.end()) + 1);
   CHECK(d.description == p + ": llm.c shard, 300 tokens");
-  CHECK_THAT(load_error(p, 256), Contains(p + ": token "));
-  CHECK_THAT(load_error(p, 256), Contains("outside the model's vocabulary of 256"));
+  const int max_id = *std::max_element(toks.begin(), toks.end());
+  CHECK_THAT(load_error(p, 256), Contains(p + " holds token " + std::to_string(max_id) + " ≥ --vocab 256: pass --vocab " +
+                                          std::to_string(max_id + 1) + " or more"));
 }
 
 TEST_CASE("data: bad files give messages naming the file and the problem", "[data]") {
@@ -163,8 +165,7 @@ TEST_CASE("data: the synthetic source is deterministic per seed and stays in byt
   // More tokens when one window needs more; a model vocabulary below 'z' + 1 cannot hold them.
   CHECK(int64_t(load_data_or_throw("", 256, 1, kSyntheticTokens + 5).tokens.size()) == kSyntheticTokens + 5);
   CHECK(std::all_of(a.tokens.begin(), a.tokens.end(), [](int32_t t) { return t == '\n' || (t >= ' ' && t <= 'z'); }));
-  CHECK_THAT(load_error("", 100), Contains("synthetic data: token "));
-  CHECK_THAT(load_error("", 100), Contains("outside the model's vocabulary of 100"));
+  CHECK_THAT(load_error("", 100), Contains("synthetic data holds token 122 ≥ --vocab 100: pass --vocab 123 or more"));
   // A prefix does not depend on the length asked for.
   std::vector<int32_t> s = synthetic_tokens(1234, 1000);
   CHECK(std::equal(s.begin(), s.end(), a.tokens.begin()));
