@@ -368,7 +368,6 @@ TEST_CASE("the loss tally sums micro-batches in order, once per step", "[01]") {
   CHECK(want > 3 * 37);  // the fixture's values are all above 1
 }
 
-#ifdef TS_CUDA
 TEST_CASE("cuda twin: the loss tally reads GPU losses at take, equal to the CPU's", "[cuda]") {
   if (!cuda_available()) {
     WARN("no GPU visible: CUDA twin not run");
@@ -379,4 +378,3 @@ TEST_CASE("cuda twin: the loss tally reads GPU losses at take, equal to the CPU'
   for (const Tensor& l : tally_losses(Device::CUDA)) gpu.add(l);
   CHECK(gpu.take() == cpu.take());
 }
-#endif
