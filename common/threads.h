@@ -18,13 +18,18 @@ struct ThreadChoice {
   int blas_threads = 1;  // OpenBLAS threads per rank (sgemm)
   int cores = 1;         // cores this node's ranks may run on
   int local_ranks = 1;   // ranks of the job on this node
-  std::string source;    // "--threads", "OMP_NUM_THREADS" or "" (chosen from the cores)
+  std::string source;    // "--threads", "OMP_NUM_THREADS", "small micro-batch" or "" (from the cores)
+  int64_t microbatch_tokens = 0, dim = 0;
 };
 // Collective over MPI_COMM_WORLD. OpenMP: requested > 0 (--threads) wins, then OMP_NUM_THREADS,
-// else max(1, cores / local ranks). OpenBLAS: OPENBLAS_NUM_THREADS, else 1 — its sgemm splits the
-// inner dimension into blocks that depend on its thread count, so more threads change the sums'
-// rounding, while the CPU kernels give the same bits at any thread count.
-ThreadChoice setup_threads(int requested);
+// else max(1, cores / local ranks), or 1 when a micro-batch's residual stream (tokens × dim) has
+// fewer than kThreadedElements elements: each parallel region then holds a few microseconds of
+// work, less than waking a sleeping thread costs (measured: tiny's 256 × 64 runs 2× faster on one
+// thread than on two, 2048 × 64 10% slower). OpenBLAS: OPENBLAS_NUM_THREADS, else 1 — its sgemm splits the inner dimension into
+// blocks that depend on its thread count, so more threads change the sums' rounding, while the
+// CPU kernels give the same bits at any thread count.
+constexpr int64_t kThreadedElements = 131072;
+ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim);
 // "2 per rank (4 cores, 2 ranks on this node); OpenBLAS 1", plus where an explicit count came
 // from and whether it oversubscribes the cores.
 std::string describe(const ThreadChoice& t);

@@ -765,7 +765,7 @@ void print_model(RunLog& log, const ModelConfig& m) {
 // ----- the shared loop ---------------------------------------------------------------------------
 
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log) {
-  const ThreadChoice threads = setup_threads(rc.threads);
+  const ThreadChoice threads = setup_threads(rc.threads, int64_t(rc.micro_batch) * rc.model.seq, rc.model.dim);
   log.line("threads: %s", describe(threads).c_str());
   if (dev == Device::CPU) check_blas_setup();
   TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);

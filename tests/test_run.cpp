@@ -22,7 +22,7 @@ struct ThreadLine {
 ThreadLine thread_line(const std::string& out) {
   std::smatch m;
   ThreadLine t;
-  static const std::regex re(R"(threads: (\d+) per rank \((?:([A-Za-z_-]+); )?(\d+) cores, (\d+) ranks? on this node\))");
+  static const std::regex re(R"(threads: (\d+) per rank \((?:([^;()]+); )?(\d+) cores, (\d+) ranks? on this node\))");
   if (std::regex_search(out, m, re)) t = {std::stoi(m[1]), std::stoi(m[3]), std::stoi(m[4]), m[2]};
   return t;
 }
@@ -39,7 +39,8 @@ TEST_CASE("threads: without OMP_NUM_THREADS each rank takes its share of the nod
   for (int np : {1, 2}) {
     const std::string bin = np == 1 ? "01_single_gpu" : "02_data_parallel";
     const std::string dp = np == 1 ? "" : " --dp " + std::to_string(np);
-    tst::Result r = tst::run_bin(bin, kTiny + "--steps 0" + dp, np, 120, tst::kOwnThreads);
+    // A micro-batch of 8 × 256 or 4 × 256 tokens of dim 128: enough work for every core to share.
+    tst::Result r = tst::run_bin(bin, kTiny + "--seq 256 --dim 128 --steps 0" + dp, np, 120, tst::kOwnThreads);
     INFO(r.output);
     REQUIRE(r.status == 0);
     ThreadLine t = thread_line(r.output);
@@ -49,6 +50,20 @@ TEST_CASE("threads: without OMP_NUM_THREADS each rank takes its share of the nod
     CHECK(t.cores <= affinity_cores());
     CHECK(t.threads == std::max(1, t.cores / np));
   }
+}
+
+TEST_CASE("threads: a micro-batch too small to share runs on one thread, unless told otherwise", "[run][threads]") {
+  // tiny's micro-batch of 8 × 32 = 256 tokens of dim 64: waking a second thread costs more than
+  // its share.
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, tst::kOwnThreads);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  ThreadLine t = thread_line(r.output);
+  CHECK(t.threads == 1);
+  if (affinity_cores() > 1) CHECK(t.source == "a micro-batch of 256 tokens × dim 64 is too small to share");
+  tst::Result flag = tst::run_bin("01_single_gpu", kTiny + "--steps 0 --threads 2", 1, 120, tst::kOwnThreads);
+  INFO(flag.output);
+  CHECK(thread_line(flag.output).threads == 2);
 }
 
 TEST_CASE("threads: OMP_NUM_THREADS is honoured and --threads overrides it", "[run][threads]") {
