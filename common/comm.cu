@@ -190,6 +190,17 @@ static void forget_in_flight() {
   g_in_flight.clear();
 }
 
+// One communicator's operations, when it is released: each has ended once its event has.
+static void forget_in_flight(ncclComm_t comm) {
+  auto mine = [comm](const InFlight& f) { return f.comm == comm; };
+  for (const InFlight& f : g_in_flight)
+    if (mine(f)) {
+      cudaEventSynchronize(f.done);
+      cudaEventDestroy(f.done);
+    }
+  g_in_flight.erase(std::remove_if(g_in_flight.begin(), g_in_flight.end(), mine), g_in_flight.end());
+}
+
 // The compute stream waits for the event; the buffers may go back to the allocator now, because
 // whatever reuses them is queued on the compute stream after this wait.
 bool NcclPending::hand_to_stream() {
@@ -374,7 +385,7 @@ Comm::Comm(std::string name, MPI_Comm comm, void* nccl) : name_(std::move(name))
     cudaStream_t s;
     CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     stream_ = s;
-    set_stream_watch({watch_in_flight, forget_in_flight});
+    set_stream_watch({watch_in_flight, [] { forget_in_flight(); }});
   }
 #endif
   g_live.push_back(this);
@@ -387,6 +398,7 @@ Comm::~Comm() {
 
 void Comm::release() {
 #ifdef TS_CUDA
+  if (nccl_) forget_in_flight(static_cast<ncclComm_t>(nccl_));  // the watch must not ask a freed communicator
   if (nccl_) ncclCommDestroy(static_cast<ncclComm_t>(nccl_));
   if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
   nccl_ = stream_ = nullptr;
