@@ -456,8 +456,14 @@ inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, s
              human_bytes(c.mem_total).c_str(), c.tokens_per_s_gpu, 100 * c.mfu,
              1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp + c.t_ep), 100 * c.bubble);
   }
+  if (all.empty()) {  // every factorisation broke a divisibility rule of 02–07
+    log.line("no valid mesh on %d GPUs: dp must divide the %d sequences of a step, pp the %d layers, tp the %d heads "
+             "and %d kv heads, cp the %d tokens of a sequence (in 2·cp chunks); change --gpus or --global-batch-tokens",
+             cl.gpus, rc.batch, rc.model.layers, rc.model.heads, rc.model.kv_heads, rc.model.seq);
+    return;
+  }
   if (shown == 0) {
-    double least = all.empty() ? 0 : all.front().mem_total;
+    double least = all.front().mem_total;
     for (const Candidate& c : all) least = std::min(least, c.mem_total);
     log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(least).c_str());
     return;

@@ -210,6 +210,12 @@ TEST_CASE("--plan: when no mesh fits, the smallest candidate's memory is named",
   const std::string least = after(all.output, "no mesh fits: the smallest needs ");
   CHECK(!least.empty());
   CHECK(least == after(one.output, "memory per GPU ").substr(0, least.size()));
+  // 384 = 2^7 · 3 GPUs and 256 sequences: the factor 3 fits no dimension of this model.
+  tst::Result none = tst::run_bin("08_5d_mesh", "--plan --preset 3b --gpus 384 --seq 4096 --global-batch-tokens 1048576", 1, 60);
+  INFO(none.output);
+  CHECK(none.status == 0);
+  CHECK(none.output.find("no valid mesh on 384 GPUs: dp must divide the 256 sequences of a step, pp the 28 layers") !=
+        std::string::npos);
 }
 
 TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[08][errors]") {
