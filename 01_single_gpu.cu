@@ -111,10 +111,9 @@ static std::vector<int32_t> generate(Model& model, std::vector<int32_t> context,
   for (int i = 0; i < n; i++) {
     const size_t S = std::min(context.size(), size_t(model.cfg.seq));
     const std::vector<int32_t> window(context.end() - long(S), context.end());
-    const Tensor logits = model.forward_logits(device_tokens(window, model.dev), 1);
-    const std::vector<float> all = to_host_f32(logits);
-    const std::vector<float> last(all.end() - model.cfg.vocab, all.end());
-    const int32_t b = next_byte(last, temperature, key, uint64_t(i));
+    const Tensor logits = model.forward_logits(from_host_i32(window, model.dev), 1);
+    const int64_t V = model.cfg.vocab;  // only the last position's row comes to the host
+    const int32_t b = next_byte(to_host_f32(logits.view((int64_t(S) - 1) * V, {V})), temperature, key, uint64_t(i));
     out.push_back(b);
     context.push_back(b);
   }

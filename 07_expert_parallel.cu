@@ -97,12 +97,12 @@ class ExpertParallelMoe : public MoeBlock {
     Tensor recv = rows(m, xc.grouped.size(), Tag::Workspace);
     dispatch(recv, x, xc, "dispatch");
     Tensor xr = rows(m, xc.grouped.size(), Tag::Activations);
-    moe_gather(xr, recv, index(xc.grouped, m.dev), Tensor());
+    moe_gather(xr, recv, from_host_i32(xc.grouped, m.dev), Tensor());
     a.mlp_state[kIn] = xr;
     Tensor outr = rows(m, xr.size(0), Tag::Workspace);
     run_experts(m, l, ep_.rank() * per_, xc.local_counts, xr, outr, a);
     Tensor back = rows(m, xr.size(0), Tag::Workspace);
-    moe_gather(back, outr, index(xc.ungrouped, m.dev), Tensor());
+    moe_gather(back, outr, from_host_i32(xc.ungrouped, m.dev), Tensor());
     Tensor out = rows(m, x.size(0), Tag::Activations);
     combine(out, back, xc, "combine");
     return out;
@@ -117,9 +117,9 @@ class ExpertParallelMoe : public MoeBlock {
     const int64_t R = int64_t(xc.grouped.size());
     Tensor recv = rows(m, R, Tag::Workspace), dr = rows(m, R, Tag::Workspace), dxr = rows(m, R, Tag::Workspace);
     dispatch(recv, dout, xc, "dispatch backward");
-    moe_gather(dr, recv, index(xc.grouped, m.dev), Tensor());
+    moe_gather(dr, recv, from_host_i32(xc.grouped, m.dev), Tensor());
     run_experts_backward(m, l, ep_.rank() * per_, xc.local_counts, a.mlp_state[kIn], dr, dxr, a);
-    moe_gather(recv, dxr, index(xc.ungrouped, m.dev), Tensor());
+    moe_gather(recv, dxr, from_host_i32(xc.ungrouped, m.dev), Tensor());
     combine(dx, recv, xc, "combine backward");
   }
 
@@ -129,14 +129,6 @@ class ExpertParallelMoe : public MoeBlock {
  private:
   Tensor rows(const Model& m, size_t n, Tag tag) const {
     return Tensor::empty({int64_t(n), m.cfg.dim}, m.dtype, m.dev, tag);
-  }
-  static Tensor index(const std::vector<int32_t>& v, Device dev) {
-    Tensor h = Tensor::empty({int64_t(v.size())}, DType::I32, Device::CPU, Tag::Workspace);
-    std::copy(v.begin(), v.end(), h.i32());
-    if (dev == Device::CPU) return h;
-    Tensor d = Tensor::empty(h.shape, DType::I32, dev, Tag::Workspace);
-    copy(d, h);
-    return d;
   }
   std::vector<int64_t> elems(const std::vector<int64_t>& r, int64_t D) const {
     std::vector<int64_t> v;

@@ -375,6 +375,14 @@ void from_host_f32(const Tensor& t, const float* src) {
   if (t.device() != Device::CPU) copy(t, h);
 }
 
+Tensor from_host_i32(const std::vector<int32_t>& v, Device dev, Tag tag) {
+  Tensor t = Tensor::empty({int64_t(v.size())}, DType::I32, dev, tag);
+  Tensor h = dev == Device::CPU ? t : Tensor::empty(t.shape, DType::I32, Device::CPU, Tag::Workspace);
+  std::copy(v.begin(), v.end(), h.i32());
+  if (dev != Device::CPU) copy(t, h);
+  return t;
+}
+
 #ifdef TS_CUDA
 cudaStream_t compute_stream() {
   static cudaStream_t s = [] {

@@ -190,6 +190,8 @@ void zero(const Tensor& t);
 // Host copies for tests and I/O (converting bf16 to float).
 std::vector<float> to_host_f32(const Tensor& t);
 void from_host_f32(const Tensor& t, const float* src);  // converts to t's dtype
+// A new int32 tensor on `dev` holding v (token ids, index lists), counted as `tag`.
+Tensor from_host_i32(const std::vector<int32_t>& v, Device dev, Tag tag = Tag::Workspace);
 
 #ifdef TS_CUDA
 // The compute stream and cuBLAS handle every CUDA kernel uses.

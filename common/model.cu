@@ -352,9 +352,9 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos
   Tensor out = act({Nr, cfg.dim});
   {
     Tensor y2 = work({N, cfg.dim});
-    const bool split = mlp->split_over_tp();
-    mlp->forward(*this, l, y2, split ? tp->f_forward(a.h2) : a.h2, a);
-    add(out, a.x_mid, split ? tp->g_forward(y2) : y2);
+    TpOps& fg = mlp_tp();
+    mlp->forward(*this, l, y2, fg.f_forward(a.h2), a);
+    add(out, a.x_mid, fg.g_forward(y2));
   }
   return out;
 }
@@ -432,9 +432,9 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
   Tensor tmp = work({Nr, cfg.dim});
   {
     Tensor dh2 = work({N, cfg.dim});
-    const bool split = mlp->split_over_tp();
-    mlp->backward(*this, l, dh2, split ? tp->g_backward(dx) : dx, split ? tp->f_forward(a.h2) : a.h2, a);
-    rmsnorm_backward(tmp, g_[L.ln2], split ? tp->f_backward(dh2) : dh2, a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
+    TpOps& fg = mlp_tp();
+    mlp->backward(*this, l, dh2, fg.g_backward(dx), fg.f_forward(a.h2), a);
+    rmsnorm_backward(tmp, g_[L.ln2], fg.f_backward(dh2), a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
     add_inplace(dx, tmp);  // dx := d x_mid (residual path + norm path)
   }
   a.h2 = a.g = a.u = a.act = a.x_mid = a.rstd2 = Tensor();

@@ -352,6 +352,11 @@ class Model {
   std::vector<Tensor> w_, g_;
   std::vector<DeferredGrad>* defer_ = nullptr;  // where linear_backward queues dW while deferring
   int defer_unit_ = -1;                         // the unit whose weight gradients are being queued
+  // The f and g around the MLP block: tp's, or the identity for a block replicated over tp.
+  TpOps& mlp_tp() {
+    static TpOps identity;
+    return mlp->split_over_tp() ? *tp : identity;
+  }
   Tensor act(std::vector<int64_t> shape) const { return Tensor::empty(shape, dtype, dev, Tag::Activations); }
   Tensor work(std::vector<int64_t> shape) const { return Tensor::empty(shape, dtype, dev, Tag::Workspace); }
   void embed_forward(ForwardState& st, Tensor& x);

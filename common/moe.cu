@@ -300,13 +300,6 @@ MoeBlock::MoeBlock(const Model& m) {
   stats.reset(m.cfg.layers, m.cfg.experts);
 }
 
-static Tensor device_i32(const std::vector<int32_t>& v, Device dev, Tag tag) {
-  Tensor t = Tensor::empty({int64_t(v.size())}, DType::I32, dev, tag);
-  Tensor h = dev == Device::CPU ? t : Tensor::empty(t.shape, DType::I32, Device::CPU, Tag::Workspace);
-  std::copy(v.begin(), v.end(), h.i32());
-  if (dev != Device::CPU) copy(t, h);
-  return t;
-}
 static Tensor device_f32(const std::vector<float>& v, Device dev, Tag tag) {
   Tensor t = Tensor::empty({int64_t(v.size())}, DType::F32, dev, tag);
   from_host_f32(t, v.data());
@@ -359,10 +352,10 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   std::vector<Tensor>& s = a.mlp_state;
   s[kProbs] = probs;
   s[kIdx] = idx;
-  s[kSrc] = device_i32(p.src, m.dev, Tag::Activations).reshape({N, K});
-  s[kPerm] = device_i32(p.perm, m.dev, Tag::Activations);
+  s[kSrc] = from_host_i32(p.src, m.dev, Tag::Activations).reshape({N, K});
+  s[kPerm] = from_host_i32(p.perm, m.dev, Tag::Activations);
   s[kWa] = device_f32(p.wa, m.dev, Tag::Activations);
-  s[kHostCounts] = device_i32(counts, Device::CPU, Tag::Workspace);
+  s[kHostCounts] = from_host_i32(counts, Device::CPU, Tag::Workspace);
   s[kHostAux] = device_f32(aux, Device::CPU, Tag::Workspace);
   Tensor x = Tensor::empty({M, D}, m.dtype, m.dev, keeps_input_ ? Tag::Activations : Tag::Workspace);
   moe_gather(x, h, s[kPerm], Tensor());

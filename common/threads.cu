@@ -44,8 +44,6 @@ static int env_threads(const char* name) {
 
 ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim) {
   ThreadChoice t;
-  t.microbatch_tokens = microbatch_tokens;
-  t.dim = dim;
   MPI_Comm node;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   MPI_Comm_size(node, &t.local_ranks);
@@ -70,7 +68,8 @@ ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim
     t.threads = std::max(1, std::min(own_cores, t.cores / t.local_ranks));
     if (t.threads > 1 && microbatch_tokens * dim < kThreadedElements) {
       t.threads = 1;
-      t.source = "small micro-batch";
+      t.source = "a micro-batch of " + std::to_string(microbatch_tokens) + " tokens × dim " + std::to_string(dim) +
+                 " is too small to share";
     }
   }
   t.blas_threads = std::max(1, env_threads("OPENBLAS_NUM_THREADS"));
@@ -81,12 +80,8 @@ ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim
 
 std::string describe(const ThreadChoice& t) {
   char buf[320];
-  std::string why = t.source;
-  if (why == "small micro-batch")  // --threads N overrides it, as it does every choice
-    why = "a micro-batch of " + std::to_string(t.microbatch_tokens) + " tokens × dim " + std::to_string(t.dim) +
-          " is too small to share";
   snprintf(buf, sizeof buf, "%d per rank (%s%d cores, %d rank%s on this node)", t.threads,
-           why.empty() ? "" : (why + "; ").c_str(), t.cores, t.local_ranks, t.local_ranks == 1 ? "" : "s");
+           t.source.empty() ? "" : (t.source + "; ").c_str(), t.cores, t.local_ranks, t.local_ranks == 1 ? "" : "s");
   std::string s = buf;
   // More ranks than cores is the launch's choice; more threads than a rank's share is this one's.
   const int busiest = std::max(t.threads, t.blas_threads);

@@ -18,8 +18,7 @@ struct ThreadChoice {
   int blas_threads = 1;  // OpenBLAS threads per rank (sgemm)
   int cores = 1;         // cores this node's ranks may run on
   int local_ranks = 1;   // ranks of the job on this node
-  std::string source;    // "--threads", "OMP_NUM_THREADS", "small micro-batch" or "" (from the cores)
-  int64_t microbatch_tokens = 0, dim = 0;
+  std::string source;    // "--threads", "OMP_NUM_THREADS", why a small micro-batch got 1, or "" (the cores)
 };
 // Collective over MPI_COMM_WORLD. OpenMP: requested > 0 (--threads) wins, then OMP_NUM_THREADS,
 // else max(1, cores / local ranks), or 1 when a micro-batch's residual stream (tokens × dim) has

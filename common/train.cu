@@ -435,19 +435,10 @@ void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, lo
 
 // ----- data --------------------------------------------------------------------------------------
 
-Tensor device_tokens(const std::vector<int32_t>& tokens, Device dev) {
-  Tensor h = Tensor::empty({int64_t(tokens.size())}, DType::I32, Device::CPU, Tag::Workspace);
-  memcpy(h.raw(), tokens.data(), tokens.size() * 4);
-  if (dev == Device::CPU) return h;
-  Tensor d = Tensor::empty(h.shape, DType::I32, dev, Tag::Workspace);
-  copy(d, h);
-  return d;
-}
-
 MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev) {
   std::vector<int32_t> in(size_t(nseq) * T), tg(size_t(nseq) * T);
   fill_batch(d, step, B, T, seq0, nseq, in.data(), tg.data());
-  return {device_tokens(in, dev), device_tokens(tg, dev)};
+  return {from_host_i32(in, dev), from_host_i32(tg, dev)};
 }
 
 void check_blas_setup() {

@@ -145,8 +145,6 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
 struct MicroBatch {
   Tensor inputs, targets;  // int32 [nseq * seq]
 };
-// int32 token ids on `dev`.
-Tensor device_tokens(const std::vector<int32_t>& tokens, Device dev);
 // Global sequences [seq0, seq0 + nseq) of step `step` (the data order of notes/00), on `dev`.
 MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev);
 
