@@ -590,7 +590,7 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
                           pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, mesh.pp_rank),
                           pipe.idle_us(), pipe.busy_us()};
   std::vector<double> all(size_t(6 * pl.p));
-  MPI_CHECK(MPI_Gather(mine, 6, MPI_DOUBLE, all.data(), 6, MPI_DOUBLE, 0, g.mpi()));
+  watched_gather(mine, 6, MPI_DOUBLE, all.data(), 0, g.mpi(), "gather (the stage report)");
   Json stages = Json::array();
   log.line("stage   activations measured / predicted      p2p sent per step measured / predicted   bubble measured");
   for (int s = 0; s < pl.p; s++) {

@@ -465,7 +465,7 @@ static Json work_report(RunLog& log, Mesh& mesh, const cp::AttentionWork& w, lon
   const int C = mesh.cfg.cp;
   const double n = double(std::max(1L, steps)), mine[2] = {w.blocks / n, w.pairs / n};
   std::vector<double> all(2 * size_t(C));
-  MPI_Allgather(mine, 2, MPI_DOUBLE, all.data(), 2, MPI_DOUBLE, mesh.cp().mpi());
+  watched_allgather(mine, 2, MPI_DOUBLE, all.data(), mesh.cp().mpi(), "all_gather (the attention work report)");
   Json blocks = Json::array(), pairs = Json::array(), pred = Json::array();
   for (int r = 0; r < C; r++) {
     const cp::AttentionWork p = cp::predict_work(rc, C, o, r);

@@ -153,7 +153,7 @@ void Args::finish() {
       printf("%s\n\nflags:\n", doc_.c_str());
       for (auto& h : help_) printf("%s\n", h.c_str());
     }
-    MPI_Finalize();
+    comm_finalize();
     exit(0);
   }
   for (size_t i = 0; i < args_.size(); i++)
@@ -702,13 +702,13 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   comm_init(&argc, &argv);
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
+  set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   rc.program = argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "";
   own(args, rc, mc);
   args.finish();
   rc.flags = args.effective();
   if (!rc.dry_run) check_launch(args, mc);
   resolve_batch(rc, mc.dp);
-  set_comm_timeout(rc.timeout);
   log_ = std::make_unique<RunLog>(rc, Device::CPU);
 }
 
