@@ -619,7 +619,7 @@ int main(int argc, char** argv) {
   std::string sched_name;
   bool chart = false;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)");
+    p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
     sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
     V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
     chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
