@@ -295,3 +295,87 @@ TEST_CASE("json: strings must be well-formed UTF-8", "[json]") {
     CHECK_THROWS_WITH(Json::parse(bad), Catch::Matchers::Contains("UTF-8"));
   }
 }
+
+// ----- every blocking collective is watched: start-up, metrics, reports, the trace -------------
+
+TEST_CASE("a rank stopped at start-up, in the MoE statistics or in an end-of-run report ends the job within --timeout",
+          "[fault]") {
+  struct Site {
+    std::string bin, args, stop_in, message;
+  };
+  const std::string trace = tst::scratch("stopped_trace.json");
+  const Site sites[] = {
+      // start-up: make_mesh's splits, setup_threads and check_memory_fits ask about the node
+      {"02_data_parallel", "--dp 2", "the mesh's 'dp' groups", "MPI_Comm_split (the mesh's 'dp' groups) on group 'world'"},
+      {"02_data_parallel", "--dp 2", "the threads per rank", "MPI_Comm_split_type (the threads per rank: the ranks on this node)"},
+      {"02_data_parallel", "--dp 2", "the memory check", "MPI_Comm_split_type (the memory check: the ranks on this node)"},
+      // every step of a mixture of experts
+      {"07_expert_parallel", "--dp 2 --ep 2 --experts 4", "the MoE statistics", "all_reduce (the MoE statistics) on group 'dp'"},
+      // after training: 05's stage report, 06's attention work report, the merged trace
+      {"05_pipeline_parallel", "--pp 2", "the stage report", "gather (the stage report) on group 'pp'"},
+      {"06_context_parallel", "--cp 2", "the attention work report", "all_gather (the attention work report) on group 'cp'"},
+      {"02_data_parallel", "--dp 2 --trace " + trace, "the trace's sizes", "gather (the trace's sizes) on group 'world'"},
+  };
+  for (const Site& s : sites) {
+    Timed t = timed(s.bin, kTiny + s.args + " --steps 2 --timeout 2", 2, 40, "TS_STOP_IN=\"" + s.stop_in + "\"");
+    INFO(s.bin << " stopped in " << s.stop_in << " (" << t.secs << " s)\n" << t.r.output);
+    CHECK(t.r.status != 0);
+    CHECK(t.r.status != 124);
+    CHECK(has(t.r.output, "TS_STOP_IN: rank 1 stops in"));
+    CHECK(has(t.r.output, "watchdog: rank 0 waited 2.0 s for " + s.message));
+    CHECK(t.secs < 2 + 8);  // the deadline, the abort, and two launches of a loaded machine
+  }
+}
+
+TEST_CASE("numbers out of range are one line and exit 2, from the command line and from --config", "[config]") {
+  tst::TempDir d;
+  tst::write_bytes(d.file("huge.json"), "{\"steps\": 1e400}");
+  tst::write_bytes(d.file("wrap.json"), "{\"tp\": 4294967298}");
+  struct Case {
+    int np;
+    std::string bin, args, message;
+  };
+  const Case cases[] = {
+      // integers that once wrapped modulo 2^32, and values past a type's end
+      {2, "04_tensor_parallel", "--tp 4294967298", "--tp expects an integer in [1, 65536], got '4294967298'"},
+      {2, "04_tensor_parallel", "--config " + d.file("wrap.json"), "--tp expects an integer in [1, 65536], got '4294967298'"},
+      {1, "01_single_gpu", "--dim 4294967360", "--dim expects an integer in [1, 131072], got '4294967360'"},
+      {1, "01_single_gpu", "--steps 1e19", "--steps expects an integer in [0, 9223372036854775807], got '1e19'"},
+      {1, "01_single_gpu", "--config " + d.file("huge.json"), "--steps expects an integer in [0, 9223372036854775807], got 'inf'"},
+      {1, "08_5d_mesh", "--plan --gpus 4294967298", "--gpus expects an integer in [-2147483648, 2147483647], got '4294967298'"},
+      // sizes that overflowed into one-element buckets, and a thread count that crashed libgomp
+      {2, "02_data_parallel", "--dp 2 --bucket-mb 1e300", "--bucket-mb expects a finite number in (0, 1048576], got '1e300'"},
+      {1, "02_data_parallel", "--bucket-mb inf", "--bucket-mb expects a finite number in (0, 1048576], got 'inf'"},
+      {1, "07_expert_parallel", "--bucket-mb nan", "--bucket-mb expects a finite number in (0, 1048576], got 'nan'"},
+      {1, "01_single_gpu", "--threads 100000", "--threads expects an integer in [0, 1024], got '100000'"},
+      // values once accepted silently
+      {1, "01_single_gpu", "--lr -1", "--lr expects a finite number in (0, 10], got '-1'"},
+      {1, "01_single_gpu", "--lr 0", "--lr expects a finite number in (0, 10], got '0'"},
+      {1, "01_single_gpu", "--lr nan", "--lr expects a finite number in (0, 10], got 'nan'"},
+      {1, "01_single_gpu", "--beta2 7", "--beta2 expects a finite number in [0, 1), got '7'"},
+      {1, "01_single_gpu", "--warmup-steps -5", "--warmup-steps expects an integer in [0, 9223372036854775807], got '-5'"},
+      {1, "01_single_gpu", "--save-every -1", "--save-every expects an integer in [0, 9223372036854775807], got '-1'"},
+      {1, "01_single_gpu", "--progress-seconds -1", "--progress-seconds expects a finite number in (0, 1000000], got '-1'"},
+      {1, "01_single_gpu", "--batch 0", "--batch expects an integer in [1, 16777216], got '0'"},
+      {1, "01_single_gpu", "--batch -8", "--batch expects an integer in [1, 16777216], got '-8'"},
+      {1, "03_zero", "--zero 3 --prefetch 7", "--prefetch expects an integer in [0, 1], got '7'"},
+      {1, "01_single_gpu", "--experts 4 --capacity-factor nan", "--capacity-factor expects a finite number, got 'nan'"},
+      {1, "06_context_parallel", "--cp-mode ulysses", "--cp-mode ulysses needs --cp 2 or more (got --cp 1)"},
+      // the watchdog's own deadline: a config line, not an error per rank with a source location
+      {2, "02_data_parallel", "--dp 2 --timeout 0", "--timeout expects a finite number in (0, 1000000], got '0'"},
+      {1, "02_data_parallel", "--timeout -5", "--timeout expects a finite number in (0, 1000000], got '-5'"},
+      {2, "02_data_parallel", "--dp 2 --timeout nan", "--timeout expects a finite number in (0, 1000000], got 'nan'"},
+      // a typo names the flag it was meant to be
+      {1, "01_single_gpu", "--step 3", "unknown flag --step; did you mean --steps? (see --help)"},
+      {2, "02_data_parallel", "--dp 2 --bukcet-mb 4", "unknown flag --bukcet-mb; did you mean --bucket-mb? (see --help)"},
+  };
+  for (const Case& c : cases) {
+    tst::Result r = tst::run_bin(c.bin, kTiny + c.args, c.np, 60);
+    INFO("mpirun -np " << c.np << " " << c.bin << " " << c.args << "\n" << r.output);
+    CHECK(r.status == 2);
+    CHECK(has(r.output, "error: " + c.message + "\n"));
+    size_t lines = 0;
+    for (size_t at = 0; (at = r.output.find("error", at)) != std::string::npos; at++) lines++;
+    CHECK(lines == 1);
+  }
+}
