@@ -127,7 +127,8 @@ static std::string range_text(long double lo, long double hi, const Range& r, bo
     else snprintf(b, sizeof b, "%.10Lg", v);
     return std::string(b);
   };
-  return std::string(r.lo_open ? " in (" : " in [") + num(lo) + ", " + num(hi) + (r.hi_open ? ")" : "]");
+  const bool lo_open = r.lo_open || std::isinf(lo), hi_open = r.hi_open || std::isinf(hi);  // no number is inf
+  return std::string(lo_open ? " in (" : " in [") + num(lo) + ", " + num(hi) + (hi_open ? ")" : "]");
 }
 
 // The one parser of numeric flags. Long double holds every 64-bit integer exactly, so a value one
@@ -257,7 +258,7 @@ RunConfig parse_run_config(Args& a) {
   rc.batch = a.get_int("--batch", rc.batch, "global batch: sequences per optimizer step", between(1, 1 << 24));
   rc.micro_batch = a.get_int("--micro-batch", 0, "sequences per forward pass (0 = whole local batch)", between(0, 1 << 24));
   rc.steps = a.get_long("--steps", rc.steps, "optimizer steps (0: save or evaluate the weights as they are)", at_least(0));
-  rc.lr = a.get_double("--lr", rc.lr, "peak learning rate", positive(10));
+  rc.lr = a.get_double("--lr", rc.lr, "peak learning rate", positive());
   rc.beta1 = a.get_double("--beta1", rc.beta1, "AdamW beta1", {0, 1, false, true});
   rc.beta2 = a.get_double("--beta2", rc.beta2, "AdamW beta2", {0, 1, false, true});
   rc.eps = a.get_double("--eps", rc.eps, "AdamW epsilon", positive(1));
@@ -265,7 +266,7 @@ RunConfig parse_run_config(Args& a) {
   rc.clip = a.get_double("--clip", rc.clip, "global gradient-norm clip (0 disables)", at_least(0));
   rc.lr_schedule = a.get_str("--lr-schedule", rc.lr_schedule, "constant | cosine");
   rc.warmup_steps = a.get_long("--warmup-steps", 0, "linear warm-up steps", at_least(0));
-  rc.min_lr = a.get_double("--min-lr", 0, "final learning rate of the cosine schedule", between(0, 10));
+  rc.min_lr = a.get_double("--min-lr", 0, "final learning rate of the cosine schedule", at_least(0));
   rc.seed = uint64_t(a.get_long("--seed", long(rc.seed), "initialisation and synthetic-data seed", at_least(0)));
   rc.data = a.get_str("--data", "", "training text (.txt, bytes) or llm.c shard (.bin); default: embedded synthetic");
   rc.eval_every = a.get_long("--eval-every", 0, "held-out loss every N steps and at the end (0: none; holds out the "
@@ -317,24 +318,20 @@ RunConfig parse_run_config(Args& a) {
   rc.without_steps = rc.eval_every > 0 || a.has("--sample");  // --sample: 01's flag, read after these
   if (!rc.resume_dir.empty()) {
     rc.resume_dir = resolve_checkpoint(rc.resume_dir);
-    const std::string tj = rc.resume_dir + "/trainer.json";
-    if (access(tj.c_str(), F_OK) == 0) {
-      Json trainer;
+    TrainerState t;
+    try {
+      t = read_trainer(rc.resume_dir);
+    } catch (const FormatError& e) {
+      config_error("checkpoint %s: %s", rc.resume_dir.c_str(), e.what());
+    }
+    if (t.present) {
       try {
-        trainer = Json::parse(read_text_file(tj));
-      } catch (const FormatError& e) {
-        config_error("checkpoint %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
-      }
-      long step = 0;
-      try {
-        const TrainerRecord rec = parse_trainer_record(trainer);
-        step = rec.step;
-        for (const std::string& n : resume_notes(rec, rc))
+        for (const std::string& n : resume_notes(t.rec, rc))
           if (world_rank() == 0) printf("resume: %s\n", n.c_str());
       } catch (const FormatError& e) {
         config_error("--resume %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
       }
-      check_resume_schedule(rc, trainer, step);
+      check_resume_schedule(rc, t.json, t.rec.step);
     }
   }
   return rc;
