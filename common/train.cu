@@ -285,7 +285,7 @@ RunConfig parse_run_config(Args& a) {
   rc.save_every = a.get_long("--save-every", 0, "checkpoint period in steps (0: only at the end)", at_least(0));
   rc.keep_last = a.get_int("--keep-last", 0, "keep the last N checkpoints as DIR/step_NNNNNN (0: DIR is one checkpoint, overwritten)",
                         at_least(0));
-  rc.resume_dir = a.get_str("--resume", "", "checkpoint to resume from: a checkpoint directory, or a --keep-last DIR (its newest step_)");
+  rc.resume_dir = a.get_str("--resume", "", "checkpoint to resume from: a checkpoint directory, or a --keep-last DIR (its newest intact step_)");
   rc.reschedule = a.get_bool("--reschedule", "resume even if this run's lr schedule differs from the checkpoint's");
   rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
   rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job", positive(1e6));
