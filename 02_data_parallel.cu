@@ -29,6 +29,11 @@ using namespace ts;
 
 // ----- the gradient reducer ---------------------------------------------------------------------------
 
+// --bucket-mb, in every program that reduces with a GradReducer: at most 1 TiB (a bucket that
+// size already holds every gradient of a 250B-parameter model; beyond it the element count
+// overflowed into one-element buckets).
+inline Range bucket_mb_range() { return positive(1 << 20); }
+
 // Averaging is exact and costs no extra pass: every rank scales its token losses by
 // 1/(global batch · seq) before backward, so a plain SUM all-reduce yields the mean gradient of
 // the global batch — the same number 01 computes, summed in a different order.
@@ -176,15 +181,14 @@ int main(int argc, char** argv) {
   std::string mode;
   double bucket_mb = 0;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
+    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
-    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)");
+    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)", dp::bucket_mb_range());
   });
   RunConfig& rc = prog.rc;
   const MeshConfig& mc = prog.mc;
   RunLog& log = prog.log();
   if (mode != "naive" && mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", mode.c_str());
-  if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
   auto print_plan = [&] {
     const MemoryPrediction p = dp::predict_memory(rc);
     print_model(log, rc.model);

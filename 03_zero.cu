@@ -337,9 +337,9 @@ int main(int argc, char** argv) {
   int stage = 1;
   bool prefetch = true;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
+    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
-    prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
+    prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
     if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
   });
   RunConfig& rc = prog.rc;

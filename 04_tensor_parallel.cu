@@ -231,7 +231,7 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
 int main(int argc, char** argv) {
   bool sp = false;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)");
+    mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)", degree_range());
     sp = args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
   });
   RunConfig& rc = prog.rc;

@@ -590,7 +590,7 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
                           pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, mesh.pp_rank),
                           pipe.idle_us(), pipe.busy_us()};
   std::vector<double> all(size_t(6 * pl.p));
-  MPI_CHECK(MPI_Gather(mine, 6, MPI_DOUBLE, all.data(), 6, MPI_DOUBLE, 0, g.mpi()));
+  watched_gather(mine, 6, MPI_DOUBLE, all.data(), 0, g.mpi(), "gather (the stage report)");
   Json stages = Json::array();
   log.line("stage   activations measured / predicted      p2p sent per step measured / predicted   bubble measured");
   for (int s = 0; s < pl.p; s++) {
@@ -619,7 +619,7 @@ int main(int argc, char** argv) {
   std::string sched_name;
   bool chart = false;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)");
+    p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
     sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
     V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
     chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");

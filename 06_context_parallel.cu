@@ -465,7 +465,7 @@ static Json work_report(RunLog& log, Mesh& mesh, const cp::AttentionWork& w, lon
   const int C = mesh.cfg.cp;
   const double n = double(std::max(1L, steps)), mine[2] = {w.blocks / n, w.pairs / n};
   std::vector<double> all(2 * size_t(C));
-  MPI_Allgather(mine, 2, MPI_DOUBLE, all.data(), 2, MPI_DOUBLE, mesh.cp().mpi());
+  watched_allgather(mine, 2, MPI_DOUBLE, all.data(), mesh.cp().mpi(), "all_gather (the attention work report)");
   Json blocks = Json::array(), pairs = Json::array(), pred = Json::array();
   for (int r = 0; r < C; r++) {
     const cp::AttentionWork p = cp::predict_work(rc, C, o, r);
@@ -487,17 +487,19 @@ int main(int argc, char** argv) {
   int zigzag = 1;
   double bucket_mb = 25;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)");
+    mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--cp-mode", "ring", "ring | ulysses");
     zigzag = args.get_int("--zigzag", 1, "1: rank i holds chunks i and 2cp-1-i of 2cp (balanced); 0: contiguous");
-    bucket_mb = args.get_double("--bucket-mb", 25, "gradient all-reduce bucket size in MiB");
+    bucket_mb = args.get_double("--bucket-mb", 25, "gradient all-reduce bucket size in MiB", dp::bucket_mb_range());
   });
   RunConfig& rc = prog.rc;
   const MeshConfig& mc = prog.mc;
   RunLog& log = prog.log();
   if (mode != "ring" && mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", mode.c_str());
   if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
-  if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
+  // Ulysses trades the sequence split for a head split over the cp ranks: at cp 1 it is ring's
+  // single rank under another name, and the run would report a technique it never used.
+  if (mode == "ulysses" && mc.cp == 1) config_error("--cp-mode ulysses needs --cp 2 or more (got --cp 1)");
   const cp::Options opt_cp{mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
   cp::validate(rc, mc.cp, opt_cp);
   if (prog.dry_run([&] { cp::print_plan(log, rc, mc.cp, opt_cp); })) return 0;

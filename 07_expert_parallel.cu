@@ -277,15 +277,15 @@ static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& dense, d
 int main(int argc, char** argv) {
   double bucket_mb = 0;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)");
-    mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks");
-    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB");
+    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
+    mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks",
+                         degree_range());
+    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB", dp::bucket_mb_range());
   });
   RunConfig& rc = prog.rc;
   const MeshConfig& mc = prog.mc;
   RunLog& log = prog.log();
   ep::validate(rc, mc);
-  if (bucket_mb <= 0) config_error("--bucket-mb must be positive");
   if (prog.dry_run([&] { ep::print_plan(log, rc, mc.dp, mc.ep); })) return 0;
   prog.open();  // validates world == dp before any collective
   Mesh& mesh = prog.mesh;

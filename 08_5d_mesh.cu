@@ -736,16 +736,17 @@ int main(int argc, char** argv) {
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
     const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq)");
     mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp") || a.has("--ep");
-    mc.dp = a.get_int("--dp", 1, "data-parallel degree");
-    mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)");
-    mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree");
-    mc.cp = a.get_int("--cp", 1, "context-parallel degree");
-    mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)");
+    mc.dp = a.get_int("--dp", 1, "data-parallel degree", degree_range());
+    mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)", degree_range());
+    mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree", degree_range());
+    mc.cp = a.get_int("--cp", 1, "context-parallel degree", degree_range());
+    mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)",
+                      degree_range());
     plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
     plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
-    plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
+    plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
     plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
-    plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB");
+    plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB", dp::bucket_mb_range());
     const std::string cp_mode = a.get_str("--cp-mode", "ring", "cp > 1: ring | ulysses");
     const int zigzag = a.get_int("--zigzag", 1, "cp > 1: 1 = zigzag chunks (balanced), 0 = contiguous");
     if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());

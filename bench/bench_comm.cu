@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
       for (int it = 0; it < iters; it++) run_op(c, op.name, full, part, other);
       device_sync(dev);
       double t = (now() - t0) / iters, tmax = 0;
-      MPI_CHECK(MPI_Allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD));
+      watched_allreduce(&t, &tmax, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD, "all_reduce (the slowest rank's time)");
       double size = double(count) * es, algbw = size / tmax / 1e9;
       if (mesh.rank == 0)
         printf("%-15s %12.0f %8d %12.1f %12.3f %12.3f\n", op.name, size, iters, tmax * 1e6, algbw, algbw * op.factor);

@@ -106,6 +106,20 @@ std::vector<std::pair<long, std::string>> step_checkpoints(const std::string& di
   return found;
 }
 
+// Why the checkpoint in dir is not whole, or "": its trainer.json (read_trainer), then each file
+// against its digest. Every rank checks alone, so every rank reaches the same verdict.
+static std::string checkpoint_problem(const std::string& dir) {
+  try {
+    const TrainerState t = read_trainer(dir);
+    if (!t.present) return "no trainer.json";
+    for (const auto& [name, digest] : t.rec.files)
+      if (file_digest(dir + "/" + name) != digest) return name + " does not match the digest trainer.json records";
+  } catch (const FormatError& e) {
+    return e.what();
+  }
+  return "";
+}
+
 std::string resolve_checkpoint(const std::string& dir) {
   if (!exists(dir)) config_error("--resume %s: no such checkpoint directory", dir.c_str());
   if (exists(dir + "/model.safetensors")) return dir;
@@ -113,7 +127,18 @@ std::string resolve_checkpoint(const std::string& dir) {
   if (steps.empty())
     config_error("--resume %s: neither a checkpoint (no model.safetensors) nor a directory of step_ checkpoints",
                  dir.c_str());
-  return steps.back().second;
+  // Newest first; a damaged one (a disk error, a hand edit) is passed over, saying so.
+  std::string passed;
+  for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+    const std::string problem = checkpoint_problem(it->second);
+    if (problem.empty()) {
+      if (!passed.empty() && world_rank() == 0)
+        printf("resume: %s; resuming from %s, the newest intact checkpoint\n", passed.c_str(), it->second.c_str());
+      return it->second;
+    }
+    passed += (passed.empty() ? "" : "; ") + it->second + " is damaged (" + problem + ")";
+  }
+  config_error("--resume %s: no intact step_ checkpoint: %s", dir.c_str(), passed.c_str());
 }
 
 static std::string strip_slashes(std::string dir) {
@@ -264,6 +289,7 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
       fatal("cannot read back %s: %s", at.c_str(), e.what());
     }
     tj["files"] = files;
+    tj["seal"] = trainer_seal(tj);  // last: it covers every member above
     write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
     fsync_dir(tmp);
     // Publish with one atomic step: exchange the new directory with the old one (or rename it
@@ -358,6 +384,38 @@ TrainerRecord parse_trainer_record(const Json& t) {
   return r;
 }
 
+std::string trainer_seal(const Json& trainer) {
+  Json body = Json::object();
+  for (auto& [k, v] : trainer.items())
+    if (k != "seal") body[k] = v;
+  return bytes_digest(body.dump(2));
+}
+
+TrainerState read_trainer(const std::string& dir) {
+  TrainerState t;
+  if (!exists(dir + "/trainer.json")) {
+    if (exists(dir + "/optimizer.safetensors"))
+      throw FormatError("optimizer.safetensors without trainer.json: a partial checkpoint (its step is unknown)");
+    return t;  // a plain HF model directory
+  }
+  t.present = true;
+  try {
+    t.json = Json::parse(read_file_or_throw(dir + "/trainer.json"));
+    t.rec = parse_trainer_record(t.json);
+    if (!t.json.contains("seal")) throw FormatError("no seal (every save writes one: the file was rewritten since)");
+    if (t.json.at("seal").as_string() != trainer_seal(t.json))
+      throw FormatError("does not match its seal (changed since the save)");
+  } catch (const FormatError& e) {
+    throw FormatError(std::string("trainer.json: ") + e.what());
+  }
+  for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.json"}) {
+    bool listed = false;
+    for (const auto& file : t.rec.files) listed |= file.first == f;
+    if (!listed && exists(dir + "/" + f)) throw FormatError(std::string(f) + " is not among the files trainer.json lists");
+  }
+  return t;
+}
+
 std::vector<std::string> resume_notes(const TrainerRecord& rec, const RunConfig& rc) {
   if (rec.step > rc.steps || (rec.step == rc.steps && !rc.without_steps))
     throw FormatError("the checkpoint is at step " + std::to_string(rec.step) + " and --steps is " +
@@ -427,17 +485,15 @@ CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, c
   check_config(dir, cfg);
   CheckpointInfo info;
   // A plain HF model directory has no trainer.json: it loads as the weights of step 0.
-  TrainerRecord rec;
+  TrainerState t;
   try {
-    if (exists(dir + "/trainer.json")) {
-      info.trainer = Json::parse(read_text_file(dir + "/trainer.json"));
-      rec = parse_trainer_record(info.trainer);
-      info.step = rec.step;
-    }
+    t = read_trainer(dir);
   } catch (const FormatError& e) {
-    config_error("checkpoint %s: trainer.json: %s", dir.c_str(), e.what());
+    config_error("checkpoint %s: %s", dir.c_str(), e.what());
   }
-  verify_digests(dir, rec.files);
+  info.trainer = t.json;
+  info.step = t.rec.step;
+  verify_digests(dir, t.rec.files);  // the seal, whole, before any tensor is read
   // Names, shapes and dtypes of every tensor, checked by every rank alike before any reads its part.
   auto check_tensors = [&](const SafetensorsReader& r, const char* file, const std::string& prefix) {
     for (const ParamEntry& p : table.entries) {

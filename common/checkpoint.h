@@ -11,8 +11,14 @@
 // Every rank writes the slices it owns at their global offsets, so a checkpoint does not depend
 // on the mesh that wrote it and resumes on another one. The files are written into a temporary
 // directory of this job's own (DIR.tmp.<pid>), synced, then swapped in with one rename: a crash
-// mid-save leaves the previous checkpoint intact. trainer.json records each file's digest; a save
-// whose weights or moments hold a NaN or an infinity is not published.
+// mid-save leaves the previous checkpoint intact. A save whose weights or moments hold a NaN or an
+// infinity is not published.
+//
+// A checkpoint is sealed: trainer.json lists every other file with its digest, and its "seal" is
+// the digest of trainer.json itself (all its members but the seal). Before any tensor is used, a
+// load checks the seal, that every checkpoint file present is listed, and every listed file's
+// digest: an edited step, a removed file list, a deleted or swapped file is refused, never
+// half-loaded.
 #pragma once
 #include <string>
 
@@ -46,10 +52,11 @@ struct CheckpointInfo {
 CheckpointInfo load_checkpoint(const std::string& dir, const ModelConfig& cfg, const ParamTable& table,
                                int64_t begin, int64_t end, const Tensor& weights, AdamW* opt);
 
-// The complete step_ checkpoints under dir (an unfinished save is still a .tmp), oldest first.
+// The published step_ checkpoints under dir (an unfinished save is still a .tmp), oldest first.
 std::vector<std::pair<long, std::string>> step_checkpoints(const std::string& dir);
-// What --resume DIR names: DIR itself when it is a checkpoint, else the newest complete step_
-// checkpoint under it; a config_error when there is neither.
+// What --resume DIR names: DIR itself when it is a checkpoint, else the newest intact step_
+// checkpoint under it (sealed, every file matching its digest), saying which newer ones it passed
+// over and why; a config_error when there is none.
 std::string resolve_checkpoint(const std::string& dir);
 
 // config.json for the HF LlamaConfig of this model.
@@ -70,6 +77,19 @@ struct TrainerRecord {
   std::vector<std::pair<std::string, std::string>> files;  // file name -> digest (file_digest)
 };
 TrainerRecord parse_trainer_record(const Json& trainer);
+// trainer.json's seal: the digest of its members other than "seal", as the save writes them.
+std::string trainer_seal(const Json& trainer);
+// trainer.json of the checkpoint in dir, read and checked (not the other files' digests):
+// FormatError when it cannot be read, holds impossible values (parse_trainer_record), does not
+// match its seal, or does not list a checkpoint file that is present. A directory without it is
+// a plain HF model (present = false: the weights of step 0), unless it holds optimizer state,
+// which without its step is a partial checkpoint (FormatError).
+struct TrainerState {
+  bool present = false;
+  Json json;
+  TrainerRecord rec;
+};
+TrainerState read_trainer(const std::string& dir);
 // This run against the record: FormatError for what cannot be right (no step left to run; another
 // synthetic source), and one note per deliberate change (batch, seq, dtype, data) saying what it means.
 std::vector<std::string> resume_notes(const TrainerRecord& rec, const RunConfig& rc);

@@ -3,11 +3,13 @@
 #include "comm.h"
 #include "threads.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <functional>
@@ -16,19 +18,72 @@ namespace ts {
 
 // ----- set-up ----------------------------------------------------------------------------------
 
-static double g_timeout = 300;
+// Read by the timer thread below as well as by the waiting thread.
+static std::atomic<double> g_timeout{300};
 void set_comm_timeout(double seconds) {
   TS_CHECK(seconds > 0, "--timeout must be positive (got %g)", seconds);
   g_timeout = seconds;
 }
 double comm_timeout() { return g_timeout; }
 
+// The watchdog's verdict, the same from a wait loop and from the timer thread.
+[[noreturn]] static void watchdog_abort(double waited, const std::string& what) {
+  const std::string at = current_step() >= 0 ? " at step " + std::to_string(current_step()) : "";
+  fatal("watchdog: rank %d waited %.1f s for %s%s; aborting every rank", world_rank(), waited, what.c_str(), at.c_str());
+}
+
+// ----- blocking calls under a timer thread -----------------------------------------------------
+// Every collective below is issued non-blocking and waited for in a loop that checks the
+// deadline. A few calls have no non-blocking form (MPI_Init, MPI_Comm_split, MPI_Finalize,
+// NCCL's rendezvous): while one runs, its label and start time sit here, and a timer thread that
+// wakes every 50 ms ends the job once it has run past the timeout. Plain C state, so the thread
+// may outlive main's static destructors.
+static pthread_mutex_t g_blocking_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_blocking_what[512];  // "" while no blocking call runs
+static double g_blocking_since = 0;
+
+static double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+static void* blocking_timer(void*) {
+  for (;;) {
+    usleep(50 * 1000);
+    pthread_mutex_lock(&g_blocking_mu);
+    const std::string what = g_blocking_what;
+    const double waited = what.empty() ? 0 : steady_seconds() - g_blocking_since;
+    pthread_mutex_unlock(&g_blocking_mu);
+    if (waited > g_timeout) watchdog_abort(waited, what);
+  }
+  return nullptr;
+}
+
+static void set_blocking(const std::string& what) {
+  static pthread_once_t started = PTHREAD_ONCE_INIT;
+  pthread_once(&started, [] {
+    pthread_t t;
+    if (pthread_create(&t, nullptr, blocking_timer, nullptr) == 0) pthread_detach(t);
+  });
+  pthread_mutex_lock(&g_blocking_mu);
+  snprintf(g_blocking_what, sizeof g_blocking_what, "%s", what.c_str());
+  g_blocking_since = steady_seconds();
+  pthread_mutex_unlock(&g_blocking_mu);
+}
+
+// Runs `call` with the timer armed for `what`.
+static void under_timer(const std::string& what, const std::function<void()>& call) {
+  set_blocking(what);
+  call();
+  set_blocking("");
+}
+
 void comm_init(int* argc, char*** argv) {
   int init = 0;
   MPI_Initialized(&init);
   if (init) return;
   prepare_process_env(*argv);
-  MPI_CHECK(MPI_Init(argc, argv));
+  // A rank that never arrives leaves the others in MPI_Init's rendezvous.
+  under_timer("MPI_Init (the job's start-up)", [&] { MPI_CHECK(MPI_Init(argc, argv)); });
 }
 
 // Every Comm not yet destroyed, in creation order. Tearing down an NCCL communicator waits for
@@ -37,11 +92,15 @@ void comm_init(int* argc, char*** argv) {
 static std::vector<Comm*> g_live;
 
 void comm_finalize() {
-  for (auto it = g_live.rbegin(); it != g_live.rend(); ++it) (*it)->release();
   int init = 0, fin = 0;
   MPI_Initialized(&init);
   MPI_Finalized(&fin);
-  if (init && !fin) MPI_Finalize();
+  if (!init || fin) return;
+  // NCCL's teardown and MPI_Finalize both wait for the other ranks.
+  under_timer("MPI_Finalize (the job's end)", [] {
+    for (auto it = g_live.rbegin(); it != g_live.rend(); ++it) (*it)->release();
+    MPI_Finalize();
+  });
 }
 
 // ----- bf16 on MPI: MPI has no bf16 type, so reductions are user-defined ops on 16-bit words ----
@@ -246,9 +305,7 @@ void Work::wait() {
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (waited > g_timeout) {
       p_->abort();
-      const std::string at = current_step() >= 0 ? " at step " + std::to_string(current_step()) : "";
-      fatal("watchdog: rank %d waited %.1f s for %s%s; aborting every rank", world_rank(), waited, p_->what.c_str(),
-            at.c_str());
+      watchdog_abort(waited, p_->what);
     }
     // Yield while the wait is short: with more ranks than cores the peer needs this core to
     // progress. Sleep once it is long, so a waiting rank stops competing for the CPU.
@@ -290,11 +347,16 @@ static void maybe_stop(const std::string& what) {
     }
 }
 
-static void watched(MPI_Comm comm, const std::string& what, const std::function<void(MPI_Request*)>& start) {
+// "<what> on group 'dp' (2 ranks)": the watchdog's name for an operation on `comm`.
+static std::string on_group(MPI_Comm comm, const std::string& what) {
   int n = 1;
   MPI_CHECK(MPI_Comm_size(comm, &n));
+  return what + " on group '" + group_name(comm) + "' (" + std::to_string(n) + " ranks)";
+}
+
+static void watched(MPI_Comm comm, const std::string& what, const std::function<void(MPI_Request*)>& start) {
   auto p = std::make_unique<MpiPending>();
-  p->what = what + " on group '" + group_name(comm) + "' (" + std::to_string(n) + " ranks)";
+  p->what = on_group(comm, what);
   maybe_stop(p->what);
   p->reqs.resize(1);
   start(&p->reqs[0]);
@@ -312,6 +374,43 @@ void watched_bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm c
 
 void watched_barrier(MPI_Comm comm, const std::string& what) {
   watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Ibarrier(comm, r)); });
+}
+
+void watched_allgather(const void* in, int count, MPI_Datatype type, void* out, MPI_Comm comm, const std::string& what) {
+  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Iallgather(in, count, type, out, count, type, comm, r)); });
+}
+
+void watched_gather(const void* in, int count, MPI_Datatype type, void* out, int root, MPI_Comm comm,
+                    const std::string& what) {
+  watched(comm, what,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Igather(in, count, type, out, count, type, root, comm, r)); });
+}
+
+void watched_gatherv(const void* in, int count, MPI_Datatype type, void* out, const int* counts, const int* displs,
+                     int root, MPI_Comm comm, const std::string& what) {
+  watched(comm, what, [&](MPI_Request* r) {
+    MPI_CHECK(MPI_Igatherv(in, count, type, out, counts, displs, type, root, comm, r));
+  });
+}
+
+void watched_blocking(MPI_Comm comm, const std::string& what, const std::function<void()>& call) {
+  const std::string label = on_group(comm, what);
+  maybe_stop(label);
+  under_timer(label, call);
+}
+
+MPI_Comm watched_split(MPI_Comm parent, int color, int key, const std::string& what) {
+  MPI_Comm c = MPI_COMM_NULL;
+  watched_blocking(parent, "MPI_Comm_split (" + what + ")", [&] { MPI_CHECK(MPI_Comm_split(parent, color, key, &c)); });
+  return c;
+}
+
+MPI_Comm node_comm(const std::string& what) {
+  MPI_Comm node = MPI_COMM_NULL;
+  watched_blocking(MPI_COMM_WORLD, "MPI_Comm_split_type (" + what + ": the ranks on this node)", [&] {
+    MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  });
+  return node;
 }
 
 std::string first_error(const std::string& err, MPI_Comm comm, const std::string& what) {

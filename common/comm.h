@@ -12,6 +12,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -147,7 +148,9 @@ class Comm {
   void* stream_ = nullptr;  // cudaStream_t: the group's communication stream
 };
 
-void comm_init(int* argc, char*** argv);  // MPI_Init unless already initialised
+// MPI_Init unless already initialised, under the watchdog's timer from its first instant (at the
+// default --timeout: the flags are read after it).
+void comm_init(int* argc, char*** argv);
 // Releases every live Comm (newest first), then MPI_Finalize unless already finalised: NCCL's
 // teardown waits for its peers, so it must run while every rank is still alive, and a Mesh held
 // by main outlives this call.
@@ -163,6 +166,19 @@ void watched_allreduce(const void* in, void* out, int count, MPI_Datatype type, 
                        const std::string& what);
 void watched_bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what);
 void watched_barrier(MPI_Comm comm, const std::string& what);
+void watched_allgather(const void* in, int count, MPI_Datatype type, void* out, MPI_Comm comm, const std::string& what);
+void watched_gather(const void* in, int count, MPI_Datatype type, void* out, int root, MPI_Comm comm,
+                    const std::string& what);
+void watched_gatherv(const void* in, int count, MPI_Datatype type, void* out, const int* counts, const int* displs,
+                     int root, MPI_Comm comm, const std::string& what);
+// A blocking call MPI (or NCCL) has no non-blocking form of: a communicator split, the rendezvous
+// of NCCL's communicators, MPI_Init and MPI_Finalize. A timer thread watches it with the same
+// deadline and ends the job the same way, naming `what` on `comm`'s group.
+void watched_blocking(MPI_Comm comm, const std::string& what, const std::function<void()>& call);
+// MPI_Comm_split of `parent`, watched (the mesh's groups).
+MPI_Comm watched_split(MPI_Comm parent, int color, int key, const std::string& what);
+// The ranks of this job on this rank's node (MPI_Comm_split_type, watched); the caller frees it.
+MPI_Comm node_comm(const std::string& what);
 // Collective over `comm`: "rank r: <its err>" for the lowest rank whose `err` is not empty, on
 // every rank, or "" when every err is empty. An error one rank finds is then reported by every
 // rank alike (config_error), instead of that rank leaving while the others wait for it.

@@ -1,5 +1,6 @@
 // core.cu — errors, the tagging allocator, tensors and copies.
 #include "core.h"
+#include "comm.h"
 
 #include <mpi.h>
 #include <unistd.h>
@@ -86,10 +87,7 @@ void config_error(const char* fmt, ...) {
     fprintf(stderr, "error: %s\n", msg);
     fflush(stderr);
   }
-  int init = 0, fin = 0;
-  MPI_Initialized(&init);
-  MPI_Finalized(&fin);
-  if (init && !fin) MPI_Finalize();
+  comm_finalize();  // every rank is here, so the watched finalisation completes
   exit(2);
 }
 

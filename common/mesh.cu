@@ -83,9 +83,8 @@ std::string mesh_config_problem(const MeshConfig& c, int world) {
 #ifdef TS_CUDA
 // This rank's index among the ranks on its node.
 static int local_rank() {
-  MPI_Comm node;
+  MPI_Comm node = node_comm("the GPU of each rank");
   int r = 0;
-  MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
   MPI_CHECK(MPI_Comm_rank(node, &r));
   MPI_CHECK(MPI_Comm_free(&node));
   return r;
@@ -110,7 +109,7 @@ static bool ranks_have_distinct_gpus(int world) {
   mine.mpi_only = env && env[0] == '0';
   // Fixed-size records, so one all-gather of bytes carries every rank's.
   std::vector<Gpu> all(world);
-  MPI_CHECK(MPI_Allgather(&mine, int(sizeof mine), MPI_BYTE, all.data(), int(sizeof mine), MPI_BYTE, MPI_COMM_WORLD));
+  watched_allgather(&mine, int(sizeof mine), MPI_BYTE, all.data(), MPI_COMM_WORLD, "all_gather (the GPU of each rank)");
   std::set<std::pair<std::string, std::string>> seen;
   for (const Gpu& g : all)
     if (g.mpi_only || !seen.insert({g.host, g.bus_id}).second) return false;
@@ -141,9 +140,10 @@ Mesh make_mesh(const MeshConfig& cfg, Device dev) {
       // The unique id is NCCL's rendezvous address: rank 0 makes it, MPI carries it to all.
       ncclUniqueId id;
       if (m.rank == 0) NCCL_CHECK(ncclGetUniqueId(&id));
-      MPI_CHECK(MPI_Bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD));
+      watched_bcast(&id, sizeof id, MPI_BYTE, 0, MPI_COMM_WORLD, "broadcast (NCCL's unique id)");
       ncclComm_t w;
-      NCCL_CHECK(ncclCommInitRank(&w, m.world, id, m.rank));
+      watched_blocking(MPI_COMM_WORLD, "ncclCommInitRank (the world's NCCL communicator)",
+                       [&] { NCCL_CHECK(ncclCommInitRank(&w, m.world, id, m.rank)); });
       nccl_world = w;
     }
   }
@@ -153,8 +153,7 @@ Mesh make_mesh(const MeshConfig& cfg, Device dev) {
     int key = 0;
     while (g[key] != m.rank) key++;
     // Groups partition the world, so their first member names them (the split colour).
-    MPI_Comm mc;
-    MPI_CHECK(MPI_Comm_split(MPI_COMM_WORLD, g[0], key, &mc));
+    MPI_Comm mc = watched_split(MPI_COMM_WORLD, g[0], key, std::string("the mesh's '") + axis_name(Axis(a)) + "' groups");
     void* nc = nullptr;
 #ifdef TS_CUDA
     if (nccl_world && Axis(a) == Axis::World) {
@@ -162,8 +161,10 @@ Mesh make_mesh(const MeshConfig& cfg, Device dev) {
     } else if (nccl_world) {
       // Every rank of the parent takes part in each split; groups of one get no communicator.
       ncclComm_t sub = nullptr;
-      NCCL_CHECK(ncclCommSplit(static_cast<ncclComm_t>(nccl_world), g.size() > 1 ? g[0] : NCCL_SPLIT_NOCOLOR, key,
-                               &sub, nullptr));
+      watched_blocking(MPI_COMM_WORLD, std::string("ncclCommSplit (the mesh's '") + axis_name(Axis(a)) + "' groups)", [&] {
+        NCCL_CHECK(ncclCommSplit(static_cast<ncclComm_t>(nccl_world), g.size() > 1 ? g[0] : NCCL_SPLIT_NOCOLOR, key,
+                                 &sub, nullptr));
+      });
       nc = sub;
     }
 #endif

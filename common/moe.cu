@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "comm.h"
 #include "trace.h"
 
 namespace ts {
@@ -477,8 +478,8 @@ void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token
   v.push_back(st.sequences);
   double aux = st.aux_sum;
   for (MPI_Comm c : token_groups) {
-    MPI_Allreduce(MPI_IN_PLACE, v.data(), int(v.size()), MPI_INT64_T, MPI_SUM, c);
-    MPI_Allreduce(MPI_IN_PLACE, &aux, 1, MPI_DOUBLE, MPI_SUM, c);
+    watched_allreduce(MPI_IN_PLACE, v.data(), int(v.size()), MPI_INT64_T, MPI_SUM, c, "all_reduce (the MoE statistics)");
+    watched_allreduce(MPI_IN_PLACE, &aux, 1, MPI_DOUBLE, MPI_SUM, c, "all_reduce (the MoE auxiliary loss)");
   }
   const size_t LE = st.counts.size();
   const int64_t seqs = v[LE + 2];

@@ -84,9 +84,8 @@ void check_output_paths(const RunConfig& rc) {
 
 // The number of ranks of this job on this rank's node.
 static int ranks_on_node() {
-  MPI_Comm node;
+  MPI_Comm node = node_comm("the memory check");
   int n = 1;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   MPI_Comm_size(node, &n);
   MPI_Comm_free(&node);
   return n;

@@ -463,6 +463,12 @@ struct Digest {
 };
 }  // namespace
 
+std::string bytes_digest(const std::string& bytes) {
+  Digest d;
+  d.add(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size());
+  return d.hex();
+}
+
 std::string file_digest(const std::string& path) {
   int fd = open_regular(path);
   if (fd < 0) throw FormatError(path + ": " + errno_str());

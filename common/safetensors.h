@@ -124,5 +124,7 @@ void fsync_dir(const std::string& path);
 // A 64-bit digest of a file's bytes as 16 hex digits (FormatError when it cannot be read). Not
 // cryptographic: it tells a checkpoint's file from one another save wrote, or a damaged copy.
 std::string file_digest(const std::string& path);
+// The same digest of bytes in memory.
+std::string bytes_digest(const std::string& bytes);
 
 }  // namespace ts

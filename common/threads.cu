@@ -13,6 +13,7 @@
 #include <fstream>
 #include <thread>
 
+#include "comm.h"
 #include "core.h"
 
 namespace ts {
@@ -44,15 +45,14 @@ static int env_threads(const char* name) {
 
 ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim) {
   ThreadChoice t;
-  MPI_Comm node;
-  MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  MPI_Comm node = node_comm("the threads per rank");
   MPI_Comm_size(node, &t.local_ranks);
   // The cores of the node's ranks are the union of their affinity masks: ranks bound to their own
   // cores by the launcher share nothing, unbound ranks share all of them.
   cpu_set_t own, all;
   CPU_ZERO(&own);
   const bool have_mask = sched_getaffinity(0, sizeof own, &own) == 0;
-  MPI_Allreduce(&own, &all, int(sizeof own), MPI_BYTE, MPI_BOR, node);
+  watched_allreduce(&own, &all, int(sizeof own), MPI_BYTE, MPI_BOR, node, "all_reduce (the node's cores)");
   MPI_Comm_free(&node);
   const int own_cores = have_mask ? CPU_COUNT(&own) : int(std::thread::hardware_concurrency());
   t.cores = have_mask ? CPU_COUNT(&all) : own_cores;

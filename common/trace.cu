@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <map>
 
+#include "comm.h"
 #include "core.h"
 
 namespace ts {
@@ -49,15 +50,15 @@ void Trace::write(const std::string& path) {
   for (const std::string& e : events_) mine += e + ",";
   int n = int(mine.size());
   std::vector<int> sizes(world), offs(world);
-  MPI_Gather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, 0, MPI_COMM_WORLD);
+  watched_gather(&n, 1, MPI_INT, sizes.data(), 0, MPI_COMM_WORLD, "gather (the trace's sizes)");
   std::string all;
   if (rank == 0) {
     int total = 0;
     for (int r = 0; r < world; r++) offs[r] = total, total += sizes[r];
     all.resize(size_t(total));
   }
-  MPI_Gatherv(mine.data(), n, MPI_CHAR, rank == 0 ? &all[0] : nullptr, sizes.data(), offs.data(), MPI_CHAR, 0,
-              MPI_COMM_WORLD);
+  watched_gatherv(mine.data(), n, MPI_CHAR, rank == 0 ? &all[0] : nullptr, sizes.data(), offs.data(), 0,
+                  MPI_COMM_WORLD, "gather (the trace's events)");
   if (rank != 0) return;
   if (!all.empty()) all.pop_back();  // the trailing comma
   FILE* f = fopen(path.c_str(), "w");

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <csignal>
 #include <cstdarg>
@@ -73,7 +74,9 @@ void Args::load_config() {
     } else if (v.is_string()) {
       from.push_back({flag, v.as_string()});
     } else if (v.is_number()) {
-      from.push_back({flag, v.dump()});
+      // JSON's 1e400 parses to inf, which dump() writes as null: the flag's parser names it instead.
+      const double d = v.as_double();
+      from.push_back({flag, std::isfinite(d) ? v.dump() : d > 0 ? "inf" : "-inf"});
     } else {
       config_error("--config %s: \"%s\" must be a string, a number or true/false", config_.c_str(), key.c_str());
     }
@@ -114,28 +117,49 @@ bool Args::declares(const std::string& flag) const {
   return std::find(declared_.begin(), declared_.end(), flag) != declared_.end();
 }
 
-static double parse_number(const std::string& flag, const char* s) {
+// " in [1, 2147483647]", " in (0, inf)": a range as the messages show it, "" for any number.
+static std::string range_text(long double lo, long double hi, const Range& r, bool integer) {
+  if (std::isinf(lo) && std::isinf(hi)) return "";
+  auto num = [integer](long double v) {
+    char b[48];
+    if (std::isinf(v)) snprintf(b, sizeof b, "%sinf", v < 0 ? "-" : "");
+    else if (integer) snprintf(b, sizeof b, "%.0Lf", v);
+    else snprintf(b, sizeof b, "%.10Lg", v);
+    return std::string(b);
+  };
+  const bool lo_open = r.lo_open || std::isinf(lo), hi_open = r.hi_open || std::isinf(hi);  // no number is inf
+  return std::string(lo_open ? " in (" : " in [") + num(lo) + ", " + num(hi) + (hi_open ? ")" : "]");
+}
+
+// The one parser of numeric flags. Long double holds every 64-bit integer exactly, so a value one
+// past a type's limit is refused instead of wrapping. [type_lo, type_hi]: what the type holds.
+static long double parse_number(const std::string& flag, const char* s, const Range& r, bool integer,
+                                long double type_lo, long double type_hi) {
+  const long double lo = std::max<long double>(r.lo, type_lo), hi = std::min<long double>(r.hi, type_hi);
   char* end = nullptr;
-  double v = strtod(s, &end);
-  if (end == s || *end) config_error("%s expects a number, got '%s'", flag.c_str(), s);
+  const long double v = strtold(s, &end);
+  const bool number = end != s && *end == 0 && std::isfinite(v);
+  const bool whole = !integer || v == std::floor(v);
+  const bool inside = (r.lo_open ? v > lo : v >= lo) && (r.hi_open ? v < hi : v <= hi);
+  if (!number || !whole || !inside)
+    config_error("%s expects %s%s, got '%s'", flag.c_str(), integer ? "an integer" : "a finite number",
+                 range_text(lo, hi, r, integer).c_str(), s);
   return v;
 }
 
-long Args::get_long(const std::string& flag, long def, const std::string& help) {
+long Args::get_long(const std::string& flag, long def, const std::string& help, Range r) {
   const char* v = take(flag, std::to_string(def), help, false);
-  if (!v) return def;
-  double d = parse_number(flag, v);
-  if (d != std::floor(d)) config_error("%s expects an integer, got '%s'", flag.c_str(), v);
-  return long(d);
+  return v ? long(parse_number(flag, v, r, true, LONG_MIN, LONG_MAX)) : def;
 }
-int Args::get_int(const std::string& flag, int def, const std::string& help) {
-  return int(get_long(flag, def, help));
+int Args::get_int(const std::string& flag, int def, const std::string& help, Range r) {
+  const char* v = take(flag, std::to_string(def), help, false);
+  return v ? int(parse_number(flag, v, r, true, INT_MIN, INT_MAX)) : def;
 }
-double Args::get_double(const std::string& flag, double def, const std::string& help) {
+double Args::get_double(const std::string& flag, double def, const std::string& help, Range r) {
   char buf[32];
   snprintf(buf, sizeof buf, "%g", def);
   const char* v = take(flag, buf, help, false);
-  return v ? parse_number(flag, v) : def;
+  return v ? double(parse_number(flag, v, r, false, -HUGE_VALL, HUGE_VALL)) : def;
 }
 std::string Args::get_str(const std::string& flag, const std::string& def, const std::string& help) {
   const char* v = take(flag, def.empty() ? "\"\"" : def, help, false);
@@ -147,19 +171,45 @@ bool Args::get_bool(const std::string& flag, const std::string& help) {
   return v != nullptr;
 }
 
+// Edits (insert, delete or replace one character) that turn a into b: Levenshtein's distance.
+static size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); j++) row[j] = j;
+  for (size_t i = 1; i <= a.size(); i++) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); j++) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// "; did you mean --steps?" when one declared flag is within a few edits of a typo, else "".
+static std::string nearest_flag(const std::string& typo, const std::vector<std::string>& declared) {
+  std::string best;
+  size_t best_d = std::max<size_t>(2, typo.size() / 4) + 1;  // farther than this is another word
+  for (const std::string& f : declared)
+    if (size_t d = edit_distance(typo, f); d < best_d) best = f, best_d = d;
+  return best.empty() ? "" : "; did you mean " + best + "?";
+}
+
 void Args::finish() {
   if (want_help_) {
     if (world_rank() == 0) {
       printf("%s\n\nflags:\n", doc_.c_str());
       for (auto& h : help_) printf("%s\n", h.c_str());
     }
-    MPI_Finalize();
+    comm_finalize();
     exit(0);
   }
   for (size_t i = 0; i < args_.size(); i++)
     if (!used_[i])
-      config_error("unknown flag %s%s (see --help)", args_[i].first.c_str(),
-                   i < from_config_ ? (" in --config " + config_).c_str() : "");
+      config_error("unknown flag %s%s%s (see --help)", args_[i].first.c_str(),
+                   i < from_config_ ? (" in --config " + config_).c_str() : "",
+                   nearest_flag(args_[i].first, declared_).c_str());
 }
 
 // ----- the run configuration -------------------------------------------------------------------
@@ -187,15 +237,16 @@ RunConfig parse_run_config(Args& a) {
   rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 3b | 8b | 70b (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (tiny, small, 124m, 1b, 8b)", rc.preset.c_str());
   ModelConfig& m = rc.model;
-  m.dim = a.get_int("--dim", m.dim, "hidden size h");
-  m.layers = a.get_int("--layers", m.layers, "decoder layers L");
-  m.heads = a.get_int("--heads", m.heads, "attention heads a");
-  m.kv_heads = a.get_int("--kv-heads", m.kv_heads, "key/value heads (GQA)");
-  m.ffn = a.get_int("--ffn", m.ffn, "SwiGLU intermediate size");
-  m.vocab = a.get_int("--vocab", m.vocab, "vocabulary size");
-  m.seq = a.get_int("--seq", m.seq, "sequence length s");
-  m.experts = a.get_int("--experts", 0, "mixture of experts: E SwiGLU experts of width --ffn per layer (0: dense MLP)");
-  m.top_k = a.get_int("--top-k", 2, "experts per token K (with --experts)");
+  m.dim = a.get_int("--dim", m.dim, "hidden size h", between(1, 1 << 17));
+  m.layers = a.get_int("--layers", m.layers, "decoder layers L", between(1, 4096));
+  m.heads = a.get_int("--heads", m.heads, "attention heads a", between(1, 4096));
+  m.kv_heads = a.get_int("--kv-heads", m.kv_heads, "key/value heads (GQA)", between(1, 4096));
+  m.ffn = a.get_int("--ffn", m.ffn, "SwiGLU intermediate size", between(1, 1 << 20));
+  m.vocab = a.get_int("--vocab", m.vocab, "vocabulary size", between(2, 1 << 24));
+  m.seq = a.get_int("--seq", m.seq, "sequence length s", between(1, 1 << 24));
+  m.experts = a.get_int("--experts", 0, "mixture of experts: E SwiGLU experts of width --ffn per layer (0: dense MLP)",
+                         {-HUGE_VAL, 1 << 16});
+  m.top_k = a.get_int("--top-k", 2, "experts per token K (with --experts)", {-HUGE_VAL, 1 << 16});
   m.aux_loss_coef = float(a.get_double("--aux-loss-coef", 0, "weight α of the load-balancing loss E·Σ f_e·P_e (with --experts)"));
   m.capacity_factor = float(a.get_double("--capacity-factor", 0, "tokens per expert and sequence: c·T·K/E (0: dropless)"));
   rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
@@ -204,19 +255,19 @@ RunConfig parse_run_config(Args& a) {
   else if (dt == "bf16") rc.dtype = DType::BF16;
   else config_error("--dtype must be fp32 or bf16 (got '%s')", dt.c_str());
   rc.master_weights = !a.get_bool("--no-master-weights", "bf16: update the bf16 weights directly (the playbook's failure)");
-  rc.batch = a.get_int("--batch", rc.batch, "global batch: sequences per optimizer step");
-  rc.micro_batch = a.get_int("--micro-batch", 0, "sequences per forward pass (0 = whole local batch)");
-  rc.steps = a.get_long("--steps", rc.steps, "optimizer steps");
-  rc.lr = a.get_double("--lr", rc.lr, "peak learning rate");
-  rc.beta1 = a.get_double("--beta1", rc.beta1, "AdamW beta1");
-  rc.beta2 = a.get_double("--beta2", rc.beta2, "AdamW beta2");
-  rc.eps = a.get_double("--eps", rc.eps, "AdamW epsilon");
-  rc.weight_decay = a.get_double("--weight-decay", rc.weight_decay, "decoupled weight decay (2-D weights only)");
-  rc.clip = a.get_double("--clip", rc.clip, "global gradient-norm clip (0 disables)");
+  rc.batch = a.get_int("--batch", rc.batch, "global batch: sequences per optimizer step", between(1, 1 << 24));
+  rc.micro_batch = a.get_int("--micro-batch", 0, "sequences per forward pass (0 = whole local batch)", between(0, 1 << 24));
+  rc.steps = a.get_long("--steps", rc.steps, "optimizer steps (0: save or evaluate the weights as they are)", at_least(0));
+  rc.lr = a.get_double("--lr", rc.lr, "peak learning rate", positive());
+  rc.beta1 = a.get_double("--beta1", rc.beta1, "AdamW beta1", {0, 1, false, true});
+  rc.beta2 = a.get_double("--beta2", rc.beta2, "AdamW beta2", {0, 1, false, true});
+  rc.eps = a.get_double("--eps", rc.eps, "AdamW epsilon", positive(1));
+  rc.weight_decay = a.get_double("--weight-decay", rc.weight_decay, "decoupled weight decay (2-D weights only)", at_least(0));
+  rc.clip = a.get_double("--clip", rc.clip, "global gradient-norm clip (0 disables)", at_least(0));
   rc.lr_schedule = a.get_str("--lr-schedule", rc.lr_schedule, "constant | cosine");
-  rc.warmup_steps = a.get_long("--warmup-steps", 0, "linear warm-up steps");
-  rc.min_lr = a.get_double("--min-lr", 0, "final learning rate of the cosine schedule");
-  rc.seed = uint64_t(a.get_long("--seed", long(rc.seed), "initialisation and synthetic-data seed"));
+  rc.warmup_steps = a.get_long("--warmup-steps", 0, "linear warm-up steps", at_least(0));
+  rc.min_lr = a.get_double("--min-lr", 0, "final learning rate of the cosine schedule", at_least(0));
+  rc.seed = uint64_t(a.get_long("--seed", long(rc.seed), "initialisation and synthetic-data seed", at_least(0)));
   rc.data = a.get_str("--data", "", "training text (.txt, bytes) or llm.c shard (.bin); default: embedded synthetic");
   rc.eval_every = a.get_long("--eval-every", 0, "held-out loss every N steps and at the end (0: none; holds out the "
                              "data's last tenth unless --eval-data)");
@@ -231,20 +282,22 @@ RunConfig parse_run_config(Args& a) {
   rc.log_json = a.get_str("--log-json", "", "write per-step JSON lines and a final summary here");
   rc.trace = a.get_str("--trace", "", "write a Chrome trace (Perfetto) here");
   rc.save_dir = a.get_str("--save", "", "checkpoint directory written at the end (and every --save-every steps)");
-  rc.save_every = a.get_long("--save-every", 0, "checkpoint period in steps (0: only at the end)");
-  rc.keep_last = a.get_int("--keep-last", 0, "keep the last N checkpoints as DIR/step_NNNNNN (0: DIR is one checkpoint, overwritten)");
-  rc.resume_dir = a.get_str("--resume", "", "checkpoint to resume from: a checkpoint directory, or a --keep-last DIR (its newest step_)");
+  rc.save_every = a.get_long("--save-every", 0, "checkpoint period in steps (0: only at the end)", at_least(0));
+  rc.keep_last = a.get_int("--keep-last", 0, "keep the last N checkpoints as DIR/step_NNNNNN (0: DIR is one checkpoint, overwritten)",
+                        at_least(0));
+  rc.resume_dir = a.get_str("--resume", "", "checkpoint to resume from: a checkpoint directory, or a --keep-last DIR (its newest intact step_)");
   rc.reschedule = a.get_bool("--reschedule", "resume even if this run's lr schedule differs from the checkpoint's");
   rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
-  rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job");
-  rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)");
+  rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job", positive(1e6));
+  rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)", at_least(0));
   rc.quiet = a.get_bool("--quiet", "no step lines, only a progress line every --progress-seconds");
-  rc.log_every = a.get_long("--log-every", 0, "print every N-th step (0: about 50 lines per run); the JSON log has every step");
-  rc.progress_seconds = a.get_double("--progress-seconds", rc.progress_seconds, "--quiet: seconds between progress lines");
-  rc.threads = a.get_int("--threads", 0, "CPU threads per rank (0: OMP_NUM_THREADS, else the node's cores / its ranks)");
+  rc.log_every = a.get_long("--log-every", 0, "print every N-th step (0: about 50 lines per run); the JSON log has every step",
+                            at_least(0));
+  rc.progress_seconds = a.get_double("--progress-seconds", rc.progress_seconds, "--quiet: seconds between progress lines", positive(1e6));
+  // More threads than cores only slow a rank down, and libgomp dies creating tens of thousands.
+  rc.threads = a.get_int("--threads", 0, "CPU threads per rank (0: OMP_NUM_THREADS, else the node's cores / its ranks)",
+                         between(0, 1024));
 
-  if (m.dim < 1 || m.layers < 1 || m.heads < 1 || m.kv_heads < 1 || m.ffn < 1 || m.vocab < 2 || m.seq < 1)
-    config_error("model dimensions must be positive");
   if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
   if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
   if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
@@ -254,13 +307,9 @@ RunConfig parse_run_config(Args& a) {
   if (m.capacity_factor < 0) config_error("--capacity-factor must be >= 0 (got %g)", double(m.capacity_factor));
   if (m.aux_loss_coef < 0) config_error("--aux-loss-coef must be >= 0 (got %g)", double(m.aux_loss_coef));
   if (m.experts == 0) m.top_k = 0;
-  if (rc.log_every < 0) config_error("--log-every must be >= 0 (got %ld)", rc.log_every);
-  if (rc.keep_last < 0) config_error("--keep-last must be >= 0 (got %d)", rc.keep_last);
-  if (rc.threads < 0) config_error("--threads must be >= 0 (got %d)", rc.threads);
   if (rc.eval_every < 0) config_error("--eval-every must be >= 0 (got %ld)", rc.eval_every);
   if (rc.eval_batches < 1) config_error("--eval-batches must be >= 1 (got %d)", rc.eval_batches);
   if (!rc.eval_data.empty() && rc.eval_every == 0) config_error("--eval-data %s needs --eval-every N", rc.eval_data.c_str());
-  if (rc.batch < 1 || rc.steps < 0 || rc.micro_batch < 0) config_error("--batch must be >= 1, --steps and --micro-batch >= 0");
   // Token positions (step·batch + i)·seq and trainer.json's tokens_seen are 64-bit.
   if (rc.steps > INT64_MAX / (int64_t(rc.batch) * m.seq))
     config_error("--steps %ld × --batch %d × --seq %d tokens overflow a 64-bit count", rc.steps, rc.batch, m.seq);
@@ -269,24 +318,20 @@ RunConfig parse_run_config(Args& a) {
   rc.without_steps = rc.eval_every > 0 || a.has("--sample");  // --sample: 01's flag, read after these
   if (!rc.resume_dir.empty()) {
     rc.resume_dir = resolve_checkpoint(rc.resume_dir);
-    const std::string tj = rc.resume_dir + "/trainer.json";
-    if (access(tj.c_str(), F_OK) == 0) {
-      Json trainer;
+    TrainerState t;
+    try {
+      t = read_trainer(rc.resume_dir);
+    } catch (const FormatError& e) {
+      config_error("checkpoint %s: %s", rc.resume_dir.c_str(), e.what());
+    }
+    if (t.present) {
       try {
-        trainer = Json::parse(read_text_file(tj));
-      } catch (const FormatError& e) {
-        config_error("checkpoint %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
-      }
-      long step = 0;
-      try {
-        const TrainerRecord rec = parse_trainer_record(trainer);
-        step = rec.step;
-        for (const std::string& n : resume_notes(rec, rc))
+        for (const std::string& n : resume_notes(t.rec, rc))
           if (world_rank() == 0) printf("resume: %s\n", n.c_str());
       } catch (const FormatError& e) {
         config_error("--resume %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
       }
-      check_resume_schedule(rc, trainer, step);
+      check_resume_schedule(rc, t.json, t.rec.step);
     }
   }
   return rc;
@@ -702,13 +747,13 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   comm_init(&argc, &argv);
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
+  set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   rc.program = argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "";
   own(args, rc, mc);
   args.finish();
   rc.flags = args.effective();
   if (!rc.dry_run) check_launch(args, mc);
   resolve_batch(rc, mc.dp);
-  set_comm_timeout(rc.timeout);
   log_ = std::make_unique<RunLog>(rc, Device::CPU);
 }
 

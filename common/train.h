@@ -3,6 +3,7 @@
 // predictions (the playbook's formulas for this model), the step log and the run summary.
 #pragma once
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <map>
 #include <string>
@@ -18,13 +19,30 @@ namespace ts {
 
 // ----- flags -------------------------------------------------------------------------------------
 // Flags are declared where they are read (get_*), so --help lists exactly what a binary accepts;
-// finish() rejects anything left over — an unknown flag is an error on every rank, never ignored.
+// finish() rejects anything left over — an unknown flag is an error on every rank, never ignored,
+// and names the declared flag nearest to it.
+
+// The values a numeric flag accepts: [lo, hi], an end excluded when it is open. Every number must
+// also be finite, and an integer flag's value a whole number its type holds (no wrap-around).
+struct Range {
+  double lo = -HUGE_VAL, hi = HUGE_VAL;
+  bool lo_open = false, hi_open = false;
+};
+// The common ones, named for what they mean.
+inline Range at_least(double lo) { return {lo, HUGE_VAL}; }
+inline Range positive(double hi = HUGE_VAL) { return {0, hi, true, false}; }
+inline Range between(double lo, double hi) { return {lo, hi}; }
+// A mesh degree (--dp, --tp, --pp, --cp, --ep): ranks in one group.
+inline Range degree_range() { return between(1, 1 << 16); }
+
 class Args {
  public:
   Args(int argc, char** argv, std::string program_doc);
-  int get_int(const std::string& flag, int def, const std::string& help);
-  long get_long(const std::string& flag, long def, const std::string& help);
-  double get_double(const std::string& flag, double def, const std::string& help);
+  // A value outside `r` (or not a number, or not finite) is a config_error naming the flag, the
+  // range and the value, whether it came from the command line or from --config.
+  int get_int(const std::string& flag, int def, const std::string& help, Range r = {});
+  long get_long(const std::string& flag, long def, const std::string& help, Range r = {});
+  double get_double(const std::string& flag, double def, const std::string& help, Range r = {});
   std::string get_str(const std::string& flag, const std::string& def, const std::string& help);
   bool get_bool(const std::string& flag, const std::string& help);  // a switch: present = true
   bool has(const std::string& flag) const;

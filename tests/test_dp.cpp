@@ -211,7 +211,7 @@ TEST_CASE("bad input: a clear message from rank 0, a non-zero exit, no hang", "[
       {2, "--dp 4 --batch 8", "needs 4 ranks but the job has 2"},
       {4, "--dp 2 --batch 8", "needs 2 ranks but the job has 4"},
       {2, "--dp 2 --dp-mode ring", "--dp-mode must be naive or bucketed (got 'ring')"},
-      {2, "--dp 2 --bucket-mb 0", "--bucket-mb must be positive"},
+      {2, "--dp 2 --bucket-mb 0", "--bucket-mb expects a finite number in (0, 1048576], got '0'"},
   });
 }
 

@@ -10,6 +10,8 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <fstream>
+#include <functional>
 #include <thread>
 
 #include "checkpoint.h"
@@ -22,6 +24,13 @@ namespace {
 const std::string kTiny = "--preset tiny --lr-schedule constant --quiet ";
 
 bool has(const std::string& s, const std::string& what) { return s.find(what) != std::string::npos; }
+
+// How many times the output says "error": a bad input gets one line.
+size_t error_lines(const std::string& out) {
+  size_t n = 0;
+  for (size_t at = 0; (at = out.find("error", at)) != std::string::npos; at++) n++;
+  return n;
+}
 
 struct Timed {
   tst::Result r;
@@ -53,6 +62,17 @@ void set_trainer(const std::string& dir, const std::string& key, const Json& val
   for (auto& [k, v] : t.items())
     if (k != key) out[k] = v;
   if (!value.is_null()) out[key] = value;
+  tst::write_bytes(dir + "/trainer.json", out.dump(2));
+}
+
+// What a tool that rewrites a checkpoint file and trainer.json consistently leaves: every listed
+// file's digest and the seal recomputed, so only the tensor checks stand between it and a run.
+void reseal(const std::string& dir) {
+  Json t = Json::parse(slurp(dir + "/trainer.json")), files = Json::object(), out = Json::object();
+  for (auto& [f, digest] : t.at("files").items()) files[f] = file_digest(dir + "/" + f);
+  for (auto& [k, v] : t.items())
+    if (k != "seal") out[k] = k == "files" ? files : v;
+  out["seal"] = trainer_seal(out);
   tst::write_bytes(dir + "/trainer.json", out.dump(2));
 }
 
@@ -106,9 +126,9 @@ TEST_CASE("an optimizer tensor only rank 1 reads: every rank ends at once with t
   tst::TempDir d;
   const std::string ck = d.file("ck");
   REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + ck).status == 0);
-  // lm_head is in the last ZeRO shard; without the digests only the tensor checks can see it.
-  set_trainer(ck, "files", Json());
+  // lm_head is in the last ZeRO shard; resealed, only the tensor checks can see it.
   patch(ck + "/optimizer.safetensors", "\"exp_avg_sq.lm_head.weight\"", "\"exp_avg_sq.lm_head.weighX\"");
+  reseal(ck);
   Timed t = timed("03_zero", kTiny + "--dp 2 --zero 1 --steps 4 --timeout 60 --resume " + ck, 2, 30);
   INFO(t.secs << " s\n" << t.r.output);
   CHECK(t.r.status != 0);
@@ -243,9 +263,9 @@ TEST_CASE("an optimizer tensor of the wrong shape but the same size is refused",
   tst::TempDir d;
   const std::string ck = d.file("ck");
   REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + ck).status == 0);
-  set_trainer(ck, "files", Json());
   patch(ck + "/optimizer.safetensors", "\"exp_avg.model.layers.0.mlp.gate_proj.weight\":{\"dtype\":\"F32\",\"shape\":[160,64]",
         "\"exp_avg.model.layers.0.mlp.gate_proj.weight\":{\"dtype\":\"F32\",\"shape\":[64,160]");
+  reseal(ck);
   tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 4 --resume " + ck, 1, 60);
   INFO(r.output);
   CHECK(r.status == 2);
@@ -294,4 +314,160 @@ TEST_CASE("json: strings must be well-formed UTF-8", "[json]") {
     INFO(bad);
     CHECK_THROWS_WITH(Json::parse(bad), Catch::Matchers::Contains("UTF-8"));
   }
+}
+
+// ----- every blocking collective is watched: start-up, metrics, reports, the trace -------------
+
+TEST_CASE("a rank stopped at start-up, in the MoE statistics or in an end-of-run report ends the job within --timeout",
+          "[fault]") {
+  struct Site {
+    std::string bin, args, stop_in, message;
+  };
+  const std::string trace = tst::scratch("stopped_trace.json");
+  const Site sites[] = {
+      // start-up: make_mesh's splits, setup_threads and check_memory_fits ask about the node
+      {"02_data_parallel", "--dp 2", "the mesh's 'dp' groups", "MPI_Comm_split (the mesh's 'dp' groups) on group 'world'"},
+      {"02_data_parallel", "--dp 2", "the threads per rank", "MPI_Comm_split_type (the threads per rank: the ranks on this node)"},
+      {"02_data_parallel", "--dp 2", "the memory check", "MPI_Comm_split_type (the memory check: the ranks on this node)"},
+      // every step of a mixture of experts
+      {"07_expert_parallel", "--dp 2 --ep 2 --experts 4", "the MoE statistics", "all_reduce (the MoE statistics) on group 'dp'"},
+      // after training: 05's stage report, 06's attention work report, the merged trace
+      {"05_pipeline_parallel", "--pp 2", "the stage report", "gather (the stage report) on group 'pp'"},
+      {"06_context_parallel", "--cp 2", "the attention work report", "all_gather (the attention work report) on group 'cp'"},
+      {"02_data_parallel", "--dp 2 --trace " + trace, "the trace's sizes", "gather (the trace's sizes) on group 'world'"},
+  };
+  for (const Site& s : sites) {
+    Timed t = timed(s.bin, kTiny + s.args + " --steps 2 --timeout 2", 2, 40, "TS_STOP_IN=\"" + s.stop_in + "\"");
+    INFO(s.bin << " stopped in " << s.stop_in << " (" << t.secs << " s)\n" << t.r.output);
+    CHECK(t.r.status != 0);
+    CHECK(t.r.status != 124);
+    CHECK(has(t.r.output, "TS_STOP_IN: rank 1 stops in"));
+    CHECK(has(t.r.output, "watchdog: rank 0 waited 2.0 s for " + s.message));
+    CHECK(t.secs < 2 + 8);  // the deadline, the abort, and two launches of a loaded machine
+  }
+}
+
+TEST_CASE("numbers out of range are one line and exit 2, from the command line and from --config", "[config]") {
+  tst::TempDir d;
+  tst::write_bytes(d.file("huge.json"), "{\"steps\": 1e400}");
+  tst::write_bytes(d.file("wrap.json"), "{\"tp\": 4294967298}");
+  struct Case {
+    int np;
+    std::string bin, args, message;
+  };
+  const Case cases[] = {
+      // integers that once wrapped modulo 2^32, and values past a type's end
+      {2, "04_tensor_parallel", "--tp 4294967298", "--tp expects an integer in [1, 65536], got '4294967298'"},
+      {2, "04_tensor_parallel", "--config " + d.file("wrap.json"), "--tp expects an integer in [1, 65536], got '4294967298'"},
+      {1, "01_single_gpu", "--dim 4294967360", "--dim expects an integer in [1, 131072], got '4294967360'"},
+      {1, "01_single_gpu", "--steps 1e19", "--steps expects an integer in [0, 9223372036854775807], got '1e19'"},
+      {1, "01_single_gpu", "--config " + d.file("huge.json"), "--steps expects an integer in [0, 9223372036854775807], got 'inf'"},
+      {1, "08_5d_mesh", "--plan --gpus 4294967298", "--gpus expects an integer in [-2147483648, 2147483647], got '4294967298'"},
+      // sizes that overflowed into one-element buckets, and a thread count that crashed libgomp
+      {2, "02_data_parallel", "--dp 2 --bucket-mb 1e300", "--bucket-mb expects a finite number in (0, 1048576], got '1e300'"},
+      {1, "02_data_parallel", "--bucket-mb inf", "--bucket-mb expects a finite number in (0, 1048576], got 'inf'"},
+      {1, "07_expert_parallel", "--bucket-mb nan", "--bucket-mb expects a finite number in (0, 1048576], got 'nan'"},
+      {1, "01_single_gpu", "--threads 100000", "--threads expects an integer in [0, 1024], got '100000'"},
+      // values once accepted silently
+      {1, "01_single_gpu", "--lr -1", "--lr expects a finite number in (0, inf), got '-1'"},
+      {1, "01_single_gpu", "--lr 0", "--lr expects a finite number in (0, inf), got '0'"},
+      {1, "01_single_gpu", "--lr nan", "--lr expects a finite number in (0, inf), got 'nan'"},
+      {1, "01_single_gpu", "--beta2 7", "--beta2 expects a finite number in [0, 1), got '7'"},
+      {1, "01_single_gpu", "--warmup-steps -5", "--warmup-steps expects an integer in [0, 9223372036854775807], got '-5'"},
+      {1, "01_single_gpu", "--save-every -1", "--save-every expects an integer in [0, 9223372036854775807], got '-1'"},
+      {1, "01_single_gpu", "--progress-seconds -1", "--progress-seconds expects a finite number in (0, 1000000], got '-1'"},
+      {1, "01_single_gpu", "--batch 0", "--batch expects an integer in [1, 16777216], got '0'"},
+      {1, "01_single_gpu", "--batch -8", "--batch expects an integer in [1, 16777216], got '-8'"},
+      {1, "03_zero", "--zero 3 --prefetch 7", "--prefetch expects an integer in [0, 1], got '7'"},
+      {1, "01_single_gpu", "--experts 4 --capacity-factor nan", "--capacity-factor expects a finite number, got 'nan'"},
+      {1, "06_context_parallel", "--cp-mode ulysses", "--cp-mode ulysses needs --cp 2 or more (got --cp 1)"},
+      // the watchdog's own deadline: a config line, not an error per rank with a source location
+      {2, "02_data_parallel", "--dp 2 --timeout 0", "--timeout expects a finite number in (0, 1000000], got '0'"},
+      {1, "02_data_parallel", "--timeout -5", "--timeout expects a finite number in (0, 1000000], got '-5'"},
+      {2, "02_data_parallel", "--dp 2 --timeout nan", "--timeout expects a finite number in (0, 1000000], got 'nan'"},
+      // a typo names the flag it was meant to be
+      {1, "01_single_gpu", "--step 3", "unknown flag --step; did you mean --steps? (see --help)"},
+      {2, "02_data_parallel", "--dp 2 --bukcet-mb 4", "unknown flag --bukcet-mb; did you mean --bucket-mb? (see --help)"},
+  };
+  for (const Case& c : cases) {
+    tst::Result r = tst::run_bin(c.bin, kTiny + c.args, c.np, 60);
+    INFO("mpirun -np " << c.np << " " << c.bin << " " << c.args << "\n" << r.output);
+    CHECK(r.status == 2);
+    CHECK(has(r.output, "error: " + c.message + "\n"));
+    CHECK(error_lines(r.output) == 1);
+  }
+}
+
+// ----- sealed checkpoints: trainer.json is part of the whole --------------------------------------
+
+TEST_CASE("an edited or partial checkpoint is refused with one line before any tensor is used", "[ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 4 --save " + ck).status == 0);
+  struct Case {
+    std::string what, message;
+    std::function<void(const std::string&)> damage;
+  };
+  auto rm = [](const std::string& path) { REQUIRE(unlink(path.c_str()) == 0); };
+  const Case cases[] = {
+      {"step 4 edited to 3", "trainer.json: does not match its seal (changed since the save)",
+       [](const std::string& dir) { set_trainer(dir, "step", Json(int64_t(3))); }},
+      {"trainer.json deleted", "optimizer.safetensors without trainer.json: a partial checkpoint",
+       [&](const std::string& dir) { rm(dir + "/trainer.json"); }},
+      {"files list removed, optimizer deleted", "trainer.json: does not match its seal",
+       [&](const std::string& dir) {
+         set_trainer(dir, "files", Json());
+         rm(dir + "/optimizer.safetensors");
+       }},
+      {"optimizer deleted", "trainer.json lists optimizer.safetensors, which cannot be read",
+       [&](const std::string& dir) { rm(dir + "/optimizer.safetensors"); }},
+      {"seal removed", "trainer.json: no seal", [](const std::string& dir) { set_trainer(dir, "seal", Json()); }},
+  };
+  for (const Case& c : cases) {
+    const std::string dir = d.file("c" + std::to_string(&c - cases));
+    copy_dir(ck, dir);
+    c.damage(dir);
+    tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 6 --resume " + dir, 1, 60);
+    INFO(c.what << "\n" << r.output);
+    CHECK(r.status == 2);
+    CHECK(has(r.output, "error: checkpoint " + dir + ": "));
+    CHECK(has(r.output, c.message));
+    CHECK(error_lines(r.output) == 1);
+    CHECK_FALSE(has(r.output, "step 5"));  // refused before training
+  }
+  // Weights alone (an HF model directory: model.safetensors and config.json) are step 0's, as before.
+  const std::string hf = d.file("hf");
+  copy_dir(ck, hf);
+  rm(hf + "/trainer.json");
+  rm(hf + "/optimizer.safetensors");
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 2 --resume " + hf, 1, 60);
+  INFO(r.output);
+  CHECK(r.status == 0);
+}
+
+TEST_CASE("--resume over step_ checkpoints falls back to the newest intact one, saying so", "[ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  REQUIRE(tst::run_bin("01_single_gpu", kTiny + "--steps 6 --save-every 2 --keep-last 3 --save " + ck).status == 0);
+  {
+    std::ofstream f(ck + "/step_000006/model.safetensors", std::ios::app);
+    f << "x";  // a damaged newest checkpoint
+  }
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 8 --log-json " + d.file("r.jsonl") + " --resume " + ck, 1, 60);
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(has(r.output, "resume: " + ck + "/step_000006 is damaged (model.safetensors does not match the digest "
+                      "trainer.json records); resuming from " + ck + "/step_000004, the newest intact checkpoint"));
+  const tst::Log log = tst::read_log(d.file("r.jsonl"));
+  REQUIRE(log.steps.size() == 4);  // steps 4..7
+  // Every one damaged: one line naming each and why.
+  set_trainer(ck + "/step_000004", "step", Json(int64_t(3)));
+  REQUIRE(unlink((ck + "/step_000002/trainer.json").c_str()) == 0);
+  tst::Result none = tst::run_bin("01_single_gpu", kTiny + "--steps 8 --resume " + ck, 1, 60);
+  INFO(none.output);
+  CHECK(none.status == 2);
+  CHECK(has(none.output, "error: --resume " + ck + ": no intact step_ checkpoint: " + ck + "/step_000006 is damaged"));
+  CHECK(has(none.output, ck + "/step_000004 is damaged (trainer.json: does not match its seal"));
+  CHECK(has(none.output, ck + "/step_000002 is damaged (optimizer.safetensors without trainer.json"));
+  CHECK(error_lines(none.output) == 1);
 }
