@@ -16,7 +16,9 @@
 // of the micro-batch's tokens; g becomes a reduce-scatter and f an all-gather (the same bytes as
 // the all-reduce they replace), and those activations are stored at 1/tp.
 //
-//   mpirun -np 4 ./build/04_tensor_parallel --tp 4 --sequence-parallel
+// tp must divide the kv heads (a GQA group stays on one rank); the default shape (tiny) has 4 query
+// heads and 2 kv heads, so a 4-way run names 4 kv heads:
+//   mpirun -np 4 ./build/04_tensor_parallel --tp 4 --sequence-parallel --kv-heads 4
 //   ./build/04_tensor_parallel --dry-run --preset 8b --tp 8 --micro-batch 1 --dtype bf16
 #ifndef TS_04_TENSOR_PARALLEL_CU
 #define TS_04_TENSOR_PARALLEL_CU

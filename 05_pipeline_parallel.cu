@@ -15,8 +15,10 @@
 // A schedule is data: build_plan() turns (p, m, V, schedule) into one list of actions per rank
 // (F, B, W, send, recv); the executor runs the list; --schedule-chart prints its timeline.
 //
-//   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --schedule 1f1b --batch 16 --micro-batch 2
-//   ./build/05_pipeline_parallel --dry-run --pp 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
+// pp must divide the layers (the default shape, tiny, has 2), and m = batch / micro-batch should
+// be several times pp for a small bubble ((p − 1)/m):
+//   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --layers 4 --schedule 1f1b --batch 16 --micro-batch 2
+//   ./build/05_pipeline_parallel --dry-run --pp 4 --layers 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
 #ifndef TS_05_PIPELINE_PARALLEL_CU
 #define TS_05_PIPELINE_PARALLEL_CU
 #include <algorithm>

@@ -15,7 +15,8 @@
 // mesh's ep_dp group), both with 02's bucketed reducer.
 //
 //   mpirun -np 4 ./build/07_expert_parallel --dp 4 --ep 2 --experts 4 --top-k 2
-//   ./build/07_expert_parallel --dry-run --dp 8 --ep 8 --experts 8 --top-k 2 --dim 4096 ...
+//   ./build/07_expert_parallel --dry-run --dp 8 --ep 8 --experts 8 --top-k 2 --dim 4096 --layers 32 \
+//       --heads 32 --kv-heads 8 --ffn 14336 --vocab 32000 --seq 4096 --batch 8 --dtype bf16
 #ifndef TS_07_EXPERT_PARALLEL_CU
 #define TS_07_EXPERT_PARALLEL_CU
 #include <map>

@@ -136,3 +136,32 @@ TEST_CASE("--config: a JSON file of flags, the command line overriding; a checkp
   CHECK(bad.status == 2);
   CHECK(has(bad.output, "error: unknown flag --dpp in --config " + d.file("bad.json")));
 }
+
+TEST_CASE("--save over a checkpoint this run did not resume from is refused unless --overwrite", "[newcomer][ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  run_ok("01_single_gpu", "--steps 2 --save " + ck);
+  auto step_of = [&] { return ts::Json::parse(ts::read_text_file(ck + "/trainer.json")).at("step").as_int(); };
+  // Another run (here on two ranks) must not replace it silently: one line, every rank stops.
+  tst::Result r = tst::run_bin("02_data_parallel", kTiny + "--dp 2 --steps 1 --save " + ck, 2, 60);
+  INFO(r.output);
+  CHECK(r.status == 2);
+  CHECK(has(r.output, "error: --save " + ck + " holds a checkpoint that this run did not resume from: --resume " + ck +
+                          " to continue it, or add --overwrite to replace it"));
+  CHECK(step_of() == 2);
+  // Continuing it saves over it; --overwrite replaces it deliberately.
+  run_ok("01_single_gpu", "--steps 3 --resume " + ck + " --save " + ck);
+  CHECK(step_of() == 3);
+  run_ok("01_single_gpu", "--steps 1 --overwrite --save " + ck);
+  CHECK(step_of() == 1);
+}
+
+TEST_CASE("--preset: the error and --help list the same names", "[newcomer][flags]") {
+  const std::string names = "tiny, small, 124m, 1b, 3b, 8b, 70b";
+  tst::Result bad = tst::run_bin("01_single_gpu", "--preset 2b", 1, 60);
+  INFO(bad.output);
+  CHECK(bad.status == 2);
+  CHECK(has(bad.output, "unknown --preset '2b' (" + names + ")"));
+  tst::Result help = tst::run_bin("01_single_gpu", "--help", 1, 60);
+  CHECK(has(help.output, "model shape: " + names));
+}
