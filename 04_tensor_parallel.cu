@@ -12,6 +12,25 @@
 // identity backward) sit before each column-parallel pair and after each row-parallel matmul:
 // two all-reduces per layer forward, two backward.
 //
+// The chapter's figure, read off the code. Each weight is stored [out, in] (common/model.cu
+// Model::make_table: `col` splits its rows, `row` its columns); f and g are called in
+// Model::layer_compute (forward) and Model::layer_backward, with this file's TensorParallel:
+//
+//   region     weight                  split                        this rank's output   then
+//   embedding  embed_tokens   [V, D]   vocab rows V/tp              partial rows         g
+//   attention  (input)                                                                   f
+//              q_proj         [D, D]   column (heads/tp)            its heads' q
+//              k_proj, v_proj [kvD, D] column (kv_heads/tp)         its heads' k, v
+//              o_proj         [D, D]   row (its heads' columns)     partial sum          g, + residual
+//   MLP        (input)                                                                   f
+//              gate, up       [F, D]   column (ffn/tp)              its ffn/tp units
+//              down_proj      [D, F]   row (ffn/tp columns)         partial sum          g, + residual
+//   head       (input)                                                                   f
+//              lm_head        [V, D]   column (vocab rows V/tp)     its V/tp logits      vocab-parallel loss
+//
+// RMSNorm weights are whole on every rank (under --sequence-parallel each sees only its tokens,
+// so reduce_norm_grads below sums their gradients over tp).
+//
 // --sequence-parallel: in the RMSNorm/residual regions each rank keeps only its contiguous block
 // of the micro-batch's tokens; g becomes a reduce-scatter and f an all-gather (the same bytes as
 // the all-reduce they replace), and those activations are stored at 1/tp.

@@ -156,6 +156,9 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int p
                                                   rc.recompute, p.mesh.tp, p.sp);
   else
     m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
+  if (p.mesh.pp > 1) m.comm_also_holds(pp::comm_holds(pipeline_plan(rc, p)));
+  m.comm_also_holds(cp::comm_holds(p.cp, p.mesh.cp));
+  m.comm_also_holds(ep::comm_holds(p.mesh.ep));
   return m;
 }
 
@@ -654,7 +657,7 @@ class Composed {
   }
 
   // The ep group's all-to-all bytes so far, from this rank's routing counts (07's prediction).
-  double ep_predicted_bytes() const { return moe_ ? moe_->predicted_bytes : 0.0; }
+  double ep_predicted_bytes() const { return moe_ ? moe_->routed_bytes : 0.0; }
 
   Model& model() { return model_; }
   double hidden_fraction() const { return reducer_ ? reducer_->hidden_fraction() : 0.0; }
@@ -726,7 +729,7 @@ static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl
 
 int main(int argc, char** argv) {
   mesh5d::Plan plan;
-  bool planning = false, mesh_given = false;
+  bool planning = false, mesh_given = false, show_mesh = false;
   mesh5d::Cluster cluster{nullptr, 0, 8, 8};
   Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
     planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
@@ -741,6 +744,7 @@ int main(int argc, char** argv) {
     mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree");
     mc.cp = a.get_int("--cp", 1, "context-parallel degree");
     mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)");
+    show_mesh = a.get_bool("--show-mesh", "print the rank-to-group table (printed anyway at 16 ranks or fewer)");
     plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
     plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
     plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)") != 0;
@@ -783,6 +787,9 @@ int main(int argc, char** argv) {
   if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;
   prog.open();  // validates world == dp·pp·cp·tp before any collective
   Mesh& mesh = prog.mesh;
+  // Which rank holds which piece: the chapter's picture, for this run.
+  if (mesh.world <= 16 || show_mesh) print_mesh(mesh);
+  else log.line("(%d ranks: --show-mesh prints the rank-to-group table)", mesh.world);
   mesh5d::print_plan(log, rc, plan);
   check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 

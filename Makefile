@@ -3,7 +3,8 @@
 #   make            build every technique into build/ (with CUDA when nvcc is found)
 #   make CUDA=0     the same sources compiled by g++ as C++, CUDA compiled out
 #   make test       install missing packages, build, run every test; last line "N passed, M failed"
-#   make demo       train 01 on the embedded data for about a minute; its plot in build/demo.png
+#   make demo       build 01 only (in parallel), train it on the embedded data (about a minute); its
+#                   plot in build/demo.png
 #   make bench      kernel, collective and training-step benchmarks
 #   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
@@ -48,7 +49,8 @@ ifeq ($(CUDA),1)
   GENCODE := $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
              -gencode arch=compute_$(lastword $(CUDA_ARCH)),code=compute_$(lastword $(CUDA_ARCH))
   CPPFLAGS += -DTS_CUDA -I$(CUDA_HOME)/include
-  CU := $(NVCC) -std=c++17 -x cu $(GENCODE) -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
+  # --threads 0: the architectures of one file compile in parallel, not one after the other.
+  CU := $(NVCC) -std=c++17 -x cu $(GENCODE) --threads 0 -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
   # No relocatable device code, so the host linker links nvcc's objects directly.
   LIBS += -L$(CUDA_LIB) -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_LIB)
 else
@@ -147,8 +149,10 @@ test: deps
 	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
 
 NP ?= 1
+# Builds what it runs and no more (01 and the objects it links), on every core.
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 demo: deps
-	@$(MAKE) --no-print-directory $(BUILD)/01_single_gpu
+	@$(MAKE) --no-print-directory -j$(JOBS) $(BUILD)/01_single_gpu
 	$(BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
 	/usr/bin/python3 scripts/plot.py $(BUILD)/demo.jsonl -o $(BUILD)/demo.png --labels "01 tiny (seq 64)"
 

@@ -42,8 +42,12 @@ static int env_threads(const char* name) {
   return s ? std::max(0, atoi(s)) : 0;
 }
 
+static ThreadChoice g_choice;
+const ThreadChoice& thread_choice() { return g_choice; }
+
 ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim) {
-  ThreadChoice t;
+  ThreadChoice& t = g_choice;
+  t = ThreadChoice();
   MPI_Comm node;
   MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
   MPI_Comm_size(node, &t.local_ranks);

@@ -160,6 +160,9 @@ struct MemoryPrediction {
   // What the unpredicted `comm` row holds in this technique, for the memory table's footnote
   // (every technique adds the host staging of CUDA tensors that ranks sharing a GPU send by MPI).
   std::string comm_holds;
+  void comm_also_holds(const std::string& what) {
+    if (!what.empty()) comm_holds += (comm_holds.empty() ? "" : ", ") + what;
+  }
 };
 // Per-rank bytes of parameters (Ψ local), gradients and optimizer states, fp32 or bf16 mixed
 // precision (bf16 weights + fp32 gradients + fp32 master/m/v = 2Ψ + 4Ψ + 12Ψ).
