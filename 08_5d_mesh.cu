@@ -208,11 +208,12 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
   print_model(log, rc.model);
   const MemoryPrediction m = predict_memory(rc, p);
-  log.line("mesh dp %d × pp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batches of %d",
+  const double mbs = micro_batches_per_rank(rc, p);
+  log.line("mesh dp %d × pp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batch%s of %d",
            p.mesh.dp, p.mesh.pp, p.mesh.cp, p.mesh.tp, p.sp ? " (sequence parallel)" : "",
            p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
            p.mesh.cp > 1 ? (std::string(", ") + cp::mode_name(p.cp.mode) + (p.cp.zigzag ? " zigzag" : "")).c_str() : "",
-           rc.batch / p.mesh.dp, micro_batches_per_rank(rc, p), rc.micro_batch);
+           rc.batch / p.mesh.dp, mbs, mbs == 1 ? "" : "es", rc.micro_batch);
   if (p.mesh.ep > 1)
     log.line("ep %d (groups cut from dp × cp): per rank %d of %d experts per layer; dense gradients over %s, expert "
              "gradients over ep_dp of %d", p.mesh.ep, rc.model.experts / p.mesh.ep, rc.model.experts,
