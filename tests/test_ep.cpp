@@ -115,7 +115,7 @@ TEST_CASE("an ep 4 checkpoint resumes in 01 --experts and at ep 2 on the same cu
   for (const Leg& leg : legs) {
     const std::string log = tst::scratch("ep_resume.jsonl"), out = tst::scratch("ep_resume_ck");
     tst::Result r = tst::run_bin(leg.bin, kMoe + leg.args + "--top-k 2 --steps 6 --batch 8 --resume " + first.ckpt +
-                                              " --save " + out + " --log-json " + log, leg.np, 120);
+                                              " --overwrite --save " + out + " --log-json " + log, leg.np, 120);
     INFO(leg.bin << " " << leg.args << "\n" << r.output);
     REQUIRE(r.status == 0);
     std::vector<double> l = tst::read_log(log).losses();

@@ -146,7 +146,7 @@ TEST_CASE("--save over a checkpoint this run did not resume from is refused unle
   tst::Result r = tst::run_bin("02_data_parallel", kTiny + "--dp 2 --steps 1 --save " + ck, 2, 60);
   INFO(r.output);
   CHECK(r.status == 2);
-  CHECK(has(r.output, "error: --save " + ck + " holds a checkpoint that this run did not resume from: --resume " + ck +
+  CHECK(has(r.output, "error: rank 0: --save " + ck + " holds a checkpoint that this run did not resume from: --resume " + ck +
                           " to continue it, or add --overwrite to replace it"));
   CHECK(step_of() == 2);
   // Continuing it saves over it; --overwrite replaces it deliberately.

@@ -248,7 +248,7 @@ TEST_CASE("a pp 4 checkpoint resumes in 01 and at pp 2 on 01's curve", "[05][e2e
                                 {"05_pipeline_parallel", 2, "--pp 2 --schedule zb-h1 "}}) {
     const std::string log = tst::scratch("pp_resume.jsonl"), out = tst::scratch("pp_resume_ck");
     tst::Result r = tst::run_bin(bin, kTiny + extra + "--layers 4 --steps 6 --batch 8 --micro-batch 1 --resume " +
-                                          from.ckpt + " --save " + out + " --log-json " + log, np, 120);
+                                          from.ckpt + " --overwrite --save " + out + " --log-json " + log, np, 120);
     INFO(bin << "\n" << r.output);
     REQUIRE(r.status == 0);
     std::vector<double> l = tst::read_log(log).losses();

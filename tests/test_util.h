@@ -224,7 +224,7 @@ inline void check_errors(const std::string& bin, const std::string& prefix, cons
 inline void check_resume(const std::string& bin, int np, const std::string& args, const std::string& from_ckpt,
                          const CachedRun& ref, int steps_done, double loss_tol, double weight_tol) {
   const std::string log = scratch("resume.jsonl"), out = scratch("resume_ck");
-  Result r = run_bin(bin, args + " --resume " + from_ckpt + " --save " + out + " --log-json " + log, np, 120);
+  Result r = run_bin(bin, args + " --resume " + from_ckpt + " --overwrite --save " + out + " --log-json " + log, np, 120);
   INFO(bin << " " << args << "\n" << r.output);
   REQUIRE(r.status == 0);
   const std::vector<double> l = read_log(log).losses(), want = ref.log.losses();

@@ -206,7 +206,7 @@ TEST_CASE("communication: counted bytes per step equal the formulas for each sta
 static void check_resume(const Run& from, const Run& ref, const std::string& batch) {
   const std::string log = tst::scratch("resume.jsonl"), out = tst::scratch("resume_ck");
   tst::Result r = tst::run_bin("03_zero",
-                               kTiny + "--dp 2 --zero 1 --steps 6 " + batch + " --resume " + from.ckpt + " --save " +
+                               kTiny + "--dp 2 --zero 1 --steps 6 " + batch + " --resume " + from.ckpt + " --overwrite --save " +
                                    out + " --log-json " + log,
                                2, 120);
   INFO(r.output);
