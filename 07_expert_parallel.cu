@@ -25,8 +25,8 @@
 // mesh's ep_dp group), both with 02's bucketed reducer.
 //
 //   mpirun -np 4 ./build/07_expert_parallel --dp 4 --ep 2 --experts 4 --top-k 2
-//   ./build/07_expert_parallel --dry-run --dp 8 --ep 8 --experts 8 --top-k 2 --dim 4096 --layers 32 \
-//       --heads 32 --kv-heads 8 --ffn 14336 --vocab 32000 --seq 4096 --batch 8 --dtype bf16
+//   ./build/07_expert_parallel --dry-run --preset 8b --vocab 32000 --experts 8 --top-k 2 --dp 8 --ep 8 --batch 8 --dtype bf16
+// (the last: Mixtral 8x7B's shape, Llama-3-8B's layers with 8 experts and a 32000-token vocabulary)
 #ifndef TS_07_EXPERT_PARALLEL_CU
 #define TS_07_EXPERT_PARALLEL_CU
 #include <map>
@@ -105,8 +105,8 @@ class ExpertParallelMoe : public MoeBlock {
     a.mlp_state[kNumSlots] = recv_c;
     const Exchange xc = plan_exchange(counts, std::vector<int32_t>(recv_c.i32(), recv_c.i32() + E), P, per_);
     tally(xc, m, E);
-    // Balanced routing sends this rank's N·K rows to the experts and receives as many back.
-    busiest_rows = std::max(busiest_rows, double(xc.grouped.size()) / (double(x.size(0)) * m.cfg.top_k));
+    // x holds this rank's N·K routed rows; balanced routing brings in as many for its experts.
+    busiest_rows = std::max(busiest_rows, double(xc.grouped.size()) / double(std::max<int64_t>(1, x.size(0))));
     Tensor recv = rows(m, xc.grouped.size(), Tag::Workspace);
     dispatch(recv, x, xc, "dispatch");
     Tensor xr = rows(m, xc.grouped.size(), Tag::Activations);
@@ -266,9 +266,10 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
 // run's routing counts (rank 0's): the all-to-all bytes over the balanced prediction, and the most
 // rows rank 0's experts received in a layer over the balanced N·K (its MoE activations grow so).
 inline void print_imbalance(RunLog& log, double balanced, double routed, double busiest_rows) {
-  log.line("ep routing imbalance (this run's counts): all_to_all %s per step = %.4f × the balanced %s; rank 0's "
-           "experts received up to %.2f × the balanced N·K rows in a layer, hence activations above the prediction",
-           human_bytes(routed).c_str(), balanced > 0 ? routed / balanced : 0.0, human_bytes(balanced).c_str(), busiest_rows);
+  log.line("ep routing imbalance (this run's counts, rank 0): all_to_all %s per step = %.4f × the balanced %s;",
+           human_bytes(routed).c_str(), balanced > 0 ? routed / balanced : 0.0, human_bytes(balanced).c_str());
+  log.line("  its experts received up to %.2f × the balanced N·K rows in one layer, so its MoE activations can exceed "
+           "the balanced prediction by up to that factor", busiest_rows);
 }
 
 }  // namespace ep

@@ -688,8 +688,12 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
     }
     mem[tag_name(Tag(t))] = std::move(c);
   }
-  log.line("  (no prediction for comm: %shost staging of CUDA tensors sent over MPI when ranks share a GPU; nor for workspace:",
-           pred.comm_holds.empty() ? "" : (pred.comm_holds + ", and ").c_str());
+  if (pred.comm_holds.empty()) {
+    log.line("  (no prediction for comm: host staging of CUDA tensors sent over MPI when ranks share a GPU; nor for workspace:");
+  } else {
+    log.line("  (no prediction for comm: %s,", pred.comm_holds.c_str());
+    log.line("   and host staging of CUDA tensors sent over MPI when ranks share a GPU; nor for workspace:");
+  }
   log.line("   scratch freed within one call, chiefly the fp32 weight copy at init, resume and save, and kernel temporaries)");
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",
