@@ -39,7 +39,12 @@ def read_log(path):
 
 def tail_inset(ax, runs, floors):
     """The last half of the steps magnified in the plot's upper right, where the falling curve has
-    left room: on the full axis the last few hundredths of a nat to the floor are invisible."""
+    left room: on the full axis the last few hundredths of a nat to the floor are invisible. A run
+    too short to have fallen (its curve still in the upper right) gets none: it has no tail."""
+    low, high = ax.get_ylim()
+    later = [s["loss"] for _, steps, _ in runs for s in steps[int(0.4 * len(steps)):]]
+    if not later or max(later) > low + 0.38 * (high - low):
+        return
     inset = ax.inset_axes([0.42, 0.42, 0.55, 0.5])
     lows, highs, gap = [], [], None
     for k, (label, steps, _) in enumerate(runs):
@@ -86,8 +91,9 @@ def main():
             floors.add(round(summary["loss_floor"], 6))
     for f in sorted(floors):  # named in the legend, so no label sits on the curve
         ax_loss.axhline(f, color="black", linestyle=":", linewidth=1, label=f"loss floor {f:.4f}")
-    ax_loss.set(title="loss", xlabel="step", ylabel="loss (nats/token)")
-    ax_loss.legend(fontsize=8, loc="lower right", bbox_to_anchor=(0.98, 0.1))  # above the tail, below the inset
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)")
+    # Above the plot, where no curve can pass under it (the legend is the panel's title).
+    ax_loss.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.01), ncol=3, frameon=False, borderaxespad=0)
     tail_inset(ax_loss, runs, floors)
 
     # Memory: per category, two bars per run side by side: measured (solid), predicted (hatched;
