@@ -269,6 +269,7 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
   m.grads = p.stage == 1 ? 4.0 * P : 4.0 * (S + pair);           // stage 2/3: shard + two unit buffers in flight
   m.params = p.stage < 3 ? e * P : e * (S + (p.prefetch ? pair : largest));  // stage 3: shard + gathered units
   m.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);
+  if (p.stage >= 2) m.comm_also_holds("the reduce-scatter output of the unit in flight (ZeRO-2/3)");
   return m;
 }
 

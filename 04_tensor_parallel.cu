@@ -12,11 +12,32 @@
 // identity backward) sit before each column-parallel pair and after each row-parallel matmul:
 // two all-reduces per layer forward, two backward.
 //
+// The chapter's figure, read off the code. Each weight is stored [out, in] (common/model.cu
+// Model::make_table: `col` splits its rows, `row` its columns); f and g are called in
+// Model::layer_compute (forward) and Model::layer_backward, with this file's TensorParallel:
+//
+//   region     weight                  split                        this rank's output   then
+//   embedding  embed_tokens   [V, D]   vocab rows V/tp              partial rows         g
+//   attention  (input)                                                                   f
+//              q_proj         [D, D]   column (heads/tp)            its heads' q
+//              k_proj, v_proj [kvD, D] column (kv_heads/tp)         its heads' k, v
+//              o_proj         [D, D]   row (its heads' columns)     partial sum          g, + residual
+//   MLP        (input)                                                                   f
+//              gate, up       [F, D]   column (ffn/tp)              its ffn/tp units
+//              down_proj      [D, F]   row (ffn/tp columns)         partial sum          g, + residual
+//   head       (input)                                                                   f
+//              lm_head        [V, D]   column (vocab rows V/tp)     its V/tp logits      vocab-parallel loss
+//
+// RMSNorm weights are whole on every rank (under --sequence-parallel each sees only its tokens,
+// so reduce_norm_grads below sums their gradients over tp).
+//
 // --sequence-parallel: in the RMSNorm/residual regions each rank keeps only its contiguous block
 // of the micro-batch's tokens; g becomes a reduce-scatter and f an all-gather (the same bytes as
 // the all-reduce they replace), and those activations are stored at 1/tp.
 //
-//   mpirun -np 4 ./build/04_tensor_parallel --tp 4 --sequence-parallel
+// tp must divide the kv heads (a GQA group stays on one rank); the default shape (tiny) has 4 query
+// heads and 2 kv heads, so a 4-way run names 4 kv heads:
+//   mpirun -np 4 ./build/04_tensor_parallel --tp 4 --sequence-parallel --kv-heads 4
 //   ./build/04_tensor_parallel --dry-run --preset 8b --tp 8 --micro-batch 1 --dtype bf16
 #ifndef TS_04_TENSOR_PARALLEL_CU
 #define TS_04_TENSOR_PARALLEL_CU

@@ -15,8 +15,10 @@
 // A schedule is data: build_plan() turns (p, m, V, schedule) into one list of actions per rank
 // (F, B, W, send, recv); the executor runs the list; --schedule-chart prints its timeline.
 //
-//   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --schedule 1f1b --batch 16 --micro-batch 2
-//   ./build/05_pipeline_parallel --dry-run --pp 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
+// pp must divide the layers (the default shape, tiny, has 2), and m = batch / micro-batch should
+// be several times pp for a small bubble ((p − 1)/m):
+//   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --layers 4 --schedule 1f1b --batch 16 --micro-batch 2
+//   ./build/05_pipeline_parallel --dry-run --pp 4 --layers 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
 #ifndef TS_05_PIPELINE_PARALLEL_CU
 #define TS_05_PIPELINE_PARALLEL_CU
 #include <algorithm>
@@ -31,6 +33,7 @@
 #include "mesh.h"
 #include "model.h"
 #include "run.h"
+#include "threads.h"
 #include "trace.h"
 #include "train.h"
 
@@ -390,8 +393,9 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& pl, int 
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool chart) {
   print_model(log, rc.model);
   const int n = rc.model.layers / pl.K();
-  log.line("pp %d, schedule %s, %d virtual stage%s per rank of %d layer%s; m = %d micro-batches of %d", pl.p,
-           schedule_name(pl.schedule), pl.V, pl.V > 1 ? "s" : "", n, n > 1 ? "s" : "", pl.m, rc.micro_batch);
+  log.line("pp %d, schedule %s, %d virtual stage%s per rank of %d layer%s; m = %d micro-batch%s of %d", pl.p,
+           schedule_name(pl.schedule), pl.V, pl.V > 1 ? "s" : "", n, n > 1 ? "s" : "", pl.m, pl.m > 1 ? "es" : "",
+           rc.micro_batch);
   for (int s = 0; s < pl.p; s++) {
     const MemoryPrediction mp = predict_memory(rc, pl, s);
     log.line("  stage %d: params %s, grads %s, optimizer %s, activations %s; p2p sent per step %s", s,
@@ -401,8 +405,19 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool ch
   }
   log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(),
            bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  // The default micro-batch is the whole batch (m = 1): the stages then take turns.
+  const int most = pl.m * rc.micro_batch;  // micro-batches of one sequence each
+  if (pl.p > 1 && pl.m < pl.p && rc.micro_batch > 1)
+    log.line("hint: with m = %d the stages mostly wait for one another; split the batch with --micro-batch "
+             "(--micro-batch 1 gives m = %d, bubble formula %.4f)", pl.m, most, bubble_formula(pl.schedule, pl.p, most, pl.V));
   if (chart)
     for (const std::string& r : schedule_chart(pl)) log.line("%s", r.c_str());
+}
+
+// What the memory table's comm row holds: copies of sends not yet known to be received, which
+// only lists that cannot post each send with its receive keep (the executor's flush()).
+inline std::string comm_holds(const Plan& pl) {
+  return completes_under_rendezvous(pl) ? "" : "copies of the sends still in flight (interleaved)";
 }
 
 // ----- the executor -------------------------------------------------------------------------------
@@ -606,7 +621,14 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
     stages.push_back(std::move(j));
   }
   log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  const ThreadChoice& t = thread_choice();
+  const bool crowded = t.local_ranks * t.threads > t.cores;
+  if (crowded)
+    log.line("(bubble measured: %d ranks × %d thread%s share %d cores here, so it also counts the time a rank waits for "
+             "a core; the schedule's own idle time is the simulated one)", t.local_ranks, t.threads,
+             t.threads > 1 ? "s" : "", t.cores);
   Json r = Json::object();
+  r["bubble_measured_counts_core_waits"] = crowded;
   r["stages"] = std::move(stages);
   r["bubble_simulated"] = pl.bubble();
   r["bubble_formula"] = pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V);
@@ -649,6 +671,7 @@ int main(int argc, char** argv) {
 
   Loop loop;
   loop.predicted = pp::predict_memory(rc, plan, 0);
+  loop.predicted.comm_also_holds(pp::comm_holds(plan));
   loop.step = [&](long step) { return train_step(model, opt, pipe, prog.data, rc, mesh, step); };
   loop.save = [&](long step) {
     // Every stage writes its units at their global offsets: the file is the same for any mesh.

@@ -44,6 +44,12 @@ struct Options {
   bool zigzag = true;
 };
 inline const char* mode_name(Mode m) { return m == Mode::Ring ? "ring" : "ulysses"; }
+// What the memory table's comm row holds (the buffers that travel, Tag::Comm).
+inline std::string comm_holds(const Options& o, int C) {
+  if (C == 1) return "";
+  return o.mode == Mode::Ring ? "the ring's K/V blocks in flight and the dK/dV accumulators that travel home"
+                              : "the all-to-all send and receive buffers";
+}
 
 // ----- which tokens a rank holds --------------------------------------------------------------------
 
@@ -134,6 +140,14 @@ class Rotation {
 // the block of rank r − t. Forward merges each block's (output, lse) into the running result
 // (attention_merge); a block the causal mask hides from all of r's queries is not computed, but
 // still passed on. Only the kv_heads travel, never K/V expanded to the query heads.
+//
+// The merge is the online-softmax rule (flash attention's, across blocks instead of tiles). A
+// block b gives each query row its softmax-weighted output o_b over b's keys and the log of its
+// normaliser, lse_b = log Σ_{j in b} exp(s_j). Two blocks over disjoint keys combine exactly:
+//   lse = log(exp(lse_a) + exp(lse_b)) = max + log(exp(lse_a − max) + exp(lse_b − max)),
+//   o   = exp(lse_a − lse) · o_a + exp(lse_b − lse) · o_b,
+// each weight being the share of the row's total softmax mass that the block holds; after every
+// block, o is the attention over the whole sequence and lse its normaliser (kept for backward).
 class RingAttention : public AttentionCore {
  public:
   RingAttention(Comm& group, int T, bool zigzag, Device dev) : cp_(group) {
@@ -332,7 +346,7 @@ inline void validate(const RunConfig& rc, int C, const Options& o) {
   const ModelConfig& m = rc.model;
   if (C < 1) config_error("--cp must be >= 1 (got %d)", C);
   if (o.zigzag && m.seq % (2 * C))
-    config_error("--seq %d is not divisible by 2·cp = %d (zigzag cuts each sequence into 2·cp chunks; --zigzag 0 needs cp)",
+    config_error("--seq %d is not divisible by 2·cp = %d (zigzag cuts each sequence into 2·cp chunks; --zigzag 0 needs only a multiple of cp)",
                  m.seq, 2 * C);
   if (!o.zigzag && m.seq % C) config_error("--seq %d is not divisible by --cp %d", m.seq, C);
   if (o.mode == Mode::Ulysses && m.heads % C)
@@ -520,6 +534,7 @@ int main(int argc, char** argv) {
 
   Loop loop;
   loop.predicted = cp::predict_memory(rc, mc.cp);
+  loop.predicted.comm_also_holds(cp::comm_holds(opt_cp, mc.cp));
   loop.step = [&](long step) { return train_step(model, opt, reducer, prog.data, rc, mesh, mine, pos, step); };
   loop.save = [&](long step) {
     // Replicas are identical: rank 0 writes the whole model, the others nothing.

@@ -10,12 +10,23 @@
 //   experts   the owner runs each of its experts over every row it received, grouped per expert
 //             in global token order (the order 01 uses);
 //   combine   a second all-to-all returns the outputs to the tokens' ranks, which weight and sum.
+// Where the rest of the chapter lives: this file moves rows; what decides them is 01's MoE block,
+// unchanged (common/moe.cu, declared with its formulas in common/moe.h):
+//   routing   moe_router_forward: fp32 softmax over the E router logits, top-k (ties to the lower
+//             index), the k weights renormalised to sum to 1 (Mixtral's router);
+//   grouping  make_routing_plan: each expert's rows in token order, and the counts sent first;
+//   capacity  expert_capacity: at most floor(c·T·K/E) rows per expert and sequence (--capacity-
+//             factor c; 0 = dropless), the earliest tokens kept, a dropped one keeps its residual;
+//   aux loss  aux_per_sequence: E · Σ_e f_e · P_e per sequence and layer (Switch Transformer eq. 4),
+//             added to the loss with weight --aux-loss-coef α;
+//   combine   moe_combine: y[t] = Σ_k w[t,k] · expert_{i(t,k)}(h[t]).
 // Backward mirrors it: the output gradients are dispatched, the input gradients combined. Dense
 // gradients are averaged over all dp ranks; an expert's over the dp/ep ranks that hold it (the
 // mesh's ep_dp group), both with 02's bucketed reducer.
 //
 //   mpirun -np 4 ./build/07_expert_parallel --dp 4 --ep 2 --experts 4 --top-k 2
-//   ./build/07_expert_parallel --dry-run --dp 8 --ep 8 --experts 8 --top-k 2 --dim 4096 ...
+//   ./build/07_expert_parallel --dry-run --preset 8b --vocab 32000 --experts 8 --top-k 2 --dp 8 --ep 8 --batch 8 --dtype bf16
+// (the last: Mixtral 8x7B's shape, Llama-3-8B's layers with 8 experts and a 32000-token vocabulary)
 #ifndef TS_07_EXPERT_PARALLEL_CU
 #define TS_07_EXPERT_PARALLEL_CU
 #include <map>
@@ -94,6 +105,8 @@ class ExpertParallelMoe : public MoeBlock {
     a.mlp_state[kNumSlots] = recv_c;
     const Exchange xc = plan_exchange(counts, std::vector<int32_t>(recv_c.i32(), recv_c.i32() + E), P, per_);
     tally(xc, m, E);
+    // x holds this rank's N·K routed rows; balanced routing brings in as many for its experts.
+    busiest_rows = std::max(busiest_rows, double(xc.grouped.size()) / double(std::max<int64_t>(1, x.size(0))));
     Tensor recv = rows(m, xc.grouped.size(), Tag::Workspace);
     dispatch(recv, x, xc, "dispatch");
     Tensor xr = rows(m, xc.grouped.size(), Tag::Activations);
@@ -123,8 +136,12 @@ class ExpertParallelMoe : public MoeBlock {
     combine(dx, recv, xc, "combine backward");
   }
 
-  // Wire bytes this rank's all-to-alls send, from the routing counts (measured = predicted).
-  double predicted_bytes = 0;
+  // Wire bytes this rank's all-to-alls send, from the routing counts (the measured bytes exactly);
+  // over predict_balanced_bytes it is the routing's imbalance factor.
+  double routed_bytes = 0;
+  // The most rows this rank's experts received in one layer's forward, over balanced routing's N·K:
+  // the expert activations it saves grow by this factor over the balanced prediction.
+  double busiest_rows = 0;
 
  private:
   Tensor rows(const Model& m, size_t n, Tag tag) const {
@@ -151,8 +168,8 @@ class ExpertParallelMoe : public MoeBlock {
     double rows_out = 0;
     for (int p = 0; p < ep_.size(); p++)
       if (p != ep_.rank()) rows_out += double(xc.send_rows[size_t(p)] + xc.recv_rows[size_t(p)]);
-    predicted_bytes += rows_out * m.cfg.dim * dtype_size(m.dtype);
-    predicted_bytes += double(count_ints) / ep_.size() * (ep_.size() - 1) * 4;
+    routed_bytes += rows_out * m.cfg.dim * dtype_size(m.dtype);
+    routed_bytes += double(count_ints) / ep_.size() * (ep_.size() - 1) * 4;
   }
   Comm& ep_;
   int per_ = 1;
@@ -204,10 +221,14 @@ inline ParamSplit param_split(const ParamTable& t) {
 }
 inline ParamSplit param_split(const RunConfig& rc, int ep) { return param_split(Model::make_table(rc.model, 1, shard_spec(ep, 0))); }
 
+// What the memory table's comm row holds (Tag::Comm): the counts, not the rows (those are activations).
+inline std::string comm_holds(int ep) { return ep > 1 ? "the per-expert row counts exchanged before each all-to-all" : ""; }
+
 inline MemoryPrediction predict_memory(const RunConfig& rc, int ep) {
   const ParamSplit s = param_split(rc, ep);
   MemoryPrediction p = predict_states(s.dense + s.experts, s.dense + s.experts, rc.dtype, rc.master_weights);
   p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);  // balanced routing
+  p.comm_also_holds(comm_holds(ep));
   return p;
 }
 
@@ -239,6 +260,16 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
            rows, human_bytes(m.dim * e).c_str(), human_bytes((ep - 1.0) / ep * rows * m.dim * e).c_str(),
            human_bytes((ep - 1.0) / ep * rows * m.dim * e).c_str());
   log.line("per-rank all_to_all per step (balanced): %s", human_bytes(predict_balanced_bytes(rc, dp, ep)).c_str());
+}
+
+// The predictions above assume balanced routing; a real router is not. Its imbalance, from this
+// run's routing counts (rank 0's): the all-to-all bytes over the balanced prediction, and the most
+// rows rank 0's experts received in a layer over the balanced N·K (its MoE activations grow so).
+inline void print_imbalance(RunLog& log, double balanced, double routed, double busiest_rows) {
+  log.line("ep routing imbalance (this run's counts, rank 0): all_to_all %s per step = %.4f × the balanced %s;",
+           human_bytes(routed).c_str(), balanced > 0 ? routed / balanced : 0.0, human_bytes(balanced).c_str());
+  log.line("  its experts received up to %.2f × the balanced N·K rows in one layer, so its MoE activations can exceed "
+           "the balanced prediction by up to that factor", busiest_rows);
 }
 
 }  // namespace ep
@@ -322,7 +353,10 @@ int main(int argc, char** argv) {
     const double n = double(std::max(1L, steps_run));
     const double dense_psi = double(ep::param_split(rc, mc.ep).dense), expert_psi = double(ep::param_split(rc, mc.ep).experts);
     const double edp = mesh.ep_dp().size();
-    Json c = comm_report(log, mesh.ep(), steps_run, {{"all_to_all", moe.predicted_bytes / n}});
+    const double balanced = ep::predict_balanced_bytes(rc, mc.dp, mc.ep), routed = moe.routed_bytes / n;
+    Json c = comm_report(log, mesh.ep(), steps_run, {{"all_to_all", balanced}});
+    if (c.at("ep").contains("all_to_all")) c["ep"]["all_to_all"]["from_routing"] = routed;
+    ep::print_imbalance(log, balanced, routed, moe.busiest_rows);
     Json d = comm_report(log, mesh.dp(), steps_run, {{"all_reduce", 2.0 * (mc.dp - 1) / mc.dp * 4 * dense_psi}});
     Json x = comm_report(log, mesh.ep_dp(), steps_run, {{"all_reduce", 2.0 * (edp - 1) / edp * 4 * expert_psi}});
     for (const Json* j : {&d, &x})

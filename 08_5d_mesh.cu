@@ -156,6 +156,9 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int p
                                                   rc.recompute, p.mesh.tp, p.sp);
   else
     m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
+  if (p.mesh.pp > 1) m.comm_also_holds(pp::comm_holds(pipeline_plan(rc, p)));
+  m.comm_also_holds(cp::comm_holds(p.cp, p.mesh.cp));
+  m.comm_also_holds(ep::comm_holds(p.mesh.ep));
   return m;
 }
 
@@ -205,11 +208,12 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
   print_model(log, rc.model);
   const MemoryPrediction m = predict_memory(rc, p);
-  log.line("mesh dp %d × pp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batches of %d",
+  const double mbs = micro_batches_per_rank(rc, p);
+  log.line("mesh dp %d × pp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batch%s of %d",
            p.mesh.dp, p.mesh.pp, p.mesh.cp, p.mesh.tp, p.sp ? " (sequence parallel)" : "",
            p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
            p.mesh.cp > 1 ? (std::string(", ") + cp::mode_name(p.cp.mode) + (p.cp.zigzag ? " zigzag" : "")).c_str() : "",
-           rc.batch / p.mesh.dp, micro_batches_per_rank(rc, p), rc.micro_batch);
+           rc.batch / p.mesh.dp, mbs, mbs == 1 ? "" : "es", rc.micro_batch);
   if (p.mesh.ep > 1)
     log.line("ep %d (groups cut from dp × cp): per rank %d of %d experts per layer; dense gradients over %s, expert "
              "gradients over ep_dp of %d", p.mesh.ep, rc.model.experts / p.mesh.ep, rc.model.experts,
@@ -654,7 +658,7 @@ class Composed {
   }
 
   // The ep group's all-to-all bytes so far, from this rank's routing counts (07's prediction).
-  double ep_predicted_bytes() const { return moe_ ? moe_->predicted_bytes : 0.0; }
+  double ep_predicted_bytes() const { return moe_ ? moe_->routed_bytes : 0.0; }
 
   Model& model() { return model_; }
   double hidden_fraction() const { return reducer_ ? reducer_->hidden_fraction() : 0.0; }
@@ -726,7 +730,7 @@ static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl
 
 int main(int argc, char** argv) {
   mesh5d::Plan plan;
-  bool planning = false, mesh_given = false;
+  bool planning = false, mesh_given = false, show_mesh = false;
   mesh5d::Cluster cluster{nullptr, 0, 8, 8};
   Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
     planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
@@ -742,6 +746,7 @@ int main(int argc, char** argv) {
     mc.cp = a.get_int("--cp", 1, "context-parallel degree", degree_range());
     mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)",
                       degree_range());
+    show_mesh = a.get_bool("--show-mesh", "print the rank-to-group table (printed anyway at 16 ranks or fewer)");
     plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
     plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
     plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
@@ -784,6 +789,9 @@ int main(int argc, char** argv) {
   if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;
   prog.open();  // validates world == dp·pp·cp·tp before any collective
   Mesh& mesh = prog.mesh;
+  // Which rank holds which piece: the chapter's picture, for this run.
+  if (mesh.world <= 16 || show_mesh) print_mesh(mesh);
+  else log.line("(%d ranks: --show-mesh prints the rank-to-group table)", mesh.world);
   mesh5d::print_plan(log, rc, plan);
   check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 

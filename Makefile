@@ -3,7 +3,8 @@
 #   make            build every technique into build/ (with CUDA when nvcc is found)
 #   make CUDA=0     the same sources compiled by g++ as C++, CUDA compiled out
 #   make test       install missing packages, build, run every test; last line "N passed, M failed"
-#   make demo       train 01 on the embedded data for about a minute; its plot in build/demo.png
+#   make demo       build 01 only (in parallel; CPU-only into build/demo-cpu when no GPU is visible),
+#                   train it on the embedded data (about a minute); its plot in build/demo.png
 #   make bench      kernel, collective and training-step benchmarks
 #   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
@@ -54,12 +55,19 @@ ifeq ($(CUDA),1)
   GENCODE := $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
              -gencode arch=compute_$(lastword $(CUDA_ARCH)),code=compute_$(lastword $(CUDA_ARCH))
   CPPFLAGS += -DTS_CUDA -I$(CUDA_HOME)/include
-  CU := $(NVCC) -std=c++17 -x cu $(GENCODE) -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
+  # --threads 0: the architectures of one file compile in parallel, not one after the other.
+  CU := $(NVCC) -std=c++17 -x cu $(GENCODE) --threads 0 -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
   # No relocatable device code, so the host linker links nvcc's objects directly.
   LIBS += -L$(CUDA_LIB) -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_LIB)
 else
   CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 endif
+# Only files that define kernels need nvcc; the others are host code (CUDA runtime, cuBLAS and NCCL
+# calls included), which g++ compiles with the same macros in a fraction of nvcc's time (nvcc
+# passes every file through each architecture's device compiler).
+HOST_CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
+DEVICE_SRC := $(shell grep -l '__global__' common/*.cu 0[1-8]_*.cu bench/*.cu 2>/dev/null)
+compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
 LD := $(CXX) -fopenmp
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
 
@@ -90,17 +98,17 @@ all: $(TECH_BIN) $(BENCH_BIN)
 
 $(BUILD)/common/%.o: common/%.cu $(CPU_STAMP)
 	@mkdir -p $(dir $@)
-	$(CU) $(CPPFLAGS) -MMD -MP -c $< -o $@
+	$(call compiler_for,$<) $(CPPFLAGS) -MMD -MP -c $< -o $@
 
 $(BUILD)/%.o: %.cu $(CPU_STAMP)
 	@mkdir -p $(dir $@)
-	$(CU) $(CPPFLAGS) -MMD -MP -c $< -o $@
+	$(call compiler_for,$<) $(CPPFLAGS) -MMD -MP -c $< -o $@
 
 # A technique file is a module and a program: its main() compiles only where TS_PROGRAM names it
 # (01 -> 1, ..., 08 -> 8), so other files and tests can include its technique.
 $(BUILD)/0%.o: 0%.cu $(CPU_STAMP)
 	@mkdir -p $(dir $@)
-	$(CU) $(CPPFLAGS) -DTS_PROGRAM=$(firstword $(subst _, ,$*)) -MMD -MP -c $< -o $@
+	$(call compiler_for,$<) $(CPPFLAGS) -DTS_PROGRAM=$(firstword $(subst _, ,$*)) -MMD -MP -c $< -o $@
 
 $(CPU_STAMP):
 	@mkdir -p $(BUILD) && rm -f $(BUILD)/.cpu-* && touch $@
@@ -156,9 +164,17 @@ test: deps
 	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
 
 NP ?= 1
+# The demo builds what it runs and no more: 01 and the objects it links, on every core, and the
+# CUDA backend only when a GPU is visible. Without one the demo runs on the CPU, so a CPU-only 01
+# is all it needs (nvcc's device passes would be most of the build); it goes into a directory of
+# its own, so that it never mixes with the CUDA objects of $(BUILD).
+JOBS ?= $(shell nproc 2>/dev/null || echo 2)
+GPU_VISIBLE = $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
+DEMO_CUDA = $(if $(GPU_VISIBLE),$(CUDA),0)
+DEMO_BUILD = $(if $(filter $(CUDA),$(DEMO_CUDA)),$(BUILD),$(BUILD)/demo-cpu)
 demo: deps
-	@$(MAKE) --no-print-directory $(BUILD)/01_single_gpu
-	$(BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
+	@$(MAKE) --no-print-directory -j$(JOBS) CUDA=$(DEMO_CUDA) BUILD=$(DEMO_BUILD) $(DEMO_BUILD)/01_single_gpu
+	$(DEMO_BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
 	/usr/bin/python3 scripts/plot.py $(BUILD)/demo.jsonl -o $(BUILD)/demo.png --labels "01 tiny (seq 64)"
 
 bench: deps

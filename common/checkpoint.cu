@@ -312,6 +312,21 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
   watched_barrier(MPI_COMM_WORLD, "barrier (" + at + ": published)");
 }
 
+// Dense and mixture-of-experts checkpoints differ in kind, not in one number: say which is which
+// and the flags that match, rather than a missing key.
+static void check_moe_config(const Json& j, const ModelConfig& c) {
+  const int64_t experts = j.contains("num_local_experts") ? j.at("num_local_experts").as_int() : 0;
+  const int64_t top_k = j.contains("num_experts_per_tok") ? j.at("num_experts_per_tok").as_int() : 0;
+  if (experts == 0 && c.experts > 0)
+    throw FormatError("this checkpoint is dense; it has no experts (resume it without --experts)");
+  if (experts > 0 && c.experts == 0)
+    throw FormatError("this checkpoint is a mixture of experts; resume it with --experts " + std::to_string(experts) +
+                      " --top-k " + std::to_string(top_k));
+  if (experts != c.experts)
+    throw FormatError("this checkpoint has " + std::to_string(experts) + " experts per layer, the model " +
+                      std::to_string(c.experts) + " (--experts " + std::to_string(experts) + ")");
+}
+
 void check_hf_config(const Json& j, const ModelConfig& c) {
   auto differs = [](const char* key, const std::string& got, const std::string& want) {
     return FormatError(std::string("does not match the model: ") + key + " is " + got + ", the model has " + want);
@@ -326,7 +341,7 @@ void check_hf_config(const Json& j, const ModelConfig& c) {
   need("num_attention_heads", c.heads);
   need("num_key_value_heads", c.kv_heads);
   need("vocab_size", c.vocab);
-  if (c.experts > 0 || j.contains("num_local_experts")) need("num_local_experts", c.experts);
+  check_moe_config(j, c);
   // The fields below change what the model computes; absent, they take transformers' defaults.
   if (j.contains("head_dim")) need("head_dim", c.head_dim());
   auto real = [&](const char* key, double def, float want) {

@@ -2,6 +2,7 @@
 #include "mesh.h"
 
 #include <cstdlib>
+#include <string>
 #include <set>
 
 namespace ts {
@@ -176,11 +177,22 @@ Mesh make_mesh(const MeshConfig& cfg, Device dev) {
 void print_mesh(const Mesh& m) {
   if (m.rank != 0) return;
   const MeshConfig& c = m.cfg;
-  printf("mesh: %d ranks = dp %d x pp %d x cp %d x tp %d (ep %d); %s tensors travel by %s\n", m.world, c.dp, c.pp, c.cp,
-         c.tp, c.ep, device_name(m.device), m.groups[0]->transport(m.device));
+  printf("rank-to-group table: %d ranks = dp %d x pp %d x cp %d x tp %d (ep %d), tp innermost\n", m.world, c.dp, c.pp,
+         c.cp, c.tp, c.ep);
+  // A group is shown where it has more than one rank and is not another group under a new name
+  // (dp_cp is dp without cp; ep_dp is dp_cp without ep).
+  const bool show[kNumAxes] = {false, c.dp > 1, c.pp > 1, c.cp > 1, c.tp > 1, c.ep > 1, c.cp > 1 && c.dp > 1,
+                               c.ep > 1 && c.dp * c.cp > c.ep};
   for (int r = 0; r < m.world; r++) {
     MeshCoords x = mesh_coords(c, r);
-    printf("  rank %d: dp=%d pp=%d cp=%d tp=%d ep=%d\n", r, x.dp, x.pp, x.cp, x.tp, x.ep);
+    std::string groups;
+    for (int a = 1; a < kNumAxes; a++) {
+      if (!show[a]) continue;
+      std::string members;
+      for (int g : mesh_group(c, r, Axis(a))) members += (members.empty() ? "" : ",") + std::to_string(g);
+      groups += std::string(groups.empty() ? " |" : "") + " " + axis_name(Axis(a)) + " {" + members + "}";
+    }
+    printf("  rank %d: dp=%d pp=%d cp=%d tp=%d ep=%d%s\n", r, x.dp, x.pp, x.cp, x.tp, x.ep, groups.c_str());
   }
   fflush(stdout);
 }

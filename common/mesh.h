@@ -63,7 +63,8 @@ struct Mesh {
 // CUDA it also selects this rank's GPU (local rank modulo the GPUs visible). TS_NCCL=0 in the
 // environment forces the staged MPI path even when NCCL could run.
 Mesh make_mesh(const MeshConfig& cfg, Device dev);
-// Rank 0 prints "rank r: dp=.. pp=.. cp=.. tp=.. ep=.." for every rank, and the transport.
+// Rank 0 prints the rank-to-group table: every rank's coordinates and the ranks of each of its
+// groups that has more than one, "rank 3: dp=0 pp=1 cp=0 tp=1 ep=0 | pp {1,3} tp {2,3}".
 void print_mesh(const Mesh& m);
 
 }  // namespace ts

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <climits>
 #include <csignal>
 #include <cstring>
 
@@ -61,6 +62,28 @@ static std::string save_problem(const RunConfig& rc) {
   return "";
 }
 
+// The directory's canonical path, or "" when it does not exist.
+static std::string real_dir(const std::string& dir) {
+  char buf[PATH_MAX];
+  return realpath(dir.c_str(), buf) ? std::string(buf) : std::string();
+}
+
+// --save DIR over a checkpoint that this run did not resume from would silently replace another
+// run's weights (a long run's, by a five-step experiment): refused unless --overwrite. Resuming
+// from DIR, or from one of its step_ checkpoints, continues that run and saves over it freely.
+static std::string overwrite_problem(const RunConfig& rc) {
+  const std::string& dir = rc.save_dir;
+  const bool holds = access((dir + "/model.safetensors").c_str(), F_OK) == 0 ||
+                     access((dir + "/trainer.json").c_str(), F_OK) == 0 || !step_checkpoints(dir).empty();
+  if (rc.overwrite || !holds) return "";
+  if (!rc.resume_dir.empty()) {
+    const std::string save = real_dir(dir), from = real_dir(rc.resume_dir);
+    if (from == save || parent_of(from) == save) return "";
+  }
+  return "--save " + dir + " holds a checkpoint that this run did not resume from: --resume " + dir +
+         " to continue it, or add --overwrite to replace it";
+}
+
 // The lowest rank with a problem tells every rank what it is; every rank then stops.
 static void stop_on_any_rank(std::string err) {
   int world = 1;
@@ -79,6 +102,7 @@ void check_output_paths(const RunConfig& rc) {
   if (err.empty() && rank == 0 && !rc.trace.empty()) err = file_problem("--trace", rc.trace);
   if (err.empty() && !rc.save_dir.empty()) err = save_problem(rc);
   if (err.empty() && rank == 0 && !rc.save_dir.empty()) err = lock_checkpoint_dir(rc.save_dir);
+  if (err.empty() && !rc.save_dir.empty()) err = overwrite_problem(rc);
   stop_on_any_rank(err);
 }
 

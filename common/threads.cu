@@ -43,8 +43,12 @@ static int env_threads(const char* name) {
   return s ? std::max(0, atoi(s)) : 0;
 }
 
+static ThreadChoice g_choice;
+const ThreadChoice& thread_choice() { return g_choice; }
+
 ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim) {
-  ThreadChoice t;
+  ThreadChoice& t = g_choice;
+  t = ThreadChoice();
   MPI_Comm node = node_comm("the threads per rank");
   MPI_Comm_size(node, &t.local_ranks);
   // The cores of the node's ranks are the union of their affinity masks: ranks bound to their own

@@ -29,6 +29,9 @@ struct ThreadChoice {
 // CPU kernels give the same bits at any thread count.
 constexpr int64_t kThreadedElements = 131072;
 ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim);
+// What the last setup_threads chose (a default ThreadChoice before it ran): a measurement that
+// assumes each rank has its cores (05's bubble) says when ranks outnumber them.
+const ThreadChoice& thread_choice();
 // "2 per rank (4 cores, 2 ranks on this node); OpenBLAS 1", plus where an explicit count came
 // from and whether it oversubscribes the cores.
 std::string describe(const ThreadChoice& t);

@@ -234,8 +234,9 @@ const char* recompute_name(Recompute r) {
 
 RunConfig parse_run_config(Args& a) {
   RunConfig rc;
-  rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 3b | 8b | 70b (explicit flags override)");
-  if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (tiny, small, 124m, 1b, 8b)", rc.preset.c_str());
+  const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b";  // apply_preset's names, in --help and the error
+  rc.preset = a.get_str("--preset", "tiny", std::string("model shape: ") + presets + " (explicit flags override)");
+  if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (%s)", rc.preset.c_str(), presets);
   ModelConfig& m = rc.model;
   m.dim = a.get_int("--dim", m.dim, "hidden size h", between(1, 1 << 17));
   m.layers = a.get_int("--layers", m.layers, "decoder layers L", between(1, 4096));
@@ -287,6 +288,7 @@ RunConfig parse_run_config(Args& a) {
                         at_least(0));
   rc.resume_dir = a.get_str("--resume", "", "checkpoint to resume from: a checkpoint directory, or a --keep-last DIR (its newest intact step_)");
   rc.reschedule = a.get_bool("--reschedule", "resume even if this run's lr schedule differs from the checkpoint's");
+  rc.overwrite = a.get_bool("--overwrite", "--save may replace a checkpoint that this run did not resume from");
   rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
   rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job", positive(1e6));
   rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)", at_least(0));
@@ -731,7 +733,12 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
     }
     mem[tag_name(Tag(t))] = std::move(c);
   }
-  log.line("  (no prediction for comm: host staging of CUDA tensors sent over MPI, 0 on the CPU; nor for workspace:");
+  if (pred.comm_holds.empty()) {
+    log.line("  (no prediction for comm: host staging of CUDA tensors sent over MPI when ranks share a GPU; nor for workspace:");
+  } else {
+    log.line("  (no prediction for comm: %s,", pred.comm_holds.c_str());
+    log.line("   and host staging of CUDA tensors sent over MPI when ranks share a GPU; nor for workspace:");
+  }
   log.line("   scratch freed within one call, chiefly the fp32 weight copy at init, resume and save, and kernel temporaries)");
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",

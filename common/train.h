@@ -92,6 +92,7 @@ struct RunConfig {
   long save_every = 0;
   int keep_last = 0;         // > 0: keep the last N checkpoints as save_dir/step_NNNNNN
   bool reschedule = false;   // resume even when the learning-rate curve would change
+  bool overwrite = false;    // --save may replace a checkpoint this run did not resume from
   bool dry_run = false;
   double timeout = 300, peak_tflops = 0;
   bool quiet = false;  // no per-step lines, only a progress line every progress_seconds
@@ -108,7 +109,8 @@ RunConfig parse_run_config(Args& a);
 // The global batch split: dp ranks × micro-batches × --micro-batch sequences. Defaults the
 // micro-batch to the whole local batch and validates the split (config_error on every rank).
 void resolve_batch(RunConfig& rc, int dp);
-// Named shapes: tiny (the test fixture's), small (the benchmark's), 124m, 1b, 8b (Llama-3-8B).
+// Named shapes: tiny (the test fixture's), small (the benchmark's), 124m, 1b, 3b (Llama-3.2-3B),
+// 8b (Llama-3-8B), 70b (Llama-3-70B).
 bool apply_preset(const std::string& name, ModelConfig& m);
 const char* recompute_name(Recompute r);
 
@@ -173,6 +175,12 @@ void check_blas_setup();
 // ----- memory: the playbook's formulas, derived for this model --------------------------------
 struct MemoryPrediction {
   double params = 0, grads = 0, optimizer = 0, activations = 0;
+  // What the unpredicted `comm` row holds in this technique, for the memory table's footnote
+  // (every technique adds the host staging of CUDA tensors that ranks sharing a GPU send by MPI).
+  std::string comm_holds;
+  void comm_also_holds(const std::string& what) {
+    if (!what.empty()) comm_holds += (comm_holds.empty() ? "" : ", ") + what;
+  }
 };
 // Per-rank bytes of parameters (Ψ local), gradients and optimizer states, fp32 or bf16 mixed
 // precision (bf16 weights + fp32 gradients + fp32 master/m/v = 2Ψ + 4Ψ + 12Ψ).

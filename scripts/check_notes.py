@@ -18,9 +18,14 @@ by kind, since the excerpts were printed on one machine and are re-run on any ot
     reader could see in the curve.
 Commands are run from the repository root with ./build/ replaced by --build.
 
-  scripts/check_notes.py [--build DIR] [--quick] [FILE.md ...]    (default: README.md notes/*.md)
+A command quoted without its output (a "./build/…" or "mpirun …" line in a ``` block, or in the
+opening comment of a technique's .cu file) must run as written: it is run in a scratch directory
+and must exit 0.
 
---quick skips commands that train more than 50 steps (make test runs it with --quick).
+  scripts/check_notes.py [--build DIR] [--quick] [FILE ...]   (default: README.md notes/*.md 0*.cu)
+
+--quick skips excerpts that train more than 50 steps, and runs the quoted commands for at most 3
+steps (make test runs it with --quick).
 """
 import argparse
 import glob
@@ -29,6 +34,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 # Fields whose value depends on the machine or the moment (times and rates), masked before comparing.
 UNSTABLE = [
@@ -115,6 +121,43 @@ def excerpts(path):
     return found
 
 
+def quoted_commands(path):
+    """(line number, command) for every command quoted without output: in a .cu file the lines of
+    its opening // comment, in a markdown file the lines of its ``` blocks, that start with
+    "./build/" or "mpirun " (a trailing backslash continues the command on the next line)."""
+    lines = open(path, encoding="utf-8").read().split("\n")
+    cu = path.endswith(".cu")
+    found, in_block, i = [], False, 0
+    while i < len(lines):
+        line = lines[i]
+        if cu and not line.startswith("//"):
+            break  # the opening comment ends here
+        text = line[2:].strip() if cu else line.strip()
+        if not cu and text.startswith("```"):
+            in_block = not in_block
+        elif (cu or in_block) and re.match(r"^(\./build/|mpirun )", text):
+            start, command = i + 1, text
+            while command.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                command = command[:-1].rstrip() + " " + (lines[i][2:] if cu else lines[i]).strip()
+            found.append((start, command))
+        i += 1
+    return found
+
+
+def run_quoted(command, build, quick, env):
+    """Runs a quoted command in a scratch directory; the output when it fails, else None."""
+    cmd = shlex.join(shlex.split(command, comments=True))  # without a trailing "# comment"
+    cmd = cmd.replace("./build/", os.path.abspath(build) + "/")
+    if quick and steps_of(command) > 3:  # starts, validates and trains: the rest is the full check's
+        cmd = re.sub(r"--steps \d+", "--steps 3", cmd) if "--steps" in cmd else cmd + " --steps 3"
+    if "--device" not in cmd:
+        cmd += " --device cpu"
+    with tempfile.TemporaryDirectory() as scratch:
+        out = subprocess.run(cmd, shell=True, cwd=scratch, env=env, capture_output=True, text=True, timeout=600)
+    return None if out.returncode == 0 else f"exit {out.returncode}\n{out.stdout}{out.stderr}"
+
+
 def runnable(command):
     words = shlex.split(command)
     if words and words[0] == "mpirun":
@@ -149,11 +192,19 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("files", nargs="*")
     args = ap.parse_args()
-    files = args.files or ["README.md"] + sorted(glob.glob("notes/*.md"))
+    files = args.files or ["README.md"] + sorted(glob.glob("notes/*.md")) + sorted(glob.glob("0[1-8]_*.cu"))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     checked = failed = skipped = 0
     for path in files:
+        for lineno, command in quoted_commands(path):
+            if not runnable(command):
+                continue
+            checked += 1
+            problem = run_quoted(command, args.build, args.quick, env)
+            if problem is not None:
+                failed += 1
+                print(f"{path}:{lineno}: {command}\n  does not run as written: " + problem.replace("\n", "\n    "))
         for lineno, command, expected in excerpts(path):
             if not runnable(command) or not expected:
                 continue

@@ -37,6 +37,34 @@ def read_log(path):
     return steps, summary
 
 
+def tail_inset(ax, runs, floors):
+    """The last half of the steps magnified in the plot's upper right, where the falling curve has
+    left room: on the full axis the last few hundredths of a nat to the floor are invisible. A run
+    too short to have fallen (its curve still in the upper right) gets none: it has no tail."""
+    low, high = ax.get_ylim()
+    later = [s["loss"] for _, steps, _ in runs for s in steps[int(0.4 * len(steps)):]]
+    if not later or max(later) > low + 0.38 * (high - low):
+        return
+    inset = ax.inset_axes([0.42, 0.42, 0.55, 0.5])
+    lows, highs, gap = [], [], None
+    for k, (label, steps, _) in enumerate(runs):
+        tail = steps[len(steps) // 2:]
+        losses = [s["loss"] for s in tail]
+        inset.plot([s["step"] for s in tail], losses, color=f"C{k}", linewidth=0.8)
+        lows.append(min(losses))
+        highs.append(max(losses))
+        if k == 0 and floors:
+            gap = losses[-1] - min(floors)
+    for f in floors:
+        inset.axhline(f, color="black", linestyle=":", linewidth=1)
+        lows.append(f)
+    pad = 0.05 * max(1e-6, max(highs) - min(lows))
+    inset.set_ylim(min(lows) - pad, max(highs) + pad)
+    inset.tick_params(labelsize=7)
+    title = "last half of the steps" + (f": {gap:.3f} nats above the floor at the end" if gap is not None else "")
+    inset.set_title(title, fontsize=7)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("logs", nargs="+", help="--log-json files")
@@ -61,12 +89,12 @@ def main():
                          color=f"C{k}", marker="o", markersize=4, linestyle=":", linewidth=1)
         if summary.get("loss_floor") is not None:
             floors.add(round(summary["loss_floor"], 6))
-    for f in sorted(floors):
-        ax_loss.axhline(f, color="black", linestyle=":", linewidth=1)
-        ax_loss.annotate(f"loss floor {f:.4f}", (0.99, f), xycoords=("axes fraction", "data"), ha="right",
-                         va="bottom", fontsize=8)
-    ax_loss.set(title="loss", xlabel="step", ylabel="loss (nats/token)")
-    ax_loss.legend(fontsize=8)
+    for f in sorted(floors):  # named in the legend, so no label sits on the curve
+        ax_loss.axhline(f, color="black", linestyle=":", linewidth=1, label=f"loss floor {f:.4f}")
+    ax_loss.set(xlabel="step", ylabel="loss (nats/token)")
+    # Above the plot, where no curve can pass under it (the legend is the panel's title).
+    ax_loss.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.01), ncol=3, frameon=False, borderaxespad=0)
+    tail_inset(ax_loss, runs, floors)
 
     # Memory: per category, two bars per run side by side: measured (solid), predicted (hatched;
     # comm and workspace have none).
@@ -94,8 +122,9 @@ def main():
 
     fig.tight_layout()
     fig.savefig(args.output, dpi=80)
-    evals = ", ".join(f"{label} {sum('eval_loss' in s for s in steps)}" for label, steps, _ in runs)
-    print(f"wrote {args.output}; eval points: {evals}")
+    evals = [(label, sum("eval_loss" in s for s in steps)) for label, steps, _ in runs]
+    evals = ", ".join(f"{label} {n}" for label, n in evals if n)  # only the runs that have some
+    print(f"wrote {args.output}" + (f"; eval points: {evals}" if evals else ""))
 
 
 if __name__ == "__main__":

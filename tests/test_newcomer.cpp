@@ -136,3 +136,108 @@ TEST_CASE("--config: a JSON file of flags, the command line overriding; a checkp
   CHECK(bad.status == 2);
   CHECK(has(bad.output, "error: unknown flag --dpp in --config " + d.file("bad.json")));
 }
+
+TEST_CASE("--save over a checkpoint this run did not resume from is refused unless --overwrite", "[newcomer][ckpt]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck");
+  run_ok("01_single_gpu", "--steps 2 --save " + ck);
+  auto step_of = [&] { return ts::Json::parse(ts::read_text_file(ck + "/trainer.json")).at("step").as_int(); };
+  // Another run (here on two ranks) must not replace it silently: one line, every rank stops.
+  tst::Result r = tst::run_bin("02_data_parallel", kTiny + "--dp 2 --steps 1 --save " + ck, 2, 60);
+  INFO(r.output);
+  CHECK(r.status == 2);
+  CHECK(has(r.output, "error: rank 0: --save " + ck + " holds a checkpoint that this run did not resume from: --resume " + ck +
+                          " to continue it, or add --overwrite to replace it"));
+  CHECK(step_of() == 2);
+  // Continuing it saves over it; --overwrite replaces it deliberately.
+  run_ok("01_single_gpu", "--steps 3 --resume " + ck + " --save " + ck);
+  CHECK(step_of() == 3);
+  run_ok("01_single_gpu", "--steps 1 --overwrite --save " + ck);
+  CHECK(step_of() == 1);
+}
+
+TEST_CASE("--preset: the error and --help list the same names", "[newcomer][flags]") {
+  const std::string names = "tiny, small, 124m, 1b, 3b, 8b, 70b";
+  tst::Result bad = tst::run_bin("01_single_gpu", "--preset 2b", 1, 60);
+  INFO(bad.output);
+  CHECK(bad.status == 2);
+  CHECK(has(bad.output, "unknown --preset '2b' (" + names + ")"));
+  tst::Result help = tst::run_bin("01_single_gpu", "--help", 1, 60);
+  CHECK(has(help.output, "model shape: " + names));
+}
+
+TEST_CASE("a dense checkpoint resumed as a mixture of experts, and the reverse, say so in plain words", "[newcomer][ckpt]") {
+  tst::TempDir d;
+  run_ok("01_single_gpu", "--steps 1 --save " + d.file("dense"));
+  run_ok("01_single_gpu", "--steps 1 --experts 4 --top-k 2 --save " + d.file("moe"));
+  tst::Result a = tst::run_bin("01_single_gpu", kTiny + "--steps 2 --experts 4 --resume " + d.file("dense"), 1, 60);
+  INFO(a.output);
+  CHECK(a.status == 2);
+  CHECK(has(a.output, "this checkpoint is dense; it has no experts (resume it without --experts)"));
+  tst::Result b = tst::run_bin("01_single_gpu", kTiny + "--steps 2 --resume " + d.file("moe"), 1, 60);
+  INFO(b.output);
+  CHECK(b.status == 2);
+  CHECK(has(b.output, "this checkpoint is a mixture of experts; resume it with --experts 4 --top-k 2"));
+  CHECK(!has(a.output + b.output, "missing key"));
+}
+
+TEST_CASE("05: one micro-batch is singular and comes with a --micro-batch hint; a crowded machine's bubble is labelled",
+          "[newcomer][pp]") {
+  // The default micro-batch is the whole batch: m = 1, bubble (p − 1)/m = 1.
+  tst::Result r = tst::run_bin("05_pipeline_parallel", kTiny + "--pp 2 --steps 1 --threads 64", 2, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(has(r.output, "m = 1 micro-batch of 8\n"));
+  CHECK(has(r.output, "hint: with m = 1 the stages mostly wait for one another; split the batch with --micro-batch "
+                      "(--micro-batch 1 gives m = 8, bubble formula 0.1250)"));
+  // 2 ranks × 64 threads outnumber any test machine's cores.
+  CHECK(has(r.output, "(bubble measured: 2 ranks × 64 threads share "));
+  tst::Result split = tst::run_bin("05_pipeline_parallel", kTiny + "--pp 2 --steps 1 --micro-batch 2", 2, 120);
+  INFO(split.output);
+  CHECK(has(split.output, "m = 4 micro-batches of 2"));
+  CHECK(!has(split.output, "hint:"));
+}
+
+TEST_CASE("08 prints the rank-to-group table at start-up", "[newcomer][mesh]") {
+  tst::Result r = tst::run_bin("08_5d_mesh", kTiny + "--dp 2 --tp 2 --kv-heads 4 --steps 1", 4, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(has(r.output, "rank-to-group table: 4 ranks = dp 2 x pp 1 x cp 1 x tp 2 (ep 1), tp innermost\n"
+                      "  rank 0: dp=0 pp=0 cp=0 tp=0 ep=0 | dp {0,2} tp {0,1}\n"
+                      "  rank 1: dp=0 pp=0 cp=0 tp=1 ep=0 | dp {1,3} tp {0,1}\n"
+                      "  rank 2: dp=1 pp=0 cp=0 tp=0 ep=0 | dp {0,2} tp {2,3}\n"
+                      "  rank 3: dp=1 pp=0 cp=0 tp=1 ep=0 | dp {1,3} tp {2,3}\n"));
+  CHECK(has(r.output, "in 1 micro-batch of 4"));
+}
+
+TEST_CASE("the memory table says what its comm row holds; 06's zigzag error is a whole sentence", "[newcomer][cp]") {
+  tst::Result r = tst::run_bin("06_context_parallel", kTiny + "--cp 2 --steps 1", 2, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(has(r.output, "(no prediction for comm: the ring's K/V blocks in flight and the dK/dV accumulators that travel "
+                      "home,\n   and host staging of CUDA tensors sent over MPI when ranks share a GPU; nor for workspace:"));
+  tst::Result bad = tst::run_bin("06_context_parallel", kTiny + "--cp 2 --seq 34 --steps 1", 2, 60);
+  INFO(bad.output);
+  CHECK(bad.status == 2);
+  CHECK(has(bad.output, "--seq 34 is not divisible by 2·cp = 4 (zigzag cuts each sequence into 2·cp chunks; --zigzag 0 "
+                        "needs only a multiple of cp)"));
+}
+
+TEST_CASE("07 predicts its all-to-all for balanced routing and prints the routing's imbalance", "[newcomer][ep]") {
+  tst::TempDir d;
+  tst::Result r = tst::run_bin("07_expert_parallel", kTiny + "--dp 2 --ep 2 --experts 4 --top-k 2 --steps 2 --log-json " +
+                                                     d.file("r.jsonl"), 2, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  // Per rank and step, balanced: micro-batches × L × (4 · (ep−1)/ep · N·K rows of D fp32 + the counts).
+  const double N = 4 * 32, L = 2, D = 64, bytes = L * (4 * 0.5 * N * 2 * D * 4 + 1 * 2 * 4);
+  const ts::Json& a2a = tst::read_log(d.file("r.jsonl")).summary.at("comm").at("ep").at("all_to_all");
+  CHECK(a2a.at("predicted").as_double() == Approx(bytes).epsilon(1e-12));
+  CHECK(a2a.at("bytes").as_double() == a2a.at("from_routing").as_double());
+  char want[160];
+  snprintf(want, sizeof want, "ep routing imbalance (this run's counts, rank 0): all_to_all %s per step = %.4f × the balanced %s;",
+           ts::human_bytes(a2a.at("bytes").as_double()).c_str(), a2a.at("bytes").as_double() / bytes,
+           ts::human_bytes(bytes).c_str());
+  CHECK(has(r.output, want));
+  CHECK(has(r.output, "  its experts received up to "));
+}

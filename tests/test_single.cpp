@@ -226,7 +226,7 @@ TEST_CASE("--steps 0 --save writes the initial weights, and training from them e
 TEST_CASE("an interrupted save leaves the previous checkpoint loadable", "[01][e2e][ckpt]") {
   std::string dir = tst::scratch("ck_crash");
   train("--steps 3 --save " + dir, "crash_a");
-  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 6 --save " + dir, 1, 300, "TS_CRASH_IN_SAVE=1");
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 6 --overwrite --save " + dir, 1, 300, "TS_CRASH_IN_SAVE=1");
   CHECK(r.status != 0);
   CHECK(r.output.find("simulated crash") != std::string::npos);
   CHECK(ts::Json::parse(ts::read_text_file(dir + "/trainer.json")).at("step").as_int() == 3);
