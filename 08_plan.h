@@ -457,13 +457,18 @@ inline void print_assumptions(RunLog& log, const Cluster& cl) {
 }
 
 // Warnings that make a ranking untrustworthy if unread: a batch too small to feed data parallelism
-// (the mesh is then forced, not chosen), and a pipeline that idles more than a fifth of its time.
-constexpr double kBubbleWarning = 0.2;
+// (the mesh is then forced, not chosen), a plan at the edge of memory, and a pipeline that idles
+// more than a fifth of its time.
+constexpr double kBubbleWarning = 0.2, kMemoryWarning = 0.9;
 inline void print_warnings(RunLog& log, const RunConfig& rc, const Cluster& cl, const Candidate* best, bool ranked) {
   if (ranked && rc.batch < cl.gpus)
     log.line("warning: %d sequences per step for %d GPUs: fewer than one sequence per data-parallel rank at dp %d, so "
              "dp ≤ %d and tp, cp or pp must fill the rest; raise --global-batch-tokens", rc.batch, cl.gpus, cl.gpus,
              rc.batch);
+  if (best && best->reject.empty() && best->mem_total > kMemoryWarning * usable_bytes(cl))
+    log.line("warning: %s is over %.0f%% of the usable %s: runs this close to the limit lose time to the allocator "
+             "(the playbook's 80B on 4 nodes ran at 15%% MFU); prefer a mesh with room", human_bytes(best->mem_total).c_str(),
+             100 * kMemoryWarning, human_bytes(usable_bytes(cl)).c_str());
   if (best && best->bubble > kBubbleWarning)
     log.line("warning: the pipeline bubble is %.0f%% of compute (over %.0f%%): more micro-batches (a larger batch or "
              "--micro-batch) or interleaving shrink it", 100 * best->bubble, 100 * kBubbleWarning);

@@ -188,7 +188,7 @@ const char* recompute_name(Recompute r) {
 RunConfig parse_run_config(Args& a) {
   RunConfig rc;
   rc.preset = a.get_str("--preset", "tiny", "model shape: tiny | small | 124m | 1b | 3b | 8b | 70b | 80b (explicit flags override)");
-  if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (tiny, small, 124m, 1b, 8b)", rc.preset.c_str());
+  if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (tiny, small, 124m, 1b, 3b, 8b, 70b, 80b)", rc.preset.c_str());
   ModelConfig& m = rc.model;
   m.dim = a.get_int("--dim", m.dim, "hidden size h");
   m.layers = a.get_int("--layers", m.layers, "decoder layers L");
