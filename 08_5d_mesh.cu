@@ -419,7 +419,8 @@ int main(int argc, char** argv) {
   mesh5d::PlanJob job;
   Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
     planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
-    const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100");
+    const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
+    const std::string calibration = a.get_str("--calibration", "build/calibration.json", "--plan --gpu local: the file make bench writes");
     const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
@@ -448,8 +449,10 @@ int main(int argc, char** argv) {
       config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
     if (!planning) return;
     rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
-    cluster.gpu = mesh5d::find_gpu(gpu);
-    if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
+    static mesh5d::Gpu local;
+    if (gpu == "local") local = mesh5d::local_gpu(calibration);
+    cluster.gpu = gpu == "local" ? &local : mesh5d::find_gpu(gpu);
+    if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
     cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
     if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
     if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training

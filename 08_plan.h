@@ -84,6 +84,31 @@ inline const Gpu* find_gpu(const std::string& name) {
   return nullptr;
 }
 
+// This machine, as `make bench` measured it (scripts/bench.sh writes the file): the rate one rank
+// reaches on a whole training step of 01 (F × tokens/s, so the non-matmul work is in it and the
+// achievable fraction is 1), and the bus bandwidths and small-message latency of bench_comm at
+// 2 ranks. One "node": every rank on this machine.
+//   {"gflops": 21.3, "memory_gib": 7.7, "all_reduce_gbs": 0.9, "all_gather_gbs": 0.6,
+//    "reduce_scatter_gbs": 0.5, "latency_s": 2e-05}
+inline Gpu local_gpu(const std::string& path) {
+  std::ifstream f(path);
+  if (!f) config_error("--gpu local: cannot read %s (make bench writes it; or pass --calibration FILE)", path.c_str());
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  try {
+    const Json j = Json::parse(text);
+    auto num = [&](const char* key) {
+      const double v = j.at(key).as_double();
+      if (!(v > 0)) throw FormatError(std::string(key) + " must be > 0");
+      return v;
+    };
+    const double ar = num("all_reduce_gbs"), ag = num("all_gather_gbs"), rs = num("reduce_scatter_gbs"), lat = num("latency_s");
+    // Memory bandwidth is not measured: the roofline is left out (the step rate already holds it).
+    return {"local", num("memory_gib"), num("gflops") / 1e3, 1e9, 1.0, Network{{1}, {ar}, {ag}, {rs}, ag, lat, lat}};
+  } catch (const FormatError& e) {
+    config_error("--gpu local: %s: %s", path.c_str(), e.what());
+  }
+}
+
 // The cluster and the job the planner sizes a mesh for.
 struct Cluster {
   const Gpu* gpu;
@@ -450,6 +475,12 @@ inline void sort_ranking(std::vector<Candidate>& all) { std::stable_sort(all.beg
 // The stated assumptions, printed with every plan.
 inline void print_assumptions(RunLog& log, const Cluster& cl) {
   const Gpu& g = *cl.gpu;
+  if (g.name == "local") {
+    log.line("assumed (measured here by make bench): a training step's FLOPs at %.1f GFLOP/s per rank; bus bandwidth "
+             "all-reduce %.2f, all-gather %.2f, reduce-scatter %.2f GB/s; %.0f µs per call", 1e3 * g.peak_tflops,
+             g.net.all_reduce[0], g.net.all_gather[0], g.net.reduce_scatter[0], 1e6 * g.net.latency_intra_s);
+    return;
+  }
   log.line("assumed: matmuls at up to %.0f%% of %.0f TFLOP/s (roofline at %.0f GB/s); bus bandwidth by nodes spanned "
            "(all-reduce %.0f GB/s in a node, %.1f across %g nodes); %.0f/%.0f µs per call in/across nodes",
            100 * g.achievable, g.peak_tflops, g.hbm_gbs, g.net.all_reduce[0], g.net.all_reduce.back(), g.net.nodes.back(),

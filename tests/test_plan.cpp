@@ -191,3 +191,35 @@ TEST_CASE("a candidate's memory is predict_memory's, the fuller pipeline stage's
   }
   CHECK(c.mem_total == fullest);
 }
+
+// --gpu local: this machine as make bench measured it. Its rate is a whole step's, so a dp 1 mesh's
+// compute is F × tokens / rate, and its collectives run at the measured bus bandwidths.
+TEST_CASE("--gpu local reads the calibration make bench writes, and prices with it", "[plan]") {
+  const std::string path = tst::scratch("calibration.json");
+  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
+                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
+  const Gpu g = local_gpu(path);
+  CHECK(g.peak_tflops == Approx(0.02));
+  CHECK(g.achievable == 1);
+  CHECK(bus_bandwidth(g.net, Collective::ReduceScatter, 1) == 0.25);
+  RunConfig rc;
+  REQUIRE(apply_preset("small", rc.model));
+  rc.batch = 8;
+  Cluster cl{&g, 8, 2, 2};
+  Plan p;
+  p.mesh = {2, 1, 1, 1, 1};
+  const Candidate c = evaluate(rc, cl, p, 4, Recompute::None);
+  CHECK(c.efficiency == 1);
+  CHECK(c.t_compute == Approx(flops_per_token(rc.model) * 8 * rc.model.seq / 2 / 20e9));
+  // One bucket holds all the gradients (25 MiB > 4Ψ), so the all-reduce shows whole: 2·½·4Ψ bytes.
+  CHECK(c.t_dp_exposed == Approx(c.t_dp));
+  CHECK(c.t_dp == Approx(1e-5 + 4.0 * param_count(rc.model) / 0.5e9));
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration " + path +
+                                                       " --preset small --gpus 2 --gpus-per-node 2 --batch 8 --dtype fp32 --dp 2", 1, 60);
+  INFO(r.output);
+  CHECK(r.output.find("assumed (measured here by make bench): a training step's FLOPs at 20.0 GFLOP/s per rank") !=
+        std::string::npos);
+  const tst::Result none = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration /nonexistent.json --gpus 2", 1, 60);
+  CHECK(none.status != 0);
+  CHECK(none.output.find("--gpu local: cannot read /nonexistent.json") != std::string::npos);
+}
