@@ -223,17 +223,21 @@ inline Collective collective_of(const std::string& op) {
                                   : Collective::P2P;  // send, recv; all_to_all priced as one rank's sends
 }
 
+// The fp32 gradients this rank holds: what plain DP reduces, in buckets.
+inline double grad_bytes(const RunConfig& rc, const Plan& p) { return 4.0 * double(local_table(rc, p, 0).total); }
+
 // Calls per step of a group's collectives, for their latency: tp 2 collectives per layer forward and
 // 2 backward (each an all-gather + reduce-scatter pair under SP), cp's ring cp−1 steps per layer
-// forward and backward, the dense group one per bucket (or per unit for ZeRO, per micro-batch
-// where 03 reduces or gathers every micro-batch).
+// forward and backward, the dense group one per bucket (naive: one per tensor, 9 per layer), per
+// unit for ZeRO (per micro-batch where 03 reduces or gathers every micro-batch).
 inline double calls_per_step(const RunConfig& rc, const Plan& p, const std::string& group, double mbs, int units) {
   const double layers = double(rc.model.layers) / p.mesh.pp;
   if (group == "tp") return mbs * layers * (p.sp ? 8 : 4);
   if (group == "cp") return mbs * layers * 2 * (p.mesh.cp - 1);
   if (group == "pp") return 2 * mbs * p.virtual_stages;
   if (group == "ep") return mbs * layers * 4;
-  if (p.zero == 0) return p.dp_mode == "naive" ? 9.0 * layers : std::max(1.0, 4.0 * param_count(rc.model) / p.mesh.tp / p.mesh.pp / (p.bucket_mb * 1048576));
+  if (p.zero == 0)
+    return p.dp_mode == "naive" ? 9.0 * layers : std::max(1.0, grad_bytes(rc, p) / (p.bucket_mb * 1048576));
   return units * (p.zero == 1 ? 2 : p.zero == 2 ? mbs + 1 : 3 * mbs);
 }
 
@@ -283,9 +287,8 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   const double backward = p.mesh.pp > 1 ? 0 : kBackwardShare * c.t_compute, last_backward = backward / std::max(1.0, mbs);
   c.t_dp = seconds(dense, dense_axis) + seconds("ep_dp", Axis::EP_DP);
   if (p.zero == 0) {
-    const double grads = 4.0 * param_count(m) / p.mesh.tp / p.mesh.pp;
     c.t_dp_exposed = p.dp_mode == "naive" ? c.t_dp  // per tensor after the backward
-                                          : reduction_exposed(c.t_dp, last_backward, p.bucket_mb * 1048576 / grads);
+                                          : reduction_exposed(c.t_dp, last_backward, p.bucket_mb * 1048576 / grad_bytes(rc, p));
   } else if (p.zero < 3) {
     // ZeRO-1 reduce-scatters once (ZeRO-2 every micro-batch, behind each backward); the updated
     // weights are gathered after the optimizer step, with nothing left to hide behind.
