@@ -231,293 +231,6 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
   }
 }
 
-// ----- the planner: predict before running ----------------------------------------------------------
-
-// A GPU: memory, dense bf16 peak, and the all-reduce bus bandwidth NCCL reaches inside a node
-// (NVLink) and between nodes (per GPU). The bandwidths are nominal figures from the hardware
-// (H100/H200: NVLink 4 at 900 GB/s bidirectional, of which a ring all-reduce sustains about half;
-// 8 × 400 Gb/s NICs per node = 50 GB/s per GPU), not measurements of this project.
-struct Gpu {
-  const char* name;
-  double mem_gib, bf16_tflops, intra_gbs, inter_gbs;
-};
-inline const Gpu* find_gpu(const std::string& name) {
-  static const Gpu kGpus[] = {{"h100", 80, 989, 450, 50}, {"h200", 141, 989, 450, 50}, {"a100", 80, 312, 230, 25}};
-  for (const Gpu& g : kGpus)
-    if (name == g.name) return &g;
-  return nullptr;
-}
-
-// The cluster and the job the planner sizes a mesh for.
-struct Cluster {
-  const Gpu* gpu;
-  double mem_gib;  // usable memory per GPU (--gpu-mem overrides the table)
-  int gpus, per_node;
-};
-
-// Stated assumptions of the time model (notes/08 discusses them):
-constexpr double kMatmulEfficiency = 0.5;  // fraction of the bf16 peak the step's FLOPs run at
-constexpr double kMemoryHeadroom = 0.9;    // of the GPU's memory, the rest for workspace and fragmentation
-constexpr double kBackwardShare = 2.0 / 3; // backward's share of compute, behind which DP hides its reduction
-
-struct Candidate {
-  Plan plan;
-  int micro_batch = 1;
-  Recompute recompute = Recompute::None;
-  MemoryPrediction mem;
-  double mem_total = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0, t_bubble = 0,
-         t_pp = 0, t_ep = 0, bubble = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
-  std::string reject;  // why it cannot run ("" = it fits)
-};
-
-inline double group_bw(const Cluster& c, int span) { return span <= c.per_node ? c.gpu->intra_gbs : c.gpu->inter_gbs; }
-inline double sum_bytes(const std::map<std::string, double>& ops) {
-  double b = 0;
-  for (auto& [op, v] : ops) b += v;
-  return b;
-}
-
-// Memory from the same functions a run prints as "predicted"; time = compute at the stated
-// efficiency + TP's collectives (on the critical path) + what of the ring's K/V transfers the
-// attention compute cannot hide + what of the dp × cp reduction backward cannot hide.
-inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& p, int mb, Recompute r) {
-  Candidate c;
-  c.plan = p;
-  c.micro_batch = mb;
-  c.recompute = r;
-  RunConfig rc = base;
-  rc.micro_batch = mb;
-  rc.recompute = r;
-  // The fullest pipeline stage sets the memory: the first (embedding, most micro-batches in
-  // flight) or the last (head and logits).
-  auto total = [](const MemoryPrediction& m) { return m.params + m.grads + m.optimizer + m.activations; };
-  c.mem = predict_memory(rc, p, 0);
-  if (p.mesh.pp > 1) {
-    const MemoryPrediction last = predict_memory(rc, p, p.mesh.pp - 1);
-    if (total(last) > total(c.mem)) c.mem = last;
-  }
-  c.mem_total = total(c.mem);
-  const double tokens = double(rc.batch) * rc.model.seq, gpus = double(cl.gpus);
-  // Full recompute runs the forward (a third of 6N) again: 8N instead of 6N per token.
-  const double redo = r == Recompute::Full ? 8.0 / 6.0 : 1.0;
-  c.t_compute = flops_per_token(rc.model) * tokens * redo / gpus / (cl.gpu->bf16_tflops * 1e12 * kMatmulEfficiency);
-  const auto comm = predict_comm(rc, p);
-  // tp ranks are neighbours (innermost); a cp group spans cp·tp ranks, the dense group (dp × cp,
-  // its members pp·cp·tp apart) every rank of the mesh.
-  const int span = p.mesh.dp * p.mesh.pp * p.mesh.cp * p.mesh.tp;
-  if (comm.count("tp")) c.t_tp = sum_bytes(comm.at("tp")) / (group_bw(cl, p.mesh.tp) * 1e9);
-  if (comm.count("cp")) c.t_cp = sum_bytes(comm.at("cp")) / (group_bw(cl, p.mesh.cp * p.mesh.tp) * 1e9);
-  const std::string dense = dense_group_name(p);
-  if (comm.count(dense)) c.t_dp = sum_bytes(comm.at(dense)) / (group_bw(cl, span) * 1e9);
-  // Expert parallelism: the expert gradients' all-reduce over ep_dp (spanning the mesh) hides
-  // behind backward with the dense one; the all-to-alls (balanced routing) sit on the critical
-  // path, their group ep dp × cp ranks pp·cp·tp apart, so spanning ep·pp·cp·tp ranks.
-  if (comm.count("ep_dp")) c.t_dp += sum_bytes(comm.at("ep_dp")) / (group_bw(cl, span) * 1e9);
-  if (comm.count("ep")) c.t_ep = sum_bytes(comm.at("ep")) / (group_bw(cl, p.mesh.ep * p.mesh.pp * p.mesh.cp * p.mesh.tp) * 1e9);
-  // The ring overlaps its transfers with attention: 12·L·h·s of the 6N + 12·L·h·s FLOPs per token.
-  const ModelConfig& m = rc.model;
-  const double attn_share = 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m);
-  c.t_cp_exposed = p.cp.mode == cp::Mode::Ring ? std::max(0.0, c.t_cp - attn_share * c.t_compute) : c.t_cp;
-  const double hide = (p.zero == 3 ? 1.0 : kBackwardShare) * c.t_compute;  // ZeRO-3 prefetches under forward too
-  c.t_dp_exposed = std::max(0.0, c.t_dp - hide);
-  // The pipeline: its simulated bubble (idle over compute) of the compute, and the stage that
-  // sends the most (a middle one) on the critical path, its group spanning pp·cp·tp ranks.
-  if (p.mesh.pp > 1) {
-    const pp::Plan pl = pipeline_plan(rc, p);
-    c.bubble = pl.bubble();
-    c.t_bubble = c.bubble * c.t_compute;
-    double send = 0;
-    for (int s = 0; s < p.mesh.pp; s++)
-      send = std::max(send, pp::predict_send_bytes(rc.model, mb, rc.dtype, pl.p, pl.m, pl.V, s, token_share(p)));
-    c.t_pp = send / (group_bw(cl, p.mesh.pp * p.mesh.cp * p.mesh.tp) * 1e9);
-  }
-  c.step = c.t_compute + c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_bubble + c.t_pp + c.t_ep;
-  c.tokens_per_s_gpu = tokens / c.step / gpus;
-  c.mfu = flops_per_token(rc.model) * c.tokens_per_s_gpu / (cl.gpu->bf16_tflops * 1e12);
-  if (c.mem_total > cl.mem_gib * kMemoryHeadroom * 1073741824.0)
-    c.reject = "does not fit: " + human_bytes(c.mem_total) + " > " + human_bytes(cl.mem_gib * kMemoryHeadroom * 1073741824.0);
-  return c;
-}
-
-// Every valid mesh of the cluster: tp dividing the heads and kv heads, cp (ring, zigzag)
-// dividing the sequence into 2·cp chunks, pp dividing the layers (1F1B, and interleaved with two
-// chunks per rank where it divides), dp the rest; each ZeRO stage (only 0 and 1 with pp), the
-// micro-batches that divide the batch, each recompute mode; sequence parallel with tp. With
-// experts: each ep dividing dp and the experts (ZeRO only at ep 1), no cp and no sequence
-// parallelism (validate says why); a dense model gets exactly the meshes it got before.
-inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
-  std::vector<Candidate> all;
-  const ModelConfig& m = rc.model;
-  for (int tp = 1; tp <= cl.gpus; tp *= 2)
-    for (int cpn = 1; cpn * tp <= cl.gpus && cpn <= 16; cpn *= 2)
-      for (int pp = 1; pp * cpn * tp <= cl.gpus && pp <= m.layers; pp *= 2) {
-        if (cl.gpus % (tp * cpn * pp) || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
-        // cp for long sequences only: below ~1k tokens per rank a ring's K/V transfer outlasts the
-        // attention it hides behind (notes/06), which this time model does not see.
-        if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 1024)) continue;
-        if (m.experts > 0 && cpn > 1) continue;
-        if (m.layers % pp) continue;
-        const int dp = cl.gpus / (tp * cpn * pp);
-        if (rc.batch % dp) continue;
-        for (int V : {1, 2}) {
-          if (V > 1 && (pp == 1 || m.layers % (pp * V))) continue;
-          for (int zero = 0; zero <= (pp > 1 ? 1 : 3); zero++)
-            for (int mb = 1; mb <= rc.batch / dp; mb *= 2) {
-              if ((rc.batch / dp) % mb) continue;
-              const int micro = rc.batch / dp / mb;
-              if (V > 1 && micro % pp) continue;  // interleaved needs m a multiple of pp
-              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full})
-                for (int ep = 1; ep <= (m.experts > 0 ? dp * cpn : 1); ep *= 2) {
-                  if ((dp * cpn) % ep || (m.experts > 0 && m.experts % ep) || (ep > 1 && zero > 0)) continue;
-                  Plan p;
-                  p.mesh.dp = dp;
-                  p.mesh.tp = tp;
-                  p.mesh.cp = cpn;
-                  p.mesh.pp = pp;
-                  p.mesh.ep = ep;
-                  p.zero = dp * cpn > 1 ? zero : 0;
-                  if (dp * cpn == 1 && zero > 0) continue;
-                  p.sp = tp > 1 && m.experts == 0;
-                  p.virtual_stages = V;
-                  p.schedule = V > 1 ? pp::Schedule::Interleaved : pp::Schedule::OneFOneB;
-                  p.dp_mode = pp > 1 ? "naive" : "bucketed";
-                  all.push_back(evaluate(rc, cl, p, mb, r));
-                }
-            }
-        }
-      }
-  return all;
-}
-
-inline std::string describe(const Candidate& c) {
-  char b[256];
-  const std::string pipe = c.plan.mesh.pp > 1 ? " pp " + std::to_string(c.plan.mesh.pp) +
-                                                   (c.plan.virtual_stages > 1 ? "×" + std::to_string(c.plan.virtual_stages) : "")
-                                             : "";
-  snprintf(b, sizeof b, "dp %d%s%s tp %d%s%s %s, micro-batch %d, recompute %s", c.plan.mesh.dp, pipe.c_str(),
-           c.plan.mesh.cp > 1 ? (" cp " + std::to_string(c.plan.mesh.cp)).c_str() : "", c.plan.mesh.tp,
-           c.plan.sp ? "+sp" : "", c.plan.mesh.ep > 1 ? (" ep " + std::to_string(c.plan.mesh.ep)).c_str() : "", c.plan.zero ? ("ZeRO-" + std::to_string(c.plan.zero)).c_str() : "DP", c.micro_batch,
-           recompute_name(c.recompute));
-  return b;
-}
-
-inline Json candidate_json(const Candidate& c) {
-  Json j = Json::object();
-  j["dp"] = c.plan.mesh.dp;
-  j["tp"] = c.plan.mesh.tp;
-  j["cp"] = c.plan.mesh.cp;
-  j["pp"] = c.plan.mesh.pp;
-  j["ep"] = c.plan.mesh.ep;
-  j["virtual_stages"] = c.plan.virtual_stages;
-  j["bubble"] = c.bubble;
-  j["zero"] = c.plan.zero;
-  j["sequence_parallel"] = c.plan.sp;
-  j["micro_batch"] = c.micro_batch;
-  j["recompute"] = recompute_name(c.recompute);
-  j["memory_bytes"] = c.mem_total;
-  j["step_s"] = c.step;
-  j["tokens_per_s_per_gpu"] = c.tokens_per_s_gpu;
-  j["mfu"] = c.mfu;
-  j["exposed_comm_s"] = c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp + c.t_ep;
-  j["reject"] = c.reject;
-  return j;
-}
-
-// Ranks the candidates that fit by tokens/s/GPU and says, for the best of those that lose, why.
-inline void print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, std::vector<Candidate> all) {
-  log.line("plan: %s on %d × %s (%.0f GiB usable, %d per node), seq %d, %d sequences per step (%.0f tokens)",
-           rc.preset.c_str(), cl.gpus, cl.gpu->name, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch,
-           double(rc.batch) * rc.model.seq);
-  log.line("assumed: matmuls at %.0f%% of %.0f TFLOP/s; all-reduce bus bandwidth %.0f GB/s in a node, %.0f GB/s across;"
-           " DP hides behind backward (%.0f%% of compute)", 100 * kMatmulEfficiency, cl.gpu->bf16_tflops,
-           cl.gpu->intra_gbs, cl.gpu->inter_gbs, 100 * kBackwardShare);
-  // Equal throughput (within 0.1%): the simpler mesh first — lower ZeRO stage, less
-  // recomputation, less TP, less CP, larger micro-batches (fewer kernel launches than the model counts).
-  auto simpler = [](const Candidate& a, const Candidate& b) {
-    if (a.plan.zero != b.plan.zero) return a.plan.zero < b.plan.zero;
-    if (a.recompute != b.recompute) return int(a.recompute) < int(b.recompute);
-    if (a.plan.mesh.tp != b.plan.mesh.tp) return a.plan.mesh.tp < b.plan.mesh.tp;
-    if (a.plan.mesh.cp != b.plan.mesh.cp) return a.plan.mesh.cp < b.plan.mesh.cp;
-    if (a.plan.mesh.pp != b.plan.mesh.pp) return a.plan.mesh.pp < b.plan.mesh.pp;
-    if (a.plan.mesh.ep != b.plan.mesh.ep) return a.plan.mesh.ep < b.plan.mesh.ep;
-    return a.micro_batch > b.micro_batch;
-  };
-  // Throughput in per-mille steps of the fastest: a strict ordering that still treats near-equal as equal.
-  double top = 1e-30;
-  for (const Candidate& c : all) top = std::max(top, c.tokens_per_s_gpu);
-  auto level = [&](const Candidate& c) { return std::llround(1000.0 * c.tokens_per_s_gpu / top); };
-  auto ties = [&](const Candidate& a, const Candidate& b) { return level(a) == level(b); };
-  std::stable_sort(all.begin(), all.end(), [&](const Candidate& a, const Candidate& b) {
-    if (a.reject.empty() != b.reject.empty()) return a.reject.empty();
-    if (!ties(a, b)) return level(a) > level(b);
-    return simpler(a, b);
-  });
-  log.line("%-4s %-58s %10s %12s %7s %10s %7s", "rank", "mesh", "memory", "tok/s/GPU", "MFU", "exposed", "bubble");
-  int shown = 0;
-  for (const Candidate& c : all) {
-    if (!c.reject.empty() || shown == 8) break;
-    log.line("%-4d %-58s %10s %12.0f %6.1f%% %8.1f ms %6.1f%%", ++shown, describe(c).c_str(),
-             human_bytes(c.mem_total).c_str(), c.tokens_per_s_gpu, 100 * c.mfu,
-             1e3 * (c.t_tp + c.t_cp_exposed + c.t_dp_exposed + c.t_pp + c.t_ep), 100 * c.bubble);
-  }
-  if (all.empty()) {  // every factorisation broke a divisibility rule of 02–07
-    log.line("no valid mesh on %d GPUs: dp must divide the %d sequences of a step, pp the %d layers, tp the %d heads "
-             "and %d kv heads, cp the %d tokens of a sequence (in 2·cp chunks); change --gpus or --global-batch-tokens",
-             cl.gpus, rc.batch, rc.model.layers, rc.model.heads, rc.model.kv_heads, rc.model.seq);
-    return;
-  }
-  if (shown == 0) {
-    double least = all.front().mem_total;
-    for (const Candidate& c : all) least = std::min(least, c.mem_total);
-    log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(least).c_str());
-    return;
-  }
-  const Candidate& best = all.front();
-  // The best candidate of each other kind (in ranking order: one that fits if any does), and why
-  // it loses to the best.
-  auto why = [&](const char* what, const std::function<bool(const Candidate&)>& pick) {
-    const Candidate* w = nullptr;
-    for (const Candidate& c : all)
-      if (pick(c)) {
-        w = &c;
-        break;
-      }
-    if (!w || w == &best) return;
-    // The reason is the part of the step where it loses the most time to the best.
-    const std::pair<double, const char*> parts[] = {
-        {w->t_compute - best.t_compute, w->recompute == Recompute::Full ? "recomputation costs a third more compute"
-                                                                         : "more compute per GPU"},
-        {w->t_tp - best.t_tp, w->plan.mesh.tp > cl.per_node ? "tp crosses nodes: its all-reduces run at inter-node bandwidth"
-                                                            : "more TP communication on the critical path"},
-        {w->t_cp_exposed - best.t_cp_exposed, "the ring's K/V transfers outlast the attention they hide behind"},
-        {w->t_dp_exposed - best.t_dp_exposed, "DP communication no longer hides behind backward"},
-        {w->t_bubble - best.t_bubble, "the pipeline bubble idles its stages"},
-        {w->t_pp - best.t_pp, "the pipeline's p2p transfers"},
-        {w->t_ep - best.t_ep, "the all-to-alls of expert parallelism"}};
-    const auto* worst = &parts[0];
-    for (const auto& q : parts)
-      if (q.first > worst->first) worst = &q;
-    std::string reason = !w->reject.empty() ? w->reject
-                         : ties(*w, best) ? "as fast; the ranking prefers the simpler mesh (lower ZeRO stage, less recomputation)"
-                         : worst->first > 0 ? worst->second
-                                            : "less throughput per GPU";
-    log.line("  %-24s %s: %.0f tok/s/GPU — %s", what, describe(*w).c_str(), w->tokens_per_s_gpu, reason.c_str());
-  };
-  log.line("best: %s; alternatives:", describe(best).c_str());
-  why("plain data parallel", [](const Candidate& c) {
-    return c.plan.mesh.tp == 1 && c.plan.mesh.pp == 1 && c.plan.mesh.cp == 1 && c.plan.mesh.ep == 1 && c.plan.zero == 0;
-  });
-  why("more tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp > best.plan.mesh.tp; });
-  why("less tensor parallel", [&](const Candidate& c) { return c.plan.mesh.tp < best.plan.mesh.tp; });
-  why("other ZeRO stage", [&](const Candidate& c) {
-    return c.plan.mesh.tp == best.plan.mesh.tp && c.plan.zero != best.plan.zero;
-  });
-  why("no recomputation", [](const Candidate& c) { return c.recompute == Recompute::None; });
-  why("context parallel", [&](const Candidate& c) { return c.plan.mesh.cp != best.plan.mesh.cp; });
-  why("pipeline parallel", [&](const Candidate& c) { return c.plan.mesh.pp != best.plan.mesh.pp; });
-  why("other expert parallel", [&](const Candidate& c) { return c.plan.mesh.ep != best.plan.mesh.ep; });
-}
-
 // ----- the composed step ----------------------------------------------------------------------------
 
 // One model on one mesh, with the pieces of 02/03/04 attached to it.
@@ -690,6 +403,8 @@ class Composed {
 
 }  // namespace mesh5d
 
+#include "08_plan.h"  // the planner (--plan): predicts what the pieces above will cost on a cluster
+
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 8
 using namespace ts;
@@ -701,44 +416,21 @@ static const char* kDoc =
     "       [--schedule 1f1b|afab|interleaved|zb-h1] [--cp-mode ring|ulysses] [flags]  (N = D·P·C·T)\n"
     "       08_5d_mesh --plan --preset 8b --gpus 64 [--gpu h100] (runs nothing)";
 
-// --plan: runs nothing; ranks every valid mesh for the cluster, or predicts the one given.
-static int plan_only(RunLog& log, const RunConfig& rc, const mesh5d::Cluster& cl, const mesh5d::Plan* given) {
-  std::vector<mesh5d::Candidate> all;
-  if (given) {
-    all.push_back(mesh5d::evaluate(rc, cl, *given, rc.micro_batch, rc.recompute));
-    const mesh5d::Candidate& c = all[0];
-    log.line("plan: %s on %d × %s: %s", rc.preset.c_str(), cl.gpus, cl.gpu->name, mesh5d::describe(c).c_str());
-    log.line("  memory per GPU %s (params %s, grads %s, optimizer %s, activations %s)%s%s",
-             human_bytes(c.mem_total).c_str(), human_bytes(c.mem.params).c_str(), human_bytes(c.mem.grads).c_str(),
-             human_bytes(c.mem.optimizer).c_str(), human_bytes(c.mem.activations).c_str(), c.reject.empty() ? "" : " — ",
-             c.reject.c_str());
-    log.line("  step %.3f s: compute %.3f s, tp %.3f s, cp %.3f s (%.3f exposed), dp %.3f s (%.3f exposed), bubble "
-             "%.3f s, pp p2p %.3f s; %.0f tok/s/GPU, MFU %.1f%%", c.step, c.t_compute, c.t_tp, c.t_cp, c.t_cp_exposed,
-             c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp, c.tokens_per_s_gpu, 100 * c.mfu);
-    if (c.plan.mesh.ep > 1) log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
-  } else {
-    all = mesh5d::enumerate(rc, cl);
-    mesh5d::print_ranking(log, rc, cl, all);
-  }
-  Json cands = Json::array();
-  for (const mesh5d::Candidate& c : all) cands.push_back(mesh5d::candidate_json(c));
-  Json s = Json::object();
-  s["candidates"] = std::move(cands);
-  log.summary(s);
-  return 0;
-}
-
 int main(int argc, char** argv) {
   mesh5d::Plan plan;
   bool planning = false, mesh_given = false, show_mesh = false;
   mesh5d::Cluster cluster{nullptr, 0, 8, 8};
+  mesh5d::PlanJob job;
   Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
     planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
-    const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100");
+    const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
+    const std::string calibration = a.get_str("--calibration", "build/calibration.json", "--plan --gpu local: the file make bench writes");
     const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
-    const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq)");
+    const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq, or 1M when neither is given)");
+    job.train_tokens = a.get_double("--train-tokens", 0, "--plan: tokens to train, for days and cost (0: 20 per parameter)");
+    job.usd_per_gpu_hour = a.get_double("--usd-per-gpu-hour", 2.0, "--plan: price of one GPU-hour, for the cost to train");
     mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp") || a.has("--ep");
     mc.dp = a.get_int("--dp", 1, "data-parallel degree", degree_range());
     mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)", degree_range());
@@ -763,12 +455,15 @@ int main(int argc, char** argv) {
       config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
     if (!planning) return;
     rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
-    cluster.gpu = mesh5d::find_gpu(gpu);
-    if (!cluster.gpu) config_error("--gpu must be h100, h200 or a100 (got '%s')", gpu.c_str());
+    static mesh5d::Gpu local;
+    if (gpu == "local") local = mesh5d::local_gpu(calibration);
+    cluster.gpu = gpu == "local" ? &local : mesh5d::find_gpu(gpu);
+    if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
     cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
     if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
     if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training
-    if (batch_tokens > 0) rc.batch = int(batch_tokens / rc.model.seq);
+    job.default_batch = batch_tokens <= 0 && !a.has("--batch");
+    if (batch_tokens > 0 || job.default_batch) rc.batch = int((job.default_batch ? mesh5d::kDefaultBatchTokens : batch_tokens) / rc.model.seq);
     if (rc.batch < 1) config_error("--global-batch-tokens %.0f is less than one sequence of %d", batch_tokens, rc.model.seq);
     if (!mesh_given) mc = MeshConfig{};  // the batch is split per candidate
   });
@@ -783,7 +478,7 @@ int main(int argc, char** argv) {
                      plan.mesh.tp, cluster.gpus);
       mesh5d::validate(rc, plan);
     }
-    return plan_only(log, rc, cluster, mesh_given ? &plan : nullptr);
+    return mesh5d::plan_only(log, rc, cluster, mesh_given ? &plan : nullptr, job);
   }
   mesh5d::validate(rc, plan);
   if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;

@@ -223,6 +223,9 @@ bool apply_preset(const std::string& name, ModelConfig& m) {
   else if (name == "3b") m = {3072, 28, 24, 8, 8192, 128256, 4096};     // Llama-3.2-3B
   else if (name == "8b") m = {4096, 32, 32, 8, 14336, 128256, 4096};    // Llama-3-8B
   else if (name == "70b") m = {8192, 80, 64, 8, 28672, 128256, 4096};   // Llama-3-70B
+  // The playbook's 80B benchmark model, known by its size only: 70B's width, 96 layers (so that its
+  // pipelines of 16 and 32 stages divide them) and the MLP narrowed to 26,880: 80.0B parameters.
+  else if (name == "80b") m = {8192, 96, 64, 8, 26880, 128256, 4096};
   else return false;
   if (name != "tiny" && name != "small" && name != "124m") m.rope_theta = 500000.f;
   return true;
@@ -234,7 +237,7 @@ const char* recompute_name(Recompute r) {
 
 RunConfig parse_run_config(Args& a) {
   RunConfig rc;
-  const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b";  // apply_preset's names, in --help and the error
+  const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b";  // apply_preset's names, in --help and the error
   rc.preset = a.get_str("--preset", "tiny", std::string("model shape: ") + presets + " (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (%s)", rc.preset.c_str(), presets);
   ModelConfig& m = rc.model;

@@ -36,3 +36,53 @@ done
 
 echo; echo "== where the time goes (one thread, per-op share of a training step)"
 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 TS_PROFILE=1 "$BUILD/01_single_gpu" $shape --steps 4 --quiet --device cpu | sed -n '/^profile/,$p'
+
+echo; echo "== predict, then measure: the planner (--plan --gpu local) against 2-rank runs of 02–08"
+# Calibrate on what a rank does without communicating: a training step of 01 (its FLOPs per token ×
+# its tokens/s is the rate a rank reaches, non-matmul work included) and bench_comm's bus bandwidths
+# at 2 ranks; then predict 2-rank meshes, which the calibration never saw. On a shared machine every number
+# moves with the load, so 01 is re-measured right before each run it predicts (side by side), and
+# the table is read as ratios; make test asserts none of it.
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+cal="$BUILD/calibration.json"
+steps=8
+rate() { sed -n 's/^median \([0-9.]*\) tokens\/s.*/\1/p'; }
+n=$("$BUILD/01_single_gpu" $shape --dry-run | sed -n 's/.*(\([0-9.]*\)M without the embedding).*/\1/p')
+comm=$(mpirun -np 2 "$BUILD/bench/bench_comm" --min-bytes 4096 --max-bytes 4194304 </dev/null)
+busbw() { awk -v op="$1" '$1 == op && $2 >= 4000000 {print $6}' <<<"$comm"; }
+latency=$(awk '$1 == "all_reduce" && $2 == 4096 {printf "%g", $4 * 1e-6}' <<<"$comm")
+mem=$(awk '/MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)
+# Writes the calibration file from 01's rate now, two copies at once so that each has the share of the
+# cores a rank of a 2-rank mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256).
+calibrate() {
+  local a b
+  a=$(mktemp) b=$(mktemp)
+  "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$a" &
+  "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$b" &
+  wait
+  one=$(cat "$a" "$b" | awk '{s += $1} END {printf "%.0f", s / NR}')
+  rm -f "$a" "$b"
+  gflops=$(awk -v n="$n" -v t="$one" 'BEGIN {printf "%.3f", (6 * n * 1e6 + 12 * 4 * 256 * 256) * t / 1e9}')
+  printf '{"gflops": %s, "memory_gib": %s, "all_reduce_gbs": %s, "all_gather_gbs": %s, "reduce_scatter_gbs": %s, "latency_s": %s}\n' \
+    "$gflops" "$mem" "$(busbw all_reduce)" "$(busbw all_gather)" "$(busbw reduce_scatter)" "$latency" > "$cal"
+}
+calibrate
+echo "calibration ($cal, rewritten before each run): $(cat "$cal")"
+printf "%-44s %12s %15s %14s %8s\n" "run (2 ranks, 1 thread each)" "01 tok/s" "predicted tok/s" "measured tok/s" "error"
+# binary | its flags | the same mesh for --plan
+while IFS='|' read -r bin flags mesh; do
+  calibrate
+  measured=$(mpirun -np 2 "$BUILD/$bin" $shape $flags --steps $steps --quiet --device cpu </dev/null | rate)
+  per_gpu=$("$BUILD/08_5d_mesh" --plan --gpu local --calibration "$cal" --gpus 2 --gpus-per-node 2 $shape --dtype fp32 $mesh |
+            sed -n 's/.*; \([0-9]*\) tok\/s\/GPU.*/\1/p')
+  awk -v r="$bin $flags" -v o="$one" -v p="$per_gpu" -v m="$measured" \
+    'BEGIN {e = m > 0 ? 100 * (2 * p / m - 1) : 0; printf "%-44s %12.0f %15.0f %14.0f %+7.0f%%\n", r, o, 2 * p, m, e}'
+done <<'RUNS'
+02_data_parallel|--dp 2 --micro-batch 4|--dp 2 --micro-batch 4
+03_zero|--dp 2 --zero 1 --micro-batch 4|--dp 2 --zero 1 --micro-batch 4
+03_zero|--dp 2 --zero 3 --micro-batch 4|--dp 2 --zero 3 --micro-batch 4
+04_tensor_parallel|--tp 2 --sequence-parallel|--tp 2 --micro-batch 8
+05_pipeline_parallel|--pp 2 --micro-batch 2|--pp 2 --micro-batch 2
+06_context_parallel|--cp 2|--cp 2 --micro-batch 8
+08_5d_mesh|--dp 2 --zero 1 --micro-batch 2|--dp 2 --zero 1 --micro-batch 2
+RUNS

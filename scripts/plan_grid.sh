@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The planner's best mesh for each model and node count of the playbook's benchmark grid (H100
 # nodes of 8 GPUs, sequence 4096, 1M tokens per step), one markdown table row each.
-#   scripts/plan_grid.sh [BUILD_DIR] [MODELS] [NODES]      default: build "1b 3b 8b 70b" "1 4 8 64"
+#   scripts/plan_grid.sh [BUILD_DIR] [MODELS] [NODES]      default: build "1b 3b 8b 80b" "1 4 8 64"
 set -euo pipefail
 build=${1:-build}
-models=${2:-1b 3b 8b 70b}
+models=${2:-1b 3b 8b 80b}
 nodes=${3:-1 4 8 64}
 echo "| model | nodes | best mesh | memory per GPU | tok/s/GPU | MFU |"
 echo "|---|---|---|---|---|---|"

@@ -1,0 +1,225 @@
+// ranks: 1
+// The planner's time model (08_plan.h), piece by piece against hand calculations; its ranking's
+// tie-breaks; and what `08_5d_mesh --plan` prints: the batch it assumed, the memory it applies,
+// the warnings, the axes an alternative differs in, the cost to train.
+#include <catch2/catch.hpp>
+
+#include "../08_plan.h"
+#include "test_util.h"
+
+using namespace ts;
+using namespace mesh5d;
+
+namespace {
+
+const Network& kNet = h100_network();
+
+Candidate fake(double tokens_per_s, double memory, int zero = 0) {
+  Candidate c;
+  c.tokens_per_s_gpu = tokens_per_s;
+  c.mem_total = memory;
+  c.plan.zero = zero;
+  return c;
+}
+
+// The number after `key` in `s` (0 when absent).
+double number_after(const std::string& s, const std::string& key) {
+  const size_t at = s.find(key);
+  return at == std::string::npos ? 0 : std::atof(s.c_str() + at + key.size());
+}
+
+}  // namespace
+
+TEST_CASE("bus bandwidth: the playbook's table at its points, log-interpolated between, ∝ 1/nodes past it", "[plan]") {
+  CHECK(bus_bandwidth(kNet, Collective::AllReduce, 1) == 436.0);
+  CHECK(bus_bandwidth(kNet, Collective::AllGather, 8) == 69.0);
+  CHECK(bus_bandwidth(kNet, Collective::ReduceScatter, 64) == 11.1);
+  // 3 nodes: log2(3) − 1 = 0.58496 of the way from 2 nodes (361.7) to 4 (160.1).
+  CHECK(bus_bandwidth(kNet, Collective::AllReduce, 3) == Approx(361.7 - 0.5849625 * 201.6).epsilon(1e-6));
+  CHECK(bus_bandwidth(kNet, Collective::AllReduce, 128) == Approx(32.9 / 2));
+  // p2p: NVLink (a node's all-gather rate) inside a node, one NIC's 50 GB/s across nodes.
+  CHECK(bus_bandwidth(kNet, Collective::P2P, 1) == 249.8);
+  CHECK(bus_bandwidth(kNet, Collective::P2P, 2) == 50);
+}
+
+TEST_CASE("a collective's time: a latency per call plus wire bytes over bus bandwidth", "[plan]") {
+  // 1 GB of all-reduce wire bytes in 10 calls over 8 nodes: 10 × 40 µs + 1e9 / 99.6e9 s.
+  CHECK(collective_seconds(kNet, Collective::AllReduce, 1e9, 10, 8) == Approx(4e-4 + 1e9 / 99.6e9));
+  // Inside a node: 20 µs per call.
+  CHECK(collective_seconds(kNet, Collective::AllGather, 249.8e9, 1, 1) == Approx(1 + 20e-6));
+  CHECK(collective_seconds(kNet, Collective::AllGather, 0, 5, 1) == 0);
+}
+
+TEST_CASE("the nodes a group spans follow the mesh's rank order (TP innermost)", "[plan]") {
+  Plan p;
+  p.mesh = {128, 2, 1, 2, 1};  // dp 128 × pp 2 × tp 2 = 512 GPUs
+  CHECK(group_nodes(p, Axis::TP, 8) == 1);
+  CHECK(group_nodes(p, Axis::PP, 8) == 1);   // ranks 0 and 2
+  CHECK(group_nodes(p, Axis::DP, 8) == 64);  // ranks 0, 4, 8, …: two per node
+  p.mesh = {32, 1, 1, 16, 1};
+  CHECK(group_nodes(p, Axis::TP, 8) == 2);
+  CHECK(group_nodes(p, Axis::DP, 8) == 32);
+}
+
+TEST_CASE("matmul efficiency: the roofline caps small shapes, large ones reach the achievable fraction", "[plan]") {
+  const Gpu& h100 = *find_gpu("h100");
+  CHECK(matmul_efficiency(h100, 8192, 8192, 8192, 2) == kH100Achievable);
+  // A matrix-vector product: 2·4096² FLOPs over 2·(4096 + 4096² + 4096) bytes ≈ 1 FLOP/byte, so
+  // 3350 GB/s buys 3.35 of 989 TFLOP/s.
+  const double intensity = 2.0 * 4096 * 4096 / (2.0 * (4096 + 4096.0 * 4096 + 4096));
+  CHECK(matmul_efficiency(h100, 1, 4096, 4096, 2) == Approx(intensity * 3350 / 989e3));
+  // A layer of the 8b preset at 4096 tokens is compute-bound; at 16 tokens it is not.
+  ModelConfig m;
+  REQUIRE(apply_preset("8b", m));
+  CHECK(layer_efficiency(h100, m, 4096, 1, 2) == Approx(kH100Achievable));
+  CHECK(layer_efficiency(h100, m, 16, 8, 2) < 0.1);
+}
+
+TEST_CASE("recomputation: full adds a forward (8N/6N), selective the attention core's forward", "[plan]") {
+  ModelConfig m;
+  REQUIRE(apply_preset("8b", m));
+  CHECK(recompute_factor(m, Recompute::None) == 1);
+  CHECK(recompute_factor(m, Recompute::Full) == Approx(4.0 / 3));
+  CHECK(recompute_factor(m, Recompute::Selective) == Approx(1 + 4.0 * 32 * 4096 * 4096 / flops_per_token(m)));
+}
+
+TEST_CASE("overlap: DP hides behind its window but never its last bucket; ZeRO-3 prefetch hides all but one unit",
+          "[plan]") {
+  CHECK(reduction_exposed(1.0, 0.6, 0.1) == Approx(0.4));  // the window is too short
+  CHECK(reduction_exposed(1.0, 2.0, 0.1) == Approx(0.1));  // only the last bucket shows
+  CHECK(reduction_exposed(1.0, 0.0, 0.1) == Approx(1.0));  // after a pipeline's flush: all of it
+  CHECK(zero3_exposed(2.0, 1.0, 10, true) == Approx(1.0 + 0.2));
+  CHECK(zero3_exposed(0.5, 1.0, 10, true) == Approx(0.05));
+  CHECK(zero3_exposed(0.5, 1.0, 10, false) == Approx(0.5));
+}
+
+TEST_CASE("ranking: faster first; at equal speed the lower memory, then the simpler mesh; fitting before not", "[plan]") {
+  std::vector<Candidate> all = {fake(1000, 50e9, 0), fake(1000.2, 40e9, 3), fake(1100, 70e9, 1), fake(1000, 40e9, 1)};
+  all.push_back(fake(5000, 1e12));
+  all.back().reject = "does not fit";
+  sort_ranking(all);
+  CHECK(all[0].tokens_per_s_gpu == 1100);                        // the fastest that fits
+  CHECK((all[1].mem_total == 40e9 && all[1].plan.zero == 1));    // ties (within 0.1%): 40 GB before 50 GB,
+  CHECK((all[2].mem_total == 40e9 && all[2].plan.zero == 3));    // and at equal memory ZeRO-1 before ZeRO-3
+  CHECK(all[3].mem_total == 50e9);
+  CHECK(!all[4].reject.empty());
+}
+
+TEST_CASE("--plan states the default batch, applies the memory it prints, names what differs, prices training",
+          "[plan][e2e]") {
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 64", 1, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(r.output.find("256 sequences per step (1048576 tokens; the default: set --global-batch-tokens)") != std::string::npos);
+  // The usable memory printed is the bound a candidate is rejected against.
+  CHECK(r.output.find("(72.0 GiB usable = 90% of 80 GiB") != std::string::npos);
+  if (r.output.find("does not fit") != std::string::npos) CHECK(r.output.find("> 72.00 GiB") != std::string::npos);
+  // Each alternative names the axes on which it differs from the best.
+  const size_t alt = r.output.find("alternatives:");
+  REQUIRE(alt != std::string::npos);
+  std::istringstream lines(r.output.substr(alt));
+  std::string line;
+  int named = 0;
+  while (std::getline(lines, line))
+    if (line.rfind("  ", 0) == 0) {
+      INFO(line);
+      CHECK(line.find("(best ") != std::string::npos);
+      if (line.find("more tensor parallel") != std::string::npos) CHECK(line.find(" tp ") != std::string::npos);
+      named++;
+    }
+  CHECK(named >= 3);
+  // 20 tokens per parameter at the best plan's rate: days = tokens / (tok/s/GPU · GPUs) / 86400.
+  const size_t best = r.output.find("\n1 ");
+  REQUIRE(best != std::string::npos);
+  std::istringstream row(r.output.substr(best + 1, r.output.find('\n', best + 1) - best - 1));
+  std::string word, prev;
+  double tok = 0;
+  while (row >> word) {  // tok/s/GPU is the number before the MFU column
+    if (word.back() == '%' && tok == 0) tok = std::atof(prev.c_str());
+    prev = word;
+  }
+  REQUIRE(tok > 0);
+  ModelConfig m;
+  REQUIRE(apply_preset("8b", m));
+  const double days = 20.0 * param_count(m) / (tok * 64) / 86400;
+  CHECK(number_after(r.output, " tokens (20 per parameter, Chinchilla): ") == Approx(days).epsilon(0.01));
+  CHECK(r.output.find("at $2.00 per GPU-hour") != std::string::npos);
+}
+
+TEST_CASE("--plan warns when the batch cannot feed data parallelism and when the bubble is large", "[plan][e2e]") {
+  const tst::Result small = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 64 --batch 8", 1, 120);
+  INFO(small.output);
+  CHECK(small.output.find("warning: 8 sequences per step for 64 GPUs: fewer than one sequence per data-parallel rank") !=
+        std::string::npos);
+  CHECK(small.output.find("the default") == std::string::npos);  // --batch was given
+  const tst::Result deep = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 8 --batch 4 --dp 1 --pp 8 --micro-batch 1", 1, 60);
+  INFO(deep.output);
+  CHECK(deep.output.find("warning: the pipeline bubble is 175% of compute") != std::string::npos);
+  const tst::Result fine = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 8 --dp 1 --pp 8 --micro-batch 1", 1, 60);
+  CHECK(fine.output.find("warning") == std::string::npos);  // 256 micro-batches: a bubble of 2.7%
+  const tst::Result cost = tst::run_bin("08_5d_mesh", "--plan --preset 1b --gpus 8 --dp 8 --micro-batch 1 --train-tokens 1e12 --usd-per-gpu-hour 3", 1, 60);
+  INFO(cost.output);
+  CHECK(cost.output.find("to train 1e+12 tokens: ") != std::string::npos);
+  CHECK(cost.output.find("at $3.00 per GPU-hour") != std::string::npos);
+  // GPU-hours = days · 24 · GPUs, and dollars = GPU-hours · price.
+  const double days = number_after(cost.output, "to train 1e+12 tokens: ");
+  const double hours = number_after(cost.output, "days on 8 GPUs, ");
+  CHECK(hours == Approx(days * 24 * 8).epsilon(0.01));
+  CHECK(number_after(cost.output, "GPU-hours, $") == Approx(hours * 3).epsilon(0.01));
+}
+
+// The planner's memory is the run's own: a mesh evaluated here equals mesh5d::predict_memory, the
+// prediction each run of 08 checks against its allocator (tests/test_5d.cpp compares those runs).
+TEST_CASE("a candidate's memory is predict_memory's, the fuller pipeline stage's", "[plan]") {
+  RunConfig rc;
+  REQUIRE(apply_preset("8b", rc.model));
+  rc.dtype = DType::BF16;
+  rc.batch = 64;
+  Cluster cl{find_gpu("h100"), 80, 16, 8};
+  Plan p;
+  p.mesh = {2, 4, 1, 2, 1};
+  p.zero = 1;
+  p.sp = true;
+  const Candidate c = evaluate(rc, cl, p, 1, Recompute::Selective);
+  RunConfig run = rc;
+  run.micro_batch = 1;
+  run.recompute = Recompute::Selective;
+  double fullest = 0;
+  for (int s = 0; s < 4; s++) {
+    const MemoryPrediction m = predict_memory(run, p, s);
+    fullest = std::max(fullest, m.params + m.grads + m.optimizer + m.activations);
+  }
+  CHECK(c.mem_total == fullest);
+}
+
+// --gpu local: this machine as make bench measured it. Its rate is a whole step's, so a dp 1 mesh's
+// compute is F × tokens / rate, and its collectives run at the measured bus bandwidths.
+TEST_CASE("--gpu local reads the calibration make bench writes, and prices with it", "[plan]") {
+  const std::string path = tst::scratch("calibration.json");
+  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
+                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
+  const Gpu g = local_gpu(path);
+  CHECK(g.peak_tflops == Approx(0.02));
+  CHECK(g.achievable == 1);
+  CHECK(bus_bandwidth(g.net, Collective::ReduceScatter, 1) == 0.25);
+  RunConfig rc;
+  REQUIRE(apply_preset("small", rc.model));
+  rc.batch = 8;
+  Cluster cl{&g, 8, 2, 2};
+  Plan p;
+  p.mesh = {2, 1, 1, 1, 1};
+  const Candidate c = evaluate(rc, cl, p, 4, Recompute::None);
+  CHECK(c.efficiency == 1);
+  CHECK(c.t_compute == Approx(flops_per_token(rc.model) * 8 * rc.model.seq / 2 / 20e9));
+  // One bucket holds all the gradients (25 MiB > 4Ψ), so the all-reduce shows whole: 2·½·4Ψ bytes.
+  CHECK(c.t_dp_exposed == Approx(c.t_dp));
+  CHECK(c.t_dp == Approx(1e-5 + 4.0 * param_count(rc.model) / 0.5e9));
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration " + path +
+                                                       " --preset small --gpus 2 --gpus-per-node 2 --batch 8 --dtype fp32 --dp 2", 1, 60);
+  INFO(r.output);
+  CHECK(r.output.find("assumed (measured here by make bench): a training step's FLOPs at 20.0 GFLOP/s per rank") !=
+        std::string::npos);
+  const tst::Result none = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration /nonexistent.json --gpus 2", 1, 60);
+  CHECK(none.status != 0);
+  CHECK(none.output.find("--gpu local: cannot read /nonexistent.json") != std::string::npos);
+}
