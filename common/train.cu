@@ -138,7 +138,7 @@ static long double parse_number(const std::string& flag, const char* s, const Ra
   const long double lo = std::max<long double>(r.lo, type_lo), hi = std::min<long double>(r.hi, type_hi);
   char* end = nullptr;
   const long double v = strtold(s, &end);
-  const bool number = end != s && *end == 0 && std::isfinite(v);
+  const bool number = end != s && *end == 0 && std::isfinite(double(v));  // 1e400 is a long double, not a double
   const bool whole = !integer || v == std::floor(v);
   const bool inside = (r.lo_open ? v > lo : v >= lo) && (r.hi_open ? v < hi : v <= hi);
   if (!number || !whole || !inside)

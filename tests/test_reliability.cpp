@@ -366,6 +366,7 @@ TEST_CASE("numbers out of range are one line and exit 2, from the command line a
       // sizes that overflowed into one-element buckets, and a thread count that crashed libgomp
       {2, "02_data_parallel", "--dp 2 --bucket-mb 1e300", "--bucket-mb expects a finite number in (0, 1048576], got '1e300'"},
       {1, "02_data_parallel", "--bucket-mb inf", "--bucket-mb expects a finite number in (0, 1048576], got 'inf'"},
+      {1, "01_single_gpu", "--weight-decay 1e400", "--weight-decay expects a finite number in [0, inf), got '1e400'"},
       {1, "07_expert_parallel", "--bucket-mb nan", "--bucket-mb expects a finite number in (0, 1048576], got 'nan'"},
       {1, "01_single_gpu", "--threads 100000", "--threads expects an integer in [0, 1024], got '100000'"},
       // values once accepted silently
