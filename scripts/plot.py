@@ -62,8 +62,7 @@ def tail_inset(ax, runs, floors):
     pad = 0.05 * max(1e-6, max(highs) - min(lows))
     inset.set_ylim(min(lows) - pad, max(highs) + pad)
     inset.tick_params(labelsize=7)
-    title = "last half of the steps" + (f": {gap:.3f} nats above the floor at the end (mean of the last 2%)"
-                                        if gap is not None else "")
+    title = "last half" + (f": ends {gap:.3f} nats above the floor" if gap is not None else "")
     inset.set_title(title, fontsize=7)
 
 
