@@ -41,6 +41,12 @@ endif
 
 # The CPU kernels rely on the compiler's vectoriser; binaries are built where they run.
 CPU_ARCH ?= -march=native
+# So an object compiled for another CPU (a build folder copied to another machine, a shared disk)
+# is never linked here, where it could stop on an illegal instruction or vectorise its sums
+# differently: the target's resolved features name a stamp that every object depends on, and a
+# build made for another CPU is rebuilt.
+CPU_ID := $(shell $(CXX) $(CPU_ARCH) -Q --help=target 2>/dev/null | cksum | cut -d' ' -f1)
+CPU_STAMP = $(BUILD)/.cpu-$(CPU_ID)
 HOST_FLAGS := -O3 $(CPU_ARCH) -fno-math-errno -fopenmp -Wall -Wno-unknown-pragmas
 CPPFLAGS := -Icommon $(MPI_INC)
 LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
@@ -90,19 +96,22 @@ FUZZ_SECONDS ?= 60
 .DEFAULT_GOAL := all
 all: $(TECH_BIN) $(BENCH_BIN)
 
-$(BUILD)/common/%.o: common/%.cu
+$(BUILD)/common/%.o: common/%.cu $(CPU_STAMP)
 	@mkdir -p $(dir $@)
 	$(call compiler_for,$<) $(CPPFLAGS) -MMD -MP -c $< -o $@
 
-$(BUILD)/%.o: %.cu
+$(BUILD)/%.o: %.cu $(CPU_STAMP)
 	@mkdir -p $(dir $@)
 	$(call compiler_for,$<) $(CPPFLAGS) -MMD -MP -c $< -o $@
 
 # A technique file is a module and a program: its main() compiles only where TS_PROGRAM names it
 # (01 -> 1, ..., 08 -> 8), so other files and tests can include its technique.
-$(BUILD)/0%.o: 0%.cu
+$(BUILD)/0%.o: 0%.cu $(CPU_STAMP)
 	@mkdir -p $(dir $@)
 	$(call compiler_for,$<) $(CPPFLAGS) -DTS_PROGRAM=$(firstword $(subst _, ,$*)) -MMD -MP -c $< -o $@
+
+$(CPU_STAMP):
+	@mkdir -p $(BUILD) && rm -f $(BUILD)/.cpu-* && touch $@
 
 $(BUILD)/common.a: $(COMMON_OBJ)
 	rm -f $@ && ar rcs $@ $^
@@ -114,11 +123,11 @@ $(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/common.a
 	$(LD) $^ -o $@ $(LIBS)
 
 # Catch2's runner is compiled once (it takes ~15 s); each test file links against it.
-$(BUILD)/tests/catch_main.o: tests/catch_main.cpp
+$(BUILD)/tests/catch_main.o: tests/catch_main.cpp $(CPU_STAMP)
 	@mkdir -p $(dir $@)
 	$(TESTCXX) $(CPPFLAGS) -c $< -o $@
 
-$(BUILD)/tests/%.o: tests/%.cpp
+$(BUILD)/tests/%.o: tests/%.cpp $(CPU_STAMP)
 	@mkdir -p $(dir $@)
 	$(TESTCXX) $(CPPFLAGS) -MMD -MP -c $< -o $@
 

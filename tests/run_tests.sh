@@ -3,7 +3,12 @@
 # at the rank counts its source declares on a line "// ranks: 1 2 4" (default 1), counts test
 # cases, runs the scripted checks tests/check_*.sh (one case each), prints every failure in full,
 # and ends with "N passed, M failed" (non-zero exit on failure).
+#
+# ONLY="test_tp check_notes ..." runs just the named test binaries and scripted checks (no fuzzing):
+# .ci/run uses it to run the equivalence suites again under a second OpenBLAS kernel.
 set -u
+ONLY=${ONLY:-}
+selected() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
 BUILD=${BUILD:-build}
 TIMEOUT=${TEST_TIMEOUT:-900}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
@@ -16,6 +21,7 @@ if "$BUILD/tests/gpu_probe" >/dev/null 2>&1; then gpu=1; filter=(); else gpu=0; 
 log=$(mktemp); trap 'rm -f "$log"' EXIT
 for src in tests/test_*.cpp; do
   name=$(basename "$src" .cpp)
+  selected "$name" || continue
   bin=$BUILD/tests/$name
   ranks=$(grep -m1 -E '^// ranks:' "$src" | sed 's/^\/\/ ranks://')
   for np in ${ranks:-1}; do
@@ -51,7 +57,7 @@ for src in tests/test_*.cpp; do
   done
 done
 # Each fuzz target briefly from its seed corpus (make fuzz runs them longer): one test case each.
-if ls "$BUILD"/fuzz/fuzz_* >/dev/null 2>&1; then
+if [ -z "$ONLY" ] && ls "$BUILD"/fuzz/fuzz_* >/dev/null 2>&1; then
   while IFS= read -r line; do
     echo "$line"
     case "$line" in
@@ -63,6 +69,7 @@ fi
 # Scripted checks (tests/check_*.sh): one test case each, passed when the script exits 0.
 for check in tests/check_*.sh; do
   label=$(basename "$check" .sh)
+  selected "$label" || continue
   start=$(date +%s)
   timeout "$TIMEOUT" "$check" >"$log" 2>&1
   rc=$?

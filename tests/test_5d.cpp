@@ -21,7 +21,6 @@ const Run& mesh(int dp, int tp, const std::string& args, int cp = 1, int pp = 1)
   return run("08_5d_mesh", dp * tp * cp * pp, "--dp " + std::to_string(dp) + " --tp " + std::to_string(tp) + " " + args);
 }
 std::string steps(int batch, int micro) { return tst::steps_args(kSteps, batch, micro); }
-std::string model_file(const Run& r) { return r.ckpt + "/model.safetensors"; }
 double mem(const Run& r, const char* cat, const char* which) {
   return r.log.summary.at("memory").at(cat).at(which).as_double();
 }
@@ -53,23 +52,7 @@ const Case kPipeCases[] = {
 
 }  // namespace
 
-// Losses: the reductions over dp and tp sum in other orders than 01 (measured ≤ 1e-8 relative);
-// asserted at 1e-6. Weights: 5e-5, the bound the other techniques document (AdamW's first
-// updates are sign-like, so a rounding difference in a near-zero gradient becomes O(lr)).
-const double kLossTol = 1e-6, kWeightTol = 5e-5;
-
-// Weights of a composed mesh: every element but a few within 1e-5 of 01's. The few are AdamW's
-// near-zero-gradient elements (the kWeightTol mechanism): tp × cp orders its sums so that one
-// element of up_proj moves by up to 6.4e-5 (measured; its m and v agree with 01's to 3e-4, and 04
-// alone moves one by 4.4e-5 at 4 layers). Such an element can differ by at most 2·lr per step, so
-// none may exceed 2·lr·steps; the count keeps a real bug (which moves thousands) from passing.
-void check_weights(const Run& r, const Run& ref) {
-  const tst::WeightDiff d = tst::weight_diff(model_file(r), model_file(ref), 1e-5);
-  INFO("max |Δw| " << d.max_abs << ", " << d.over << " of " << d.total << " elements above 1e-5");
-  CHECK(d.total > 100000);
-  CHECK(d.over <= 2);
-  CHECK(d.max_abs <= 2 * 3e-3 * kSteps);
-}
+// Equal to 01 by the one criterion of tests/test_util.h (check_equivalent).
 
 TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce 01 (fp32, clipped)", "[08][e2e][equiv]") {
   const Run& ref = single(steps(8, 8));
@@ -78,11 +61,7 @@ TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce
     const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro), c.cp);
     INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags << " micro-batch " << c.micro);
     REQUIRE(r.log.steps.size() == size_t(kSteps));
-    CHECK(tst::max_rel_diff(r.log.losses(), ref.log.losses()) <= kLossTol);
-    for (int s = 0; s < kSteps; s++)
-      CHECK(r.log.steps[size_t(s)].at("grad_norm").as_double() ==
-            Approx(ref.log.steps[size_t(s)].at("grad_norm").as_double()).epsilon(1e-6));
-    check_weights(r, ref);
+    tst::check_equivalent(r, ref);
   }
 }
 
@@ -92,9 +71,7 @@ TEST_CASE("with a pipeline: dp × tp × pp (1F1B, interleaved), tp × cp × pp, 
     const Run& r = mesh(c.dp, c.tp, kPipe + c.flags + " " + steps(8, c.micro), c.cp, c.pp);
     INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags << " micro-batch " << c.micro);
     REQUIRE(r.log.steps.size() == size_t(kSteps));
-    // 4 tensor-parallel layers sum in more orders: measured ≤ 3.1e-7 (04 alone at 4 layers: 1.8e-7).
-    CHECK(tst::max_rel_diff(r.log.losses(), ref.log.losses()) <= kLossTol);
-    check_weights(r, ref);
+    tst::check_equivalent(r, ref);
     for (const char* cat : {"params", "grads", "optimizer", "activations"})
       CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
     const ts::Json& pp = r.log.summary.at("comm").at("pp").at("send");
@@ -128,14 +105,14 @@ TEST_CASE("memory and bytes per rank and group equal the composed predictions", 
 TEST_CASE("a dp 2 × tp 2 checkpoint resumes in 01 on its curve, and on dp 1 × tp 4 with ZeRO-3 off", "[08][e2e][ckpt]") {
   const Run& ref = single(steps(8, 8));
   const Run& from = mesh(2, 2, "--zero 1 --steps 3 --batch 8");
-  tst::check_resume("01_single_gpu", 1, kTiny + "--steps 6 --batch 8", from.ckpt, ref, 3, kLossTol, kWeightTol);
-  tst::check_resume("08_5d_mesh", 4, kTiny + "--dp 1 --tp 4 --steps 6 --batch 8", from.ckpt, ref, 3, kLossTol, kWeightTol);
+  tst::check_resume("01_single_gpu", 1, kTiny + "--steps 6 --batch 8", from.ckpt, ref, 3);
+  tst::check_resume("08_5d_mesh", 4, kTiny + "--dp 1 --tp 4 --steps 6 --batch 8", from.ckpt, ref, 3);
   // A dp 2 × tp 2 × pp 2 checkpoint: every stage wrote its units; it resumes in 01 and on tp 4 × pp 2.
   const Run& ref4 = single(kPipe + steps(8, 8));
   const Run& piped = mesh(2, 2, kPipe + "--pp 2 --steps 3 --batch 8 --micro-batch 2", 1, 2);
-  tst::check_resume("01_single_gpu", 1, kTiny + kPipe + "--steps 6 --batch 8", piped.ckpt, ref4, 3, kLossTol, kWeightTol);
+  tst::check_resume("01_single_gpu", 1, kTiny + kPipe + "--steps 6 --batch 8", piped.ckpt, ref4, 3);
   tst::check_resume("08_5d_mesh", 8, kTiny + kPipe + "--dp 1 --tp 4 --pp 2 --steps 6 --batch 8 --micro-batch 2",
-                    piped.ckpt, ref4, 3, kLossTol, kWeightTol);
+                    piped.ckpt, ref4, 3);
 }
 
 // The planner's memory is the runs' own prediction: for meshes it ranks, it equals what a run of
@@ -262,15 +239,14 @@ TEST_CASE("MoE under tp with ep 4, ep 2, ep 1, and with a pipeline reproduces 01
     const Run& r = moe_mesh(c);
     INFO("dp " << c.dp << " tp " << c.tp << " pp " << c.pp << " " << c.flags << " micro-batch " << c.micro);
     REQUIRE(r.log.steps.size() == size_t(kSteps));
-    CHECK(tst::max_rel_diff(r.log.losses(), ref.log.losses()) <= kLossTol);
+    tst::check_equivalent(r, ref);
     for (int s = 0; s < kSteps; s++) {
       const ts::Json& a = r.log.steps[size_t(s)];
       const ts::Json& b = ref.log.steps[size_t(s)];
-      CHECK(a.at("grad_norm").as_double() == Approx(b.at("grad_norm").as_double()).epsilon(1e-6));
       CHECK(a.at("moe_tokens_per_expert").dump() == b.at("moe_tokens_per_expert").dump());
-      CHECK(a.at("moe_aux_loss").as_double() == Approx(b.at("moe_aux_loss").as_double()).epsilon(1e-6));
+      // The auxiliary loss is a forward quantity, under the loss bound.
+      CHECK(a.at("moe_aux_loss").as_double() == Approx(b.at("moe_aux_loss").as_double()).epsilon(tst::equiv::kLossRel));
     }
-    check_weights(r, ref);
   }
 }
 
@@ -310,9 +286,8 @@ TEST_CASE("MoE on the mesh: memory and bytes per rank and group equal the predic
 TEST_CASE("a dp 4 × tp 2 × ep 4 checkpoint resumes in 01 --experts and on dp 2 × pp 2 × tp 2 × ep 2", "[08][e2e][ckpt][ep]") {
   const Run& ref = single(kMoe + steps(8, 8));
   const Run& from = mesh(4, 2, kMoe + "--ep 4 --steps 3 --batch 8 --micro-batch 1");
-  tst::check_resume("01_single_gpu", 1, kTiny + kMoe + steps(8, 8), from.ckpt, ref, 3, kLossTol, kWeightTol);
-  tst::check_resume("08_5d_mesh", 8, kTiny + kMoe + "--dp 2 --tp 2 --pp 2 --ep 2 " + steps(8, 2), from.ckpt, ref, 3,
-                    kLossTol, kWeightTol);
+  tst::check_resume("01_single_gpu", 1, kTiny + kMoe + steps(8, 8), from.ckpt, ref, 3);
+  tst::check_resume("08_5d_mesh", 8, kTiny + kMoe + "--dp 2 --tp 2 --pp 2 --ep 2 " + steps(8, 2), from.ckpt, ref, 3);
 }
 
 // The planner ranks ep for a MoE model, and its memory for a mesh is that run's own prediction.

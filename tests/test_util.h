@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "json.h"
+#include "rng.h"
 #include "safetensors.h"
 
 namespace tst {
@@ -135,8 +136,8 @@ inline std::vector<std::pair<std::string, std::vector<float>>> read_tensors(cons
   return out;
 }
 
-// Largest |a - b| / (atol/rtol-scaled) over two checkpoints' weights: returns max |a-b| and the
-// max of |b| seen, tensor by tensor, so tests can state their tolerance in one line.
+// Largest |a − b| over every element of two checkpoint files (INFINITY when their tensors differ
+// in names or sizes): for runs that must agree bit for bit, or nearly.
 inline double max_abs_diff_files(const std::string& a, const std::string& b) {
   auto ta = read_tensors(a), tb = read_tensors(b);
   if (ta.size() != tb.size()) return INFINITY;
@@ -149,27 +150,6 @@ inline double max_abs_diff_files(const std::string& a, const std::string& b) {
   return m;
 }
 
-// Elementwise comparison of two checkpoints' tensors: the largest |Δ| and how many exceed `loose`.
-struct WeightDiff {
-  double max_abs = 0;
-  long over = 0, total = 0;
-};
-inline WeightDiff weight_diff(const std::string& a, const std::string& b, double loose) {
-  auto ta = read_tensors(a), tb = read_tensors(b);
-  WeightDiff d;
-  if (ta.size() != tb.size()) return {1e30, 1L << 40, 0};
-  for (size_t i = 0; i < ta.size(); i++) {
-    if (ta[i].first != tb[i].first || ta[i].second.size() != tb[i].second.size()) return {1e30, 1L << 40, 0};
-    for (size_t j = 0; j < ta[i].second.size(); j++) {
-      const double x = double(std::fabs(ta[i].second[j] - tb[i].second[j]));  // as max_abs_diff_files
-      d.max_abs = std::max(d.max_abs, x);
-      d.over += x > loose;
-      d.total++;
-    }
-  }
-  return d;
-}
-
 // "--steps S --batch B --micro-batch M": the same global batch run in micro-batches of M.
 inline std::string steps_args(int steps, int batch, int micro) {
   return "--steps " + std::to_string(steps) + " --batch " + std::to_string(batch) + " --micro-batch " +
@@ -178,27 +158,38 @@ inline std::string steps_args(int steps, int batch, int micro) {
 
 // ----- shared end-to-end pieces (need Catch2's macros: include after catch.hpp) -----------------
 
-// A run of a technique binary with --save and --log-json into scratch space; runs are cached by
-// their command line, because several test cases read the same run.
+// A run of a technique binary with --log-json and a checkpoint after every step (--save-every 1
+// --keep-last), so that the first step's gradients can be read from its optimizer state; runs are
+// cached by their command line, because several test cases read the same run.
 struct CachedRun {
   Log log;
-  std::string output, ckpt;
+  std::string output;
+  std::string ckpt;   // the checkpoint after the last step
+  std::string first;  // the checkpoint after step 1
 };
-inline const CachedRun& cached_run(const std::string& bin, int np, const std::string& args, int timeout_s = 180) {
+inline std::string step_checkpoint(const std::string& root, long step) {
+  char name[32];
+  snprintf(name, sizeof name, "/step_%06ld", step);
+  return root + name;
+}
+inline const CachedRun& cached_run(const std::string& bin, int np, const std::string& args, int timeout_s = 180,
+                                   const std::string& extra_env = "") {
   static std::map<std::string, CachedRun> cache;
-  const std::string key = bin + " " + std::to_string(np) + " " + args;
+  const std::string key = extra_env + " " + bin + " " + std::to_string(np) + " " + args;
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
   const std::string tag = "run" + std::to_string(cache.size());
   CachedRun r;
-  r.ckpt = scratch(tag + "_ck");
-  const std::string log = scratch(tag + ".jsonl");
-  Result res = run_bin(bin, args + " --save " + r.ckpt + " --log-json " + log, np, timeout_s);
+  const std::string root = scratch(tag + "_ck"), log = scratch(tag + ".jsonl");
+  Result res = run_bin(bin, args + " --save " + root + " --save-every 1 --keep-last 1000 --log-json " + log, np, timeout_s,
+                       extra_env);
   INFO(key << "\n" << res.output);
   REQUIRE(res.status == 0);
   r.output = res.output;
   r.log = read_log(log);
   REQUIRE(r.log.steps.size() > 0);
+  r.ckpt = step_checkpoint(root, long(r.log.steps.back().at("step").as_double()) + 1);
+  r.first = step_checkpoint(root, long(r.log.steps.front().at("step").as_double()) + 1);
   return cache[key] = r;
 }
 
@@ -219,18 +210,204 @@ inline void check_errors(const std::string& bin, const std::string& prefix, cons
   }
 }
 
-// Resumes `bin` (np ranks, `args` + --resume from_ckpt) to `steps` and checks it continues the
-// reference run: the losses of the steps after the checkpoint and the final weights.
+// ----- what "equal to 01" means -----------------------------------------------------------------
+//
+// One criterion for every technique, derived in notes/00_architecture.md ("What equal to 01
+// means"). A technique reorders fp32 sums (split matmuls, ring reductions, other BLAS blockings),
+// so it cannot reproduce 01 bit for bit; it must reproduce it to within what reordering can do:
+//  * losses: the forward pass only reorders sums, so each step's loss agrees to a relative bound;
+//  * step 1's gradients, per tensor and normwise, read from the optimizer state after step 1
+//    (exp_avg = (1 − β1)·clip·g): computed from identical weights, before AdamW can amplify
+//    anything;
+//  * the final weights, normwise against the whole update: ‖w − w01‖ / ‖w01 − w0‖. AdamW divides
+//    each gradient element by its own RMS, so an element whose gradient is at rounding level
+//    moves by up to ~lr whatever its sign; such elements are rare, so the whole difference stays
+//    a small fraction of the whole update;
+//  * every element within AdamW's per-step bound (adam_step_bound), summed over the run's steps.
+namespace equiv {
+// fp32 unit roundoff, 2^-24.
+constexpr double kU = 5.9604644775390625e-8;
+// √n for the longest sum a test model reduces in one piece: the 256-entry vocabulary softmax, and
+// a weight gradient over a micro-batch's tokens (≤ 8 sequences × 32 = 256). In the probabilistic
+// model of rounding (Higham and Mary 2019) reordering a sum of n terms moves it by ≲ √n·u relative.
+constexpr double kSqrtN = 16;
+// Reductions along the forward pass of a test model (≤ 4 layers): per layer the two norms,
+// q/k/v, scores, softmax, values, o, gate/up and down (10), plus the final norm and the head's
+// logits and softmax: ≤ 43. Independent rounding errors add in quadrature: √43 < 6.6.
+constexpr double kSqrtStages = 6.6;
+// Each step's loss: √43 · 16 · u = 6.3e-6 relative.
+constexpr double kLossRel = kSqrtStages * kSqrtN * kU;
+// Gradients (step 1's per tensor, normwise; every step's norm): the backward runs the chain twice
+// more (input and weight gradients), so √3 × the loss bound: 1.1e-5.
+constexpr double kGradRel = 1.7320508075688772 * kLossRel;
+// Final weights, ‖w − w01‖ / ‖w01 − w0‖: AdamW's update of an element is ≈ lr·sign(g) early on,
+// so reordering changes it only where |g_i| is below its rounding error, a fraction ≈ 2·p(0)·δ of
+// the elements for a relative error δ and a density p(0) ≤ 0.4 at zero (in units of the
+// gradient's RMS; Gaussian or flatter). Each such element moves at most twice its share of the
+// whole update: ratio ≤ 2·√(0.8·δ) with δ = kGradRel: 5.9e-3.
+inline const double kUpdateRel = 2 * std::sqrt(0.8 * kGradRel);
+}  // namespace equiv
+
+// AdamW's largest possible update of one element at step t (1-based), in units of lr: with bias
+// correction, |m̂_t| / √v̂_t ≤ (1−β1)/(1−β1^t) · √((1−β2^t)/(1−β2)) · √(Σ_{j<t} (β1²/β2)^j) by
+// Cauchy–Schwarz over the gradient history (1 at t = 1: the update is lr·sign(g)). ε and the
+// decoupled weight decay (which shrinks differences by (1 − lr·wd)) only make it smaller.
+inline double adam_step_bound(double beta1, double beta2, int t) {
+  double sum = 0;
+  for (int j = 0; j < t; j++) sum += std::pow(beta1 * beta1 / beta2, j);
+  return (1 - beta1) / (1 - std::pow(beta1, t)) * std::sqrt((1 - std::pow(beta2, t)) / (1 - beta2)) * std::sqrt(sum);
+}
+
+// The weights a run starts from: a pure function of (seed, name, index), as the model draws them
+// (matrices N(0, 0.02), norm weights 1).
+inline std::vector<float> initial_weights(const std::string& name, size_t n, uint64_t seed) {
+  std::vector<float> w(n, 1.f);
+  if (name.find("norm") != std::string::npos) return w;
+  const uint64_t key = ts::rng_key(seed, name);
+  for (size_t i = 0; i < n; i++) w[i] = 0.02f * ts::rng_normal(key, i);
+  return w;
+}
+
+inline double norm2(const std::vector<float>& a, const std::vector<float>* b = nullptr) {
+  double s = 0;
+  for (size_t i = 0; i < a.size(); i++) {
+    const double d = double(a[i]) - (b ? double((*b)[i]) : 0.0);
+    s += d * d;
+  }
+  return s;
+}
+
+// How far a run is from the reference on each measure of the criterion.
+struct Equivalence {
+  double loss_rel = 0;       // max over steps of |L − L01| / L01
+  double norm_rel = 0;       // max over steps of |‖g‖ − ‖g01‖| / ‖g01‖ (before clipping)
+  double grad_rel = 0;       // max over tensors of ‖g − g01‖ / ‖g01‖ at step 1
+  std::string grad_worst;    // ... and the tensor where it is largest
+  double update_rel = 0;     // ‖w − w01‖ / ‖w01 − w0‖ over every tensor
+  double max_abs = 0;        // max |w − w01| over every element
+  double cap = 0;            // AdamW's bound on max_abs for this run's steps and learning rates
+};
+
+inline std::string flag_of(const ts::Json& trainer, const char* name) { return trainer.at("flags").at(name).as_string(); }
+
+// `whole` is the reference run from its first step (for the cap, which sums AdamW's bound over
+// every step the weights took); it differs from `ref` only for a resumed run.
+inline Equivalence compare(const CachedRun& r, const CachedRun& ref, const CachedRun& whole) {
+  Equivalence e;
+  const std::vector<double> l = r.log.losses(), l01 = ref.log.losses();
+  e.loss_rel = max_rel_diff(l, l01);
+  std::ifstream tf(ref.ckpt + "/trainer.json");
+  const ts::Json trainer = ts::Json::parse(std::string(std::istreambuf_iterator<char>(tf), {}));
+  const double beta1 = std::stod(flag_of(trainer, "beta1")), beta2 = std::stod(flag_of(trainer, "beta2"));
+  const uint64_t seed = uint64_t(trainer.at("seed").as_double());
+  for (size_t t = 0; t < whole.log.steps.size(); t++)
+    e.cap += 2 * whole.log.steps[t].at("lr").as_double() * adam_step_bound(beta1, beta2, int(t) + 1);
+  // Gradient norms before clipping, every step: AdamW and clipping are blind to a constant
+  // gradient scale (a sum where a mean belongs), the norm is not.
+  std::vector<double> n, n01;
+  for (auto& s : r.log.steps) n.push_back(s.at("grad_norm").as_double());
+  for (auto& s : ref.log.steps) n01.push_back(s.at("grad_norm").as_double());
+  e.norm_rel = max_rel_diff(n, n01);
+  // Step 1's gradients: exp_avg after step 1 is (1 − β1)·c·g with c the clipping coefficient
+  // min(1, clip/‖g‖); g = exp_avg / c up to the common factor (1 − β1).
+  std::vector<std::pair<std::string, std::vector<float>>> m, m01;
+  if (!r.first.empty()) m = read_tensors(r.first + "/optimizer.safetensors");
+  if (!ref.first.empty()) m01 = read_tensors(ref.first + "/optimizer.safetensors");
+  if (m.size() != m01.size()) e.grad_rel = INFINITY;
+  const double clip = std::stod(flag_of(trainer, "clip"));
+  auto unclip = [&](std::vector<float>& v, double norm) {
+    if (clip > 0 && norm > clip)
+      for (float& x : v) x = float(double(x) * norm / clip);
+  };
+  for (size_t i = 0; i < m.size() && i < m01.size(); i++) {
+    if (m[i].first.rfind("exp_avg.", 0) != 0) continue;
+    if (m[i].first != m01[i].first || m[i].second.size() != m01[i].second.size()) {
+      e.grad_rel = INFINITY;
+      continue;
+    }
+    unclip(m[i].second, n.at(0));
+    unclip(m01[i].second, n01.at(0));
+    const double d = std::sqrt(norm2(m[i].second, &m01[i].second) / std::max(1e-300, norm2(m01[i].second)));
+    if (d > e.grad_rel || std::isnan(d)) e.grad_rel = d, e.grad_worst = m[i].first;
+  }
+  // The final weights against the whole update.
+  auto w = read_tensors(r.ckpt + "/model.safetensors"), w01 = read_tensors(ref.ckpt + "/model.safetensors");
+  double diff = 0, update = 0;
+  if (w.size() != w01.size()) diff = INFINITY;
+  for (size_t i = 0; i < w.size() && i < w01.size(); i++) {
+    if (w[i].first != w01[i].first || w[i].second.size() != w01[i].second.size()) {
+      diff = INFINITY;
+      continue;
+    }
+    const std::vector<float> w0 = initial_weights(w01[i].first, w01[i].second.size(), seed);
+    diff += norm2(w[i].second, &w01[i].second);
+    update += norm2(w01[i].second, &w0);
+    for (size_t k = 0; k < w[i].second.size(); k++)
+      e.max_abs = std::max(e.max_abs, double(std::fabs(w[i].second[k] - w01[i].second[k])));
+  }
+  e.update_rel = std::sqrt(diff / std::max(1e-300, update));
+  return e;
+}
+
+inline std::ostream& operator<<(std::ostream& o, const Equivalence& e) {
+  return o << "loss rel " << e.loss_rel << " (bound " << equiv::kLossRel << "), grad norm rel " << e.norm_rel
+           << " (bound " << equiv::kGradRel << "), step-1 grad rel " << e.grad_rel << " at "
+           << e.grad_worst << " (bound " << equiv::kGradRel << "), ‖w − w01‖/‖w01 − w0‖ " << e.update_rel << " (bound "
+           << equiv::kUpdateRel << "), max |Δw| " << e.max_abs << " (AdamW cap " << e.cap << ")";
+}
+
+// Whether the run reproduces the reference (a 01 run of the same global batch): every measure
+// within its bound, the same number of steps.
+inline Equivalence compare(const CachedRun& r, const CachedRun& ref) { return compare(r, ref, ref); }
+inline bool equivalent(const Equivalence& e) {
+  return e.loss_rel <= equiv::kLossRel && e.norm_rel <= equiv::kGradRel && e.grad_rel <= equiv::kGradRel && e.update_rel <= equiv::kUpdateRel &&
+         e.max_abs <= e.cap;
+}
+// With TS_EQUIV_REPORT=FILE every comparison appends its measures to FILE, one line each (how
+// notes/00_architecture.md's table of measured values is made).
+inline void report(const Equivalence& e) {
+  if (const char* f = getenv("TS_EQUIV_REPORT")) {
+    std::ofstream o(f, std::ios::app);
+    o << e.loss_rel << " " << e.norm_rel << " " << e.grad_rel << " " << e.update_rel << " " << e.max_abs << " " << e.cap
+      << "\n";
+  }
+}
+inline void check_equivalent(const CachedRun& r, const CachedRun& ref) {
+  REQUIRE(r.log.steps.size() == ref.log.steps.size());
+  const Equivalence e = compare(r, ref);
+  report(e);
+  INFO(e);
+  CHECK(e.loss_rel <= equiv::kLossRel);
+  CHECK(e.norm_rel <= equiv::kGradRel);
+  CHECK(e.grad_rel <= equiv::kGradRel);
+  CHECK(e.update_rel <= equiv::kUpdateRel);
+  CHECK(e.max_abs <= e.cap);
+}
+
+// Resumes `bin` (np ranks, `args` + --resume from_ckpt) to the reference's last step and checks
+// that it continues the reference run by the same criterion: the losses of the steps after the
+// checkpoint and the final weights (step 1's gradients belong to the run that wrote from_ckpt).
 inline void check_resume(const std::string& bin, int np, const std::string& args, const std::string& from_ckpt,
-                         const CachedRun& ref, int steps_done, double loss_tol, double weight_tol) {
-  const std::string log = scratch("resume.jsonl"), out = scratch("resume_ck");
-  Result r = run_bin(bin, args + " --resume " + from_ckpt + " --overwrite --save " + out + " --log-json " + log, np, 120);
-  INFO(bin << " " << args << "\n" << r.output);
-  REQUIRE(r.status == 0);
-  const std::vector<double> l = read_log(log).losses(), want = ref.log.losses();
-  REQUIRE(l.size() == want.size() - size_t(steps_done));
-  CHECK(max_rel_diff(l, std::vector<double>(want.begin() + steps_done, want.end())) <= loss_tol);
-  CHECK(max_abs_diff_files(out + "/model.safetensors", ref.ckpt + "/model.safetensors") <= weight_tol);
+                         const CachedRun& ref, int steps_done) {
+  CachedRun r;
+  const std::string log = scratch("resume.jsonl");
+  r.ckpt = scratch("resume_ck");
+  std::filesystem::remove_all(r.ckpt);
+  Result res = run_bin(bin, args + " --resume " + from_ckpt + " --save " + r.ckpt + " --log-json " + log, np, 120);
+  INFO(bin << " " << args << "\n" << res.output);
+  REQUIRE(res.status == 0);
+  r.log = read_log(log);
+  REQUIRE(r.log.steps.size() == ref.log.steps.size() - size_t(steps_done));
+  CachedRun tail = ref;  // the reference from the same step on
+  tail.log.steps.erase(tail.log.steps.begin(), tail.log.steps.begin() + steps_done);
+  tail.first = r.first = "";
+  const Equivalence e = compare(r, tail, ref);
+  report(e);
+  INFO(e);
+  CHECK(e.loss_rel <= equiv::kLossRel);
+  CHECK(e.norm_rel <= equiv::kGradRel);
+  CHECK(e.update_rel <= equiv::kUpdateRel);
+  CHECK(e.max_abs <= e.cap);
 }
 
 }  // namespace tst

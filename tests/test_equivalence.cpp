@@ -1,0 +1,125 @@
+// ranks: 1
+// The equivalence criterion itself (tests/test_util.h, derived in notes/00_architecture.md):
+// AdamW's per-step bound and the initial weights it relies on; three real bugs, seeded with
+// TS_SEED_BUG, each failing it by a wide margin while the same run without the bug passes; and
+// the thread count, which must not change a single bit.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <map>
+#include <random>
+
+#include "test_util.h"
+
+namespace {
+
+const std::string kTiny = "--preset tiny --kv-heads 4 --quiet --lr-schedule constant ";
+using Run = tst::CachedRun;
+const Run& run(const std::string& bin, int np, const std::string& args, const std::string& bug = "") {
+  return tst::cached_run(bin, np, kTiny + args, 180, bug.empty() ? "" : "TS_SEED_BUG=" + bug);
+}
+const Run& single(int batch, int micro) { return run("01_single_gpu", 1, tst::steps_args(6, batch, micro)); }
+
+// How far past its bound the worst measure is: > 1 fails the criterion.
+double worst_ratio(const tst::Equivalence& e) {
+  return std::max({e.loss_rel / tst::equiv::kLossRel, e.norm_rel / tst::equiv::kGradRel,
+                   e.grad_rel / tst::equiv::kGradRel, e.update_rel / tst::equiv::kUpdateRel, e.max_abs / e.cap});
+}
+
+}  // namespace
+
+TEST_CASE("AdamW's per-step bound: 1 at step 1, reached by a worst-case history, never exceeded", "[equiv]") {
+  CHECK(tst::adam_step_bound(0.9, 0.95, 1) == Approx(1.0).epsilon(1e-15));
+  // By hand at t = 2: 0.1/0.19 · √(0.0975/0.05) · √(1 + 0.81/0.95) = 1.000442...
+  CHECK(tst::adam_step_bound(0.9, 0.95, 2) == Approx(0.1 / 0.19 * std::sqrt(1.95) * std::sqrt(1 + 0.81 / 0.95)));
+  // Random gradient histories stay below it, and the Cauchy–Schwarz equality case g_k ∝ (β1/β2)^(t−k)
+  // reaches it.
+  const double b1 = 0.9, b2 = 0.95;
+  std::mt19937 gen(7);
+  std::normal_distribution<double> nd;
+  for (int t = 1; t <= 12; t++) {
+    auto ratio = [&](const std::vector<double>& g) {
+      double m = 0, v = 0;
+      for (double x : g) m = b1 * m + (1 - b1) * x, v = b2 * v + (1 - b2) * x * x;
+      return std::fabs(m / (1 - std::pow(b1, t))) / std::sqrt(v / (1 - std::pow(b2, t)));
+    };
+    double worst = 0;
+    for (int k = 0; k < 2000; k++) {
+      std::vector<double> g(static_cast<size_t>(t));
+      for (double& x : g) x = nd(gen) * std::exp(2 * nd(gen));
+      worst = std::max(worst, ratio(g));
+    }
+    std::vector<double> extreme(static_cast<size_t>(t));
+    for (int k = 0; k < t; k++) extreme[size_t(k)] = std::pow(b1 / b2, t - 1 - k);
+    INFO("t " << t);
+    CHECK(worst <= tst::adam_step_bound(b1, b2, t) * (1 + 1e-12));
+    CHECK(ratio(extreme) == Approx(tst::adam_step_bound(b1, b2, t)).epsilon(1e-12));
+  }
+}
+
+// The criterion measures the update from the initial weights: they must be the model's. After one
+// AdamW step an element with a gradient (|g| ≫ ε; exp_avg ≠ 0) has moved by lr·(±1 + wd·w0), so
+// |w1 − w0| ≈ lr; embedding rows of tokens absent from the batch only decay.
+TEST_CASE("initial_weights are the weights a run starts from", "[equiv]") {
+  const Run& r = single(8, 8);
+  const double lr = r.log.steps[0].at("lr").as_double();
+  const auto m = tst::read_tensors(r.first + "/optimizer.safetensors");
+  std::map<std::string, std::vector<float>> exp_avg;
+  for (auto& [name, v] : m)
+    if (name.rfind("exp_avg.", 0) == 0) exp_avg[name.substr(8)] = v;
+  for (auto& [name, w1] : tst::read_tensors(r.first + "/model.safetensors")) {
+    if (name.find("norm") != std::string::npos) continue;
+    const std::vector<float> w0 = tst::initial_weights(name, w1.size(), 1337);
+    const std::vector<float>& g = exp_avg.at(name);
+    std::vector<double> moved;
+    for (size_t i = 0; i < w1.size(); i++)
+      if (g[i] != 0) moved.push_back(std::fabs(double(w1[i]) - w0[i]));
+    INFO(name);
+    REQUIRE(moved.size() >= 1000);
+    std::nth_element(moved.begin(), moved.begin() + long(moved.size() / 2), moved.end());
+    CHECK(moved[moved.size() / 2] == Approx(lr).epsilon(1e-3));
+  }
+}
+
+// Each seeded bug against the same mesh without it. The margins are printed (WARN) for the notes.
+TEST_CASE("three seeded bugs fail the criterion by a wide margin; the same runs without them pass", "[equiv][e2e]") {
+  struct Bug {
+    const char* name;
+    std::string bin;
+    int np;
+    std::string args;
+    int batch, micro;
+  };
+  const Bug bugs[] = {
+      {"drop_microbatch", "02_data_parallel", 2, "--dp 2 ", 8, 2},  // two micro-batches per rank, the first lost
+      {"swap_fg", "04_tensor_parallel", 2, "--tp 2 ", 8, 8},        // f and g exchanged in layer 0's MLP backward
+      {"stale_shard", "03_zero", 2, "--dp 2 --zero 1 ", 8, 4},      // the last rank never updates layer 0's shard
+  };
+  for (const Bug& b : bugs) {
+    const Run& ref = single(b.batch, b.batch);
+    const std::string args = b.args + tst::steps_args(6, b.batch, b.micro);
+    const tst::Equivalence good = tst::compare(run(b.bin, b.np, args), ref);
+    const tst::Equivalence bad = tst::compare(run(b.bin, b.np, args, b.name), ref);
+    INFO(b.name << "\n  without: " << good << "\n  with: " << bad);
+    WARN(b.name << ": worst measure/bound " << worst_ratio(bad) << " with the bug, " << worst_ratio(good)
+                << " without; step-1 grad " << bad.grad_rel << ", update " << bad.update_rel << ", loss "
+                << bad.loss_rel);
+    CHECK(tst::equivalent(good));
+    CHECK_FALSE(tst::equivalent(bad));
+    CHECK(worst_ratio(bad) >= 30);
+  }
+}
+
+// OpenMP threads split work by rows and never split a sum, and sgemm runs on one OpenBLAS thread:
+// the thread count must not change a bit of the losses or the weights.
+TEST_CASE("01 gives the same bits at 1, 2 and 3 threads", "[equiv][threads]") {
+  const std::string args = "--steps 3 --batch 8 --micro-batch 8 ";
+  const Run& one = run("01_single_gpu", 1, args + "--threads 1");
+  for (int t : {2, 3}) {
+    const Run& many = run("01_single_gpu", 1, args + "--threads " + std::to_string(t));
+    INFO(t << " threads");
+    CHECK(many.log.losses() == one.log.losses());
+    CHECK(tst::max_abs_diff_files(many.ckpt + "/model.safetensors", one.ckpt + "/model.safetensors") == 0.0);
+    CHECK(tst::max_abs_diff_files(many.ckpt + "/optimizer.safetensors", one.ckpt + "/optimizer.safetensors") == 0.0);
+  }
+}
