@@ -27,7 +27,7 @@ void check_memory_fits(const MemoryPrediction& p, Device dev);
 // From now on SIGINT and SIGTERM only raise a flag; a second signal of the same kind acts as usual
 // and ends the process at once.
 void catch_stop_signals();
-// Collective (one small MPI_Allreduce): the signal any rank has received so far, 0 if none.
+// Collective (one small all-reduce, under the watchdog): the signal any rank has received so far, 0 if none.
 int agreed_stop_signal();
 
 }  // namespace ts

@@ -296,8 +296,7 @@ inline Equivalence compare(const CachedRun& r, const CachedRun& ref, const Cache
   Equivalence e;
   const std::vector<double> l = r.log.losses(), l01 = ref.log.losses();
   e.loss_rel = max_rel_diff(l, l01);
-  std::ifstream tf(ref.ckpt + "/trainer.json");
-  const ts::Json trainer = ts::Json::parse(std::string(std::istreambuf_iterator<char>(tf), {}));
+  const ts::Json trainer = ts::Json::parse(ts::read_text_file(ref.ckpt + "/trainer.json"));
   const double beta1 = std::stod(flag_of(trainer, "beta1")), beta2 = std::stod(flag_of(trainer, "beta2"));
   const uint64_t seed = uint64_t(trainer.at("seed").as_double());
   for (size_t t = 0; t < whole.log.steps.size(); t++)
