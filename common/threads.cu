@@ -18,8 +18,52 @@
 
 namespace ts {
 
+// Cores OpenBLAS names when its detection does not know the CPU (Debian's 0.3.21 takes an AVX-512
+// Xeon newer than it for a "Prescott" from 2004 and runs sgemm on SSE3: 3-7× slower here).
+static bool is_old_core(const std::string& core) {
+  for (const char* o : {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Katmai", "Northwood", "Banias"})
+    if (core == o) return true;
+  return false;
+}
+
+// The fastest sgemm kernel family of this CPU's instruction set that Debian's OpenBLAS ships.
+static const char* best_core() {
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return "SkylakeX";
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return "Haswell";
+  return nullptr;
+}
+
+// What the start-up line says of sgemm's kernels. TS_OPENBLAS_DETECTED is the mark
+// prepare_process_env leaves when it replaced a misdetected core.
+std::string sgemm_core_note() {
+  const std::string core = openblas_get_corename();
+  if (const char* detected = getenv("TS_OPENBLAS_DETECTED"))
+    return "sgemm core " + core + " (OpenBLAS detected " + detected + ", older than this CPU)";
+  return "sgemm core " + core + (getenv("OPENBLAS_CORETYPE") ? " (OPENBLAS_CORETYPE)" : "");
+}
+
+std::string sgemm_core_warning() {
+  const std::string core = openblas_get_corename();
+  const char* best = best_core();
+  // Haswell's AVX2 kernels on an AVX-512 machine run at about half of SkylakeX's rate.
+  if (!best || core == best || !(is_old_core(core) || std::string(best) == "SkylakeX")) return "";
+  return "warning: OpenBLAS runs sgemm with its " + core + " kernels; this CPU supports the faster " + best +
+         " ones (OPENBLAS_CORETYPE=" + best + ")";
+}
+
 void prepare_process_env(char** argv) {
-  if (getenv("OMP_WAIT_POLICY") && getenv("UCX_HANDLE_ERRORS")) return;
+  // A misdetected core is replaced by the one the instruction set supports, unless the user chose
+  // one: rounding differs between kernels, but every result in this project is checked against a
+  // bound that holds for any of them (notes/00, "What equal to 01 means").
+  const char* best = best_core();
+  const std::string detected = openblas_get_corename();
+  const bool fix_core = !getenv("OPENBLAS_CORETYPE") && best && is_old_core(detected);
+  if (!fix_core && getenv("OMP_WAIT_POLICY") && getenv("UCX_HANDLE_ERRORS")) return;
+  if (fix_core) {
+    setenv("OPENBLAS_CORETYPE", best, 1);
+    setenv("TS_OPENBLAS_DETECTED", detected.c_str(), 1);
+  }
   setenv("OMP_WAIT_POLICY", "passive", 0);
   setenv("UCX_HANDLE_ERRORS", "none", 0);
   execv("/proc/self/exe", argv);

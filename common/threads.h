@@ -11,7 +11,13 @@ namespace ts {
 // one-line error and mpirun's report of the lost rank are what a reader needs, last). libgomp
 // and UCX read these once, when they are loaded, so setting them means re-executing the process
 // with them (argv unchanged, same pid, before any MPI state exists).
+// OpenBLAS reads OPENBLAS_CORETYPE the same way: when it has detected a core much older than this
+// CPU, the re-executed process runs the kernels the CPU's instruction set supports instead.
 void prepare_process_env(char** argv);
+// "sgemm core SkylakeX" and where that choice came from; a warning line when this CPU supports a
+// faster core than the one running ("" otherwise).
+std::string sgemm_core_note();
+std::string sgemm_core_warning();
 
 struct ThreadChoice {
   int threads = 1;       // OpenMP threads per rank (the CPU kernels)

@@ -491,21 +491,6 @@ MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0
   return {from_host_i32(in, dev), from_host_i32(tg, dev)};
 }
 
-void check_blas_setup() {
-  static bool done = false;
-  if (done || world_rank() != 0) return;
-  done = true;
-  std::string core = openblas_get_corename();
-  const char* old[] = {"Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Atom", "Katmai", "Northwood", "Banias"};
-  bool is_old = false;
-  for (const char* o : old) is_old |= core == o;
-  if (is_old && __builtin_cpu_supports("avx2"))
-    fprintf(stderr,
-            "warning: OpenBLAS selected kernels for core '%s' but this CPU supports AVX2; sgemm runs several times\n"
-            "         slower than it can. Set OPENBLAS_CORETYPE=Haswell (or SkylakeX on AVX-512 machines).\n",
-            core.c_str());
-}
-
 // ----- memory predictions ----------------------------------------------------------------------
 
 MemoryPrediction predict_states(int64_t psi, int64_t psi_opt, DType dt, bool master_weights) {
@@ -812,8 +797,10 @@ void print_model(RunLog& log, const ModelConfig& m) {
 
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log) {
   const ThreadChoice threads = setup_threads(rc.threads, int64_t(rc.micro_batch) * rc.model.seq, rc.model.dim);
-  log.line("threads: %s", describe(threads).c_str());
-  if (dev == Device::CPU) check_blas_setup();
+  log.line("threads: %s%s", describe(threads).c_str(),
+           dev == Device::CPU ? ("; " + sgemm_core_note()).c_str() : "");
+  if (const std::string w = sgemm_core_warning(); dev == Device::CPU && !w.empty() && world_rank() == 0)
+    fprintf(stderr, "%s\n", w.c_str());
   TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);
   log.line("device: %s | data: %s", device_description(dev).c_str(), data.description.c_str());
   if (std::isfinite(data.entropy_floor))

@@ -168,10 +168,6 @@ struct MicroBatch {
 // Global sequences [seq0, seq0 + nseq) of step `step` (the data order of notes/00), on `dev`.
 MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev);
 
-// Warns once when OpenBLAS runs kernels for a much older core than this CPU (Debian's build
-// misdetects some CPUs as "Prescott" and runs sgemm several times slower), with the fix.
-void check_blas_setup();
-
 // ----- memory: the playbook's formulas, derived for this model --------------------------------
 struct MemoryPrediction {
   double params = 0, grads = 0, optimizer = 0, activations = 0;
