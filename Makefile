@@ -174,7 +174,7 @@ DEMO_CUDA = $(if $(GPU_VISIBLE),$(CUDA),0)
 DEMO_BUILD = $(if $(filter $(CUDA),$(DEMO_CUDA)),$(BUILD),$(BUILD)/demo-cpu)
 demo: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) CUDA=$(DEMO_CUDA) BUILD=$(DEMO_BUILD) $(DEMO_BUILD)/01_single_gpu
-	$(DEMO_BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 4000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
+	$(DEMO_BUILD)/01_single_gpu --preset tiny --seq 64 --batch 16 --steps 3000 --warmup-steps 50 --min-lr 3e-4 --log-json $(BUILD)/demo.jsonl
 	/usr/bin/python3 scripts/plot.py $(BUILD)/demo.jsonl -o $(BUILD)/demo.png --labels "01 tiny (seq 64)"
 
 bench: deps
