@@ -317,9 +317,10 @@ void sgemm(bool transA, bool transB, int64_t M, int64_t N, int64_t K, float alph
 }
 
 // C[M, N] = alpha op(A) op(B) + beta C, row-major, by the panels of gemm_panels.
+// When OPENBLAS_NUM_THREADS asks for more than one thread, OpenBLAS splits the one call itself.
 void sgemm_panels(bool transA, bool transB, int64_t M, int64_t N, int64_t K, float alpha, const float* a,
                   int64_t lda, const float* b, int64_t ldb, float beta, float* c) {
-  const GemmPanels p = gemm_panels(M, N);
+  const GemmPanels p = openblas_get_num_threads() > 1 ? GemmPanels{true, M, 1} : gemm_panels(M, N);
 #pragma omp parallel for schedule(dynamic, 1) if (p.count > 1)
   for (int64_t i = 0; i < p.count; i++) {
     const int64_t lo = i * p.size, n = std::min(p.size, (p.rows ? M : N) - lo);
@@ -461,45 +462,57 @@ void online_softmax_tile(float* P, int64_t ld, int64_t rows, int64_t cols, float
   }
 }
 
-// Work unit (b, h, query tile): O = softmax(scale Q K^T + mask) V over the visible key tiles,
-// lse = m + log l per row (-inf and a zero row where no key is visible).
+// Work unit (b, kv head, query tile): O = softmax(scale Q K^T + mask) V over the visible key
+// tiles, lse = m + log l per row (-inf and a zero row where no key is visible). The query rows of
+// the GQA group's heads are stacked into one [group x rows, hd] block: they share each K and V
+// tile, so one taller product replaces `group` short ones and the tiles are loaded once.
 template <class T>
 void attention_forward_cpu(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* qpos,
                            const int32_t* kpos, const AttnShape& a) {
-  const int64_t S = a.S, hd = a.hd, nq = a.q_tiles();
-  const int64_t per_thread = 2 * kQTile * hd + 2 * kKTile * hd + kQTile * kKTile;
+  const int64_t S = a.S, hd = a.hd, nq = a.q_tiles(), G = a.group(), GQ = G * kQTile;
+  const int64_t per_thread = 2 * GQ * hd + 2 * kKTile * hd + GQ * kKTile + 2 * GQ;
   const float scale = 1.0f / std::sqrt(float(hd));
   const std::vector<PosRange> qr = tile_ranges(qpos, S, kQTile), kr = tile_ranges(kpos, S, kKTile);
   Tensor ws = workspace(per_thread * omp_get_max_threads());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t u = 0; u < a.B * a.H * nq; u++) {
-    const int64_t b = u / (a.H * nq), h = u / nq % a.H, qt = u % nq, kvh = h / a.group();
-    const int64_t i0 = qt * kQTile, rows = std::min(kQTile, S - i0);
+#pragma omp parallel
+  {
     float* Q = ws.f32() + per_thread * omp_get_thread_num();
-    float *O = Q + kQTile * hd, *K = O + kQTile * hd, *V = K + kKTile * hd, *P = V + kKTile * hd;
-    float m[kQTile], inv_l[kQTile];
-    double l[kQTile];
-    std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-    std::fill(l, l + rows, 0.0);
-    std::fill(O, O + rows * hd, 0.0f);
-    load_rows(Q, q, b, i0, rows, a.H, h, a);
-    for (int64_t kt = 0; kt < int64_t(kr.size()); kt++) {
-      const TileMask tm = tile_mask(qr[qt], kr[kt]);
-      if (tm == TileMask::Skip) continue;
-      const int64_t j0 = kt * kKTile, cols = std::min(kKTile, S - j0);
-      load_rows(K, k, b, j0, cols, a.KVH, kvh, a);
-      load_rows(V, v, b, j0, cols, a.KVH, kvh, a);
-      sgemm(false, true, rows, cols, hd, scale, Q, hd, K, hd, 0.0f, P, kKTile);  // scale Q K^T
-      if (tm == TileMask::Partial) mask_tile(P, kKTile, qpos + i0, rows, kpos + j0, cols);
-      online_softmax_tile(P, kKTile, rows, cols, m, l, O, hd);
-      sgemm(false, false, rows, hd, cols, 1.0f, P, kKTile, V, hd, 1.0f, O, hd);  // O += P V
+    float *O = Q + GQ * hd, *K = O + GQ * hd, *V = K + kKTile * hd, *P = V + kKTile * hd, *m = P + GQ * kKTile;
+    float* inv_l = m + GQ;
+    std::vector<double> l(GQ);
+    std::vector<int32_t> qp(GQ);  // each stacked row's query position
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < a.B * a.KVH * nq; u++) {
+      const int64_t b = u / (a.KVH * nq), kvh = u / nq % a.KVH, qt = u % nq;
+      const int64_t i0 = qt * kQTile, rows = std::min(kQTile, S - i0), n = G * rows;
+      for (int64_t g = 0; g < G; g++) {
+        load_rows(Q + g * rows * hd, q, b, i0, rows, a.H, kvh * G + g, a);
+        std::copy(qpos + i0, qpos + i0 + rows, qp.begin() + g * rows);
+      }
+      std::fill(m, m + n, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + n, 0.0);
+      std::fill(O, O + n * hd, 0.0f);
+      for (int64_t kt = 0; kt < int64_t(kr.size()); kt++) {
+        const TileMask tm = tile_mask(qr[qt], kr[kt]);
+        if (tm == TileMask::Skip) continue;
+        const int64_t j0 = kt * kKTile, cols = std::min(kKTile, S - j0);
+        load_rows(K, k, b, j0, cols, a.KVH, kvh, a);
+        load_rows(V, v, b, j0, cols, a.KVH, kvh, a);
+        sgemm(false, true, n, cols, hd, scale, Q, hd, K, hd, 0.0f, P, kKTile);  // scale Q K^T
+        if (tm == TileMask::Partial) mask_tile(P, kKTile, qp.data(), n, kpos + j0, cols);
+        online_softmax_tile(P, kKTile, n, cols, m, l.data(), O, hd);
+        sgemm(false, false, n, hd, cols, 1.0f, P, kKTile, V, hd, 1.0f, O, hd);  // O += P V
+      }
+      for (int64_t r = 0; r < n; r++) {  // normalised once, at the end
+        inv_l[r] = l[r] > 0 ? float(1.0 / l[r]) : 0.0f;
+        m[r] = l[r] > 0 ? m[r] + float(std::log(l[r])) : -std::numeric_limits<float>::infinity();
+      }
+      for (int64_t g = 0; g < G; g++) {
+        const int64_t h = kvh * G + g;
+        std::copy(m + g * rows, m + (g + 1) * rows, lse + (b * a.H + h) * S + i0);
+        store_rows(out, O + g * rows * hd, inv_l + g * rows, b, i0, rows, a.H, h, a);
+      }
     }
-    float* lse_t = lse + (b * a.H + h) * S + i0;
-    for (int64_t r = 0; r < rows; r++) {  // normalised once, at the end
-      inv_l[r] = l[r] > 0 ? float(1.0 / l[r]) : 0.0f;
-      lse_t[r] = l[r] > 0 ? m[r] + float(std::log(l[r])) : -std::numeric_limits<float>::infinity();
-    }
-    store_rows(out, O, inv_l, b, i0, rows, a.H, h, a);
   }
 }
 
@@ -512,65 +525,72 @@ void probs_from_lse(float* p, float lse, int64_t n) {
 }
 
 // Per tile, from P = exp(S - lse): dP = dO V^T, dS = P (dP - D) with D = rowsum(dO * O),
-// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO. The work unit is (b, kv head): it owns its dK
-// and dV rows and sums them over the group's heads, query tiles and key tiles in that order (the
-// GQA sum in a fixed order, no partials to combine); dQ sums its key tiles in order.
+// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO, the group's heads stacked as in the forward.
+// The work unit is (b, kv head): it owns its dK and dV rows and sums them over the query tiles
+// (the group's heads inside each product) and key tiles in a fixed order, the GQA sum included,
+// with no partials to combine; dQ sums its key tiles in order.
 template <class T>
 void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q,
                             const T* k, const T* v, const int32_t* qpos, const int32_t* kpos, const AttnShape& a) {
-  const int64_t S = a.S, hd = a.hd;
-  const int64_t per_thread = 4 * S * hd + 3 * kQTile * hd + 2 * kQTile * kKTile;
+  const int64_t S = a.S, hd = a.hd, G = a.group(), GQ = G * kQTile;
+  const int64_t per_thread = 4 * S * hd + 3 * GQ * hd + 2 * GQ * kKTile + 2 * GQ;
   const float scale = 1.0f / std::sqrt(float(hd));
   const std::vector<PosRange> qr = tile_ranges(qpos, S, kQTile), kr = tile_ranges(kpos, S, kKTile);
   Tensor ws = workspace(per_thread * omp_get_max_threads());
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
-    const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
+#pragma omp parallel
+  {
     float* K = ws.f32() + per_thread * omp_get_thread_num();
-    float *V = K + S * hd, *dK = V + S * hd, *dV = dK + S * hd, *Q = dV + S * hd, *dO = Q + kQTile * hd;
-    float *dQ = dO + kQTile * hd, *P = dQ + kQTile * hd, *dS = P + kQTile * kKTile;
-    load_rows(K, k, b, 0, S, a.KVH, kvh, a);
-    load_rows(V, v, b, 0, S, a.KVH, kvh, a);
-    std::fill(dK, dK + 2 * S * hd, 0.0f);  // dK and dV
-    for (int64_t h = kvh * a.group(); h < (kvh + 1) * a.group(); h++) {
+    float *V = K + S * hd, *dK = V + S * hd, *dV = dK + S * hd, *Q = dV + S * hd, *dO = Q + GQ * hd;
+    float *dQ = dO + GQ * hd, *P = dQ + GQ * hd, *dS = P + GQ * kKTile, *D = dS + GQ * kKTile, *L = D + GQ;
+    std::vector<int32_t> qp(GQ);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
+      const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
+      load_rows(K, k, b, 0, S, a.KVH, kvh, a);
+      load_rows(V, v, b, 0, S, a.KVH, kvh, a);
+      std::fill(dK, dK + 2 * S * hd, 0.0f);  // dK and dV
       for (int64_t qt = 0; qt < a.q_tiles(); qt++) {
-        const int64_t i0 = qt * kQTile, rows = std::min(kQTile, S - i0);
-        const float* lse_t = lse + (b * a.H + h) * S + i0;
-        load_rows(Q, q, b, i0, rows, a.H, h, a);
-        load_rows(dO, dout, b, i0, rows, a.H, h, a);
-        float D[kQTile];  // the softmax-backward correction rowsum(dO * O)
-        for (int64_t r = 0; r < rows; r++) {
-          const T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
-          double dot = 0;
+        const int64_t i0 = qt * kQTile, rows = std::min(kQTile, S - i0), n = G * rows;
+        for (int64_t g = 0; g < G; g++) {
+          const int64_t h = kvh * G + g, r0 = g * rows;
+          load_rows(Q + r0 * hd, q, b, i0, rows, a.H, h, a);
+          load_rows(dO + r0 * hd, dout, b, i0, rows, a.H, h, a);
+          std::copy(qpos + i0, qpos + i0 + rows, qp.begin() + r0);
+          std::copy(lse + (b * a.H + h) * S + i0, lse + (b * a.H + h) * S + i0 + rows, L + r0);
+          for (int64_t r = 0; r < rows; r++) {  // the softmax-backward correction rowsum(dO * O)
+            const T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
+            const float* dor = dO + (r0 + r) * hd;
+            double dot = 0;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < hd; d++) dot += double(dO[r * hd + d]) * ld(o[d]);
-          D[r] = float(dot);
+            for (int64_t d = 0; d < hd; d++) dot += double(dor[d]) * ld(o[d]);
+            D[r0 + r] = float(dot);
+          }
         }
-        std::fill(dQ, dQ + rows * hd, 0.0f);
+        std::fill(dQ, dQ + n * hd, 0.0f);
         for (int64_t kt = 0; kt < int64_t(kr.size()); kt++) {
           const TileMask tm = tile_mask(qr[qt], kr[kt]);
           if (tm == TileMask::Skip) continue;
           const int64_t j0 = kt * kKTile, cols = std::min(kKTile, S - j0);
           const float *Kj = K + j0 * hd, *Vj = V + j0 * hd;
-          sgemm(false, true, rows, cols, hd, scale, Q, hd, Kj, hd, 0.0f, P, kKTile);  // scale Q K^T
-          if (tm == TileMask::Partial) mask_tile(P, kKTile, qpos + i0, rows, kpos + j0, cols);
-          for (int64_t r = 0; r < rows; r++) probs_from_lse(P + r * kKTile, lse_t[r], cols);
-          sgemm(false, true, rows, cols, hd, 1.0f, dO, hd, Vj, hd, 0.0f, dS, kKTile);  // dP = dO V^T
-          for (int64_t r = 0; r < rows; r++) {
+          sgemm(false, true, n, cols, hd, scale, Q, hd, Kj, hd, 0.0f, P, kKTile);  // scale Q K^T
+          if (tm == TileMask::Partial) mask_tile(P, kKTile, qp.data(), n, kpos + j0, cols);
+          for (int64_t r = 0; r < n; r++) probs_from_lse(P + r * kKTile, L[r], cols);
+          sgemm(false, true, n, cols, hd, 1.0f, dO, hd, Vj, hd, 0.0f, dS, kKTile);  // dP = dO V^T
+          for (int64_t r = 0; r < n; r++) {
             const float *p = P + r * kKTile, Dr = D[r];
             float* ds = dS + r * kKTile;
 #pragma omp simd
             for (int64_t j = 0; j < cols; j++) ds[j] = p[j] * (ds[j] - Dr);
           }
-          sgemm(false, false, rows, hd, cols, scale, dS, kKTile, Kj, hd, 1.0f, dQ, hd);
-          sgemm(true, false, cols, hd, rows, scale, dS, kKTile, Q, hd, 1.0f, dK + j0 * hd, hd);
-          sgemm(true, false, cols, hd, rows, 1.0f, P, kKTile, dO, hd, 1.0f, dV + j0 * hd, hd);
+          sgemm(false, false, n, hd, cols, scale, dS, kKTile, Kj, hd, 1.0f, dQ, hd);
+          sgemm(true, false, cols, hd, n, scale, dS, kKTile, Q, hd, 1.0f, dK + j0 * hd, hd);
+          sgemm(true, false, cols, hd, n, 1.0f, P, kKTile, dO, hd, 1.0f, dV + j0 * hd, hd);
         }
-        store_rows(dq, dQ, nullptr, b, i0, rows, a.H, h, a);
+        for (int64_t g = 0; g < G; g++) store_rows(dq, dQ + g * rows * hd, nullptr, b, i0, rows, a.H, kvh * G + g, a);
       }
+      store_rows(dk, dK, nullptr, b, 0, S, a.KVH, kvh, a);
+      store_rows(dv, dV, nullptr, b, 0, S, a.KVH, kvh, a);
     }
-    store_rows(dk, dK, nullptr, b, 0, S, a.KVH, kvh, a);
-    store_rows(dv, dV, nullptr, b, 0, S, a.KVH, kvh, a);
   }
 }
 
