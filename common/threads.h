@@ -29,11 +29,12 @@ struct ThreadChoice {
 // Collective over MPI_COMM_WORLD. OpenMP: requested > 0 (--threads) wins, then OMP_NUM_THREADS,
 // else max(1, cores / local ranks), or 1 when a micro-batch's residual stream (tokens × dim) has
 // fewer than kThreadedElements elements: each parallel region then holds a few microseconds of
-// work, less than waking a sleeping thread costs (measured: tiny's 256 × 64 runs 2× faster on one
-// thread than on two, 2048 × 64 10% slower). OpenBLAS: OPENBLAS_NUM_THREADS, else 1 — its sgemm splits the inner dimension into
+// work, less than waking a sleeping thread costs (tiny's default 256 × 64 runs faster on one
+// thread; the demo's 1024 × 64 already gains from two, now that matmuls and attention split by
+// blocks). OpenBLAS: OPENBLAS_NUM_THREADS, else 1 — its sgemm splits the inner dimension into
 // blocks that depend on its thread count, so more threads change the sums' rounding, while the
-// CPU kernels give the same bits at any thread count.
-constexpr int64_t kThreadedElements = 131072;
+// CPU kernels (matmul panels included) give the same bits at any thread count.
+constexpr int64_t kThreadedElements = 32768;
 ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim);
 // What the last setup_threads chose (a default ThreadChoice before it ran): a measurement that
 // assumes each rank has its cores (05's bubble) says when ranks outnumber them.

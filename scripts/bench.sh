@@ -23,7 +23,7 @@ torch_ok=0
 /usr/bin/python3 -c "import torch" 2>/dev/null && torch_ok=1
 printf "%-8s %16s %16s %8s\n" threads "tinyscale tok/s" "pytorch tok/s" ratio
 for t in 1 2; do
-  ours=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=$t "$BUILD/01_single_gpu" $shape --steps 16 --quiet --device cpu \
+  ours=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=1 "$BUILD/01_single_gpu" $shape --steps 16 --quiet --device cpu \
          | sed -n 's/^median \([0-9]*\) tokens.*/\1/p')
   if [ $torch_ok = 1 ]; then
     theirs=$(OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_llama.py $shape --steps 8 --threads $t \
