@@ -125,10 +125,11 @@ def batches(a, steps):
     """Yields (inputs, targets) for each step: 01's windows over --data's bytes, or random bytes."""
     if a.data:
         with open(a.data, "rb") as f:
-            data = torch.tensor(list(f.read()), dtype=torch.long)
-        span = data.numel() - a.seq - 1
+            raw = f.read()
+        span = len(raw) - a.seq - 1
         if span < 1:
-            sys.exit(f"--data {a.data}: {data.numel()} bytes, too few for one window of {a.seq} + 2")
+            sys.exit(f"--data {a.data}: {len(raw)} bytes, too few for one window of {a.seq} + 2")
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
         for s in range(steps):
             starts = [((s * a.batch + i) * a.seq) % span for i in range(a.batch)]
             w = torch.stack([data[o:o + a.seq + 1] for o in starts])

@@ -13,7 +13,7 @@
 #
 # The PyPI wheel of torch for Linux x86-64 is the CUDA build and depends on several GB of
 # nvidia-* wheels. Installing torch with --no-deps plus its pure-Python dependencies keeps the
-# download to the torch wheel itself (about 1 GB unpacked); the CPU import still loads a few small
+# download to the torch wheel itself (1.2 GB installed); the CPU import still loads a few small
 # CUDA libraries, installed below.
 set -euo pipefail
 VENV=${TORCH_VENV:-build/torch-venv}
