@@ -16,12 +16,17 @@
 # download to the torch wheel itself (1.2 GB installed); the CPU import still loads a few small
 # CUDA libraries, installed below.
 set -euo pipefail
+cd "$(dirname "$0")/.."  # a relative TORCH_VENV is taken from the repository root, as make bench does
 VENV=${TORCH_VENV:-build/torch-venv}
 SPEC=${TORCH_SPEC:-torch>=2}
 
-works() { "$VENV/bin/python" -c 'import torch, sys; sys.exit(int(torch.__version__.split(".")[0]) < 2)' 2>/dev/null; }
-if [ -x "$VENV/bin/python" ] && works; then
-  echo "$VENV: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') already installed"
+# torch's version when the venv imports torch 2.x; fails otherwise
+works() {
+  local v
+  v=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null) && [ "${v%%.*}" -ge 2 ] && echo "$v"
+}
+if [ -x "$VENV/bin/python" ] && v=$(works); then
+  echo "$VENV: torch $v already installed"
   exit 0
 fi
 
@@ -66,5 +71,5 @@ pip "${pure[@]}" numpy
 mapfile -t libs < <(reqs 'r.startswith(("nvidia-nccl", "nvidia-cusparselt", "nvidia-nvshmem", "nvidia-cufile"))')
 [[ " ${libs[*]} " == *nvidia-cufile* ]] || libs+=(nvidia-cufile)
 pip --no-deps "${libs[@]}"
-works || { echo "torch in $VENV is not importable" >&2; exit 1; }
-"$VENV/bin/python" -c 'import torch; print("torch", torch.__version__, "in", torch.__file__.rsplit("/", 2)[0])'
+v=$(works) || { echo "torch in $VENV is not importable" >&2; exit 1; }
+echo "torch $v in $VENV: bench/torch2_llama.py and make bench use it"
