@@ -54,8 +54,10 @@ else
   echo "TORCH_VENV=DIR for another place). The rows below run without it."
 fi
 declare -A ours theirs limit  # tokens/s by "threads,round"
+# 01 as it runs by default: t OpenMP threads share the work, OpenBLAS runs one thread (see Threads
+# in the README).
 run_ours() {
-  ours[$t,$r]=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=$t "$BUILD/01_single_gpu" $shape --steps 16 --quiet \
+  ours[$t,$r]=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=1 "$BUILD/01_single_gpu" $shape --steps 16 --quiet \
                 --device cpu </dev/null | tok_s)
 }
 run_theirs() {

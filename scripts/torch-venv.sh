@@ -72,4 +72,4 @@ mapfile -t libs < <(reqs 'r.startswith(("nvidia-nccl", "nvidia-cusparselt", "nvi
 [[ " ${libs[*]} " == *nvidia-cufile* ]] || libs+=(nvidia-cufile)
 pip --no-deps "${libs[@]}"
 v=$(works) || { echo "torch in $VENV is not importable" >&2; exit 1; }
-echo "torch $v in $VENV: bench/torch2_llama.py and make bench use it"
+echo "torch $v in $VENV (make bench looks in build/torch-venv, or in \$TORCH_VENV)"
