@@ -18,21 +18,78 @@ echo; echo "== collectives (bus bandwidth, as nccl-tests reports it)"
 OMP_NUM_THREADS=1 mpirun -np 2 "$BUILD/bench/bench_comm"
 
 echo; echo "== training step at dim 256, 4 layers, 8 heads (4 kv), ffn 688, vocab 256, seq 256, batch 8"
+# 01 next to the same step in PyTorch 2.x (F.scaled_dot_product_attention, torch.compile), and next
+# to the step's GEMM-only limit: its matmuls alone, at their shapes, as plain sgemm calls
+# (bench_gemm). The machine may be shared, so they run in turns: a round runs 01, PyTorch and
+# bench_gemm at 1 thread, then at 2 (01 and PyTorch swap places every round), ROUNDS rounds. Each
+# column shows the median and [min-max] of the rounds; ratios (01 over PyTorch, over the limit, 2
+# threads over 1) are taken within a round, where the load was about the same.
 shape="--dim 256 --layers 4 --heads 8 --kv-heads 4 --ffn 688 --vocab 256 --seq 256 --batch 8"
-torch_ok=0
-/usr/bin/python3 -c "import torch" 2>/dev/null && torch_ok=1
-printf "%-8s %16s %16s %8s\n" threads "tinyscale tok/s" "pytorch tok/s" ratio
-for t in 1 2; do
-  ours=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=1 "$BUILD/01_single_gpu" $shape --steps 16 --quiet --device cpu \
-         | sed -n 's/^median \([0-9]*\) tokens.*/\1/p')
-  if [ $torch_ok = 1 ]; then
-    theirs=$(OMP_NUM_THREADS=$t /usr/bin/python3 bench/torch_llama.py $shape --steps 8 --threads $t \
-             | sed -n 's/.*tokens_per_s=\([0-9]*\).*/\1/p')
-    printf "%-8s %16s %16s %8s\n" "$t" "$ours" "$theirs" "$(awk -v a="$ours" -v b="$theirs" 'BEGIN{printf "%.2fx", a/b}')"
-  else
-    printf "%-8s %16s %16s\n" "$t" "$ours" "(python3-torch not installed)"
+rounds=${ROUNDS:-3}
+venv=${TORCH_VENV:-build/torch-venv}
+torch_py="$venv/bin/python"
+tok_s() { awk '/^median [0-9.]+ tokens\/s/ {print $2}'; }  # 01's last line and torch2_llama.py's
+# Which sgemm PyTorch's MKL runs: MKL_VERBOSE names the instruction set it dispatched to. On AMD
+# CPUs stock MKL stays on its AVX2 kernels (about half the AVX-512 speed) unless its Intel check
+# is overridden: a one-line library that says "Intel" (MKL_AMD_AVX512=0 keeps stock MKL).
+vendor=$(awk -F': *' '/^vendor_id/ {print $2; exit}' /proc/cpuinfo)
+preload=
+if [ "$vendor" = AuthenticAMD ] && [ "${MKL_AMD_AVX512:-1}" = 1 ] && [ -x "$torch_py" ]; then
+  preload="$BUILD/bench/libmkl_intel_cpu_true.so"
+  echo 'int mkl_serv_intel_cpu_true(void) { return 1; }' | gcc -O2 -shared -fPIC -x c - -o "$preload" || preload=
+fi
+probe=$(MKL_VERBOSE=1 LD_PRELOAD=$preload "$torch_py" -c \
+        'import torch; torch.ones(64, 64) @ torch.ones(64, 64); print("torch", torch.__version__)' 2>/dev/null)
+version=$(sed -n 's/^torch \([0-9].*\)/\1/p' <<<"$probe")
+if [ "${version%%.*}" -ge 2 ] 2>/dev/null; then
+  mkl=$(sed -n 's/^MKL_VERBOSE oneMKL \([0-9.]*\).*(Intel(R) \(AVX[^)]*\)).*/MKL \1, \2 kernels/p' <<<"$probe" | head -1)
+  echo "PyTorch $version ($venv), attn sdpa, torch.compile default;" \
+       "sgemm: ${mkl:-MKL (MKL_VERBOSE printed nothing)} on $vendor${preload:+ (LD_PRELOAD overrides the Intel check of MKL)}"
+  if [ "$vendor" = AuthenticAMD ] && [ -z "$preload" ]; then
+    echo "  stock MKL on AMD: AVX2 sgemm, about half the speed of PyTorch at its best (MKL_AMD_AVX512=1: AVX-512)"
   fi
+else
+  torch_py= preload=
+  echo "PyTorch 2.x: not found in $venv; scripts/torch-venv.sh installs it there (CPU-only, about 2 GB;"
+  echo "TORCH_VENV=DIR for another place). The rows below run without it."
+fi
+declare -A ours theirs limit  # tokens/s by "threads,round"
+# 01 as it runs by default: t OpenMP threads share the work, OpenBLAS runs one thread (see Threads
+# in the README).
+run_ours() {
+  ours[$t,$r]=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=1 "$BUILD/01_single_gpu" $shape --steps 16 --quiet \
+                --device cpu </dev/null | tok_s)
+}
+run_theirs() {
+  [ -n "$torch_py" ] || return 0
+  theirs[$t,$r]=$(OMP_NUM_THREADS=$t LD_PRELOAD=$preload "$torch_py" bench/torch2_llama.py $shape --threads $t \
+                  --attn sdpa --compile default --warmup 2 --steps 8 </dev/null 2>"$BUILD/torch2_llama.err" | tok_s)
+  [ -n "${theirs[$t,$r]}" ] || { echo "bench/torch2_llama.py failed:"; tail -5 "$BUILD/torch2_llama.err"; }
+}
+for ((r = 0; r < rounds; r++)); do
+  for t in 1 2; do
+    if ((r % 2 == 0)); then run_ours; run_theirs; else run_theirs; run_ours; fi
+    limit[$t,$r]=$(OPENBLAS_NUM_THREADS=$t "$BUILD/bench/bench_gemm" $shape --threads $t </dev/null |
+                   sed -n 's/^gemm_limit tokens_per_s=\([0-9]*\).*/\1/p')
+  done
 done
+# The median [min-max] of the numbers on stdin (blank or 0: not measured), printed with format $1
+# after scaling by $2.
+stats() { awk '$1 > 0' | sort -g | awk -v f="$1" -v k="${2:-1}" '{v[++n] = $1 * k}
+  END {if (!n) print "-"; else printf f "\n", n % 2 ? v[(n + 1) / 2] : (v[n / 2] + v[n / 2 + 1]) / 2, v[1], v[n]}'; }
+col() { local -n a=$1; local r; for ((r = 0; r < rounds; r++)); do echo "${a[$2,$r]:-0}"; done; }
+# round by round, column $1 over column $2 (rounds where either is missing are left out)
+per_round() { paste <(col "$1" "$2") <(col "$3" "$4") | awk '$1 > 0 && $2 > 0 {print $1 / $2}'; }
+echo "tokens/s, median [min-max] of $rounds rounds; ratios per round"
+printf "%-8s %-20s %-20s %-20s %-20s %s\n" threads "01_single_gpu" "PyTorch compiled" "01/PyTorch" "GEMM-only limit" "01/limit"
+for t in 1 2; do
+  printf "%-8s %-20s %-20s %-20s %-20s %s\n" "$t" "$(col ours $t | stats '%.0f [%.0f-%.0f]')" \
+    "$(col theirs $t | stats '%.0f [%.0f-%.0f]')" "$(per_round ours $t theirs $t | stats '%.2fx [%.2f-%.2f]')" \
+    "$(col limit $t | stats '%.0f [%.0f-%.0f]')" "$(per_round ours $t limit $t | stats '%.0f%% [%.0f-%.0f]' 100)"
+done
+echo "01 at 2 threads over 1 thread, round by round: $(per_round ours 2 ours 1 | stats '%.2fx [%.2f-%.2f]')"
+echo "GEMM-only limit: every matmul of the step at its M, N, K as one cblas_sgemm (causal attention's"
+echo "products at half their dense time), the fastest of 5 rounds; $BUILD/bench/bench_gemm prints the rate of each."
 
 echo; echo "== where the time goes (one thread, per-op share of a training step)"
 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 TS_PROFILE=1 "$BUILD/01_single_gpu" $shape --steps 4 --quiet --device cpu | sed -n '/^profile/,$p'
