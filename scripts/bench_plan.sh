@@ -30,12 +30,15 @@ busbw() { awk -v op="$1" '$1 == op && $2 >= 4000000 {print $6}' <<<"$comm"; }
 latency=$(awk '$1 == "all_reduce" && $2 == 4096 {printf "%g", $4 * 1e-6}' <<<"$comm")
 mem=$(awk '/MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)
 # Writes the calibration file from 01's rate now, two copies at once so that each has the share of the
-# cores a rank of a 2-rank mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256).
+# cores a rank of a 2-rank mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). Each copy
+# runs in a session of its own, as mpirun starts each rank: where the kernel groups the scheduler's
+# shares by session (sched_autogroup_enabled), two copies in this script's session would split one
+# share while a mesh's two ranks get two, and under load every mesh would beat its prediction.
 calibrate() {
   local a b
   a=$(mktemp) b=$(mktemp)
-  "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$a" &
-  "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$b" &
+  setsid -w "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$a" &
+  setsid -w "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$b" &
   wait
   one=$(cat "$a" "$b" | awk '{s += $1} END {printf "%.0f", s / NR}')
   rm -f "$a" "$b"
