@@ -146,6 +146,7 @@ inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allr
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 2
+#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 using dp::GradReducer;
 
@@ -180,7 +181,9 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
 int main(int argc, char** argv) {
   std::string mode;
   double bucket_mb = 0;
+  mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
     bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)", dp::bucket_mb_range());
@@ -243,6 +246,11 @@ int main(int argc, char** argv) {
     s["comm_hidden_fraction"] = dp.hidden_fraction();
     log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
   };
+  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
+  as_08.mesh = mc;
+  as_08.dp_mode = mode;
+  as_08.bucket_mb = bucket_mb;
+  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

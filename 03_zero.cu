@@ -304,6 +304,7 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 3
+#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 using namespace zero;
 
@@ -337,7 +338,9 @@ static StepResult train_step(Model& model, Zero& zero, const TokenData& data, co
 int main(int argc, char** argv) {
   int stage = 1;
   bool prefetch = true;
+  mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
     prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
@@ -382,6 +385,11 @@ int main(int argc, char** argv) {
     save_checkpoint(rc.save_dir, rc, model.table, zero.checkpoint_slices(), step, m);
   };
   loop.comm = [&](long steps_run) { return comm_report(log, mesh.dp(), steps_run, predict_comm(rc, plan)); };
+  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
+  as_08.mesh = mc;
+  as_08.zero = stage;
+  as_08.prefetch = prefetch;
+  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

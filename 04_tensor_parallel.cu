@@ -225,6 +225,7 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp) {
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 4
+#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -251,7 +252,9 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
 
 int main(int argc, char** argv) {
   bool sp = false;
+  mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
     mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)", degree_range());
     sp = args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
   });
@@ -286,6 +289,10 @@ int main(int argc, char** argv) {
                     step, m);
   };
   loop.comm = [&](long steps_run) { return comm_report(log, mesh.tp(), steps_run, tp::predict_comm(rc, mc.tp, sp)); };
+  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
+  as_08.mesh = mc;
+  as_08.sp = sp;
+  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -575,6 +575,7 @@ class Pipeline {
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 5
+#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -640,7 +641,9 @@ int main(int argc, char** argv) {
   int p = 1, V = 1;
   std::string sched_name;
   bool chart = false;
+  mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
     p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
     sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
     V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
@@ -690,6 +693,11 @@ int main(int argc, char** argv) {
     return comm_report(log, mesh.pp(), n, pred);
   };
   loop.extra = [&](Json& s) { s["pp"] = stage_report(log, mesh, rc, plan, pipe, steps_run); };
+  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
+  as_08.mesh = prog.mc;
+  as_08.schedule = sched;
+  as_08.virtual_stages = V;
+  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -447,6 +447,7 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int C, const Options& o
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 6
+#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -500,7 +501,9 @@ int main(int argc, char** argv) {
   std::string mode;
   int zigzag = 1;
   double bucket_mb = 25;
+  mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
     mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--cp-mode", "ring", "ring | ulysses");
     zigzag = args.get_int("--zigzag", 1, "1: rank i holds chunks i and 2cp-1-i of 2cp (balanced); 0: contiguous");
@@ -553,6 +556,11 @@ int main(int argc, char** argv) {
     return c;
   };
   loop.extra = [&](Json& s) { s["attention_work"] = work_report(log, mesh, work(), rc.steps - first, rc, opt_cp); };
+  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
+  as_08.mesh = mc;
+  as_08.cp = opt_cp;
+  as_08.bucket_mb = bucket_mb;
+  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -276,6 +276,7 @@ inline void print_imbalance(RunLog& log, double balanced, double routed, double 
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 7
+#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -307,7 +308,9 @@ static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& dense, d
 
 int main(int argc, char** argv) {
   double bucket_mb = 0;
+  mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
+    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks",
                          degree_range());
@@ -363,6 +366,10 @@ int main(int argc, char** argv) {
       for (const auto& [k, v] : j->items()) c[k] = v;
     return c;
   };
+  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
+  as_08.mesh = mc;
+  as_08.bucket_mb = bucket_mb;
+  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -421,10 +421,11 @@ int main(int argc, char** argv) {
   bool planning = false, mesh_given = false, show_mesh = false;
   mesh5d::Cluster cluster{nullptr, 0, 8, 8};
   mesh5d::PlanJob job;
+  mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
     planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
     const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
-    const std::string calibration = a.get_str("--calibration", "build/calibration.json", "--plan --gpu local: the file make bench writes");
+    calibration = mesh5d::read_calibration(a, mesh5d::kCalibrationHelp);  // also --plan --gpu local's
     const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
@@ -456,7 +457,7 @@ int main(int argc, char** argv) {
     if (!planning) return;
     rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
     static mesh5d::Gpu local;
-    if (gpu == "local") local = mesh5d::local_gpu(calibration);
+    if (gpu == "local") local = calibration.found ? calibration.gpu : mesh5d::local_gpu(calibration.path);
     cluster.gpu = gpu == "local" ? &local : mesh5d::find_gpu(gpu);
     if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
     cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
@@ -520,6 +521,7 @@ int main(int argc, char** argv) {
     }
     return c;
   };
+  mesh5d::predict_step_time(loop, log, rc, plan, calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

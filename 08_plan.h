@@ -15,6 +15,7 @@
 // the prediction error on the playbook's multi-node runs.
 #ifndef TS_08_PLAN_H
 #define TS_08_PLAN_H
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -92,7 +93,7 @@ inline const Gpu* find_gpu(const std::string& name) {
 //    "reduce_scatter_gbs": 0.5, "latency_s": 2e-05}
 inline Gpu local_gpu(const std::string& path) {
   std::ifstream f(path);
-  if (!f) config_error("--gpu local: cannot read %s (make bench writes it; or pass --calibration FILE)", path.c_str());
+  if (!f) config_error("--calibration: cannot read %s (make bench writes it; or pass --calibration FILE)", path.c_str());
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   try {
     const Json j = Json::parse(text);
@@ -105,8 +106,37 @@ inline Gpu local_gpu(const std::string& path) {
     // Memory bandwidth is not measured: the roofline is left out (the step rate already holds it).
     return {"local", num("memory_gib"), num("gflops") / 1e3, 1e9, 1.0, Network{{1}, {ar}, {ag}, {rs}, ag, lat, lat}};
   } catch (const FormatError& e) {
-    config_error("--gpu local: %s: %s", path.c_str(), e.what());
+    config_error("--calibration %s: %s", path.c_str(), e.what());
   }
+}
+
+// The calibration a run prices itself with: --calibration FILE, else calibration.json in the
+// folder of the running binary, where make bench writes it (BUILD/calibration.json). A file named
+// by the flag must exist; the default may be absent (found = false: nothing to predict with).
+struct Calibration {
+  std::string path;
+  Gpu gpu;
+  bool found = false;
+};
+inline std::string default_calibration_path() {
+  std::error_code e;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", e);
+  return ((e ? std::filesystem::path("build") : exe.parent_path()) / "calibration.json").string();
+}
+constexpr const char* kCalibrationHelp =
+    "this machine as make bench measured it (the file it writes; default: calibration.json beside the binary): "
+    "the rates the run's predicted step time uses";
+// Declares --calibration and reads the file, before any collective: a bad file is a config_error
+// on every rank.
+inline Calibration read_calibration(Args& a, const std::string& help) {
+  Calibration c;
+  const bool given = a.has("--calibration");
+  c.path = a.get_str("--calibration", default_calibration_path(), help);
+  if (given || std::filesystem::exists(c.path)) {
+    c.gpu = local_gpu(c.path);
+    c.found = true;
+  }
+  return c;
 }
 
 // The cluster and the job the planner sizes a mesh for.
@@ -625,6 +655,74 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
   s["candidates"] = std::move(cands);
   log.summary(s);
   return 0;
+}
+
+// ----- every run: its own step time, predicted ---------------------------------------------------------
+
+// The time model above at a run's own mesh and batch, on this machine as make bench calibrated it:
+// every run of 02–08 prints its measured step time next to this prediction, term by term (the terms
+// of `evaluate`: step = compute + bubble + tp + cp exposed + dp exposed + pp p2p + ep), so that a
+// miss names the factor that missed. Every run that prints it is a test of the planner.
+inline Json step_time_report(RunLog& log, const RunConfig& rc, const Plan& p, const Calibration& cal, Device dev,
+                             const StepTimes& t) {
+  Json j = Json::object();
+  const double tokens = double(rc.batch) * rc.model.seq;
+  j["measured_s"] = t.median_s;
+  j["warmup_s"] = t.warmup_s;
+  j["measured_steps"] = double(t.measured);
+  char measured[200];
+  if (t.measured > 0)
+    snprintf(measured, sizeof measured, "measured %.1f ms (median of the %zu steps after the warm-up step %ld, which took %.1f ms)",
+             1e3 * t.median_s, t.measured, t.first_step, 1e3 * t.warmup_s);
+  else
+    snprintf(measured, sizeof measured, "measured %.1f ms (the warm-up step alone: run more --steps)", 1e3 * t.median_s);
+  const std::string why = !cal.found ? "no calibration of this machine at " + cal.path +
+                                           " (make bench writes it; or pass --calibration FILE)"
+                          : dev != Device::CPU ? "make bench calibrates the CPU (01 --device cpu); this run is on " +
+                                                     std::string(device_name(dev))
+                                               : "";
+  if (!why.empty()) {
+    log.line("step time: %s; not predicted: %s", measured, why.c_str());
+    return j;
+  }
+  const int world = p.mesh.dp * p.mesh.pp * p.mesh.cp * p.mesh.tp;
+  const Cluster cl{&cal.gpu, cal.gpu.mem_gib, world, world};
+  const Candidate c = evaluate(rc, cl, p, rc.micro_batch, rc.recompute);
+  std::string terms;
+  auto term = [&](const char* fmt, double a, double b = 0) {
+    char s[96];
+    snprintf(s, sizeof s, fmt, 1e3 * a, 1e3 * b);
+    terms += (terms.empty() ? "" : " + ") + std::string(s);
+  };
+  term("compute %.1f", c.t_compute);
+  if (c.t_tp > 0) term("tp %.1f", c.t_tp);
+  if (c.t_cp > 0) term("cp %.1f exposed (of %.1f)", c.t_cp_exposed, c.t_cp);
+  const std::string dense = dense_group_name(p) + (p.zero ? " ZeRO-" + std::to_string(p.zero) : "");
+  if (c.t_dp > 0) term((dense + " %.1f exposed (of %.1f)").c_str(), c.t_dp_exposed, c.t_dp);
+  if (p.mesh.pp > 1) term("bubble %.1f", c.t_bubble);
+  if (c.t_pp > 0) term("pp p2p %.1f", c.t_pp);
+  if (c.t_ep > 0) term("ep all-to-all %.1f", c.t_ep);
+  log.line("step time: predicted %.1f ms = %s ms; %s; measured/predicted %.2f", 1e3 * c.step, terms.c_str(), measured,
+           t.median_s / c.step);
+  log.line("  %.0f tokens/s predicted, %.0f measured: the planner's time model (08_plan.h) with %s", tokens / c.step,
+           tokens / t.median_s, cal.path.c_str());
+  print_assumptions(log, cl);
+  j["calibration"] = cal.path;
+  const std::pair<const char*, double> terms_json[] = {
+      {"predicted_s", c.step},        {"compute_s", c.t_compute},       {"tp_s", c.t_tp},
+      {"cp_s", c.t_cp},               {"cp_exposed_s", c.t_cp_exposed}, {"dp_s", c.t_dp},
+      {"dp_exposed_s", c.t_dp_exposed}, {"bubble_s", c.t_bubble},       {"pp_s", c.t_pp},
+      {"ep_s", c.t_ep},               {"predicted_tokens_per_s", tokens / c.step},
+      {"measured_tokens_per_s", tokens / t.median_s}};
+  for (const auto& [key, v] : terms_json) j[key] = v;
+  return j;
+}
+
+// Arms the loop's step-time line for a run on plan `p` (02–07 describe their run as the plan 08
+// would run it).
+inline void predict_step_time(Loop& loop, RunLog& log, const RunConfig& rc, const Plan& p, const Calibration& cal,
+                              Device dev) {
+  loop.step_time = [&log, rc, p, cal, dev](const StepTimes& t) { return step_time_report(log, rc, p, cal, dev, t); };
 }
 
 }  // namespace mesh5d

@@ -870,6 +870,23 @@ static void check_eval_available(const RunConfig& rc, const Loop& loop) {
                "--eval-every 1 (and the same --preset and --data)", rc.program.c_str());
 }
 
+StepTimes step_times(long first_step, const std::vector<double>& seconds) {
+  StepTimes t;
+  t.first_step = first_step;
+  if (seconds.empty()) return t;
+  t.warmup_s = seconds[0];
+  std::vector<double> rest(seconds.begin() + 1, seconds.end());
+  t.measured = rest.size();
+  if (rest.empty()) {
+    t.median_s = seconds[0];
+    return t;
+  }
+  std::sort(rest.begin(), rest.end());
+  const size_t n = rest.size();
+  t.median_s = n % 2 ? rest[n / 2] : (rest[n / 2 - 1] + rest[n / 2]) / 2;
+  return t;
+}
+
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop) {
   check_eval_available(rc, loop);
   // tokens/s is the whole job's (the global batch per step) and the peak is one device's: MFU is
@@ -878,7 +895,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
   const double peak = world * peak_tflops_for(dev, rc.dtype, rc.peak_tflops) * 1e12;
   const double tokens = double(rc.batch) * rc.model.seq;
-  std::vector<double> tps;
+  std::vector<double> tps, seconds;
   double last_loss = NAN;
   if (!rc.trace.empty()) Trace::get().enable();
   ProfileScope::reset();
@@ -894,6 +911,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!std::isfinite(r.loss)) fatal("loss is %f at step %ld: the run diverged (try a lower --lr)", r.loss, step);
     tps.push_back(tokens / secs);
+    seconds.push_back(secs);
     last_loss = r.loss;
     done = step + 1;
     // After the update, outside the step's time: the loss of the weights this step produced.
@@ -938,6 +956,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
              last_loss, data.entropy_floor, eval);
   }
+  if (loop.step_time && !seconds.empty()) summary["step_time"] = loop.step_time(step_times(first, seconds));
   if (loop.extra) loop.extra(summary);
   log.summary(summary);
   if (!rc.trace.empty()) Trace::get().write(rc.trace);

@@ -285,6 +285,17 @@ struct StepResult {
   Json extra;        // more fields for the step's JSON record (MoE routing statistics), or null
   std::string note;  // appended to the step's line
 };
+// The measured step times of a run, for the predicted-step-time line: the first step this process
+// runs is warm-up (allocations, the optimizer states' first touch, caches), so "measured" is the
+// median of the others (the first alone when it is the only one).
+struct StepTimes {
+  long first_step = 0;     // the warm-up step's number
+  double warmup_s = 0;     // its seconds
+  double median_s = 0;     // the median of the steps after it
+  size_t measured = 0;     // how many steps that median is over (0: only the warm-up step ran)
+};
+StepTimes step_times(long first_step, const std::vector<double>& seconds);
+
 struct Loop {
   std::function<StepResult(long step)> step;            // one optimizer step (the technique)
   std::function<void(long next_step)> save;             // write a checkpoint (collective)
@@ -293,6 +304,9 @@ struct Loop {
   // The held-out loss of the current weights (collective; see held_out_loss). A technique that
   // sets none refuses --eval-every.
   std::function<double()> eval;
+  // Prints the step time predicted for this run next to the measured one and returns the
+  // summary's "step_time" object (02–08 set it; see 08_plan.h, predict_step_time).
+  std::function<Json(const StepTimes&)> step_time;
   MemoryPrediction predicted;
 };
 // Runs steps [first, rc.steps): timing, the step log (loss, lr, grad norm, tokens/s, MFU, peak

@@ -6,6 +6,7 @@
 // between checks.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <set>
@@ -101,6 +102,28 @@ TEST_CASE("all-reduce bytes per step equal 2(N-1)/N·4Ψ exactly; calls = tensor
     }
   CHECK(expected_buckets(0.001) == 455);
   CHECK(expected_buckets(25) == 1);
+}
+
+// The step-time line (notes/08): measured is the median of the steps after the warm-up one; with a
+// calibration beside the binaries (make bench writes one) the predicted terms add up to the total.
+TEST_CASE("every run reports its step time: the median after warm-up, next to the prediction", "[02][time]") {
+  for (int dp : {2, 4}) {
+    INFO("dp " << dp);
+    const Run& r = dp_run(dp, "bucketed", "25", 1);
+    const ts::Json& t = r.log.summary.at("step_time");
+    std::vector<double> rest;
+    for (size_t i = 1; i < r.log.steps.size(); i++) rest.push_back(r.log.steps[i].at("step_ms").as_double() / 1e3);
+    REQUIRE(rest.size() == kSteps - 1);
+    std::sort(rest.begin(), rest.end());
+    CHECK(t.at("measured_s").as_double() == Approx(rest[rest.size() / 2]).epsilon(1e-9));
+    CHECK(r.output.find("step time: ") != std::string::npos);
+    if (!t.contains("predicted_s")) {
+      CHECK(r.output.find("not predicted: no calibration of this machine") != std::string::npos);
+      continue;
+    }
+    CHECK(t.at("compute_s").as_double() + t.at("dp_exposed_s").as_double() == Approx(t.at("predicted_s").as_double()));
+    CHECK(t.at("dp_exposed_s").as_double() <= t.at("dp_s").as_double());
+  }
 }
 
 TEST_CASE("gradient accumulation communicates once per step: accumulation 4 = accumulation 1", "[02][comm]") {

@@ -221,5 +221,114 @@ TEST_CASE("--gpu local reads the calibration make bench writes, and prices with 
         std::string::npos);
   const tst::Result none = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration /nonexistent.json --gpus 2", 1, 60);
   CHECK(none.status != 0);
-  CHECK(none.output.find("--gpu local: cannot read /nonexistent.json") != std::string::npos);
+  CHECK(none.output.find("--calibration: cannot read /nonexistent.json") != std::string::npos);
+}
+
+// ----- every run's predicted step time ------------------------------------------------------------------
+
+TEST_CASE("measured step time: the first step is warm-up, the median of the rest is measured", "[plan]") {
+  StepTimes t = step_times(3, {5.0, 1.0, 3.0, 2.0});
+  CHECK(t.first_step == 3);
+  CHECK(t.warmup_s == 5.0);
+  CHECK(t.measured == 3);
+  CHECK(t.median_s == 2.0);
+  CHECK(step_times(0, {5.0, 1.0, 3.0, 2.0, 4.0}).median_s == 2.5);  // an even count: the mean of the middle two
+  t = step_times(0, {7.0});                                           // one step: it alone, and it says so
+  CHECK(t.measured == 0);
+  CHECK(t.median_s == 7.0);
+}
+
+// The terms a pipeline run's line shows, by hand: 1F1B at p = 2 and m = 4 idles ¼ of the compute,
+// and the first stage sends m micro-batches of b·s·h fp32 activations, 2 transfers per micro-batch
+// at a latency each. ZeRO-1 hides its reduce-scatter behind the last micro-batch's backward, but not
+// the all-gather after the step.
+TEST_CASE("predicted step time on this machine: compute, bubble, p2p and ZeRO-1's terms by hand", "[plan]") {
+  const std::string path = tst::scratch("calibration_terms.json");
+  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
+                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
+  const Gpu g = local_gpu(path);
+  RunConfig rc;
+  REQUIRE(apply_preset("small", rc.model));
+  rc.batch = 8;
+  rc.micro_batch = 2;
+  const Cluster cl{&g, 8, 2, 2};
+  const double F = flops_per_token(rc.model), tokens = 8.0 * rc.model.seq;
+  Plan pp;
+  pp.mesh = {1, 2, 1, 1, 1};
+  pp.dp_mode = "naive";
+  const Candidate c = evaluate(rc, cl, pp, 2, Recompute::None);
+  CHECK(c.t_compute == Approx(F * tokens / 2 / 20e9));
+  CHECK(c.bubble == Approx(0.25));
+  CHECK(c.t_bubble == Approx(0.25 * c.t_compute));
+  const double K = 2.0 * rc.model.seq * rc.model.dim * 4;  // one micro-batch's activations
+  CHECK(c.t_pp == Approx(8 * 1e-5 + 4 * K / 0.4e9));       // p2p inside the "node": the all-gather rate
+  CHECK(c.t_dp == 0);
+  CHECK(c.step == Approx(c.t_compute + c.t_bubble + c.t_pp));
+
+  Plan z1;
+  z1.mesh = {2, 1, 1, 1, 1};
+  z1.zero = 1;
+  const Candidate z = evaluate(rc, cl, z1, 2, Recompute::None);
+  CHECK(z.t_compute == Approx(F * tokens / 2 / 20e9));
+  const double psi = double(local_table(rc, z1, 0).total);  // padded to a multiple of dp per unit
+  const int units = local_table(rc, z1, 0).num_units();
+  // Reduce-scatter and all-gather: ½·4Ψ wire bytes each, one call per unit each.
+  const double rs = units * 1e-5 + 2 * psi / 0.25e9, ag = units * 1e-5 + 2 * psi / 0.4e9;
+  CHECK(z.t_dp == Approx(rs + ag));
+  const double window = kBackwardShare * z.t_compute / 2;  // the last of 2 micro-batches' backward
+  CHECK(z.t_dp_exposed == Approx(std::max(rs - window, rs / units) + ag));
+  CHECK(z.step == Approx(z.t_compute + z.t_dp_exposed));
+}
+
+// A real 2-rank run prints its step time next to the prediction; the terms add up to it, the
+// prediction is the planner's for the same mesh, and a bad calibration stops every rank.
+TEST_CASE("every run prints its predicted step time next to the measured one, term by term", "[plan][e2e]") {
+  const std::string path = tst::scratch("calibration_run.json");
+  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
+                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
+  const std::string args = "--preset tiny --quiet --steps 3 --batch 8 --micro-batch 2 --calibration " + path;
+  for (const auto& [bin, mesh, plan] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"05_pipeline_parallel", "--pp 2", "--pp 2"}, {"03_zero", "--dp 2 --zero 1", "--dp 2 --zero 1"}}) {
+    const std::string log = tst::scratch(bin + "_step_time.jsonl");
+    const tst::Result r = tst::run_bin(bin, args + " " + mesh + " --log-json " + log, 2, 120);
+    INFO(r.output);
+    REQUIRE(r.status == 0);
+    const size_t at = r.output.find("step time: predicted ");
+    REQUIRE(at != std::string::npos);
+    const std::string line = r.output.substr(at, r.output.find('\n', at) - at);
+    // The printed terms (0.1 ms each) add up to the printed total.
+    const double total = number_after(line, "predicted ");
+    double sum = number_after(line, "= compute ");
+    for (const char* key : {" + bubble ", " + pp p2p ", " + dp ZeRO-1 "}) sum += number_after(line, key);
+    CHECK(sum == Approx(total).margin(0.25));
+    CHECK(line.find("measured/predicted ") != std::string::npos);
+    CHECK(line.find("median of the 2 steps after the warm-up step 0") != std::string::npos);
+    // The summary's terms add up exactly; measured is the median of steps 1 and 2.
+    const tst::Log l = tst::read_log(log);
+    const Json& s = l.summary.at("step_time");
+    double terms = 0;
+    for (const char* k : {"compute_s", "bubble_s", "tp_s", "cp_exposed_s", "dp_exposed_s", "pp_s", "ep_s"}) terms += s.at(k).as_double();
+    CHECK(terms == Approx(s.at("predicted_s").as_double()));
+    REQUIRE(l.steps.size() == 3);
+    CHECK(s.at("measured_s").as_double() ==
+          Approx((l.steps[1].at("step_ms").as_double() + l.steps[2].at("step_ms").as_double()) / 2e3).epsilon(1e-6));
+    // The planner prices the same mesh at the same step time (one time model).
+    const tst::Result p = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration " + path +
+                                                        " --preset tiny --batch 8 --micro-batch 2 --dtype fp32 --gpus 2 "
+                                                        "--gpus-per-node 2 " + plan, 1, 60);
+    INFO(p.output);
+    const size_t per_gpu = p.output.find(" tok/s/GPU");
+    REQUIRE(per_gpu != std::string::npos);
+    const double planned = std::atof(p.output.c_str() + p.output.rfind(' ', per_gpu - 1) + 1);
+    CHECK(2 * planned == Approx(s.at("predicted_tokens_per_s").as_double()).margin(2));
+  }
+  // A calibration that is not there, or not one: one error, every rank non-zero, no hang.
+  tst::write_bytes(tst::scratch("calibration_bad.json"), R"({"gflops": 0})");
+  for (const std::string& bad : {std::string("/nonexistent.json"), tst::scratch("calibration_bad.json")}) {
+    const tst::Result r = tst::run_bin("02_data_parallel", "--preset tiny --steps 1 --dp 2 --calibration " + bad, 2, 60);
+    INFO(r.output);
+    CHECK(r.status != 0);
+    CHECK(r.status != 124);
+    CHECK(r.output.find("--calibration") != std::string::npos);
+  }
 }

@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# make bench, its last part: predict, then measure. Every run of 02–08 prints the step time the
+# planner's time model (08_plan.h) predicts for it next to the one it measures; this script
+# calibrates the model on this machine and collects both for 2-rank meshes of 02–08.
+#
+# Calibrate on what a rank does without communicating: a training step of 01 (its FLOPs per token ×
+# its tokens/s is the rate a rank reaches, non-matmul work included) and bench_comm's bus bandwidths
+# at 2 ranks; then predict 2-rank meshes, which the calibration never saw. On a shared machine every
+# number moves with the load, so 01 is re-measured right before each run it predicts (side by side),
+# the meshes are run in turn for ROUNDS rounds, and the table shows each one's median error and its
+# spread; make test asserts none of it.
+#
+#   BUILD=build ROUNDS=3 scripts/bench_plan.sh      (make bench runs it last)
+set -uo pipefail
+BUILD=${BUILD:-build}
+ROUNDS=${ROUNDS:-3}
+if grep -qw avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}
+elif grep -qw avx2 /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}; fi
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
+
+echo; echo "== predict, then measure: each run's predicted step time (the planner's time model) on 2 ranks of 02–08"
+shape="--dim 256 --layers 4 --heads 8 --kv-heads 4 --ffn 688 --vocab 256 --seq 256 --batch 8"
+cal="$BUILD/calibration.json"
+steps=8
+rate() { sed -n 's/^median \([0-9.]*\) tokens\/s.*/\1/p'; }
+n=$("$BUILD/01_single_gpu" $shape --dry-run | sed -n 's/.*(\([0-9.]*\)M without the embedding).*/\1/p')
+comm=$(mpirun -np 2 "$BUILD/bench/bench_comm" --min-bytes 4096 --max-bytes 4194304 </dev/null)
+busbw() { awk -v op="$1" '$1 == op && $2 >= 4000000 {print $6}' <<<"$comm"; }
+latency=$(awk '$1 == "all_reduce" && $2 == 4096 {printf "%g", $4 * 1e-6}' <<<"$comm")
+mem=$(awk '/MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)
+# Writes the calibration file from 01's rate now, two copies at once so that each has the share of the
+# cores a rank of a 2-rank mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). Each copy
+# runs in a session of its own, as mpirun starts each rank: where the kernel groups the scheduler's
+# shares by session (sched_autogroup_enabled), two copies in this script's session would split one
+# share while a mesh's two ranks get two, and under load every mesh would beat its prediction.
+calibrate() {
+  local a b
+  a=$(mktemp) b=$(mktemp)
+  setsid -w "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$a" &
+  setsid -w "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$b" &
+  wait
+  one=$(cat "$a" "$b" | awk '{s += $1} END {printf "%.0f", s / NR}')
+  rm -f "$a" "$b"
+  gflops=$(awk -v n="$n" -v t="$one" 'BEGIN {printf "%.3f", (6 * n * 1e6 + 12 * 4 * 256 * 256) * t / 1e9}')
+  printf '{"gflops": %s, "memory_gib": %s, "all_reduce_gbs": %s, "all_gather_gbs": %s, "reduce_scatter_gbs": %s, "latency_s": %s}\n' \
+    "$gflops" "$mem" "$(busbw all_reduce)" "$(busbw all_gather)" "$(busbw reduce_scatter)" "$latency" > "$cal"
+}
+runs=(
+  "02_data_parallel|--dp 2 --micro-batch 4"
+  "03_zero|--dp 2 --zero 1 --micro-batch 4"
+  "03_zero|--dp 2 --zero 3 --micro-batch 4"
+  "04_tensor_parallel|--tp 2 --sequence-parallel"
+  "05_pipeline_parallel|--pp 2 --micro-batch 2"
+  "06_context_parallel|--cp 2"
+  "07_expert_parallel|--dp 2 --ep 2 --experts 2 --top-k 1 --micro-batch 4"
+  "08_5d_mesh|--dp 2 --zero 1 --micro-batch 2"
+)
+echo "load before: $(uptime | sed 's/.*load average/load average/')"
+# One line per run and round: its row, 01's rate just before, the run's own predicted and measured
+# tokens/s (its "step time" lines) and the terms of the prediction.
+results=$(mktemp)
+for ((round = 1; round <= ROUNDS; round++)); do
+  for i in "${!runs[@]}"; do
+    IFS='|' read -r bin flags <<<"${runs[$i]}"
+    calibrate
+    out=$(mpirun -np 2 "$BUILD/$bin" $shape $flags --steps $steps --quiet --device cpu --calibration "$cal" </dev/null)
+    pred=$(sed -n 's/^  \([0-9]*\) tokens\/s predicted, \([0-9]*\) measured.*/\1 \2/p' <<<"$out")
+    terms=$(sed -n 's/^step time: predicted [0-9.]* ms = \(.*\) ms; measured.*/\1/p' <<<"$out")
+    echo "$i|$one|${pred:-0 0}|$terms" >>"$results"
+  done
+done
+echo "load after:  $(uptime | sed 's/.*load average/load average/')"
+echo "calibration ($cal, the last of those rewritten before each run): $(cat "$cal")"
+echo "error = predicted / measured − 1; medians over $ROUNDS rounds, the errors' range in brackets"
+printf "%-62s %9s %10s %10s %7s %15s\n" "run (2 ranks, 1 thread each, $steps steps)" "01 tok/s" "predicted" "measured" "error" "range"
+for i in "${!runs[@]}"; do
+  IFS='|' read -r bin flags <<<"${runs[$i]}"
+  awk -F'|' -v i="$i" -v r="$bin $flags" '
+    function median(a, n,   j, k, t) {
+      for (j = 1; j <= n; j++) for (k = j + 1; k <= n; k++) if (a[k] < a[j]) { t = a[j]; a[j] = a[k]; a[k] = t }
+      return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
+    }
+    $1 == i { split($3, pm, " "); n++; o[n] = $2; p[n] = pm[1]; m[n] = pm[2]; e[n] = pm[2] > 0 ? 100 * (pm[1] / pm[2] - 1) : 0 }
+    END {
+      lo = e[1]; hi = e[1]; for (j = 1; j <= n; j++) { if (e[j] < lo) lo = e[j]; if (e[j] > hi) hi = e[j] }
+      printf "%-62s %9.0f %10.0f %10.0f %+6.0f%% [%+4.0f%%, %+4.0f%%]\n", r, median(o, n), median(p, n), median(m, n), median(e, n), lo, hi
+    }' "$results"
+done
+echo "the terms of each prediction (ms, last round):"
+for i in "${!runs[@]}"; do
+  IFS='|' read -r bin flags <<<"${runs[$i]}"
+  awk -F'|' -v i="$i" -v r="$bin $flags" '$1 == i {t = $4} END {printf "  %-60s %s\n", r, t}' "$results"
+done
+rm -f "$results"
