@@ -354,69 +354,127 @@ void matmul_cpu(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, 
 
 // ===== attention ================================================================================
 
-// Flash attention (Dao et al. 2022) on sgemm: the products run on tiles of kQTile query rows x
-// kKTile keys, the softmax runs online over the key tiles (running max m and sum l per row,
-// rescaled by exp(m_old - m_new) when the max grows), and only lse = m + log l is saved: the
-// backward recomputes P = exp(S - lse). Masking is by position (key j visible to query i when
-// kpos[j] <= qpos[i]), so context parallelism reuses these kernels for its chunks: a key tile no
-// row of a query tile sees is skipped (above the causal diagonal), one every row sees whole needs
-// no mask, only the tiles across the diagonal are masked. Each work unit is owned by one thread
-// and sums in a fixed order, so the results do not depend on the thread count.
-constexpr int64_t kQTile = 64, kKTile = 64;
+// The per-head products are small (S x hd, hd ~ 32): a BLAS call each would cost more in overhead
+// than in arithmetic, so attention has its own register-tiled kernel on GCC vector types (one
+// vfloat = one AVX-512 register). Operands are gathered into zero-padded fp32 buffers — rows and
+// keys to a multiple of kPad, the head dim to a multiple of kLanes — so the kernel has no ragged
+// edges: padded head columns are zeros and add exact zeros, padded keys are masked, padded query
+// rows are computed and dropped.
+#ifdef __AVX512F__
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
+constexpr int kMR = 8;  // rows of a register tile: 8 x 2 vectors = 16 accumulators
+constexpr int64_t kPad = 16;
+constexpr int64_t kQTile = 32;  // backward query rows per tile (16 and 64 measured slower)
+static_assert(kPad % kMR == 0 && kPad % kLanes == 0 && kQTile % kPad == 0, "tiles must nest");
+
+inline vfloat vload(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void vstore(float* p, vfloat v) { std::memcpy(p, &v, sizeof v); }
+inline vfloat splat(float x) {  // not vfloat{} + x: that crashes the host front end of nvcc 13
+  vfloat v = {};
+  return v + x;
+}
+
+// C[kMR, NV vectors] (+)= sum_k A(r, k) B[k, :], A(r, k) = A[r*a_rs + k*a_cs]. The C tile stays in
+// registers for the whole k loop: per k, NV + kMR loads feed NV * kMR FMAs. Each element of C
+// sums k in order.
+template <int NV>
+void tile_gemm(int64_t K, const float* __restrict A, int64_t a_rs, int64_t a_cs, const float* __restrict B,
+               int64_t ldb, float* __restrict C, int64_t ldc, bool accumulate) {
+  vfloat acc[kMR][NV];
+  for (int r = 0; r < kMR; r++)
+    for (int v = 0; v < NV; v++) acc[r][v] = accumulate ? vload(C + r * ldc + v * kLanes) : vfloat{};
+  for (int64_t k = 0; k < K; k++) {
+    vfloat b[NV];
+    for (int v = 0; v < NV; v++) b[v] = vload(B + k * ldb + v * kLanes);
+    for (int r = 0; r < kMR; r++) {
+      const float a = A[r * a_rs + k * a_cs];
+      for (int v = 0; v < NV; v++) acc[r][v] += a * b[v];
+    }
+  }
+  for (int r = 0; r < kMR; r++)
+    for (int v = 0; v < NV; v++) vstore(C + r * ldc + v * kLanes, acc[r][v]);
+}
+
+// C[M, N] (+)= A B (A as in tile_gemm, B and C row-major) for M a multiple of kMR, N of kLanes.
+void tiled_gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t a_rs, int64_t a_cs, const float* B,
+                int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  for (int64_t m = 0; m < M; m += kMR) {
+    const float* Am = A + m * a_rs;
+    float* Cm = C + m * ldc;
+    int64_t n = 0;
+    for (; n + 2 * kLanes <= N; n += 2 * kLanes)
+      tile_gemm<2>(K, Am, a_rs, a_cs, B + n, ldb, Cm + n, ldc, accumulate);
+    if (n < N) tile_gemm<1>(K, Am, a_rs, a_cs, B + n, ldb, Cm + n, ldc, accumulate);
+  }
+}
 
 struct AttnShape {
   int64_t B, S, H, KVH, hd;
   int64_t group() const { return H / KVH; }
-  int64_t q_tiles() const { return (S + kQTile - 1) / kQTile; }
+  int64_t Sp() const { return round_up(S, kPad); }
+  int64_t Dp() const { return round_up(hd, kLanes); }
 };
 
-// The positions a tile spans, per tile of `tile` entries.
-struct PosRange {
-  int32_t lo, hi;
+// One head's slice of a [B, S, heads, hd] tensor as fp32 (times mul), zero-padded to [Sp, Dp], or
+// transposed to [Dp, Sp] for the products whose output columns are keys (Q K^T, dO V^T).
+template <class T>
+void gather_head(float* dst, const T* src, int64_t heads, int64_t b, int64_t h, const AttnShape& a, float mul,
+                 bool transpose) {
+  const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp();
+  std::fill(dst, dst + Sp * Dp, 0.0f);
+  for (int64_t s = 0; s < S; s++) {
+    const T* row = src + ((b * S + s) * heads + h) * hd;
+    for (int64_t d = 0; d < hd; d++) {
+      if (transpose)
+        dst[d * Sp + s] = ld(row[d]) * mul;
+      else
+        dst[s * Dp + d] = ld(row[d]) * mul;
+    }
+  }
+}
+
+// The keys a block of query rows needs. Scores are formed only for columns [0, end): end is past
+// the last key visible to some row, rounded up to kPad (half the work for causal masks). Columns
+// before mask_from are visible to every row of the block, so only [mask_from, end) is masked:
+// the diagonal tiles for causal masks.
+struct KeyRange {
+  int64_t end, mask_from;
 };
-std::vector<PosRange> tile_ranges(const int32_t* pos, int64_t S, int64_t tile) {
-  std::vector<PosRange> r;
-  for (int64_t i0 = 0; i0 < S; i0 += tile) {
-    const auto [lo, hi] = std::minmax_element(pos + i0, pos + std::min(S, i0 + tile));
-    r.push_back({*lo, *hi});
+
+std::vector<KeyRange> key_ranges(const int32_t* qpos, const int32_t* kpos, const AttnShape& a, int64_t block) {
+  std::vector<KeyRange> r;
+  for (int64_t i0 = 0; i0 < a.S; i0 += block) {
+    const int64_t i1 = std::min(a.S, i0 + block);
+    const int32_t qmin = *std::min_element(qpos + i0, qpos + i1), qmax = *std::max_element(qpos + i0, qpos + i1);
+    int64_t end = 0, mask_from = a.S;
+    for (int64_t j = 0; j < a.S; j++) {
+      if (kpos[j] <= qmax) end = j + 1;
+      if (kpos[j] > qmin) mask_from = std::min(mask_from, j);
+    }
+    end = round_up(end, kPad);
+    r.push_back({end, std::min(end, mask_from / kPad * kPad)});
   }
   return r;
 }
 
-enum class TileMask { Skip, Whole, Partial };
-TileMask tile_mask(PosRange q, PosRange k) {
-  if (k.lo > q.hi) return TileMask::Skip;   // every key comes after every query
-  if (k.hi <= q.lo) return TileMask::Whole;  // every query sees every key
-  return TileMask::Partial;
-}
-
-// Rows [r0, r0 + n) of head h of batch b of a [B, S, heads, hd] tensor, as a dense fp32 [n, hd].
-template <class T>
-void load_rows(float* dst, const T* src, int64_t b, int64_t r0, int64_t n, int64_t heads, int64_t h,
-               const AttnShape& a) {
-  for (int64_t r = 0; r < n; r++) {
-    const T* row = src + ((b * a.S + r0 + r) * heads + h) * a.hd;
-    for (int64_t d = 0; d < a.hd; d++) dst[r * a.hd + d] = ld(row[d]);
-  }
-}
-
-// The inverse: dense fp32 rows into the tensor, row r times mul[r] (or 1 when mul is null).
-template <class T>
-void store_rows(T* dst, const float* src, const float* mul, int64_t b, int64_t r0, int64_t n, int64_t heads,
-                int64_t h, const AttnShape& a) {
-  for (int64_t r = 0; r < n; r++) {
-    T* row = dst + ((b * a.S + r0 + r) * heads + h) * a.hd;
-    const float m = mul ? mul[r] : 1.0f;
-    for (int64_t d = 0; d < a.hd; d++) row[d] = st<T>(src[r * a.hd + d] * m);
-  }
-}
-
-// Scores (rows x cols, row stride ld) to -inf where the key comes after the query.
-void mask_tile(float* sc, int64_t ld, const int32_t* qpos, int64_t rows, const int32_t* kpos, int64_t cols) {
+// Scores of query rows [i0, i0 + rows) (row stride Sp) to -inf where kpos[j] > qpos[i] or j is padding.
+void mask_scores(float* sc, int64_t Sp, const KeyRange& kr, const int32_t* qpos, const int32_t* kpos, int64_t i0,
+                 int64_t rows, int64_t S) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < rows; r++)
-    for (int64_t j = 0; j < cols; j++)
-      if (kpos[j] > qpos[r]) sc[r * ld + j] = ninf;
+  for (int64_t r = 0; r < rows && i0 + r < S; r++) {
+    const int32_t qp = qpos[i0 + r];
+    float* row = sc + r * Sp;
+    for (int64_t j = kr.mask_from; j < kr.end; j++)
+      if (j >= S || kpos[j] > qp) row[j] = ninf;
+  }
 }
 
 // The max, exp and sum passes of a softmax row. Three plain loops: fused into one, the compiler
@@ -441,155 +499,187 @@ double exp_sum(float* e, const float* row, float mx, int64_t n) {
   return sum;
 }
 
-// One key tile of the online softmax, per row: m_new = max(m, max_j s_j), the scores become
-// exp(s - m_new) in place, and the running sum l and output rows O are rescaled by
-// exp(m - m_new) before this tile's terms are added (l here, O by the P V product that follows).
-void online_softmax_tile(float* P, int64_t ld, int64_t rows, int64_t cols, float* m, double* l, float* O,
-                         int64_t hd) {
+// exp_approx on kLanes floats at once: the same steps and constants.
+typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
+inline vfloat exp_vec(vfloat x) {
+  const vfloat lo = splat(-88.0f), hi = splat(88.0f);
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vfloat t = x * 1.44269504088896341f + 12582912.0f;
+  const vint n = (vint)t - 0x4B400000;
+  const vfloat fn = t - 12582912.0f;
+  const vfloat r = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+  vfloat p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  return p * (vfloat)((n + 127) << 23);
+}
+
+// exp(row - lse) in place over n (a multiple of kLanes): the probabilities, recomputed from the
+// saved statistic. A row with no visible key has lse = -inf; subtracting +inf instead makes
+// that row exactly 0.
+void probs_from_lse(float* row, float lse, int64_t n) {
+  const float l = lse == -std::numeric_limits<float>::infinity() ? -lse : lse;
+  for (int64_t j = 0; j < n; j += kLanes) vstore(row + j, exp_vec(vload(row + j) - l));
+}
+
+// Reduces t[0, W) with op as a balanced tree: log2 W dependent steps instead of W.
+template <int W, class F, class Op> inline __attribute__((always_inline)) F tree_reduce(const F* t, Op op) {
+  if constexpr (W == 1)
+    return t[0];
+  else
+    return op(tree_reduce<W / 2>(t, op), tree_reduce<W / 2>(t + W / 2, op));
+}
+
+// Horizontal max and sum of a vector; the sum in double.
+float lanes_max(vfloat v) {
+  float t[kLanes];
+  vstore(t, v);
+  return tree_reduce<kLanes>(t, [](float x, float y) { return std::max(x, y); });
+}
+
+double lanes_sum(vfloat v) {
+  double t[kLanes];
+  for (int l = 0; l < kLanes; l++) t[l] = v[l];
+  return tree_reduce<kLanes>(t, [](double x, double y) { return x + y; });
+}
+
+// exp(row - max(row)) in place for the kMR masked score rows of a block (stride Sp, n columns, a
+// multiple of kLanes); sets each row's log-sum-exp and inv_sum = 1 / sum (-inf and 0 when no key
+// is visible: the row is then all zeros). Each lane sums its n / kLanes terms in fp32, the lanes
+// are added in double. Each pass runs over all rows so that their dependency chains overlap.
+void softmax_block(float* sc, int64_t Sp, int64_t n, float* lse, float* inv_sum) {
   const float ninf = -std::numeric_limits<float>::infinity();
-  for (int64_t r = 0; r < rows; r++) {
-    float* p = P + r * ld;
-    const float mn = std::max(m[r], row_max(p, cols));
-    if (mn == ninf) {  // no key visible yet: the tile adds nothing
-      std::fill(p, p + cols, 0.0f);
-      continue;
+  float mx[kMR];
+  for (int r = 0; r < kMR; r++) {
+    vfloat m = splat(ninf);
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const vfloat x = vload(sc + r * Sp + j);
+      m = x > m ? x : m;
     }
-    const float corr = exp_approx(m[r] - mn);  // 0 when m = -inf, 1 when the max did not grow
-    l[r] = l[r] * corr + exp_sum(p, p, mn, cols);
-    if (corr != 1.0f)
-      for (int64_t d = 0; d < hd; d++) O[r * hd + d] *= corr;
-    m[r] = mn;
+    mx[r] = lanes_max(m);
+  }
+  for (int r = 0; r < kMR; r++) {
+    float* row = sc + r * Sp;
+    const float m = mx[r] == ninf ? 0.0f : mx[r];  // an all -inf row: exp(-inf) = 0, sum 0
+    vfloat sum{};
+    for (int64_t j = 0; j < n; j += kLanes) {
+      const vfloat e = exp_vec(vload(row + j) - m);
+      vstore(row + j, e);
+      sum += e;
+    }
+    const double s = lanes_sum(sum);
+    inv_sum[r] = s > 0 ? float(1.0 / s) : 0.0f;
+    lse[r] = s > 0 ? mx[r] + std::log(float(s)) : ninf;
   }
 }
 
-// Work unit (b, kv head, query tile): O = softmax(scale Q K^T + mask) V over the visible key
-// tiles, lse = m + log l per row (-inf and a zero row where no key is visible). The query rows of
-// the GQA group's heads are stacked into one [group x rows, hd] block: they share each K and V
-// tile, so one taller product replaces `group` short ones and the tiles are loaded once.
+// Per (b, h): O = softmax(scale Q K^T + mask) V, lse = log sum_j exp(scale q.k_j) over visible j.
+// Threads take (b, kv head) pairs, so K and V are gathered once for the heads of a GQA group.
+// Each block of kMR query rows runs scores, softmax and P V back to back on an L1-resident row of
+// scores (kMR x Sp), with the P V accumulators in registers across all its keys.
 template <class T>
 void attention_forward_cpu(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* qpos,
                            const int32_t* kpos, const AttnShape& a) {
-  const int64_t S = a.S, hd = a.hd, nq = a.q_tiles(), G = a.group(), GQ = G * kQTile;
-  const int64_t per_thread = 2 * GQ * hd + 2 * kKTile * hd + GQ * kKTile + 2 * GQ;
+  const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp(), per_thread = 3 * Sp * Dp + kMR * Sp + kMR * Dp;
   const float scale = 1.0f / std::sqrt(float(hd));
-  const std::vector<PosRange> qr = tile_ranges(qpos, S, kQTile), kr = tile_ranges(kpos, S, kKTile);
+  const std::vector<KeyRange> ranges = key_ranges(qpos, kpos, a, kMR);
   Tensor ws = workspace(per_thread * omp_get_max_threads());
-#pragma omp parallel
-  {
-    float* Q = ws.f32() + per_thread * omp_get_thread_num();
-    float *O = Q + GQ * hd, *K = O + GQ * hd, *V = K + kKTile * hd, *P = V + kKTile * hd, *m = P + GQ * kKTile;
-    float* inv_l = m + GQ;
-    std::vector<double> l(GQ);
-    std::vector<int32_t> qp(GQ);  // each stacked row's query position
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < a.B * a.KVH * nq; u++) {
-      const int64_t b = u / (a.KVH * nq), kvh = u / nq % a.KVH, qt = u % nq;
-      const int64_t i0 = qt * kQTile, rows = std::min(kQTile, S - i0), n = G * rows;
-      for (int64_t g = 0; g < G; g++) {
-        load_rows(Q + g * rows * hd, q, b, i0, rows, a.H, kvh * G + g, a);
-        std::copy(qpos + i0, qpos + i0 + rows, qp.begin() + g * rows);
-      }
-      std::fill(m, m + n, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + n, 0.0);
-      std::fill(O, O + n * hd, 0.0f);
-      for (int64_t kt = 0; kt < int64_t(kr.size()); kt++) {
-        const TileMask tm = tile_mask(qr[qt], kr[kt]);
-        if (tm == TileMask::Skip) continue;
-        const int64_t j0 = kt * kKTile, cols = std::min(kKTile, S - j0);
-        load_rows(K, k, b, j0, cols, a.KVH, kvh, a);
-        load_rows(V, v, b, j0, cols, a.KVH, kvh, a);
-        sgemm(false, true, n, cols, hd, scale, Q, hd, K, hd, 0.0f, P, kKTile);  // scale Q K^T
-        if (tm == TileMask::Partial) mask_tile(P, kKTile, qp.data(), n, kpos + j0, cols);
-        online_softmax_tile(P, kKTile, n, cols, m, l.data(), O, hd);
-        sgemm(false, false, n, hd, cols, 1.0f, P, kKTile, V, hd, 1.0f, O, hd);  // O += P V
-      }
-      for (int64_t r = 0; r < n; r++) {  // normalised once, at the end
-        inv_l[r] = l[r] > 0 ? float(1.0 / l[r]) : 0.0f;
-        m[r] = l[r] > 0 ? m[r] + float(std::log(l[r])) : -std::numeric_limits<float>::infinity();
-      }
-      for (int64_t g = 0; g < G; g++) {
-        const int64_t h = kvh * G + g;
-        std::copy(m + g * rows, m + (g + 1) * rows, lse + (b * a.H + h) * S + i0);
-        store_rows(out, O + g * rows * hd, inv_l + g * rows, b, i0, rows, a.H, h, a);
+#pragma omp parallel for schedule(static)
+  for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
+    const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
+    float* Kt = ws.f32() + per_thread * omp_get_thread_num();
+    float *V = Kt + Sp * Dp, *Qs = V + Sp * Dp, *sc = Qs + Sp * Dp, *ob = sc + kMR * Sp;
+    gather_head(Kt, k, a.KVH, b, kvh, a, 1.0f, true);
+    gather_head(V, v, a.KVH, b, kvh, a, 1.0f, false);
+    for (int64_t h = kvh * a.group(); h < (kvh + 1) * a.group(); h++) {
+      gather_head(Qs, q, a.H, b, h, a, scale, false);
+      for (int64_t i0 = 0; i0 < S; i0 += kMR) {
+        const KeyRange& kr = ranges[i0 / kMR];
+        const int64_t rows = std::min<int64_t>(kMR, S - i0);
+        tiled_gemm(kMR, kr.end, Dp, Qs + i0 * Dp, Dp, 1, Kt, Sp, sc, Sp, false);
+        mask_scores(sc, Sp, kr, qpos, kpos, i0, rows, S);
+        float lse_b[kMR], inv_sum[kMR];
+        softmax_block(sc, Sp, kr.end, lse_b, inv_sum);
+        std::copy(lse_b, lse_b + rows, lse + (b * a.H + h) * S + i0);
+        tiled_gemm(kMR, Dp, kr.end, sc, Sp, 1, V, Dp, ob, Dp, false);  // padded rows: garbage, dropped
+        for (int64_t r = 0; r < rows; r++) {  // O = (exp(S - max) V) / sum: normalised once, at the end
+          T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
+          for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ob[r * Dp + d] * inv_sum[r]);
+        }
       }
     }
   }
 }
 
-// exp(s - lse) in place: the probabilities, recomputed from the saved statistic. A row with no
-// visible key has lse = -inf; subtracting +inf instead makes that row exactly 0.
-void probs_from_lse(float* p, float lse, int64_t n) {
-  const float l = lse == -std::numeric_limits<float>::infinity() ? -lse : lse;
-#pragma omp simd
-  for (int64_t j = 0; j < n; j++) p[j] = exp_approx(p[j] - l);
-}
-
-// Per tile, from P = exp(S - lse): dP = dO V^T, dS = P (dP - D) with D = rowsum(dO * O),
-// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO, the group's heads stacked as in the forward.
-// The work unit is (b, kv head): it owns its dK and dV rows and sums them over the query tiles
-// (the group's heads inside each product) and key tiles in a fixed order, the GQA sum included,
-// with no partials to combine; dQ sums its key tiles in order.
+// Per (b, h), from P = exp(S - lse): dP = dO V^T, dS = P (dP - rowsum(dO * O)),
+// dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO. Threads take (b, kv head) pairs and run the
+// group's heads in order, summing their dK, dV in fp32 buffers: the GQA sum in a fixed order.
+// Per tile of kQTile query rows, P and dS (kQTile x Sp) are formed once and feed all three
+// products; dK, dV accumulate over the tile's rows with their tiles in registers.
 template <class T>
 void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, const float* lse, const T* q,
                             const T* k, const T* v, const int32_t* qpos, const int32_t* kpos, const AttnShape& a) {
-  const int64_t S = a.S, hd = a.hd, G = a.group(), GQ = G * kQTile;
-  const int64_t per_thread = 4 * S * hd + 3 * GQ * hd + 2 * GQ * kKTile + 2 * GQ;
+  const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp();
+  const int64_t per_thread = 7 * Sp * Dp + Sp + 2 * kQTile * Sp + kQTile * Dp;
   const float scale = 1.0f / std::sqrt(float(hd));
-  const std::vector<PosRange> qr = tile_ranges(qpos, S, kQTile), kr = tile_ranges(kpos, S, kKTile);
+  const std::vector<KeyRange> ranges = key_ranges(qpos, kpos, a, kQTile);
   Tensor ws = workspace(per_thread * omp_get_max_threads());
-#pragma omp parallel
-  {
+#pragma omp parallel for schedule(static)
+  for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
+    const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
     float* K = ws.f32() + per_thread * omp_get_thread_num();
-    float *V = K + S * hd, *dK = V + S * hd, *dV = dK + S * hd, *Q = dV + S * hd, *dO = Q + GQ * hd;
-    float *dQ = dO + GQ * hd, *P = dQ + GQ * hd, *dS = P + GQ * kKTile, *D = dS + GQ * kKTile, *L = D + GQ;
-    std::vector<int32_t> qp(GQ);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
-      const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
-      load_rows(K, k, b, 0, S, a.KVH, kvh, a);
-      load_rows(V, v, b, 0, S, a.KVH, kvh, a);
-      std::fill(dK, dK + 2 * S * hd, 0.0f);  // dK and dV
-      for (int64_t qt = 0; qt < a.q_tiles(); qt++) {
-        const int64_t i0 = qt * kQTile, rows = std::min(kQTile, S - i0), n = G * rows;
-        for (int64_t g = 0; g < G; g++) {
-          const int64_t h = kvh * G + g, r0 = g * rows;
-          load_rows(Q + r0 * hd, q, b, i0, rows, a.H, h, a);
-          load_rows(dO + r0 * hd, dout, b, i0, rows, a.H, h, a);
-          std::copy(qpos + i0, qpos + i0 + rows, qp.begin() + r0);
-          std::copy(lse + (b * a.H + h) * S + i0, lse + (b * a.H + h) * S + i0 + rows, L + r0);
-          for (int64_t r = 0; r < rows; r++) {  // the softmax-backward correction rowsum(dO * O)
-            const T* o = out + ((b * S + i0 + r) * a.H + h) * hd;
-            const float* dor = dO + (r0 + r) * hd;
-            double dot = 0;
+    float *Kt = K + Sp * Dp, *Vt = Kt + Sp * Dp, *dK = Vt + Sp * Dp, *dV = dK + Sp * Dp, *Qs = dV + Sp * Dp;
+    float *dO = Qs + Sp * Dp, *Drow = dO + Sp * Dp, *P = Drow + Sp, *dS = P + kQTile * Sp, *dQt = dS + kQTile * Sp;
+    gather_head(K, k, a.KVH, b, kvh, a, 1.0f, false);
+    gather_head(Kt, k, a.KVH, b, kvh, a, 1.0f, true);
+    gather_head(Vt, v, a.KVH, b, kvh, a, 1.0f, true);
+    std::fill(dK, dK + 2 * Sp * Dp, 0.0f);  // dK and dV
+    for (int64_t h = kvh * a.group(); h < (kvh + 1) * a.group(); h++) {
+      const float* lse_h = lse + (b * a.H + h) * S;
+      gather_head(Qs, q, a.H, b, h, a, scale, false);
+      gather_head(dO, dout, a.H, b, h, a, 1.0f, false);
+      std::fill(Drow, Drow + Sp, 0.0f);
+      for (int64_t i = 0; i < S; i++) {  // D_i = rowsum(dO * O), the softmax-backward correction
+        const T* o = out + ((b * S + i) * a.H + h) * hd;
+        double dot = 0;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < hd; d++) dot += double(dor[d]) * ld(o[d]);
-            D[r0 + r] = float(dot);
-          }
-        }
-        std::fill(dQ, dQ + n * hd, 0.0f);
-        for (int64_t kt = 0; kt < int64_t(kr.size()); kt++) {
-          const TileMask tm = tile_mask(qr[qt], kr[kt]);
-          if (tm == TileMask::Skip) continue;
-          const int64_t j0 = kt * kKTile, cols = std::min(kKTile, S - j0);
-          const float *Kj = K + j0 * hd, *Vj = V + j0 * hd;
-          sgemm(false, true, n, cols, hd, scale, Q, hd, Kj, hd, 0.0f, P, kKTile);  // scale Q K^T
-          if (tm == TileMask::Partial) mask_tile(P, kKTile, qp.data(), n, kpos + j0, cols);
-          for (int64_t r = 0; r < n; r++) probs_from_lse(P + r * kKTile, L[r], cols);
-          sgemm(false, true, n, cols, hd, 1.0f, dO, hd, Vj, hd, 0.0f, dS, kKTile);  // dP = dO V^T
-          for (int64_t r = 0; r < n; r++) {
-            const float *p = P + r * kKTile, Dr = D[r];
-            float* ds = dS + r * kKTile;
-#pragma omp simd
-            for (int64_t j = 0; j < cols; j++) ds[j] = p[j] * (ds[j] - Dr);
-          }
-          sgemm(false, false, n, hd, cols, scale, dS, kKTile, Kj, hd, 1.0f, dQ, hd);
-          sgemm(true, false, cols, hd, n, scale, dS, kKTile, Q, hd, 1.0f, dK + j0 * hd, hd);
-          sgemm(true, false, cols, hd, n, 1.0f, P, kKTile, dO, hd, 1.0f, dV + j0 * hd, hd);
-        }
-        for (int64_t g = 0; g < G; g++) store_rows(dq, dQ + g * rows * hd, nullptr, b, i0, rows, a.H, kvh * G + g, a);
+        for (int64_t d = 0; d < hd; d++) dot += double(dO[i * Dp + d]) * ld(o[d]);
+        Drow[i] = float(dot);
       }
-      store_rows(dk, dK, nullptr, b, 0, S, a.KVH, kvh, a);
-      store_rows(dv, dV, nullptr, b, 0, S, a.KVH, kvh, a);
+      for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
+        const KeyRange& kr = ranges[i0 / kQTile];
+        const int64_t rows = std::min(kQTile, Sp - i0), n = kr.end;
+        tiled_gemm(rows, n, Dp, Qs + i0 * Dp, Dp, 1, Kt, Sp, P, Sp, false);
+        mask_scores(P, Sp, kr, qpos, kpos, i0, rows, S);
+        for (int64_t r = 0; r < rows; r++)  // padded rows get lse -inf: P = 0
+          probs_from_lse(P + r * Sp, i0 + r < S ? lse_h[i0 + r] : -std::numeric_limits<float>::infinity(), n);
+        tiled_gemm(rows, n, Dp, dO + i0 * Dp, Dp, 1, Vt, Sp, dS, Sp, false);  // dP
+        for (int64_t r = 0; r < rows; r++) {
+          const float* p = P + r * Sp;
+          float* ds = dS + r * Sp;
+          const float Di = Drow[i0 + r];
+          for (int64_t j = 0; j < n; j += kLanes) vstore(ds + j, vload(p + j) * (vload(ds + j) - Di));
+        }
+        tiled_gemm(rows, Dp, n, dS, Sp, 1, K, Dp, dQt, Dp, false);
+        tiled_gemm(n, Dp, rows, dS, 1, Sp, Qs + i0 * Dp, Dp, dK, Dp, true);
+        tiled_gemm(n, Dp, rows, P, 1, Sp, dO + i0 * Dp, Dp, dV, Dp, true);
+        for (int64_t r = 0; r < rows && i0 + r < S; r++) {
+          T* o = dq + ((b * S + i0 + r) * a.H + h) * hd;
+          for (int64_t d = 0; d < hd; d++) o[d] = st<T>(dQt[r * Dp + d] * scale);
+        }
+      }
+    }
+    for (int64_t s = 0; s < S; s++) {
+      T* dko = dk + ((b * S + s) * a.KVH + kvh) * hd;
+      T* dvo = dv + ((b * S + s) * a.KVH + kvh) * hd;
+      for (int64_t d = 0; d < hd; d++) {
+        dko[d] = st<T>(dK[s * Dp + d]);
+        dvo[d] = st<T>(dV[s * Dp + d]);
+      }
     }
   }
 }
