@@ -30,8 +30,8 @@ struct ThreadChoice {
 // else max(1, cores / local ranks), or 1 when a micro-batch's residual stream (tokens × dim) has
 // fewer than kThreadedElements elements: each parallel region then holds a few microseconds of
 // work, less than waking a sleeping thread costs (tiny's default 256 × 64 runs faster on one
-// thread; the demo's 1024 × 64 already gains from two, now that matmuls and attention split by
-// blocks). OpenBLAS: OPENBLAS_NUM_THREADS, else 1 — its sgemm splits the inner dimension into
+// thread; the demo's 1024 × 64 runs about as fast on two, now that matmuls split by panels).
+// OpenBLAS: OPENBLAS_NUM_THREADS, else 1 — its sgemm splits the inner dimension into
 // blocks that depend on its thread count, so more threads change the sums' rounding, while the
 // CPU kernels (matmul panels included) give the same bits at any thread count.
 constexpr int64_t kThreadedElements = 32768;
