@@ -130,8 +130,11 @@ constexpr const char* kCalibrationHelp =
 // on every rank.
 inline Calibration read_calibration(Args& a, const std::string& help) {
   Calibration c;
-  const bool given = a.has("--calibration");
-  c.path = a.get_str("--calibration", default_calibration_path(), help);
+  // The default is recorded as "" (trainer.json keeps every flag): a run repeated from its
+  // checkpoint on another machine, or from another build folder, looks beside its own binary.
+  const std::string named = a.get_str("--calibration", "", help);
+  const bool given = !named.empty();
+  c.path = given ? named : default_calibration_path();
   if (given || std::filesystem::exists(c.path)) {
     c.gpu = local_gpu(c.path);
     c.found = true;
