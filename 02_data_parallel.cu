@@ -183,7 +183,7 @@ int main(int argc, char** argv) {
   double bucket_mb = 0;
   mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
+    calibration = mesh5d::read_calibration(args);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
     bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)", dp::bucket_mb_range());

@@ -340,7 +340,7 @@ int main(int argc, char** argv) {
   bool prefetch = true;
   mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
+    calibration = mesh5d::read_calibration(args);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
     prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));

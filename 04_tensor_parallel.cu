@@ -254,7 +254,7 @@ int main(int argc, char** argv) {
   bool sp = false;
   mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
+    calibration = mesh5d::read_calibration(args);
     mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)", degree_range());
     sp = args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
   });

@@ -643,7 +643,7 @@ int main(int argc, char** argv) {
   bool chart = false;
   mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
+    calibration = mesh5d::read_calibration(args);
     p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
     sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
     V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");

@@ -503,7 +503,7 @@ int main(int argc, char** argv) {
   double bucket_mb = 25;
   mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
+    calibration = mesh5d::read_calibration(args);
     mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--cp-mode", "ring", "ring | ulysses");
     zigzag = args.get_int("--zigzag", 1, "1: rank i holds chunks i and 2cp-1-i of 2cp (balanced); 0: contiguous");

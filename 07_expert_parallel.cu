@@ -310,7 +310,7 @@ int main(int argc, char** argv) {
   double bucket_mb = 0;
   mesh5d::Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args, mesh5d::kCalibrationHelp);
+    calibration = mesh5d::read_calibration(args);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks",
                          degree_range());

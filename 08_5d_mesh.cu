@@ -425,7 +425,7 @@ int main(int argc, char** argv) {
   Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
     planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
     const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
-    calibration = mesh5d::read_calibration(a, mesh5d::kCalibrationHelp);  // also --plan --gpu local's
+    calibration = mesh5d::read_calibration(a);  // also --plan --gpu local's
     const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");

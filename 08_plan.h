@@ -128,11 +128,11 @@ constexpr const char* kCalibrationHelp =
     "the rates the run's predicted step time uses";
 // Declares --calibration and reads the file, before any collective: a bad file is a config_error
 // on every rank.
-inline Calibration read_calibration(Args& a, const std::string& help) {
+inline Calibration read_calibration(Args& a) {
   Calibration c;
   // The default is recorded as "" (trainer.json keeps every flag): a run repeated from its
   // checkpoint on another machine, or from another build folder, looks beside its own binary.
-  const std::string named = a.get_str("--calibration", "", help);
+  const std::string named = a.get_str("--calibration", "", kCalibrationHelp);
   const bool given = !named.empty();
   c.path = given ? named : default_calibration_path();
   if (given || std::filesystem::exists(c.path)) {

@@ -895,7 +895,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
   const double peak = world * peak_tflops_for(dev, rc.dtype, rc.peak_tflops) * 1e12;
   const double tokens = double(rc.batch) * rc.model.seq;
-  std::vector<double> tps, seconds;
+  std::vector<double> seconds;  // each step's wall time
   double last_loss = NAN;
   if (!rc.trace.empty()) Trace::get().enable();
   ProfileScope::reset();
@@ -910,7 +910,6 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     device_sync(dev);
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!std::isfinite(r.loss)) fatal("loss is %f at step %ld: the run diverged (try a lower --lr)", r.loss, step);
-    tps.push_back(tokens / secs);
     seconds.push_back(secs);
     last_loss = r.loss;
     done = step + 1;
@@ -948,7 +947,9 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   if (stop) summary["stopped_by"] = stop_name;
   summary["loss_floor"] = data.entropy_floor;
   if (rc.eval_every > 0) summary["eval_loss"] = last_eval;
-  if (!tps.empty()) {
+  if (!seconds.empty()) {
+    std::vector<double> tps;
+    for (double s : seconds) tps.push_back(tokens / s);
     std::sort(tps.begin(), tps.end());
     summary["tokens_per_s_median"] = tps[tps.size() / 2];
     char eval[48] = "";
