@@ -20,10 +20,14 @@
 // (checked below).
 //
 // Usage: bench_gemm [--dim D --layers L --heads H --kv-heads KV --ffn F --vocab V --seq S
-//                    --batch B] [--threads N] [--reps R]
+//                    --batch B] [--threads N] [--reps R] [--seconds T]
 // Threads: --threads, else OPENBLAS_NUM_THREADS, else 1. Set OPENBLAS_CORETYPE on CPUs that
 // Debian's OpenBLAS misdetects (make bench does). Prints one table row per distinct product and
 // a last line `gemm_limit tokens_per_s=… step_ms=… threads=…` for scripts.
+// --seconds T measures a sustained rate instead: whole steps of products (causal ones at half
+// their count), one after another for T seconds, and prints `gemm_sustained tokens_per_s=…`, the
+// mean over that time. Two such processes started together overlap for all of it, which the
+// fastest-round limit, timed product by product, does not guarantee.
 #include <cblas.h>
 
 #include <algorithm>
@@ -114,10 +118,41 @@ double time_gemm(const Gemm& e, int reps) {
   return *std::min_element(t.begin(), t.end());
 }
 
+// Whole steps of products, each product's calls at its weight (the causal ones half), for at
+// least `seconds`; the step's tokens times the steps run, over the time taken.
+double sustained_tokens_per_s(const std::vector<Gemm>& gemms, double tokens, int seconds) {
+  struct Operands {
+    std::vector<float> A, B, C;
+  };
+  std::vector<Operands> ops;
+  for (const Gemm& e : gemms)
+    ops.push_back({std::vector<float>(size_t(e.M) * e.K, 0.5f), std::vector<float>(size_t(e.K) * e.N, 0.25f),
+                   std::vector<float>(size_t(e.M) * e.N)});
+  auto step = [&] {
+    for (size_t g = 0; g < gemms.size(); g++) {
+      const Gemm& e = gemms[g];
+      for (long i = 0; i < std::lround(e.per_step * e.weight); i++)
+        cblas_sgemm(CblasRowMajor, e.transA ? CblasTrans : CblasNoTrans, e.transB ? CblasTrans : CblasNoTrans, e.M,
+                    e.N, e.K, 1.0f, ops[g].A.data(), e.transA ? e.M : e.K, ops[g].B.data(), e.transB ? e.K : e.N,
+                    0.0f, ops[g].C.data(), e.N);
+    }
+  };
+  step();  // warm-up
+  const auto t0 = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  long steps = 0;
+  while (elapsed < seconds) {
+    step();
+    steps++;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return tokens * steps / elapsed;
+}
+
 int usage() {
   fprintf(stderr,
           "usage: bench_gemm [--dim D] [--layers L] [--heads H] [--kv-heads KV] [--ffn F] [--vocab V] [--seq S] "
-          "[--batch B] [--threads N] [--reps R]\n");
+          "[--batch B] [--threads N] [--reps R] [--seconds T]\n");
   return 2;
 }
 
@@ -126,14 +161,14 @@ int usage() {
 int main(int argc, char** argv) {
   ModelConfig c;
   c.dim = 256, c.layers = 4, c.heads = 8, c.kv_heads = 4, c.ffn = 688, c.vocab = 256, c.seq = 256;
-  int batch = 8, reps = 5, threads = std::max(1, atoi(getenv("OPENBLAS_NUM_THREADS") ? getenv("OPENBLAS_NUM_THREADS") : "1"));
+  int batch = 8, reps = 5, sustain = 0, threads = std::max(1, atoi(getenv("OPENBLAS_NUM_THREADS") ? getenv("OPENBLAS_NUM_THREADS") : "1"));
   struct Flag {
     const char* name;
     int* value;
   };
   const Flag flags[] = {{"--dim", &c.dim},   {"--layers", &c.layers}, {"--heads", &c.heads},     {"--kv-heads", &c.kv_heads},
                         {"--ffn", &c.ffn},   {"--vocab", &c.vocab},   {"--seq", &c.seq},         {"--batch", &batch},
-                        {"--threads", &threads}, {"--reps", &reps}};
+                        {"--threads", &threads}, {"--reps", &reps},     {"--seconds", &sustain}};
   for (int i = 1; i < argc; i++) {
     const Flag* f = std::find_if(std::begin(flags), std::end(flags), [&](const Flag& x) { return !strcmp(x.name, argv[i]); });
     if (f == std::end(flags) || i + 1 >= argc || atoi(argv[i + 1]) <= 0) return usage();
@@ -144,6 +179,11 @@ int main(int argc, char** argv) {
 
   const std::vector<Gemm> gemms = step_gemms(c, batch);
   const double tokens = double(batch) * c.seq;
+  if (sustain) {
+    printf("gemm_sustained tokens_per_s=%.0f seconds=%d threads=%d\n", sustained_tokens_per_s(gemms, tokens, sustain),
+           sustain, threads);
+    return 0;
+  }
   double dense = 0, needed = 0, seconds = 0;
   printf("GEMM-only limit of a training step: dim %d, %d layers, %d heads (%d kv), ffn %d, vocab %d, seq %d, batch %d\n",
          c.dim, c.layers, c.heads, c.kv_heads, c.ffn, c.vocab, c.seq, batch);

@@ -233,32 +233,49 @@ void rmsnorm_backward_cpu(T* dx, float* dw, const T* dy, const T* x, const float
 
 // ===== RoPE =====================================================================================
 
-// cos/sin of pos[s] * inv_freq_j, inv_freq_j = theta^(-2j/hd), as a [S, hd/2] table. The angle
+// cos/sin of pos[s] * inv_freq_j, inv_freq_j = theta^(-2j/hd), as [S, hd/2] tables. The angle
 // is formed in double: at positions of thousands an fp32 angle is already off by ~1e-4 rad.
-void rope_table(std::vector<float>& cs, std::vector<float>& sn, const int32_t* pos, int64_t S, int64_t hd,
-                float theta) {
+// Every rotation of a step (q and k of each layer, forward and backward) uses the same positions,
+// so the tables are kept and rebuilt only when the positions, hd or theta change: their S * hd
+// sines and cosines cost more than the rotation itself.
+struct RopeTable {
+  std::vector<int32_t> pos;
+  int64_t hd = 0;
+  float theta = 0;
+  std::vector<float> cs, sn;
+};
+
+const RopeTable& rope_table(const int32_t* pos, int64_t S, int64_t hd, float theta) {
+  thread_local RopeTable t;
+  if (t.hd == hd && t.theta == theta && t.pos.size() == size_t(S) && std::equal(pos, pos + S, t.pos.begin()))
+    return t;
+  t.pos.assign(pos, pos + S);
+  t.hd = hd;
+  t.theta = theta;
   const int64_t half = hd / 2;
-  cs.resize(S * half);
-  sn.resize(S * half);
+  std::vector<double> inv_freq(half);
+  for (int64_t j = 0; j < half; j++) inv_freq[j] = std::pow(double(theta), -2.0 * double(j) / double(hd));
+  t.cs.resize(S * half);
+  t.sn.resize(S * half);
   for (int64_t s = 0; s < S; s++)
     for (int64_t j = 0; j < half; j++) {
-      const double a = double(pos[s]) * std::pow(double(theta), -2.0 * double(j) / double(hd));
-      cs[s * half + j] = float(std::cos(a));
-      sn[s * half + j] = float(std::sin(a));
+      const double angle = double(pos[s]) * inv_freq[j];
+      t.cs[s * half + j] = float(std::cos(angle));
+      t.sn[s * half + j] = float(std::sin(angle));
     }
+  return t;
 }
 
 // x' = x*cos + rotate_half(x)*sin on pairs (j, j + hd/2): (a, b) -> (a cos - b sin, b cos + a sin).
 // sign = -1 applies the inverse rotation (the backward pass: R^T = R(-angle)).
 template <class T>
 void rope_cpu(T* x, const int32_t* pos, float theta, float sign, int64_t B, int64_t S, int64_t H, int64_t hd) {
-  std::vector<float> cs, sn;
-  rope_table(cs, sn, pos, S, hd, theta);
+  const RopeTable& t = rope_table(pos, S, hd, theta);
   const int64_t half = hd / 2;
 #pragma omp parallel for schedule(static)
   for (int64_t bs = 0; bs < B * S; bs++) {
-    const float* c = cs.data() + (bs % S) * half;
-    const float* s = sn.data() + (bs % S) * half;
+    const float* c = t.cs.data() + (bs % S) * half;
+    const float* s = t.sn.data() + (bs % S) * half;
     for (int64_t h = 0; h < H; h++) {
       T* __restrict xh = x + (bs * H + h) * hd;
       for (int64_t j = 0; j < half; j++) {

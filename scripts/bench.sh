@@ -53,7 +53,7 @@ else
   echo "PyTorch 2.x: not found in $venv; scripts/torch-venv.sh installs it there (CPU-only, about 2 GB;"
   echo "TORCH_VENV=DIR for another place). The rows below run without it."
 fi
-declare -A ours theirs limit  # tokens/s by "threads,round"
+declare -A ours theirs limit solo pair  # tokens/s by "threads,round"
 # 01 as it runs by default: t OpenMP threads share the work, OpenBLAS runs one thread (see Threads
 # in the README).
 run_ours() {
@@ -66,12 +66,25 @@ run_theirs() {
                   --attn sdpa --compile default --warmup 2 --steps 8 </dev/null 2>"$BUILD/torch2_llama.err" | tok_s)
   [ -n "${theirs[$t,$r]}" ] || { echo "bench/torch2_llama.py failed:"; tail -5 "$BUILD/torch2_llama.err"; }
 }
+gemm_limit() {  # tokens/s of the step's matmuls alone, as plain sgemm calls on $1 threads
+  OPENBLAS_NUM_THREADS=$1 "$BUILD/bench/bench_gemm" $shape --threads $1 </dev/null |
+    sed -n 's/^gemm_limit tokens_per_s=\([0-9]*\).*/\1/p'
+}
+sustained() {  # tokens/s of one process running the step's matmuls back to back for 4 s, one thread
+  OPENBLAS_NUM_THREADS=1 "$BUILD/bench/bench_gemm" $shape --threads 1 --seconds 4 </dev/null |
+    sed -n 's/^gemm_sustained tokens_per_s=\([0-9]*\).*/\1/p'
+}
 for ((r = 0; r < rounds; r++)); do
   for t in 1 2; do
     if ((r % 2 == 0)); then run_ours; run_theirs; else run_theirs; run_ours; fi
-    limit[$t,$r]=$(OPENBLAS_NUM_THREADS=$t "$BUILD/bench/bench_gemm" $shape --threads $t </dev/null |
-                   sed -n 's/^gemm_limit tokens_per_s=\([0-9]*\).*/\1/p')
+    limit[$t,$r]=$(gemm_limit $t)
   done
+  # The machine's own ceiling for a second thread: two one-thread bench_gemm processes at once share
+  # no data and no locks, only the hardware (cores, caches, memory, and whatever the host gives the
+  # virtual CPUs). Their summed sustained rate over one process's, just before, bounds what any
+  # two-thread run can gain here.
+  solo[1,$r]=$(sustained)
+  pair[2,$r]=$( (sustained & sustained; wait) | awk '{s += $1; n++} END {if (n == 2) print s}')
 done
 # The median [min-max] of the numbers on stdin (blank or 0: not measured), printed with format $1
 # after scaling by $2.
@@ -88,6 +101,8 @@ for t in 1 2; do
     "$(col limit $t | stats '%.0f [%.0f-%.0f]')" "$(per_round ours $t limit $t | stats '%.0f%% [%.0f-%.0f]' 100)"
 done
 echo "01 at 2 threads over 1 thread, round by round: $(per_round ours 2 ours 1 | stats '%.2fx [%.2f-%.2f]')"
+echo "the machine's ceiling for 2 over 1: two one-thread bench_gemm processes at once, summed, over one alone:" \
+     "$(per_round pair 2 solo 1 | stats '%.2fx [%.2f-%.2f]')"
 echo "GEMM-only limit: every matmul of the step at its M, N, K as one cblas_sgemm (causal attention's"
 echo "products at half their dense time), the fastest of 5 rounds; $BUILD/bench/bench_gemm prints the rate of each."
 

@@ -445,6 +445,32 @@ TEST_CASE("rope backward is the transpose of the forward rotation", "[rope]") {
   REQUIRE(rel_err(host(tx), dbl(x)) <= 1e-6);
 }
 
+// The CPU kernel keeps its cos/sin tables between calls: a call with other positions (same
+// length), another theta or another head dim must rebuild them, and coming back must match the
+// first call bit for bit.
+TEST_CASE("rope follows changes of positions, theta and head dim between calls", "[rope]") {
+  const int64_t B = 1, S = 6, H = 2;
+  const IVec pos_a = {0, 1, 2, 3, 4, 5}, pos_b = {9, 3, 700, 4, 5, 6};
+  struct Call {
+    IVec pos;
+    float theta;
+    int64_t hd;
+  };
+  const Call calls[] = {{pos_a, 10000.0f, 8}, {pos_b, 10000.0f, 8}, {pos_b, 500.0f, 8}, {pos_b, 500.0f, 4},
+                        {pos_a, 10000.0f, 8}};
+  Vec first;
+  for (const Call& c : calls) {
+    const Vec x = randn(B * S * H * c.hd, 74);
+    Tensor t = make({B, S, H, c.hd}, x);
+    rope_forward(t, ints(c.pos), c.theta);
+    REQUIRE(rel_err(host(t), rope_ref(dbl(x), c.pos, c.theta, B, S, H, c.hd)) <= 2e-6);
+    if (first.empty()) first = host(t);
+  }
+  Tensor again = make({B, S, H, 8}, randn(B * S * H * 8, 74));
+  rope_forward(again, ints(pos_a), 10000.0f);
+  REQUIRE(bitwise_equal(host(again), first));
+}
+
 // ===== matmul and linear =========================================================================
 
 TEST_CASE("matmul: every transpose, alpha and beta, odd sizes", "[matmul]") {
