@@ -114,8 +114,8 @@ TEST_CASE("three seeded bugs fail the criterion by a wide margin; the same runs 
 // its shape, each one single-threaded sgemm, and attention into work units that one thread owns:
 // the thread count must not change a bit of the losses or the weights. The shape makes every kind
 // of split real: 640 tokens give matmuls of 4 row panels, the MLP's 288-wide weight gradients take
-// 2 panels (rows for gate and up, columns for down), and seq 160 gives attention 3 query tiles and
-// 3 key tiles, the last ones partial.
+// 2 panels (rows for gate and up, columns for down), and batch 4 × 2 kv heads give attention 8
+// (sequence, kv head) units, each with seq 160's causal blocks (8 query rows forward, 32 backward).
 TEST_CASE("01 gives the same bits at 1, 2 and 4 threads", "[equiv][threads]") {
   const std::string args = "--steps 3 --seq 160 --ffn 288 --batch 4 --micro-batch 4 ";
   const Run& one = run("01_single_gpu", 1, args + "--threads 1");
