@@ -93,26 +93,31 @@ std::vector<Gemm> step_gemms(const ModelConfig& c, int batch) {
   return g;
 }
 
+// A product's operands, uniform in [-0.5, 0.5), and `count` calls of it as the model makes them.
+struct Operands {
+  std::vector<float> A, B, C;
+  explicit Operands(const Gemm& e) : A(size_t(e.M) * e.K), B(size_t(e.K) * e.N), C(size_t(e.M) * e.N) {
+    uint32_t s = 12345;
+    for (auto* v : {&A, &B})
+      for (float& x : *v) x = float((s = s * 1664525u + 1013904223u) >> 8) / float(1 << 24) - 0.5f;
+  }
+  void calls(const Gemm& e, long count) {
+    for (long i = 0; i < count; i++)
+      cblas_sgemm(CblasRowMajor, e.transA ? CblasTrans : CblasNoTrans, e.transB ? CblasTrans : CblasNoTrans, e.M, e.N,
+                  e.K, 1.0f, A.data(), e.transA ? e.M : e.K, B.data(), e.transB ? e.K : e.N, 0.0f, C.data(), e.N);
+  }
+};
+
 // Seconds for one step's worth of calls of this shape: the fastest of `reps` rounds after a
 // warm-up one. A limit is what the BLAS can do, and on a shared machine the fastest round is the
 // one that other load disturbed least.
 double time_gemm(const Gemm& e, int reps) {
-  const size_t a = size_t(e.M) * e.K, b = size_t(e.K) * e.N, cn = size_t(e.M) * e.N;
-  std::vector<float> A(a), B(b), C(cn);
-  uint32_t s = 12345;
-  for (auto* v : {&A, &B})
-    for (float& x : *v) x = float((s = s * 1664525u + 1013904223u) >> 8) / float(1 << 24) - 0.5f;
-  const int lda = e.transA ? e.M : e.K, ldb = e.transB ? e.K : e.N;
-  auto round = [&] {
-    for (long i = 0; i < e.per_step; i++)
-      cblas_sgemm(CblasRowMajor, e.transA ? CblasTrans : CblasNoTrans, e.transB ? CblasTrans : CblasNoTrans, e.M, e.N,
-                  e.K, 1.0f, A.data(), lda, B.data(), ldb, 0.0f, C.data(), e.N);
-  };
-  round();
+  Operands o(e);
+  o.calls(e, e.per_step);
   std::vector<double> t;
   for (int r = 0; r < reps; r++) {
     const auto t0 = std::chrono::steady_clock::now();
-    round();
+    o.calls(e, e.per_step);
     t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   return *std::min_element(t.begin(), t.end());
@@ -121,21 +126,9 @@ double time_gemm(const Gemm& e, int reps) {
 // Whole steps of products, each product's calls at its weight (the causal ones half), for at
 // least `seconds`; the step's tokens times the steps run, over the time taken.
 double sustained_tokens_per_s(const std::vector<Gemm>& gemms, double tokens, int seconds) {
-  struct Operands {
-    std::vector<float> A, B, C;
-  };
-  std::vector<Operands> ops;
-  for (const Gemm& e : gemms)
-    ops.push_back({std::vector<float>(size_t(e.M) * e.K, 0.5f), std::vector<float>(size_t(e.K) * e.N, 0.25f),
-                   std::vector<float>(size_t(e.M) * e.N)});
+  std::vector<Operands> ops(gemms.begin(), gemms.end());
   auto step = [&] {
-    for (size_t g = 0; g < gemms.size(); g++) {
-      const Gemm& e = gemms[g];
-      for (long i = 0; i < std::lround(e.per_step * e.weight); i++)
-        cblas_sgemm(CblasRowMajor, e.transA ? CblasTrans : CblasNoTrans, e.transB ? CblasTrans : CblasNoTrans, e.M,
-                    e.N, e.K, 1.0f, ops[g].A.data(), e.transA ? e.M : e.K, ops[g].B.data(), e.transB ? e.K : e.N,
-                    0.0f, ops[g].C.data(), e.N);
-    }
+    for (size_t g = 0; g < gemms.size(); g++) ops[g].calls(gemms[g], std::lround(gemms[g].per_step * gemms[g].weight));
   };
   step();  // warm-up
   const auto t0 = std::chrono::steady_clock::now();
