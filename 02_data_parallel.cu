@@ -164,7 +164,6 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
   const bool show = show_step_memory(model, log, rc, step);
   ts::zero(model.grads);
   for (int s0 = 0; s0 < local; s0 += mb) {
-    if (s0 > 0 && seeded_bug("drop_microbatch")) ts::zero(model.grads);  // loses the earlier micro-batches
     dp.set_sync(s0 + mb == local);
     MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
     model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));

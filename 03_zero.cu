@@ -150,7 +150,6 @@ class Zero {
   void optimizer_step(const RunConfig& rc, long step, double norm) {
     const float clip = clip_coefficient(norm, rc.clip);
     for (int u = 0; u < units(); u++) {
-      if (u == 1 && dp_.rank() == dp_.size() - 1 && seeded_bug("stale_shard")) continue;  // one shard never updated
       opt_[size_t(u)].step(m_, weights(u), grads(u), lr_at(rc, step), step + 1, clip, rc);
     }
     all_gather_weights();

@@ -138,6 +138,20 @@ $(BUILD)/tests/test_%: $(BUILD)/tests/test_%.o $(BUILD)/tests/catch_main.o $(BUI
 $(BUILD)/tests/comm_error_prog: $(BUILD)/tests/comm_error_prog.o $(BUILD)/common.a
 	$(LD) $^ -o $@ $(LIBS)
 
+# The seeded bugs of tests/test_equivalence.cpp, each a test-only variant TECHNIQUE+BUG of a
+# technique binary: the technique's unchanged object linked with tests/bugs/BUG.cpp's, and
+# -Xlinker --wrap=SYMBOL for each __wrap_SYMBOL that file defines (tests/bugs/bug.h says how).
+SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_parallel+swap_fg
+BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
+wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
+define bug_variant
+$(BUILD)/tests/bugs/$(1)+$(2): $(BUILD)/$(1).o $(BUILD)/tests/bugs/$(2).o $(BUILD)/common.a
+	$$(LD) $$(call wrap_flags,tests/bugs/$(2).cpp) $$^ -o $$@ $$(LIBS)
+endef
+$(foreach v,$(SEEDED_BUGS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
+# Order-only: built with the test that runs them, never linked into it.
+$(BUILD)/tests/test_equivalence: | $(BUG_BIN)
+
 $(BUILD)/fuzz/common/%.o: common/%.cu
 	@mkdir -p $(dir $@)
 	$(FUZZ_CXX) -fsanitize=fuzzer-no-link -x c++ -MMD -MP -c $< -o $@

@@ -31,14 +31,6 @@ int world_rank() {
 static long g_step = -1;
 void set_current_step(long step) { g_step = step; }
 
-bool seeded_bug(const char* name) {
-  static const char* seeded = getenv("TS_SEED_BUG");
-  if (!seeded || strcmp(seeded, name) != 0) return false;
-  static bool warned = false;
-  if (!warned && world_rank() == 0) fprintf(stderr, "warning: TS_SEED_BUG=%s: this run has a deliberate bug\n", name);
-  warned = true;
-  return true;
-}
 long current_step() { return g_step; }
 
 // Ends every rank of the job with `status` after this rank's message is out.

@@ -45,11 +45,6 @@ namespace ts {
 
 int world_rank();  // 0 before MPI is initialised
 
-// A deliberate bug, on only where the environment says TS_SEED_BUG=<name> (never in normal use):
-// the test of the equivalence criterion (tests/test_equivalence.cpp) seeds each one to show that
-// the criterion that proves every technique equal to 01 fails on a real bug. The first call that
-// finds its bug on prints a warning, so such a run is never mistaken for a correct one.
-bool seeded_bug(const char* name);
 // Called by the run's step loop so fatal() and the watchdog can name the step.
 void set_current_step(long step);
 long current_step();

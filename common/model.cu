@@ -433,13 +433,8 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
   {
     Tensor dh2 = work({N, cfg.dim});
     TpOps& fg = mlp_tp();
-    if (l == 0 && seeded_bug("swap_fg")) {  // f and g exchanged in layer 0's backward
-      mlp->backward(*this, l, dh2, fg.f_backward(dx), fg.f_forward(a.h2), a);
-      rmsnorm_backward(tmp, g_[L.ln2], fg.g_backward(dh2), a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
-    } else {
-      mlp->backward(*this, l, dh2, fg.g_backward(dx), fg.f_forward(a.h2), a);
-      rmsnorm_backward(tmp, g_[L.ln2], fg.f_backward(dh2), a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
-    }
+    mlp->backward(*this, l, dh2, fg.g_backward(dx), fg.f_forward(a.h2), a);
+    rmsnorm_backward(tmp, g_[L.ln2], fg.f_backward(dh2), a.x_mid, fp32_weight(w_[L.ln2]), a.rstd2);
     add_inplace(dx, tmp);  // dx := d x_mid (residual path + norm path)
   }
   a.h2 = a.g = a.u = a.act = a.x_mid = a.rstd2 = Tensor();

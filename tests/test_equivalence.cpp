@@ -1,8 +1,8 @@
 // ranks: 1
 // The equivalence criterion itself (tests/test_util.h, derived in notes/00_architecture.md):
-// AdamW's per-step bound and the initial weights it relies on; three real bugs, seeded with
-// TS_SEED_BUG, each failing it by a wide margin while the same run without the bug passes; and
-// the thread count, which must not change a single bit.
+// AdamW's per-step bound and the initial weights it relies on; three real bugs, each linked into a
+// variant of its technique binary (tests/bugs/), each failing it by a wide margin while the same
+// run without the bug passes; and the thread count, which must not change a single bit.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -15,9 +15,7 @@ namespace {
 
 const std::string kTiny = "--preset tiny --kv-heads 4 --quiet --lr-schedule constant ";
 using Run = tst::CachedRun;
-const Run& run(const std::string& bin, int np, const std::string& args, const std::string& bug = "") {
-  return tst::cached_run(bin, np, kTiny + args, 180, bug.empty() ? "" : "TS_SEED_BUG=" + bug);
-}
+const Run& run(const std::string& bin, int np, const std::string& args) { return tst::cached_run(bin, np, kTiny + args, 180); }
 const Run& single(int batch, int micro) { return run("01_single_gpu", 1, tst::steps_args(6, batch, micro)); }
 
 // How far past its bound the worst measure is: > 1 fails the criterion.
@@ -81,7 +79,8 @@ TEST_CASE("initial_weights are the weights a run starts from", "[equiv]") {
   }
 }
 
-// Each seeded bug against the same mesh without it. The margins are printed (WARN) for the notes.
+// Each seeded bug against the same mesh without it: the variant BIN+BUG of the binary (the Makefile's
+// SEEDED_BUGS) says when its bug fires. The margins are printed (WARN) for the notes.
 TEST_CASE("three seeded bugs fail the criterion by a wide margin; the same runs without them pass", "[equiv][e2e]") {
   struct Bug {
     const char* name;
@@ -99,11 +98,13 @@ TEST_CASE("three seeded bugs fail the criterion by a wide margin; the same runs 
     const Run& ref = single(b.batch, b.batch);
     const std::string args = b.args + tst::steps_args(6, b.batch, b.micro);
     const tst::Equivalence good = tst::compare(run(b.bin, b.np, args), ref);
-    const tst::Equivalence bad = tst::compare(run(b.bin, b.np, args, b.name), ref);
+    const Run& buggy = run("tests/bugs/" + b.bin + "+" + b.name, b.np, args);
+    const tst::Equivalence bad = tst::compare(buggy, ref);
     INFO(b.name << "\n  without: " << good << "\n  with: " << bad);
     WARN(b.name << ": worst measure/bound " << worst_ratio(bad) << " with the bug, " << worst_ratio(good)
                 << " without; step-1 grad " << bad.grad_rel << ", update " << bad.update_rel << ", loss "
                 << bad.loss_rel);
+    CHECK(buggy.output.find(std::string("deliberate bug ") + b.name) != std::string::npos);
     CHECK(tst::equivalent(good));
     CHECK_FALSE(tst::equivalent(bad));
     CHECK(worst_ratio(bad) >= 30);
