@@ -149,7 +149,8 @@ $(BUILD)/tests/bugs/$(1)+$(2): $(BUILD)/$(1).o $(BUILD)/tests/bugs/$(2).o $(BUIL
 	$$(LD) $$(call wrap_flags,tests/bugs/$(2).cpp) $$^ -o $$@ $$(LIBS)
 endef
 $(foreach v,$(SEEDED_BUGS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
-# Order-only: built with the test that runs them, never linked into it.
+# Order-only: built with the test that runs them (when the test itself is built), never linked
+# into it; `make test` names them as well, since make skips a missing secondary file otherwise.
 $(BUILD)/tests/test_equivalence: | $(BUG_BIN)
 
 $(BUILD)/fuzz/common/%.o: common/%.cu
@@ -174,7 +175,7 @@ deps:
 	@scripts/ensure-deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
+	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
 	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
 
 NP ?= 1

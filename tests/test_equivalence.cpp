@@ -15,7 +15,9 @@ namespace {
 
 const std::string kTiny = "--preset tiny --kv-heads 4 --quiet --lr-schedule constant ";
 using Run = tst::CachedRun;
-const Run& run(const std::string& bin, int np, const std::string& args) { return tst::cached_run(bin, np, kTiny + args, 180); }
+const Run& run(const std::string& bin, int np, const std::string& args) {
+  return tst::cached_run(bin, np, kTiny + args, 180);
+}
 const Run& single(int batch, int micro) { return run("01_single_gpu", 1, tst::steps_args(6, batch, micro)); }
 
 // How far past its bound the worst measure is: > 1 fails the criterion.

@@ -14,7 +14,8 @@ namespace bug {
 // correct run's (tests/test_equivalence.cpp looks for it: a bug that never fires fails the test).
 inline void announce(const char* name) {
   static bool said = false;
-  if (!said) fprintf(stderr, "warning: rank %d runs the deliberate bug %s (tests/bugs/%s.cpp)\n", ts::world_rank(), name, name);
+  if (!said)
+    fprintf(stderr, "warning: rank %d runs the deliberate bug %s (tests/bugs/%s.cpp)\n", ts::world_rank(), name, name);
   said = true;
 }
 
