@@ -21,6 +21,7 @@
 #include "mesh.h"
 #include "model.h"
 #include "run.h"
+#include "step_time.h"
 #include "trace.h"
 #include "train.h"
 
@@ -142,11 +143,40 @@ inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_rep
 inline double allreduce_bytes(int64_t psi, int dp) { return 2.0 * (dp - 1) / dp * 4.0 * double(psi); }
 inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allreduce_bytes(param_count(rc.model), dp); }
 
+// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+
+// All-reduce calls per step, for their latency: naive one per tensor (9 per layer), bucketed one
+// per bucket of the `grad_bytes` of fp32 gradients.
+inline double reduction_calls(bool bucketed, int layers, double grad_bytes, double bucket_mb) {
+  return bucketed ? std::max(1.0, grad_bytes / (bucket_mb * 1048576)) : 9.0 * layers;
+}
+
+// What backward cannot hide of a reduction taking `t_reduce`: naive mode reduces tensor by tensor
+// after the backward, all of it exposed; bucketed mode during the last micro-batch's backward, at
+// least its last bucket.
+inline double exposed_seconds(bool bucketed, double t_reduce, double last_backward, double grad_bytes, double bucket_mb) {
+  return bucketed ? reduction_exposed(t_reduce, last_backward, bucket_mb * 1048576 / grad_bytes) : t_reduce;
+}
+
+// Seconds of the all-reduce of `psi` fp32 gradients over `n` ranks spanning `nodes` nodes.
+inline double reduction_seconds(const Network& net, double psi, int n, double calls, int nodes) {
+  return n > 1 ? group_seconds(net, {{"all_reduce", allreduce_bytes(int64_t(psi), n)}}, calls, nodes) : 0.0;
+}
+
+// This run's step: dp replicas compute 1/dp of the tokens each, then reduce their 4Ψ of gradients.
+inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, bool bucketed, double bucket_mb) {
+  StepTerms s = compute_terms(g, rc, 1, 1, 1, dp);
+  const double psi = double(param_count(rc.model)), mbs = double(rc.batch) / dp / rc.micro_batch;
+  s.t_dp = reduction_seconds(g.net, psi, dp, reduction_calls(bucketed, rc.model.layers, 4 * psi, bucket_mb), 1);
+  s.t_dp_exposed = exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), 4 * psi, bucket_mb);
+  s.total();
+  return s;
+}
+
 }  // namespace dp
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 2
-#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 using dp::GradReducer;
 
@@ -180,9 +210,9 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
 int main(int argc, char** argv) {
   std::string mode;
   double bucket_mb = 0;
-  mesh5d::Calibration calibration;
+  Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args);
+    calibration = read_calibration(args);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
     bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)", dp::bucket_mb_range());
@@ -245,11 +275,9 @@ int main(int argc, char** argv) {
     s["comm_hidden_fraction"] = dp.hidden_fraction();
     log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
   };
-  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
-  as_08.mesh = mc;
-  as_08.dp_mode = mode;
-  as_08.bucket_mb = bucket_mb;
-  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
+  predict_step_time(loop, log, rc, calibration, prog.dev, "dp", [&rc, &mc, mode, bucket_mb](const Gpu& g) {
+    return dp::predict_step_time(g, rc, mc.dp, mode == "bucketed", bucket_mb);
+  });
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -27,6 +27,7 @@
 #include "mesh.h"
 #include "model.h"
 #include "run.h"
+#include "step_time.h"
 #include "trace.h"
 #include "train.h"
 
@@ -287,6 +288,48 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, const Zer
   return c;
 }
 
+// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+
+// Collective calls per step, for their latency, per unit: ZeRO-1 one reduce-scatter and one
+// all-gather; ZeRO-2 a reduce-scatter per micro-batch and one all-gather; ZeRO-3 per micro-batch a
+// reduce-scatter and two gathers (forward and backward).
+inline double collective_calls(int stage, int units, double micro_batches) {
+  return units * (stage == 1 ? 2 : stage == 2 ? micro_batches + 1 : 3 * micro_batches);
+}
+
+// ZeRO-3 gathers each unit before its forward and backward and prefetches the next one during the
+// current one (FSDP; the playbook's ZeRO-3 overlap): the first unit's gather and what outlasts the
+// compute show. Without prefetch every gather waits.
+inline double zero3_exposed(double t_comm, double t_compute, int units, bool prefetch) {
+  if (!prefetch) return t_comm;
+  return std::max(0.0, t_comm - t_compute) + t_comm / std::max(1, units);
+}
+
+// The dense group's terms of a step, from its predicted bytes `ops`: ZeRO-1 reduce-scatters once,
+// behind the last micro-batch's backward (ZeRO-2 every micro-batch, behind each backward); the
+// updated weights are gathered after the optimizer step, with nothing left to hide behind.
+inline void price_collectives(StepTerms& s, const Network& net, const std::map<std::string, double>& ops, int stage,
+                              int units, double micro_batches, bool prefetch, int nodes) {
+  const double calls = collective_calls(stage, units, micro_batches);
+  s.t_dp = group_seconds(net, ops, calls, nodes);
+  if (stage == 3) {
+    s.t_dp_exposed = zero3_exposed(s.t_dp, s.t_compute, units, prefetch);
+    return;
+  }
+  const double rs = group_seconds(net, ops, calls, nodes, "reduce_scatter"), ag = group_seconds(net, ops, calls, nodes, "all_gather");
+  s.t_dp_exposed = reduction_exposed(rs, stage == 1 ? s.last_backward(micro_batches) : s.backward(), 1.0 / units) + ag;
+}
+
+// This run's step: each of the n ranks computes 1/n of the tokens, then the stage's collectives.
+inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, const ZeroPlan& p) {
+  StepTerms s = compute_terms(g, rc, 1, 1, 1, p.n);
+  const double mbs = double(rc.batch) / p.n / rc.micro_batch;
+  price_collectives(s, g.net, p.n > 1 ? predict_comm(rc, p) : std::map<std::string, double>{}, p.stage,
+                    p.table.num_units(), mbs, p.prefetch, 1);
+  s.total();
+  return s;
+}
+
 inline void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
   const MemoryPrediction m = predict_memory(rc, p);
   print_model(log, rc.model);
@@ -303,7 +346,6 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const ZeroPlan& p) {
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 3
-#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 using namespace zero;
 
@@ -337,9 +379,9 @@ static StepResult train_step(Model& model, Zero& zero, const TokenData& data, co
 int main(int argc, char** argv) {
   int stage = 1;
   bool prefetch = true;
-  mesh5d::Calibration calibration;
+  Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args);
+    calibration = read_calibration(args);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
     prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
@@ -384,11 +426,8 @@ int main(int argc, char** argv) {
     save_checkpoint(rc.save_dir, rc, model.table, zero.checkpoint_slices(), step, m);
   };
   loop.comm = [&](long steps_run) { return comm_report(log, mesh.dp(), steps_run, predict_comm(rc, plan)); };
-  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
-  as_08.mesh = mc;
-  as_08.zero = stage;
-  as_08.prefetch = prefetch;
-  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
+  predict_step_time(loop, log, rc, calibration, prog.dev, "dp ZeRO-" + std::to_string(stage),
+                    [&rc, &plan](const Gpu& g) { return zero::predict_step_time(g, rc, plan); });
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

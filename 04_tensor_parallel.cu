@@ -49,6 +49,7 @@
 #include "mesh.h"
 #include "model.h"
 #include "run.h"
+#include "step_time.h"
 #include "trace.h"
 #include "train.h"
 
@@ -205,6 +206,22 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, b
   return c;
 }
 
+// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+
+// Collective calls per step, for their latency: per layer 2 forward (g after attention and after
+// the MLP) and 2 backward (their f), each an all-gather + reduce-scatter pair under SP.
+inline double collective_calls(double micro_batches, int layers, bool sp) { return micro_batches * layers * (sp ? 8 : 4); }
+
+// This run's step: the matmuls split tp ways (smaller, so further below peak: layer_efficiency),
+// and every f/g on the critical path (nothing to hide them behind).
+inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int tp, bool sp) {
+  StepTerms s = compute_terms(g, rc, tp, 1, 1, tp);
+  const double mbs = double(rc.batch) / rc.micro_batch;
+  if (tp > 1) s.t_tp = group_seconds(g.net, predict_comm(rc, tp, sp, mbs), collective_calls(mbs, rc.model.layers, sp), 1);
+  s.total();
+  return s;
+}
+
 inline void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp) {
   const MemoryPrediction p = predict_memory(rc, tp, sp);
   print_model(log, rc.model);
@@ -225,7 +242,6 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp) {
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 4
-#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -252,9 +268,9 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
 
 int main(int argc, char** argv) {
   bool sp = false;
-  mesh5d::Calibration calibration;
+  Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args);
+    calibration = read_calibration(args);
     mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)", degree_range());
     sp = args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
   });
@@ -289,10 +305,8 @@ int main(int argc, char** argv) {
                     step, m);
   };
   loop.comm = [&](long steps_run) { return comm_report(log, mesh.tp(), steps_run, tp::predict_comm(rc, mc.tp, sp)); };
-  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
-  as_08.mesh = mc;
-  as_08.sp = sp;
-  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
+  predict_step_time(loop, log, rc, calibration, prog.dev, "dp",
+                    [&rc, &mc, sp](const Gpu& g) { return tp::predict_step_time(g, rc, mc.tp, sp); });
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -33,6 +33,7 @@
 #include "mesh.h"
 #include "model.h"
 #include "run.h"
+#include "step_time.h"
 #include "threads.h"
 #include "trace.h"
 #include "train.h"
@@ -383,6 +384,33 @@ inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int 
   return (acts + grads) * K;
 }
 
+// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+
+// p2p calls per step: an activation and a gradient per micro-batch and chunk.
+inline double p2p_calls(double micro_batches, int V) { return 2 * micro_batches * V; }
+
+// The pipeline's terms: its simulated bubble idles the stage's compute and its tp collectives
+// alike (t_compute and t_tp set before); the busiest stage's sends (a middle one) wait on the
+// critical path. token_share as predict_send_bytes takes it.
+inline void price_pipeline(StepTerms& s, const Network& net, const RunConfig& rc, const Plan& pl, double token_share,
+                           double micro_batches, int nodes) {
+  s.bubble = pl.bubble();
+  s.t_bubble = s.bubble * (s.t_compute + s.t_tp);
+  double send = 0;
+  for (int r = 0; r < pl.p; r++)
+    send = std::max(send, predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, r, token_share));
+  s.t_pp = collective_seconds(net, Collective::P2P, send, p2p_calls(micro_batches, pl.V), nodes);
+}
+
+// This run's step: each stage computes its 1/p of the layers; then the bubble and the sends. The
+// gradients are complete only after the flush, so no reduction could hide behind backward.
+inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, const Plan& pl) {
+  StepTerms s = compute_terms(g, rc, 1, 1, pl.p, pl.p);
+  if (pl.p > 1) price_pipeline(s, g.net, rc, pl, 1.0, double(rc.batch) / rc.micro_batch, 1);
+  s.total();
+  return s;
+}
+
 inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& pl, int rank) {
   const int64_t psi = local_param_count(Model::make_table(rc.model, 1, shard_spec(rc.model, pl.p, pl.V, rank)));
   MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);
@@ -575,7 +603,6 @@ class Pipeline {
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 5
-#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -641,9 +668,9 @@ int main(int argc, char** argv) {
   int p = 1, V = 1;
   std::string sched_name;
   bool chart = false;
-  mesh5d::Calibration calibration;
+  Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args);
+    calibration = read_calibration(args);
     p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
     sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
     V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
@@ -693,11 +720,8 @@ int main(int argc, char** argv) {
     return comm_report(log, mesh.pp(), n, pred);
   };
   loop.extra = [&](Json& s) { s["pp"] = stage_report(log, mesh, rc, plan, pipe, steps_run); };
-  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
-  as_08.mesh = prog.mc;
-  as_08.schedule = sched;
-  as_08.virtual_stages = V;
-  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
+  predict_step_time(loop, log, rc, calibration, prog.dev, "dp",
+                    [&rc, &plan](const Gpu& g) { return pp::predict_step_time(g, rc, plan); });
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

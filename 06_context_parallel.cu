@@ -32,6 +32,7 @@
 #include "mesh.h"
 #include "model.h"
 #include "run.h"
+#include "step_time.h"
 #include "trace.h"
 #include "train.h"
 
@@ -396,6 +397,32 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int C, co
   return c;
 }
 
+// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+
+// Collective calls per step: cp−1 ring steps per layer forward and as many backward (Ulysses'
+// all-to-alls priced alike).
+inline double collective_calls(double micro_batches, int layers, int C) { return micro_batches * layers * 2 * (C - 1); }
+
+// The ring overlaps its K/V transfers with attention (attention_share of the compute): what
+// outlasts it shows. Ulysses' all-to-alls sit between the projections and attention, exposed.
+inline double exposed_seconds(Mode mode, double t_cp, double t_compute, const ModelConfig& m) {
+  return mode == Mode::Ring ? std::max(0.0, t_cp - attention_share(m) * t_compute) : t_cp;
+}
+
+// This run's step: each rank computes its T/C tokens of every sequence; then the ring (or
+// all-to-all), and the gradients all-reduced over the cp ranks as 02 reduces them over dp.
+inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int C, const Options& o, double bucket_mb) {
+  StepTerms s = compute_terms(g, rc, 1, C, 1, C);
+  const double mbs = double(rc.batch) / rc.micro_batch, psi = double(param_count(rc.model));
+  const int L = rc.model.layers;
+  s.t_cp = group_seconds(g.net, predict_comm(rc, C, o), collective_calls(mbs, L, C), 1);
+  s.t_cp_exposed = exposed_seconds(o.mode, s.t_cp, s.t_compute, rc.model);
+  s.t_dp = dp::reduction_seconds(g.net, psi, C, dp::reduction_calls(true, L, 4 * psi, bucket_mb), 1);
+  s.t_dp_exposed = dp::exposed_seconds(true, s.t_dp, s.last_backward(mbs), 4 * psi, bucket_mb);
+  s.total();
+  return s;
+}
+
 // Attention work of rank r per step (see AttentionWork): the blocks its queries see and their
 // visible pairs, times heads and sequences, for every layer forward (twice under full recompute).
 inline AttentionWork predict_work(const RunConfig& rc, int C, const Options& o, int r) {
@@ -447,7 +474,6 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int C, const Options& o
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 6
-#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -501,9 +527,9 @@ int main(int argc, char** argv) {
   std::string mode;
   int zigzag = 1;
   double bucket_mb = 25;
-  mesh5d::Calibration calibration;
+  Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args);
+    calibration = read_calibration(args);
     mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)", degree_range());
     mode = args.get_str("--cp-mode", "ring", "ring | ulysses");
     zigzag = args.get_int("--zigzag", 1, "1: rank i holds chunks i and 2cp-1-i of 2cp (balanced); 0: contiguous");
@@ -556,11 +582,9 @@ int main(int argc, char** argv) {
     return c;
   };
   loop.extra = [&](Json& s) { s["attention_work"] = work_report(log, mesh, work(), rc.steps - first, rc, opt_cp); };
-  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
-  as_08.mesh = mc;
-  as_08.cp = opt_cp;
-  as_08.bucket_mb = bucket_mb;
-  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
+  predict_step_time(loop, log, rc, calibration, prog.dev, "dp_cp", [&rc, &mc, opt_cp, bucket_mb](const Gpu& g) {
+    return cp::predict_step_time(g, rc, mc.cp, opt_cp, bucket_mb);
+  });
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

@@ -38,6 +38,7 @@
 #include "model.h"
 #include "run.h"
 #include "moe.h"
+#include "step_time.h"
 #include "trace.h"
 #include "train.h"
 
@@ -243,6 +244,30 @@ inline double predict_balanced_bytes(const RunConfig& rc, int dp, int ep) {
   return mbs * m.layers * (rows * m.dim * dtype_size(rc.dtype) + counts);
 }
 
+// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+
+// All-to-all calls per step: per layer a dispatch and a combine forward, and both again backward.
+inline double all_to_all_calls(double micro_batches, int layers) { return micro_batches * layers * 4; }
+
+// This run's step: the dp ranks compute 1/dp of the tokens each; the all-to-alls wait on the
+// critical path (balanced routing); the dense gradients are all-reduced over dp and each expert's
+// over the ep_dp ranks that hold it, bucketed as 02 does, behind the last micro-batch's backward.
+inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, int ep, double bucket_mb) {
+  StepTerms s = compute_terms(g, rc, 1, 1, 1, dp);
+  const ParamTable t = Model::make_table(rc.model, 1, shard_spec(ep, 0));
+  const ParamSplit split = param_split(t);
+  const double mbs = double(rc.batch) / dp / rc.micro_batch, grad_bytes = 4.0 * double(t.total);
+  const int L = rc.model.layers;
+  const double calls = dp::reduction_calls(true, L, grad_bytes, bucket_mb);
+  s.t_dp = dp::reduction_seconds(g.net, double(split.dense), dp, calls, 1) +
+           dp::reduction_seconds(g.net, double(split.experts), dp / ep, calls, 1);
+  s.t_dp_exposed = dp::exposed_seconds(true, s.t_dp, s.last_backward(mbs), grad_bytes, bucket_mb);
+  if (ep > 1)
+    s.t_ep = group_seconds(g.net, {{"all_to_all", predict_balanced_bytes(rc, dp, ep)}}, all_to_all_calls(mbs, L), 1);
+  s.total();
+  return s;
+}
+
 inline void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
   const ParamSplit s = param_split(rc, ep);
   const MemoryPrediction p = predict_memory(rc, ep);
@@ -276,7 +301,6 @@ inline void print_imbalance(RunLog& log, double balanced, double routed, double 
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 7
-#include "08_plan.h"  // the planner's time model: the step time this run predicts for itself
 using namespace ts;
 
 static const char* kDoc =
@@ -308,9 +332,9 @@ static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& dense, d
 
 int main(int argc, char** argv) {
   double bucket_mb = 0;
-  mesh5d::Calibration calibration;
+  Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = mesh5d::read_calibration(args);
+    calibration = read_calibration(args);
     mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
     mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks",
                          degree_range());
@@ -366,10 +390,9 @@ int main(int argc, char** argv) {
       for (const auto& [k, v] : j->items()) c[k] = v;
     return c;
   };
-  mesh5d::Plan as_08;  // this run as 08 would compose it: the mesh the planner prices
-  as_08.mesh = mc;
-  as_08.bucket_mb = bucket_mb;
-  mesh5d::predict_step_time(loop, log, rc, as_08, calibration, prog.dev);
+  predict_step_time(loop, log, rc, calibration, prog.dev, "dp", [&rc, &mc, bucket_mb](const Gpu& g) {
+    return ep::predict_step_time(g, rc, mc.dp, mc.ep, bucket_mb);
+  });
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

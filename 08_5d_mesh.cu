@@ -421,11 +421,11 @@ int main(int argc, char** argv) {
   bool planning = false, mesh_given = false, show_mesh = false;
   mesh5d::Cluster cluster{nullptr, 0, 8, 8};
   mesh5d::PlanJob job;
-  mesh5d::Calibration calibration;
+  Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
     planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
     const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
-    calibration = mesh5d::read_calibration(a);  // also --plan --gpu local's
+    calibration = read_calibration(a);  // also --plan --gpu local's
     const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
     cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
     cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
@@ -457,8 +457,8 @@ int main(int argc, char** argv) {
     if (!planning) return;
     rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
     static mesh5d::Gpu local;
-    if (gpu == "local") local = calibration.found ? calibration.gpu : mesh5d::local_gpu(calibration.path);
-    cluster.gpu = gpu == "local" ? &local : mesh5d::find_gpu(gpu);
+    if (gpu == "local") local = calibration.found ? calibration.gpu : local_gpu(calibration.path);
+    cluster.gpu = gpu == "local" ? &local : find_gpu(gpu);
     if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
     cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
     if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");

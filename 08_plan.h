@@ -2,145 +2,22 @@
 //
 // The playbook's first exercise, as code: for every mesh a cluster allows, memory from the very
 // functions each run of 08 checks against its allocator (mesh5d::predict_memory, which calls 02–07's
-// formulas), and time from the bytes each run measures (mesh5d::predict_comm) priced by a time
-// model whose every factor is a named function below, with its source:
-//
-//   collectives   wire bytes / the bus bandwidth NCCL reaches for that collective over that many
-//                 nodes (the playbook's measurements, NCCL-tests' busbw convention) + a latency per call
-//   compute       FLOPs / (peak × the efficiency a roofline allows the rank's matmul shapes)
-//   overlap       per technique: what DP / ZeRO hide behind backward, what TP, SP, the pipeline's
-//                 p2p and bubble and recomputation add to the critical path
+// formulas), and time from the bytes each run measures (mesh5d::predict_comm) priced by the
+// step-time model of common/step_time.h, term by term with each chapter's own rule for what it
+// hides (step_terms: 02's buckets, 03's stages, 04's f/g, 05's bubble, 06's ring, 07's all-to-all).
+// This file adds the cluster (GPUs per node, the nodes each group spans), the search over meshes,
+// the ranking and its explanations.
 //
 // notes/08 derives each factor, calibrates the one free constant on single-node runs, and reports
 // the prediction error on the playbook's multi-node runs.
 #ifndef TS_08_PLAN_H
 #define TS_08_PLAN_H
-#include <filesystem>
-#include <fstream>
 #include <set>
 
 #include "08_5d_mesh.cu"
 
 namespace mesh5d {
 using namespace ts;
-
-// ----- the hardware ----------------------------------------------------------------------------------
-
-enum class Collective { AllReduce, AllGather, ReduceScatter, P2P };
-
-// What a collective of NCCL reaches, by the number of nodes its group spans. Bus bandwidth is
-// NCCL-tests' convention (doc/PERFORMANCE.md): busbw = algbw · 2(n−1)/n for all-reduce and
-// algbw · (n−1)/n for all-gather and reduce-scatter, so that the time of a collective is exactly
-// the wire bytes per rank (what predict_comm counts) over busbw, whatever n is.
-struct Network {
-  std::vector<double> nodes, all_reduce, all_gather, reduce_scatter;  // GB/s at each node count
-  double p2p_inter_gbs;    // one GPU's share of the network: a send between nodes
-  double latency_intra_s;  // per call, inside a node
-  double latency_inter_s;  // per call, across nodes
-};
-
-// The Ultra-Scale Playbook's measurement (pipeline-parallelism chapter, "communication bandwidth
-// by number of nodes", 256 MB messages, medians) on its cluster of 8-H100 nodes. Latency: the
-// order of NCCL-tests' small-message times on such clusters (not calibrated here).
-inline const Network& h100_network() {
-  static const Network n{{1, 2, 4, 8, 16, 32, 64},
-                         {436.0, 361.7, 160.1, 99.6, 84.7, 64.9, 32.9},
-                         {249.8, 184.6, 119.0, 69.0, 55.0, 28.0, 11.0},
-                         {249.7, 181.6, 115.8, 68.6, 54.5, 27.9, 11.1},
-                         50,  // 8 × 400 Gb/s NICs per node of 8 GPUs
-                         20e-6,
-                         40e-6};
-  return n;
-}
-
-// A GPU: memory, dense peak, memory bandwidth (the roofline's slope), the fraction of peak its
-// matmuls reach at large shapes, and the network of the cluster it sits in.
-struct Gpu {
-  std::string name;
-  double mem_gib, peak_tflops, hbm_gbs, achievable;
-  Network net;
-};
-
-// The fraction of the bf16 peak that large matmuls reach end to end, calibrated on the playbook's
-// three single-node runs (notes/08): MFU × (1 + bubble) of 44.3%, 46.7% and 45.2%.
-constexpr double kH100Achievable = 0.47;
-
-// The A100's network: the H100 table scaled by NVLink 3 / NVLink 4 (600 / 900 GB/s) inside a node
-// and by 200 / 400 Gb/s NICs across nodes (an assumption: no measurement of our own).
-inline Network scaled(const Network& n, double intra, double inter) {
-  Network s = n;
-  for (auto* v : {&s.all_reduce, &s.all_gather, &s.reduce_scatter})
-    for (size_t i = 0; i < v->size(); i++) (*v)[i] *= i == 0 ? intra : inter;
-  s.p2p_inter_gbs *= inter;
-  return s;
-}
-
-inline const Gpu* find_gpu(const std::string& name) {
-  static const std::vector<Gpu> kGpus = {
-      {"h100", 80, 989, 3350, kH100Achievable, h100_network()},
-      {"h200", 141, 989, 4800, kH100Achievable, h100_network()},
-      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)}};
-  for (const Gpu& g : kGpus)
-    if (name == g.name) return &g;
-  return nullptr;
-}
-
-// This machine, as `make bench` measured it (scripts/bench.sh writes the file): the rate one rank
-// reaches on a whole training step of 01 (F × tokens/s, so the non-matmul work is in it and the
-// achievable fraction is 1), and the bus bandwidths and small-message latency of bench_comm at
-// 2 ranks. One "node": every rank on this machine.
-//   {"gflops": 21.3, "memory_gib": 7.7, "all_reduce_gbs": 0.9, "all_gather_gbs": 0.6,
-//    "reduce_scatter_gbs": 0.5, "latency_s": 2e-05}
-inline Gpu local_gpu(const std::string& path) {
-  std::ifstream f(path);
-  if (!f) config_error("--calibration: cannot read %s (make bench writes it; or pass --calibration FILE)", path.c_str());
-  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  try {
-    const Json j = Json::parse(text);
-    auto num = [&](const char* key) {
-      const double v = j.at(key).as_double();
-      if (!(v > 0)) throw FormatError(std::string(key) + " must be > 0");
-      return v;
-    };
-    const double ar = num("all_reduce_gbs"), ag = num("all_gather_gbs"), rs = num("reduce_scatter_gbs"), lat = num("latency_s");
-    // Memory bandwidth is not measured: the roofline is left out (the step rate already holds it).
-    return {"local", num("memory_gib"), num("gflops") / 1e3, 1e9, 1.0, Network{{1}, {ar}, {ag}, {rs}, ag, lat, lat}};
-  } catch (const FormatError& e) {
-    config_error("--calibration %s: %s", path.c_str(), e.what());
-  }
-}
-
-// The calibration a run prices itself with: --calibration FILE, else calibration.json in the
-// folder of the running binary, where make bench writes it (BUILD/calibration.json). A file named
-// by the flag must exist; the default may be absent (found = false: nothing to predict with).
-struct Calibration {
-  std::string path;
-  Gpu gpu;
-  bool found = false;
-};
-inline std::string default_calibration_path() {
-  std::error_code e;
-  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", e);
-  return ((e ? std::filesystem::path("build") : exe.parent_path()) / "calibration.json").string();
-}
-constexpr const char* kCalibrationHelp =
-    "this machine as make bench measured it (the file it writes; default: calibration.json beside the binary): "
-    "the rates the run's predicted step time uses";
-// Declares --calibration and reads the file, before any collective: a bad file is a config_error
-// on every rank.
-inline Calibration read_calibration(Args& a) {
-  Calibration c;
-  // The default is recorded as "" (trainer.json keeps every flag): a run repeated from its
-  // checkpoint on another machine, or from another build folder, looks beside its own binary.
-  const std::string named = a.get_str("--calibration", "", kCalibrationHelp);
-  const bool given = !named.empty();
-  c.path = given ? named : default_calibration_path();
-  if (given || std::filesystem::exists(c.path)) {
-    c.gpu = local_gpu(c.path);
-    c.found = true;
-  }
-  return c;
-}
 
 // The cluster and the job the planner sizes a mesh for.
 struct Cluster {
@@ -154,35 +31,6 @@ struct Cluster {
 constexpr double kMemoryHeadroom = 0.9;
 inline double usable_bytes(const Cluster& c) { return c.mem_gib * kMemoryHeadroom * 1073741824.0; }
 
-// Backward's share of a step's compute (2 of the 6 FLOPs per parameter and token are forward):
-// what DP's reduction can hide behind.
-constexpr double kBackwardShare = 2.0 / 3;
-
-// ----- the time model: each factor ---------------------------------------------------------------------
-
-// Bus bandwidth of `op` over a group spanning `nodes` nodes (GB/s): the table, linear in log2(nodes)
-// between its points; past its last point it falls ∝ 1/nodes (an assumption: the table's trend from
-// 32 to 64 nodes).
-inline double bus_bandwidth(const Network& n, Collective op, int nodes) {
-  if (op == Collective::P2P) return nodes > 1 ? n.p2p_inter_gbs : n.all_gather[0];
-  const std::vector<double>& bw = op == Collective::AllReduce ? n.all_reduce
-                                  : op == Collective::AllGather ? n.all_gather
-                                                                : n.reduce_scatter;
-  const size_t last = n.nodes.size() - 1;
-  if (nodes >= n.nodes[last]) return bw[last] * n.nodes[last] / nodes;
-  size_t i = 0;
-  while (i + 1 < last && n.nodes[i + 1] <= nodes) i++;
-  const double f = (std::log2(double(nodes)) - std::log2(n.nodes[i])) / (std::log2(n.nodes[i + 1]) - std::log2(n.nodes[i]));
-  return bw[i] + std::max(0.0, f) * (bw[i + 1] - bw[i]);
-}
-
-// Seconds for `calls` collectives moving `wire_bytes` per rank in all (the α–β model: a latency per
-// call plus bytes over bandwidth; Hockney 1994, as NCCL-tests' "time ≈ overhead + size / bw").
-inline double collective_seconds(const Network& n, Collective op, double wire_bytes, double calls, int nodes) {
-  if (wire_bytes <= 0) return 0;
-  return calls * (nodes > 1 ? n.latency_inter_s : n.latency_intra_s) + wire_bytes / (bus_bandwidth(n, op, nodes) * 1e9);
-}
-
 // The nodes a group spans: rank 0's group along `a` (every group of an axis spans as many).
 inline int group_nodes(const Plan& p, Axis a, int per_node) {
   std::set<int> nodes;
@@ -190,91 +38,56 @@ inline int group_nodes(const Plan& p, Axis a, int per_node) {
   return int(nodes.size());
 }
 
-// The roofline (Williams, Waterman & Patterson 2009): a matmul of m×k by k×n runs at
-// min(achievable peak, arithmetic intensity × memory bandwidth). Returns the fraction of the peak.
-inline double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes) {
-  const double intensity = 2 * m * k * n / (elem_bytes * (m * k + k * n + m * n));  // FLOPs per byte moved
-  return std::min(g.achievable, intensity * g.hbm_gbs / (g.peak_tflops * 1e3));
-}
-
-// One rank's layer matmuls (q,k,v; o; gate,up; down) at `tokens` rows after tp's splits, weighted
-// by their FLOPs: the efficiency the step's compute runs at. SP gathers a tp group's tokens before
-// each matmul, so the rows are the micro-batch's tokens on this cp rank.
-inline double layer_efficiency(const Gpu& g, const ModelConfig& m, double tokens, int tp, double elem_bytes) {
-  const double h = m.dim, kv = double(m.kv_heads) * (m.dim / m.heads), f = m.ffn;
-  const double shapes[][2] = {{h, (h + 2 * kv) / tp}, {h / tp, h}, {h, 2 * f / tp}, {f / tp, h}};
-  double flops = 0, seconds = 0;
-  for (const auto& s : shapes) {
-    const double w = tokens * s[0] * s[1];
-    flops += w;
-    seconds += w / matmul_efficiency(g, tokens, s[0], s[1], elem_bytes);
-  }
-  return flops / seconds;
-}
-
-// Recomputation runs part of the forward again: all of it under full recompute (8N instead of 6N
-// per token, Korthikanti et al. 2022), the attention core (its 4·s·h of the 12·s·h FLOPs per layer
-// and token that run forward) under selective recompute.
-inline double recompute_factor(const ModelConfig& m, Recompute r) {
-  const double F = flops_per_token(m), attn_forward = 4.0 * m.layers * m.dim * double(m.seq);
-  return r == Recompute::Full ? 1 + (F / 3) / F : r == Recompute::Selective ? 1 + attn_forward / F : 1.0;
-}
-
-// Plain DP (02, bucketed) and ZeRO-1 reduce the accumulated gradients once, during the last
-// micro-batch's backward, bucket by bucket as they become ready (PyTorch DDP, Li et al. 2020; the
-// playbook's "overlap with backward"). What the window cannot hide shows, and the last bucket, ready
-// only when backward ends, always does.
-inline double reduction_exposed(double t_reduce, double t_window, double last_bucket_share) {
-  return std::max(t_reduce - t_window, t_reduce * std::min(1.0, last_bucket_share));
-}
-
-// ZeRO-3 gathers each unit before its forward and backward and prefetches the next one during the
-// current one (FSDP; the playbook's ZeRO-3 overlap): the first unit's gather and what outlasts the
-// compute show. Without prefetch every gather waits.
-inline double zero3_exposed(double t_comm, double t_compute, int units, bool prefetch) {
-  if (!prefetch) return t_comm;
-  return std::max(0.0, t_comm - t_compute) + t_comm / std::max(1, units);
-}
-
 // ----- a candidate --------------------------------------------------------------------------------------
 
-struct Candidate {
+// A mesh's step terms (common/step_time.h), its memory, and what they give per GPU.
+struct Candidate : StepTerms {
   Plan plan;
   int micro_batch = 1;
   Recompute recompute = Recompute::None;
   MemoryPrediction mem;
-  double mem_total = 0, efficiency = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0,
-         t_dp_exposed = 0, t_bubble = 0, t_pp = 0, t_ep = 0, bubble = 0, step = 0, tokens_per_s_gpu = 0, mfu = 0;
+  double mem_total = 0, tokens_per_s_gpu = 0, mfu = 0;
   std::string reject;  // why it cannot run ("" = it fits)
-  double exposed() const { return t_tp + t_cp_exposed + t_dp_exposed + t_pp + t_ep; }
 };
-
-inline Collective collective_of(const std::string& op) {
-  return op == "all_reduce" ? Collective::AllReduce
-         : op == "all_gather" ? Collective::AllGather
-         : op == "reduce_scatter" ? Collective::ReduceScatter
-                                  : Collective::P2P;  // send, recv; all_to_all priced as one rank's sends
-}
 
 // The fp32 gradients this rank holds: what plain DP reduces, in buckets.
 inline double grad_bytes(const RunConfig& rc, const Plan& p) { return 4.0 * double(local_table(rc, p, 0).total); }
 
-// Calls per step of a group's collectives, for their latency: tp 2 collectives per layer forward and
-// 2 backward (each an all-gather + reduce-scatter pair under SP), cp's ring cp−1 steps per layer
-// forward and backward, the dense group one per bucket (naive: one per tensor, 9 per layer), per
-// unit for ZeRO (per micro-batch where 03 reduces or gathers every micro-batch).
-inline double calls_per_step(const RunConfig& rc, const Plan& p, const std::string& group, double mbs, int units) {
-  const double layers = double(rc.model.layers) / p.mesh.pp;
-  if (group == "tp") return mbs * layers * (p.sp ? 8 : 4);
-  if (group == "cp") return mbs * layers * 2 * (p.mesh.cp - 1);
-  if (group == "pp") return 2 * mbs * p.virtual_stages;
-  if (group == "ep") return mbs * layers * 4;
-  if (p.zero == 0)
-    return p.dp_mode == "naive" ? 9.0 * layers : std::max(1.0, grad_bytes(rc, p) / (p.bucket_mb * 1048576));
-  return units * (p.zero == 1 ? 2 : p.zero == 2 ? mbs + 1 : 3 * mbs);
+// The step of plan `p` on cluster `cl`: the terms of 02–07, each group's collectives (08's
+// predict_comm, from the chapters' formulas) at the bandwidth of the nodes it spans, each hidden by
+// its own chapter's rule.
+inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& p) {
+  const Gpu& g = *cl.gpu;
+  StepTerms s = compute_terms(g, rc, p.mesh.tp, p.mesh.cp, p.mesh.pp, cl.gpus);
+  const double mbs = micro_batches_per_rank(rc, p);
+  const int layers = rc.model.layers / p.mesh.pp, units = local_table(rc, p, 0).num_units();
+  const auto comm = predict_comm(rc, p);
+  auto ops = [&](const std::string& group) {
+    const auto it = comm.find(group);
+    return it == comm.end() ? std::map<std::string, double>{} : it->second;
+  };
+  auto nodes = [&](Axis a) { return group_nodes(p, a, cl.per_node); };
+  s.t_tp = group_seconds(g.net, ops("tp"), tp::collective_calls(mbs, layers, p.sp), nodes(Axis::TP));
+  s.t_cp = group_seconds(g.net, ops("cp"), cp::collective_calls(mbs, layers, p.mesh.cp), nodes(Axis::CP));
+  s.t_cp_exposed = cp::exposed_seconds(p.cp.mode, s.t_cp, s.t_compute, rc.model);
+  // The dense group (dp × cp) and, with experts, ep_dp: 02's buckets, or 03's stage.
+  const std::string dense = dense_group_name(p);
+  const int dense_nodes = nodes(p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP);
+  if (p.zero == 0) {
+    const bool bucketed = p.dp_mode != "naive";
+    const double grad = grad_bytes(rc, p), calls = dp::reduction_calls(bucketed, layers, grad, p.bucket_mb);
+    s.t_dp = group_seconds(g.net, ops(dense), calls, dense_nodes) + group_seconds(g.net, ops("ep_dp"), calls, nodes(Axis::EP_DP));
+    s.t_dp_exposed = dp::exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), grad, p.bucket_mb);
+  } else {
+    zero::price_collectives(s, g.net, ops(dense), p.zero, units, mbs, p.prefetch, dense_nodes);
+  }
+  s.t_ep = group_seconds(g.net, ops("ep"), ep::all_to_all_calls(mbs, layers), nodes(Axis::EP));
+  if (p.mesh.pp > 1) pp::price_pipeline(s, g.net, rc, pipeline_plan(rc, p), token_share(p), mbs, nodes(Axis::PP));
+  s.total();
+  return s;
 }
 
-// Memory from the same functions a run prints as "predicted"; time from the factors above.
+// Memory from the same functions a run prints as "predicted"; time from step_terms.
 inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& p, int mb, Recompute r) {
   Candidate c;
   c.plan = p;
@@ -292,58 +105,10 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
     if (total(last) > total(c.mem)) c.mem = last;
   }
   c.mem_total = total(c.mem);
-  const Gpu& g = *cl.gpu;
+  static_cast<StepTerms&>(c) = step_terms(rc, cl, p);
   const ModelConfig& m = rc.model;
-  const double tokens = double(rc.batch) * m.seq, gpus = double(cl.gpus), mbs = micro_batches_per_rank(rc, p);
-  c.efficiency = layer_efficiency(g, m, double(mb) * m.seq / p.mesh.cp, p.mesh.tp, dtype_size(rc.dtype));
-  c.t_compute = flops_per_token(m) * tokens * recompute_factor(m, r) / gpus / (g.peak_tflops * 1e12 * c.efficiency);
-  // Each group's collectives at the bandwidth of the nodes it spans.
-  const int units = local_table(rc, p, 0).num_units();
-  const auto comm = predict_comm(rc, p);
-  auto seconds = [&](const std::string& group, Axis a, const char* only = nullptr) {
-    if (!comm.count(group)) return 0.0;
-    const int nodes = group_nodes(p, a, cl.per_node);
-    double t = 0, calls = calls_per_step(rc, p, group, mbs, units) / comm.at(group).size();
-    for (auto& [op, bytes] : comm.at(group))
-      if (!only || op == only) t += collective_seconds(g.net, collective_of(op), bytes, calls, nodes);
-    return t;
-  };
-  c.t_tp = seconds("tp", Axis::TP);
-  c.t_cp = seconds("cp", Axis::CP);
-  // The ring overlaps its transfers with attention: 12·L·h·s of the 6N + 12·L·h·s FLOPs per token.
-  const double attn_share = 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m);
-  c.t_cp_exposed = p.cp.mode == cp::Mode::Ring ? std::max(0.0, c.t_cp - attn_share * c.t_compute) : c.t_cp;
-  // The dense group (dp × cp) and, with experts, ep_dp: what hides depends on the technique.
-  const std::string dense = dense_group_name(p);
-  const Axis dense_axis = p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP;
-  // A pipeline's gradients are complete only after its flush (05): nothing is left to hide behind.
-  const double backward = p.mesh.pp > 1 ? 0 : kBackwardShare * c.t_compute, last_backward = backward / std::max(1.0, mbs);
-  c.t_dp = seconds(dense, dense_axis) + seconds("ep_dp", Axis::EP_DP);
-  if (p.zero == 0) {
-    c.t_dp_exposed = p.dp_mode == "naive" ? c.t_dp  // per tensor after the backward
-                                          : reduction_exposed(c.t_dp, last_backward, p.bucket_mb * 1048576 / grad_bytes(rc, p));
-  } else if (p.zero < 3) {
-    // ZeRO-1 reduce-scatters once (ZeRO-2 every micro-batch, behind each backward); the updated
-    // weights are gathered after the optimizer step, with nothing left to hide behind.
-    const double rs = seconds(dense, dense_axis, "reduce_scatter"), ag = seconds(dense, dense_axis, "all_gather");
-    c.t_dp_exposed = reduction_exposed(rs, p.zero == 1 ? last_backward : backward, 1.0 / units) + ag;
-  } else {
-    c.t_dp_exposed = zero3_exposed(c.t_dp, c.t_compute, units, p.prefetch);
-  }
-  c.t_ep = seconds("ep", Axis::EP);
-  // The pipeline: its simulated bubble idles the stage's compute and its TP collectives alike; the
-  // busiest stage's sends (a middle one) wait on the critical path.
-  if (p.mesh.pp > 1) {
-    const pp::Plan pl = pipeline_plan(rc, p);
-    c.bubble = pl.bubble();
-    c.t_bubble = c.bubble * (c.t_compute + c.t_tp);
-    double send = 0;
-    for (int s = 0; s < p.mesh.pp; s++)
-      send = std::max(send, pp::predict_send_bytes(m, mb, rc.dtype, pl.p, pl.m, pl.V, s, token_share(p)));
-    c.t_pp = collective_seconds(g.net, Collective::P2P, send, calls_per_step(rc, p, "pp", mbs, units),
-                                group_nodes(p, Axis::PP, cl.per_node));
-  }
-  c.step = c.t_compute + c.t_bubble + c.exposed();
+  const double tokens = double(rc.batch) * m.seq, gpus = double(cl.gpus);
+  const Gpu& g = *cl.gpu;
   c.tokens_per_s_gpu = tokens / c.step / gpus;
   c.mfu = flops_per_token(m) * c.tokens_per_s_gpu / (g.peak_tflops * 1e12);
   if (c.mem_total > usable_bytes(cl))
@@ -508,21 +273,6 @@ struct Ranking {
 
 inline void sort_ranking(std::vector<Candidate>& all) { std::stable_sort(all.begin(), all.end(), Ranking(all)); }
 
-// The stated assumptions, printed with every plan.
-inline void print_assumptions(RunLog& log, const Cluster& cl) {
-  const Gpu& g = *cl.gpu;
-  if (g.name == "local") {
-    log.line("assumed (measured here by make bench): a training step's FLOPs at %.1f GFLOP/s per rank; bus bandwidth "
-             "all-reduce %.2f, all-gather %.2f, reduce-scatter %.2f GB/s; %.0f µs per call", 1e3 * g.peak_tflops,
-             g.net.all_reduce[0], g.net.all_gather[0], g.net.reduce_scatter[0], 1e6 * g.net.latency_intra_s);
-    return;
-  }
-  log.line("assumed: matmuls at up to %.0f%% of %.0f TFLOP/s (roofline at %.0f GB/s); bus bandwidth by nodes spanned "
-           "(all-reduce %.0f GB/s in a node, %.1f across %g nodes); %.0f/%.0f µs per call in/across nodes",
-           100 * g.achievable, g.peak_tflops, g.hbm_gbs, g.net.all_reduce[0], g.net.all_reduce.back(), g.net.nodes.back(),
-           1e6 * g.net.latency_intra_s, 1e6 * g.net.latency_inter_s);
-}
-
 // Warnings that make a ranking untrustworthy if unread: a batch too small to feed data parallelism
 // (the mesh is then forced, not chosen), a plan at the edge of memory, and a pipeline that idles
 // more than a fifth of its time.
@@ -636,7 +386,7 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
            "(%.0f tokens%s)", rc.preset.c_str(), cl.gpus, cl.gpu->name.c_str(), usable_bytes(cl) / 1073741824.0,
            100 * kMemoryHeadroom, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch, double(rc.batch) * rc.model.seq,
            job.default_batch ? "; the default: set --global-batch-tokens" : "");
-  print_assumptions(log, cl);
+  print_assumptions(log, *cl.gpu);
   std::vector<Candidate> all;
   const Candidate* best = nullptr;
   if (given) {
@@ -660,72 +410,15 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
   return 0;
 }
 
-// ----- every run: its own step time, predicted ---------------------------------------------------------
-
-// The time model above at a run's own mesh and batch, on this machine as make bench calibrated it:
-// every run of 02–08 prints its measured step time next to this prediction, term by term (the terms
-// of `evaluate`: step = compute + bubble + tp + cp exposed + dp exposed + pp p2p + ep), so that a
-// miss names the factor that missed. Every run that prints it is a test of the planner.
-inline Json step_time_report(RunLog& log, const RunConfig& rc, const Plan& p, const Calibration& cal, Device dev,
-                             const StepTimes& t) {
-  Json j = Json::object();
-  const double tokens = double(rc.batch) * rc.model.seq;
-  j["measured_s"] = t.median_s;
-  j["warmup_s"] = t.warmup_s;
-  j["measured_steps"] = double(t.measured);
-  char measured[200];
-  if (t.measured > 0)
-    snprintf(measured, sizeof measured, "measured %.1f ms (median of the %zu steps after the warm-up step %ld, which took %.1f ms)",
-             1e3 * t.median_s, t.measured, t.first_step, 1e3 * t.warmup_s);
-  else
-    snprintf(measured, sizeof measured, "measured %.1f ms (the warm-up step alone: run more --steps)", 1e3 * t.median_s);
-  const std::string why = !cal.found ? "no calibration of this machine at " + cal.path +
-                                           " (make bench writes it; or pass --calibration FILE)"
-                          : dev != Device::CPU ? "make bench calibrates the CPU (01 --device cpu); this run is on " +
-                                                     std::string(device_name(dev))
-                                               : "";
-  if (!why.empty()) {
-    log.line("step time: %s; not predicted: %s", measured, why.c_str());
-    return j;
-  }
-  const int world = p.mesh.dp * p.mesh.pp * p.mesh.cp * p.mesh.tp;
-  const Cluster cl{&cal.gpu, cal.gpu.mem_gib, world, world};
-  const Candidate c = evaluate(rc, cl, p, rc.micro_batch, rc.recompute);
-  std::string terms;
-  auto term = [&](const char* fmt, double a, double b = 0) {
-    char s[96];
-    snprintf(s, sizeof s, fmt, 1e3 * a, 1e3 * b);
-    terms += (terms.empty() ? "" : " + ") + std::string(s);
-  };
-  term("compute %.1f", c.t_compute);
-  if (c.t_tp > 0) term("tp %.1f", c.t_tp);
-  if (c.t_cp > 0) term("cp %.1f exposed (of %.1f)", c.t_cp_exposed, c.t_cp);
-  const std::string dense = dense_group_name(p) + (p.zero ? " ZeRO-" + std::to_string(p.zero) : "");
-  if (c.t_dp > 0) term((dense + " %.1f exposed (of %.1f)").c_str(), c.t_dp_exposed, c.t_dp);
-  if (p.mesh.pp > 1) term("bubble %.1f", c.t_bubble);
-  if (c.t_pp > 0) term("pp p2p %.1f", c.t_pp);
-  if (c.t_ep > 0) term("ep all-to-all %.1f", c.t_ep);
-  log.line("step time: predicted %.1f ms = %s ms; %s; measured/predicted %.2f", 1e3 * c.step, terms.c_str(), measured,
-           t.median_s / c.step);
-  log.line("  %.0f tokens/s predicted, %.0f measured: the planner's time model (08_plan.h) with %s", tokens / c.step,
-           tokens / t.median_s, cal.path.c_str());
-  print_assumptions(log, cl);
-  j["calibration"] = cal.path;
-  const std::pair<const char*, double> terms_json[] = {
-      {"predicted_s", c.step},        {"compute_s", c.t_compute},       {"tp_s", c.t_tp},
-      {"cp_s", c.t_cp},               {"cp_exposed_s", c.t_cp_exposed}, {"dp_s", c.t_dp},
-      {"dp_exposed_s", c.t_dp_exposed}, {"bubble_s", c.t_bubble},       {"pp_s", c.t_pp},
-      {"ep_s", c.t_ep},               {"predicted_tokens_per_s", tokens / c.step},
-      {"measured_tokens_per_s", tokens / t.median_s}};
-  for (const auto& [key, v] : terms_json) j[key] = v;
-  return j;
-}
-
-// Arms the loop's step-time line for a run on plan `p` (02–07 describe their run as the plan 08
-// would run it).
+// This run's step on this machine (02–07 compose their own, from the same chapter functions):
+// the cluster is every rank of the run, on one node.
 inline void predict_step_time(Loop& loop, RunLog& log, const RunConfig& rc, const Plan& p, const Calibration& cal,
                               Device dev) {
-  loop.step_time = [&log, rc, p, cal, dev](const StepTimes& t) { return step_time_report(log, rc, p, cal, dev, t); };
+  const std::string dense = dense_group_name(p) + (p.zero ? " ZeRO-" + std::to_string(p.zero) : "");
+  const int world = p.mesh.dp * p.mesh.pp * p.mesh.cp * p.mesh.tp;
+  ts::predict_step_time(loop, log, rc, cal, dev, dense, [rc, p, world](const Gpu& g) {
+    return step_terms(rc, Cluster{&g, g.mem_gib, world, world}, p);
+  });
 }
 
 }  // namespace mesh5d

@@ -2,7 +2,8 @@
 #
 #   make            build every technique into build/ (with CUDA when nvcc is found)
 #   make CUDA=0     the same sources compiled by g++ as C++, CUDA compiled out
-#   make test       install missing packages, build, run every test; last line "N passed, M failed"
+#   make test       install missing packages, build (on every core), run every test; last line
+#                   "N passed, M failed"
 #   make demo       build 01 only (in parallel; CPU-only into build/demo-cpu when no GPU is visible),
 #                   train it on the embedded data (about a minute); its plot in build/demo.png
 #   make bench      kernel, collective and training-step benchmarks
@@ -175,7 +176,7 @@ deps:
 	@scripts/ensure-deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
+	@$(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
 	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
 
 NP ?= 1

@@ -305,7 +305,7 @@ struct Loop {
   // sets none refuses --eval-every.
   std::function<double()> eval;
   // Prints the step time predicted for this run next to the measured one and returns the
-  // summary's "step_time" object (02–08 set it; see 08_plan.h, predict_step_time).
+  // summary's "step_time" object (02–08 set it; see common/step_time.h, predict_step_time).
   std::function<Json(const StepTimes&)> step_time;
   MemoryPrediction predicted;
 };

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make bench, its last part: predict, then measure. Every run of 02–08 prints the step time the
-# planner's time model (08_plan.h) predicts for it next to the one it measures; this script
+# step-time model (common/step_time.h) predicts for it next to the one it measures; this script
 # calibrates the model on this machine and collects both for 2-rank meshes of 02–08.
 #
 # Calibrate on what a rank does without communicating: a training step of 01 (its FLOPs per token ×
@@ -19,7 +19,7 @@ elif grep -qw avx2 /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORET
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
-echo; echo "== predict, then measure: each run's predicted step time (the planner's time model) on 2 ranks of 02–08"
+echo; echo "== predict, then measure: each run's predicted step time (the step-time model) on 2 ranks of 02–08"
 shape="--dim 256 --layers 4 --heads 8 --kv-heads 4 --ffn 688 --vocab 256 --seq 256 --batch 8"
 cal="$BUILD/calibration.json"
 steps=8

@@ -1,7 +1,7 @@
 // ranks: 1
-// The planner's time model (08_plan.h), piece by piece against hand calculations; its ranking's
-// tie-breaks; and what `08_5d_mesh --plan` prints: the batch it assumed, the memory it applies,
-// the warnings, the axes an alternative differs in, the cost to train.
+// The step-time model (common/step_time.h) and the planner (08_plan.h), piece by piece against
+// hand calculations; its ranking's tie-breaks; and what `08_5d_mesh --plan` prints: the batch it
+// assumed, the memory it applies, the warnings, the axes an alternative differs in, the cost to train.
 #include <catch2/catch.hpp>
 
 #include "../08_plan.h"
@@ -88,9 +88,9 @@ TEST_CASE("overlap: DP hides behind its window but never its last bucket; ZeRO-3
   CHECK(reduction_exposed(1.0, 0.6, 0.1) == Approx(0.4));  // the window is too short
   CHECK(reduction_exposed(1.0, 2.0, 0.1) == Approx(0.1));  // only the last bucket shows
   CHECK(reduction_exposed(1.0, 0.0, 0.1) == Approx(1.0));  // after a pipeline's flush: all of it
-  CHECK(zero3_exposed(2.0, 1.0, 10, true) == Approx(1.0 + 0.2));
-  CHECK(zero3_exposed(0.5, 1.0, 10, true) == Approx(0.05));
-  CHECK(zero3_exposed(0.5, 1.0, 10, false) == Approx(0.5));
+  CHECK(zero::zero3_exposed(2.0, 1.0, 10, true) == Approx(1.0 + 0.2));
+  CHECK(zero::zero3_exposed(0.5, 1.0, 10, true) == Approx(0.05));
+  CHECK(zero::zero3_exposed(0.5, 1.0, 10, false) == Approx(0.5));
 }
 
 TEST_CASE("ranking: faster first; at equal speed the lower memory, then the simpler mesh; fitting before not", "[plan]") {
