@@ -207,6 +207,49 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
   return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
 }
 
+// The plan every run prints first (and --dry-run alone): memory per rank and the all-reduce's bytes.
+static void print_plan(RunLog& log, const RunConfig& rc, int dp) {
+  const MemoryPrediction p = dp::predict_memory(rc);
+  print_model(log, rc.model);
+  log.line("per rank at dp %d: params %s, grads %s, optimizer %s, activations %s (micro-batch %d)", dp,
+           human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
+           human_bytes(p.activations).c_str(), rc.micro_batch);
+  log.line("all-reduce per step and rank: 2(N-1)/N · 4Ψ = %s", human_bytes(dp::predict_allreduce_bytes(rc, dp)).c_str());
+}
+
+// The loop's evaluation, checkpoint and reports: the held-out loss, the checkpoint, the bytes sent
+// against 2(N-1)/N · 4Ψ, and how much of the all-reduce backward hid.
+static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
+                        GradReducer& reducer, Program& prog) {
+  // Each rank evaluates its slice of every evaluation batch, as it trains on its slice of a step's.
+  loop.eval = [&] {
+    const int local = rc.batch / mesh.cfg.dp;
+    return held_out_loss(model, prog.held_out, rc, mesh.dp_rank * local, local, {mesh.dp().mpi()});
+  };
+  loop.save = [&](long step) {
+    // Replicas are identical: rank 0 writes the whole model, the others nothing.
+    std::vector<CheckpointSlice> mine;
+    if (mesh.rank == 0) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
+    Json m = Json::object();
+    m["dp"] = mesh.cfg.dp;
+    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
+  };
+  loop.comm = [&](long steps_run) {
+    return comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mesh.cfg.dp)}});
+  };
+  loop.extra = [&](Json& s) {
+    // One rank sends nothing (the all-reduce of a group of one is a no-op): no fraction to report.
+    if (mesh.cfg.dp == 1) return log.line("communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)");
+    // The fraction is timed on the host. With NCCL the host does not wait for the all-reduces
+    // (the compute stream does), so the host's clock cannot see what the GPU overlapped.
+    if (std::string(mesh.dp().transport(prog.dev)) == "nccl")
+      return log.line("communication hidden behind backward: not measured with NCCL (the host does not wait for "
+                      "it; see the overlap on a GPU profile, e.g. nsys)");
+    s["comm_hidden_fraction"] = reducer.hidden_fraction();
+    log.line("communication hidden behind backward: %.1f%%", 100 * reducer.hidden_fraction());
+  };
+}
+
 int main(int argc, char** argv) {
   std::string mode;
   double bucket_mb = 0;
@@ -221,19 +264,10 @@ int main(int argc, char** argv) {
   const MeshConfig& mc = prog.mc;
   RunLog& log = prog.log();
   if (mode != "naive" && mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", mode.c_str());
-  auto print_plan = [&] {
-    const MemoryPrediction p = dp::predict_memory(rc);
-    print_model(log, rc.model);
-    log.line("per rank at dp %d: params %s, grads %s, optimizer %s, activations %s (micro-batch %d)", mc.dp,
-             human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
-             human_bytes(p.activations).c_str(), rc.micro_batch);
-    log.line("all-reduce per step and rank: 2(N-1)/N · 4Ψ = %s",
-             human_bytes(dp::predict_allreduce_bytes(rc, mc.dp)).c_str());
-  };
-  if (prog.dry_run(print_plan)) return 0;
+  if (prog.dry_run([&] { print_plan(log, rc, mc.dp); })) return 0;
   prog.open();  // validates world == dp before any collective
   Mesh& mesh = prog.mesh;
-  print_plan();
+  print_plan(log, rc, mc.dp);
   check_memory_fits(dp::predict_memory(rc), prog.dev);
   log.line("dp %d, %s, %d sequences per rank per step", mc.dp, mode.c_str(), rc.batch / mc.dp);
 
@@ -248,33 +282,7 @@ int main(int argc, char** argv) {
   Loop loop;
   loop.predicted = dp::predict_memory(rc);
   loop.step = [&](long step) { return train_step(model, opt, dp, prog.data, rc, mesh, step, log); };
-  // Each rank evaluates its slice of every evaluation batch, as it trains on its slice of a step's.
-  loop.eval = [&] {
-    const int local = rc.batch / mc.dp;
-    return held_out_loss(model, prog.held_out, rc, mesh.dp_rank * local, local, {mesh.dp().mpi()});
-  };
-  loop.save = [&](long step) {
-    // Replicas are identical: rank 0 writes the whole model, the others nothing.
-    std::vector<CheckpointSlice> mine;
-    if (mesh.rank == 0) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
-    Json m = Json::object();
-    m["dp"] = mc.dp;
-    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
-  };
-  loop.comm = [&](long steps_run) {
-    return comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.dp)}});
-  };
-  loop.extra = [&](Json& s) {
-    // One rank sends nothing (the all-reduce of a group of one is a no-op): no fraction to report.
-    if (mc.dp == 1) return log.line("communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)");
-    // The fraction is timed on the host. With NCCL the host does not wait for the all-reduces
-    // (the compute stream does), so the host's clock cannot see what the GPU overlapped.
-    if (std::string(mesh.dp().transport(prog.dev)) == "nccl")
-      return log.line("communication hidden behind backward: not measured with NCCL (the host does not wait for "
-                      "it; see the overlap on a GPU profile, e.g. nsys)");
-    s["comm_hidden_fraction"] = dp.hidden_fraction();
-    log.line("communication hidden behind backward: %.1f%%", 100 * dp.hidden_fraction());
-  };
+  add_reports(loop, log, rc, mesh, model, opt, dp, prog);
   predict_step_time(loop, log, rc, calibration, prog.dev, "dp", [&rc, &mc, mode, bucket_mb](const Gpu& g) {
     return dp::predict_step_time(g, rc, mc.dp, mode == "bucketed", bucket_mb);
   });

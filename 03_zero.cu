@@ -376,6 +376,37 @@ static StepResult train_step(Model& model, Zero& zero, const TokenData& data, co
 
 // ----- main ---------------------------------------------------------------------------------------------
 
+// Each rank initialises (or loads) its shard of every unit, then gathers the full weights of
+// ZeRO-1/2 (ZeRO-3 gathers each unit when it runs). Returns the first step to run.
+static long init_shards(Model& model, Zero& zero, const RunConfig& rc, Mesh& mesh) {
+  long first = 0;
+  for (int u = 0; u < zero.units(); u++) {
+    const AdamW& o = zero.opt(u);
+    first = init_or_resume(model, zero.opt(u), rc, o.begin, o.end, zero.weights(u));
+  }
+  zero.all_gather_weights();
+  mesh.dp().reset_stats();  // count the training steps only
+  return first;
+}
+
+// The loop's evaluation, checkpoint and bytes: each rank writes its shards of the weights and
+// the moments at their global offsets, and the bytes sent are checked against predict_comm.
+static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, Zero& zero,
+                        const ZeroPlan& plan, Program& prog) {
+  // Each rank evaluates its slice of every evaluation batch, as it trains on its slice of a step's.
+  loop.eval = [&] {
+    const int local = rc.batch / mesh.cfg.dp;
+    return zero.evaluate([&] { return held_out_loss(model, prog.held_out, rc, mesh.dp_rank * local, local, {mesh.dp().mpi()}); });
+  };
+  loop.save = [&](long step) {
+    Json m = Json::object();
+    m["dp"] = mesh.cfg.dp;
+    m["zero"] = plan.stage;
+    save_checkpoint(rc.save_dir, rc, model.table, zero.checkpoint_slices(), step, m);
+  };
+  loop.comm = [&](long steps_run) { return comm_report(log, mesh.dp(), steps_run, predict_comm(rc, plan)); };
+}
+
 int main(int argc, char** argv) {
   int stage = 1;
   bool prefetch = true;
@@ -403,29 +434,12 @@ int main(int argc, char** argv) {
   layout.hold_grads = stage < 2;
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
   Zero zero(model, mesh.dp(), stage, prefetch, rc);
-  long first = 0;
-  for (int u = 0; u < zero.units(); u++) {
-    const AdamW& o = zero.opt(u);
-    first = init_or_resume(model, zero.opt(u), rc, o.begin, o.end, zero.weights(u));
-  }
-  zero.all_gather_weights();
-  mesh.dp().reset_stats();  // count the training steps only
+  const long first = init_shards(model, zero, rc, mesh);
 
   Loop loop;
   loop.predicted = predict_memory(rc, plan);
   loop.step = [&](long step) { return train_step(model, zero, prog.data, rc, mesh, step, log); };
-  // Each rank evaluates its slice of every evaluation batch, as it trains on its slice of a step's.
-  loop.eval = [&] {
-    const int local = rc.batch / mc.dp;
-    return zero.evaluate([&] { return held_out_loss(model, prog.held_out, rc, mesh.dp_rank * local, local, {mesh.dp().mpi()}); });
-  };
-  loop.save = [&](long step) {
-    Json m = Json::object();
-    m["dp"] = mc.dp;
-    m["zero"] = stage;
-    save_checkpoint(rc.save_dir, rc, model.table, zero.checkpoint_slices(), step, m);
-  };
-  loop.comm = [&](long steps_run) { return comm_report(log, mesh.dp(), steps_run, predict_comm(rc, plan)); };
+  add_reports(loop, log, rc, mesh, model, zero, plan, prog);
   predict_step_time(loop, log, rc, calibration, prog.dev, "dp ZeRO-" + std::to_string(stage),
                     [&rc, &plan](const Gpu& g) { return zero::predict_step_time(g, rc, plan); });
   train_loop(rc, prog.dev, log, prog.data, first, loop);

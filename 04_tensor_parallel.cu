@@ -266,6 +266,15 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {}), norm};
 }
 
+// Every rank writes its blocks at their global offsets (a replicated norm weight once): the file
+// is the same for any tp.
+static void save(const RunConfig& rc, Model& model, AdamW& opt, int tp, bool sp, long step) {
+  Json m = Json::object();
+  m["tp"] = tp;
+  m["sequence_parallel"] = sp;
+  save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}}, step, m);
+}
+
 int main(int argc, char** argv) {
   bool sp = false;
   Calibration calibration;
@@ -296,14 +305,7 @@ int main(int argc, char** argv) {
   Loop loop;
   loop.predicted = tp::predict_memory(rc, mc.tp, sp);
   loop.step = [&](long step) { return train_step(model, opt, prog.data, rc, mesh, sp, step); };
-  loop.save = [&](long step) {
-    // Every rank writes its blocks at their global offsets (a replicated norm weight once).
-    Json m = Json::object();
-    m["tp"] = mc.tp;
-    m["sequence_parallel"] = sp;
-    save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}},
-                    step, m);
-  };
+  loop.save = [&](long step) { save(rc, model, opt, mc.tp, sp, step); };
   loop.comm = [&](long steps_run) { return comm_report(log, mesh.tp(), steps_run, tp::predict_comm(rc, mc.tp, sp)); };
   predict_step_time(loop, log, rc, calibration, prog.dev, "dp",
                     [&rc, &mc, sp](const Gpu& g) { return tp::predict_step_time(g, rc, mc.tp, sp); });

@@ -23,6 +23,7 @@
 #define TS_05_PIPELINE_PARALLEL_CU
 #include <algorithm>
 #include <map>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -664,6 +665,40 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
   return r;
 }
 
+// --schedule, checked, and the action lists of every rank for this run's m micro-batches.
+static pp::Plan make_plan(const RunConfig& rc, int p, int V, const std::string& sched_name) {
+  pp::Schedule sched;
+  if (!pp::parse_schedule(sched_name, sched))
+    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched_name.c_str());
+  pp::validate(rc, p, V, sched);
+  const pp::Plan plan = pp::build_plan(p, rc.batch / rc.micro_batch, V, sched);
+  TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks", pp::schedule_name(sched), p, plan.m, V);
+  return plan;
+}
+
+// The loop's checkpoint and reports: every stage writes its units at their global offsets (the
+// file is the same for any mesh); the p2p bytes against predict_send_bytes; each stage's memory,
+// sends and bubble.
+static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
+                        pp::Pipeline& pipe, const pp::Plan& plan) {
+  loop.save = [&](long step) {
+    Json m = Json::object();
+    m["pp"] = plan.p;
+    m["schedule"] = pp::schedule_name(plan.schedule);
+    m["virtual_stages"] = plan.V;
+    save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}},
+                    step, m);
+  };
+  auto steps_run = std::make_shared<long>(0);  // comm runs first and tells extra how many steps ran
+  loop.comm = [&, steps_run](long n) {
+    *steps_run = n;
+    std::map<std::string, double> pred = {
+        {"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, plan.p, plan.m, plan.V, 0)}, {"recv", 0.0}};
+    return comm_report(log, mesh.pp(), n, pred);
+  };
+  loop.extra = [&, steps_run](Json& s) { s["pp"] = stage_report(log, mesh, rc, plan, pipe, *steps_run); };
+}
+
 int main(int argc, char** argv) {
   int p = 1, V = 1;
   std::string sched_name;
@@ -678,13 +713,7 @@ int main(int argc, char** argv) {
   });
   RunConfig& rc = prog.rc;
   RunLog& log = prog.log();
-  pp::Schedule sched;
-  if (!pp::parse_schedule(sched_name, sched))
-    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched_name.c_str());
-  pp::validate(rc, p, V, sched);
-  const pp::Plan plan = pp::build_plan(p, rc.batch / rc.micro_batch, V, sched);
-  TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks",
-           pp::schedule_name(sched), p, plan.m, V);
+  const pp::Plan plan = make_plan(rc, p, V, sched_name);
   if (prog.dry_run([&] { pp::print_plan(log, rc, plan, chart); })) return 0;
   prog.open();  // validates world == pp before any collective
   Mesh& mesh = prog.mesh;
@@ -703,23 +732,7 @@ int main(int argc, char** argv) {
   loop.predicted = pp::predict_memory(rc, plan, 0);
   loop.predicted.comm_also_holds(pp::comm_holds(plan));
   loop.step = [&](long step) { return train_step(model, opt, pipe, prog.data, rc, mesh, step); };
-  loop.save = [&](long step) {
-    // Every stage writes its units at their global offsets: the file is the same for any mesh.
-    Json m = Json::object();
-    m["pp"] = p;
-    m["schedule"] = pp::schedule_name(sched);
-    m["virtual_stages"] = V;
-    save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}},
-                    step, m);
-  };
-  long steps_run = 0;
-  loop.comm = [&](long n) {
-    steps_run = n;
-    std::map<std::string, double> pred = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, p, plan.m, V, 0)},
-                                          {"recv", 0.0}};
-    return comm_report(log, mesh.pp(), n, pred);
-  };
-  loop.extra = [&](Json& s) { s["pp"] = stage_report(log, mesh, rc, plan, pipe, steps_run); };
+  add_reports(loop, log, rc, mesh, model, opt, pipe, plan);
   predict_step_time(loop, log, rc, calibration, prog.dev, "dp",
                     [&rc, &plan](const Gpu& g) { return pp::predict_step_time(g, rc, plan); });
   train_loop(rc, prog.dev, log, prog.data, first, loop);

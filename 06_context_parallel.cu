@@ -523,6 +523,42 @@ static Json work_report(RunLog& log, Mesh& mesh, const cp::AttentionWork& w, lon
   return j;
 }
 
+// --cp-mode and --zigzag, checked.
+static cp::Options parse_options(const std::string& mode, int zigzag, int C) {
+  if (mode != "ring" && mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", mode.c_str());
+  if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
+  // Ulysses trades the sequence split for a head split over the cp ranks: at cp 1 it is ring's
+  // single rank under another name, and the run would report a technique it never used.
+  if (mode == "ulysses" && C == 1) config_error("--cp-mode ulysses needs --cp 2 or more (got --cp 1)");
+  return {mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+}
+
+// The loop's predictions, checkpoint and reports: memory at T/cp tokens per rank; rank 0 writes
+// the whole model (replicas are identical); the cp group's bytes against predict_comm and the
+// dp_cp all-reduce's against 02's; each rank's attention work.
+static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
+                        const cp::Options& opt_cp, const std::function<cp::AttentionWork()>& work, long first) {
+  const int C = mesh.cfg.cp;
+  loop.predicted = cp::predict_memory(rc, C);
+  loop.predicted.comm_also_holds(cp::comm_holds(opt_cp, C));
+  loop.save = [&, C](long step) {
+    std::vector<CheckpointSlice> slices;
+    if (mesh.rank == 0) slices.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
+    Json m = Json::object();
+    m["cp"] = C;
+    m["cp_mode"] = std::string(opt_cp.mode == cp::Mode::Ring ? "ring" : "ulysses");
+    m["zigzag"] = opt_cp.zigzag;
+    save_checkpoint(rc.save_dir, rc, model.table, slices, step, m);
+  };
+  loop.comm = [&, C](long steps_run) {
+    Json c = comm_report(log, mesh.cp(), steps_run, cp::predict_comm(rc, C, opt_cp));
+    Json d = comm_report(log, mesh.dp_cp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, C)}});
+    c["dp_cp"] = d.at("dp_cp");
+    return c;
+  };
+  loop.extra = [&, first](Json& s) { s["attention_work"] = work_report(log, mesh, work(), rc.steps - first, rc, opt_cp); };
+}
+
 int main(int argc, char** argv) {
   std::string mode;
   int zigzag = 1;
@@ -538,19 +574,13 @@ int main(int argc, char** argv) {
   RunConfig& rc = prog.rc;
   const MeshConfig& mc = prog.mc;
   RunLog& log = prog.log();
-  if (mode != "ring" && mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", mode.c_str());
-  if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
-  // Ulysses trades the sequence split for a head split over the cp ranks: at cp 1 it is ring's
-  // single rank under another name, and the run would report a technique it never used.
-  if (mode == "ulysses" && mc.cp == 1) config_error("--cp-mode ulysses needs --cp 2 or more (got --cp 1)");
-  const cp::Options opt_cp{mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+  const cp::Options opt_cp = parse_options(mode, zigzag, mc.cp);
   cp::validate(rc, mc.cp, opt_cp);
   if (prog.dry_run([&] { cp::print_plan(log, rc, mc.cp, opt_cp); })) return 0;
   prog.open();  // validates world == cp before any collective
   Mesh& mesh = prog.mesh;
   cp::print_plan(log, rc, mc.cp, opt_cp);
   check_memory_fits(cp::predict_memory(rc, mc.cp), prog.dev);
-
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
   const std::function<cp::AttentionWork()> work = cp::install(model, mesh.cp(), opt_cp);
   const std::vector<int32_t> mine = cp::positions(rc.model.seq, mc.cp, mesh.cp_rank, opt_cp.zigzag);
@@ -560,28 +590,9 @@ int main(int argc, char** argv) {
   const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
   dp::GradReducer reducer(model, mesh.dp_cp(), /*bucketed=*/true, bucket_mb);
-
   Loop loop;
-  loop.predicted = cp::predict_memory(rc, mc.cp);
-  loop.predicted.comm_also_holds(cp::comm_holds(opt_cp, mc.cp));
   loop.step = [&](long step) { return train_step(model, opt, reducer, prog.data, rc, mesh, mine, pos, step); };
-  loop.save = [&](long step) {
-    // Replicas are identical: rank 0 writes the whole model, the others nothing.
-    std::vector<CheckpointSlice> slices;
-    if (mesh.rank == 0) slices.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
-    Json m = Json::object();
-    m["cp"] = mc.cp;
-    m["cp_mode"] = mode;
-    m["zigzag"] = opt_cp.zigzag;
-    save_checkpoint(rc.save_dir, rc, model.table, slices, step, m);
-  };
-  loop.comm = [&](long steps_run) {
-    Json c = comm_report(log, mesh.cp(), steps_run, cp::predict_comm(rc, mc.cp, opt_cp));
-    Json d = comm_report(log, mesh.dp_cp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mc.cp)}});
-    c["dp_cp"] = d.at("dp_cp");
-    return c;
-  };
-  loop.extra = [&](Json& s) { s["attention_work"] = work_report(log, mesh, work(), rc.steps - first, rc, opt_cp); };
+  add_reports(loop, log, rc, mesh, model, opt, opt_cp, work, first);
   predict_step_time(loop, log, rc, calibration, prog.dev, "dp_cp", [&rc, &mc, opt_cp, bucket_mb](const Gpu& g) {
     return cp::predict_step_time(g, rc, mc.cp, opt_cp, bucket_mb);
   });

@@ -330,6 +330,37 @@ static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& dense, d
   return r;
 }
 
+// The loop's predicted memory (balanced routing), checkpoint and reports: the first ep group
+// writes (each expert by its owner, the dense tensors by ep rank 0, the copies that count, all at
+// their global offsets); the all-to-all bytes against the balanced prediction and this run's
+// routing; both reductions' bytes.
+static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
+                        ep::ExpertParallelMoe& moe) {
+  loop.predicted = ep::predict_memory(rc, mesh.cfg.ep);
+  loop.save = [&](long step) {
+    std::vector<CheckpointSlice> mine;
+    if (mesh.dp_rank < mesh.cfg.ep) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
+    Json m = Json::object();
+    m["dp"] = mesh.cfg.dp;
+    m["ep"] = mesh.cfg.ep;
+    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
+  };
+  loop.comm = [&](long steps_run) {
+    const double n = double(std::max(1L, steps_run));
+    const ep::ParamSplit split = ep::param_split(rc, mesh.cfg.ep);
+    const double balanced = ep::predict_balanced_bytes(rc, mesh.cfg.dp, mesh.cfg.ep), routed = moe.routed_bytes / n;
+    Json c = comm_report(log, mesh.ep(), steps_run, {{"all_to_all", balanced}});
+    if (c.at("ep").contains("all_to_all")) c["ep"]["all_to_all"]["from_routing"] = routed;
+    ep::print_imbalance(log, balanced, routed, moe.busiest_rows);
+    Json d = comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::allreduce_bytes(split.dense, mesh.cfg.dp)}});
+    Json x = comm_report(log, mesh.ep_dp(), steps_run,
+                         {{"all_reduce", dp::allreduce_bytes(split.experts, mesh.ep_dp().size())}});
+    for (const Json* j : {&d, &x})
+      for (const auto& [k, v] : j->items()) c[k] = v;
+    return c;
+  };
+}
+
 int main(int argc, char** argv) {
   double bucket_mb = 0;
   Calibration calibration;
@@ -349,7 +380,6 @@ int main(int argc, char** argv) {
   Mesh& mesh = prog.mesh;
   ep::print_plan(log, rc, mc.dp, mc.ep);
   check_memory_fits(ep::predict_memory(rc, mc.ep), prog.dev);
-
   ModelLayout layout;
   layout.shard = ep::shard_spec(mc.ep, mesh.ep_rank);
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
@@ -362,34 +392,9 @@ int main(int argc, char** argv) {
   ep::split_ranges(model.table, dense_r, expert_r);
   dp::GradReducer dense(model, mesh.dp(), true, bucket_mb, dense_r);
   dp::GradReducer experts(model, mesh.ep_dp(), true, bucket_mb, expert_r);
-
   Loop loop;
-  loop.predicted = ep::predict_memory(rc, mc.ep);
   loop.step = [&](long step) { return train_step(model, opt, dense, experts, prog.data, rc, mesh, step); };
-  loop.save = [&](long step) {
-    // The first ep group writes: each expert by its owner, the dense tensors by ep rank 0 (the
-    // copies that count), all at their global offsets.
-    std::vector<CheckpointSlice> mine;
-    if (mesh.dp_rank < mc.ep) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
-    Json m = Json::object();
-    m["dp"] = mc.dp;
-    m["ep"] = mc.ep;
-    save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
-  };
-  loop.comm = [&](long steps_run) {
-    const double n = double(std::max(1L, steps_run));
-    const double dense_psi = double(ep::param_split(rc, mc.ep).dense), expert_psi = double(ep::param_split(rc, mc.ep).experts);
-    const double edp = mesh.ep_dp().size();
-    const double balanced = ep::predict_balanced_bytes(rc, mc.dp, mc.ep), routed = moe.routed_bytes / n;
-    Json c = comm_report(log, mesh.ep(), steps_run, {{"all_to_all", balanced}});
-    if (c.at("ep").contains("all_to_all")) c["ep"]["all_to_all"]["from_routing"] = routed;
-    ep::print_imbalance(log, balanced, routed, moe.busiest_rows);
-    Json d = comm_report(log, mesh.dp(), steps_run, {{"all_reduce", 2.0 * (mc.dp - 1) / mc.dp * 4 * dense_psi}});
-    Json x = comm_report(log, mesh.ep_dp(), steps_run, {{"all_reduce", 2.0 * (edp - 1) / edp * 4 * expert_psi}});
-    for (const Json* j : {&d, &x})
-      for (const auto& [k, v] : j->items()) c[k] = v;
-    return c;
-  };
+  add_reports(loop, log, rc, mesh, model, opt, moe);
   predict_step_time(loop, log, rc, calibration, prog.dev, "dp", [&rc, &mc, bucket_mb](const Gpu& g) {
     return ep::predict_step_time(g, rc, mc.dp, mc.ep, bucket_mb);
   });

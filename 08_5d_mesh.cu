@@ -416,88 +416,91 @@ static const char* kDoc =
     "       [--schedule 1f1b|afab|interleaved|zb-h1] [--cp-mode ring|ulysses] [flags]  (N = D·P·C·T)\n"
     "       08_5d_mesh --plan --preset 8b --gpus 64 [--gpu h100] (runs nothing)";
 
-int main(int argc, char** argv) {
+// What main's flags set beyond the run's: the mesh's options, and what --plan was asked.
+struct Options {
   mesh5d::Plan plan;
   bool planning = false, mesh_given = false, show_mesh = false;
   mesh5d::Cluster cluster{nullptr, 0, 8, 8};
   mesh5d::PlanJob job;
   Calibration calibration;
-  Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
-    planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
-    const std::string gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
-    calibration = read_calibration(a);  // also --plan --gpu local's
-    const double gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
-    cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
-    cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
-    const double batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq, or 1M when neither is given)");
-    job.train_tokens = a.get_double("--train-tokens", 0, "--plan: tokens to train, for days and cost (0: 20 per parameter)");
-    job.usd_per_gpu_hour = a.get_double("--usd-per-gpu-hour", 2.0, "--plan: price of one GPU-hour, for the cost to train");
-    mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp") || a.has("--ep");
-    mc.dp = a.get_int("--dp", 1, "data-parallel degree", degree_range());
-    mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)", degree_range());
-    mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree", degree_range());
-    mc.cp = a.get_int("--cp", 1, "context-parallel degree", degree_range());
-    mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)",
-                      degree_range());
-    show_mesh = a.get_bool("--show-mesh", "print the rank-to-group table (printed anyway at 16 ranks or fewer)");
-    plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
-    plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
-    plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
-    plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
-    plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB", dp::bucket_mb_range());
-    const std::string cp_mode = a.get_str("--cp-mode", "ring", "cp > 1: ring | ulysses");
-    const int zigzag = a.get_int("--zigzag", 1, "cp > 1: 1 = zigzag chunks (balanced), 0 = contiguous");
-    if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());
-    if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
-    plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
-    const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1");
-    plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank");
-    if (!pp::parse_schedule(sched, plan.schedule))
-      config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
-    if (!planning) return;
-    rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
-    static mesh5d::Gpu local;
-    if (gpu == "local") local = calibration.found ? calibration.gpu : local_gpu(calibration.path);
-    cluster.gpu = gpu == "local" ? &local : find_gpu(gpu);
-    if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
-    cluster.mem_gib = gpu_mem > 0 ? gpu_mem : cluster.gpu->mem_gib;
-    if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
-    if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training
-    job.default_batch = batch_tokens <= 0 && !a.has("--batch");
-    if (batch_tokens > 0 || job.default_batch) rc.batch = int((job.default_batch ? mesh5d::kDefaultBatchTokens : batch_tokens) / rc.model.seq);
-    if (rc.batch < 1) config_error("--global-batch-tokens %.0f is less than one sequence of %d", batch_tokens, rc.model.seq);
-    if (!mesh_given) mc = MeshConfig{};  // the batch is split per candidate
-  });
-  RunConfig& rc = prog.rc;
-  plan.mesh = prog.mc;
-  RunLog& log = prog.log();
-  if (planning) {
-    if (mesh_given) {
-      plan.sp = plan.sp || (plan.mesh.tp > 1 && rc.model.experts == 0);  // the MoE block is not composed with SP
-      if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != cluster.gpus)
-        config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
-                     plan.mesh.tp, cluster.gpus);
-      mesh5d::validate(rc, plan);
-    }
-    return mesh5d::plan_only(log, rc, cluster, mesh_given ? &plan : nullptr, job);
+  std::string gpu;
+  double gpu_mem = 0, batch_tokens = 0;
+};
+
+// --plan's cluster and job (and --calibration, which --gpu local also reads).
+static void declare_planner_flags(Args& a, Options& o) {
+  o.planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
+  o.gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
+  o.calibration = read_calibration(a);  // also --plan --gpu local's
+  o.gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
+  o.cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
+  o.cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
+  o.batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq, or 1M when neither is given)");
+  o.job.train_tokens = a.get_double("--train-tokens", 0, "--plan: tokens to train, for days and cost (0: 20 per parameter)");
+  o.job.usd_per_gpu_hour = a.get_double("--usd-per-gpu-hour", 2.0, "--plan: price of one GPU-hour, for the cost to train");
+}
+
+// The mesh and each technique's options, checked as 02–07 check them.
+static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
+  mesh5d::Plan& plan = o.plan;
+  o.mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp") || a.has("--ep");
+  mc.dp = a.get_int("--dp", 1, "data-parallel degree", degree_range());
+  mc.tp = a.get_int("--tp", 1, "tensor-parallel degree (innermost: neighbouring ranks)", degree_range());
+  mc.pp = a.get_int("--pp", 1, "pipeline-parallel degree", degree_range());
+  mc.cp = a.get_int("--cp", 1, "context-parallel degree", degree_range());
+  mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)",
+                    degree_range());
+  o.show_mesh = a.get_bool("--show-mesh", "print the rank-to-group table (printed anyway at 16 ranks or fewer)");
+  plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
+  plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
+  plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
+  plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
+  plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB", dp::bucket_mb_range());
+  const std::string cp_mode = a.get_str("--cp-mode", "ring", "cp > 1: ring | ulysses");
+  const int zigzag = a.get_int("--zigzag", 1, "cp > 1: 1 = zigzag chunks (balanced), 0 = contiguous");
+  if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());
+  if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
+  plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+  const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1");
+  plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank");
+  if (!pp::parse_schedule(sched, plan.schedule))
+    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
+}
+
+// --plan runs nothing: the cluster's GPU, the batch it is sized for, and no mesh unless one was given.
+static void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
+  mesh5d::Cluster& cluster = o.cluster;
+  const std::string& gpu = o.gpu;
+  rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
+  static mesh5d::Gpu local;
+  if (gpu == "local") local = o.calibration.found ? o.calibration.gpu : local_gpu(o.calibration.path);
+  cluster.gpu = gpu == "local" ? &local : find_gpu(gpu);
+  if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
+  cluster.mem_gib = o.gpu_mem > 0 ? o.gpu_mem : cluster.gpu->mem_gib;
+  if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
+  if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training
+  o.job.default_batch = o.batch_tokens <= 0 && !a.has("--batch");
+  if (o.batch_tokens > 0 || o.job.default_batch) rc.batch = int((o.job.default_batch ? mesh5d::kDefaultBatchTokens : o.batch_tokens) / rc.model.seq);
+  if (rc.batch < 1) config_error("--global-batch-tokens %.0f is less than one sequence of %d", o.batch_tokens, rc.model.seq);
+  if (!o.mesh_given) mc = MeshConfig{};  // the batch is split per candidate
+}
+
+// --plan: the mesh given (checked against the cluster), or every mesh, ranked.
+static int plan_only(RunLog& log, const RunConfig& rc, Options& o) {
+  mesh5d::Plan& plan = o.plan;
+  if (o.mesh_given) {
+    plan.sp = plan.sp || (plan.mesh.tp > 1 && rc.model.experts == 0);  // the MoE block is not composed with SP
+    if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != o.cluster.gpus)
+      config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
+                   plan.mesh.tp, o.cluster.gpus);
+    mesh5d::validate(rc, plan);
   }
-  mesh5d::validate(rc, plan);
-  if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;
-  prog.open();  // validates world == dp·pp·cp·tp before any collective
-  Mesh& mesh = prog.mesh;
-  // Which rank holds which piece: the chapter's picture, for this run.
-  if (mesh.world <= 16 || show_mesh) print_mesh(mesh);
-  else log.line("(%d ranks: --show-mesh prints the rank-to-group table)", mesh.world);
-  mesh5d::print_plan(log, rc, plan);
-  check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
+  return mesh5d::plan_only(log, rc, o.cluster, o.mesh_given ? &plan : nullptr, o.job);
+}
 
-  mesh5d::Composed run(rc, plan, mesh);
-  const long first = run.init_or_resume();
-  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
-
-  Loop loop;
-  loop.predicted = mesh5d::predict_memory(rc, plan);  // rank 0's (pipeline stage 0), the one the table reports
-  loop.step = [&](long step) { return run.step(prog.data, step); };
+// The loop's checkpoint and reports: every rank writes its shard at its global offsets; each
+// group's bytes against 08's predict_comm (ep's against this run's routing, as 07).
+static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const mesh5d::Plan& plan, mesh5d::Composed& run) {
   loop.save = [&](long step) {
     Json m = Json::object();
     m["dp"] = plan.mesh.dp;
@@ -521,7 +524,38 @@ int main(int argc, char** argv) {
     }
     return c;
   };
-  mesh5d::predict_step_time(loop, log, rc, plan, calibration, prog.dev);
+}
+
+int main(int argc, char** argv) {
+  Options o;
+  Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
+    declare_planner_flags(a, o);
+    declare_mesh_flags(a, mc, o);
+    if (o.planning) set_up_plan(a, rc, mc, o);
+  });
+  RunConfig& rc = prog.rc;
+  mesh5d::Plan& plan = o.plan;
+  plan.mesh = prog.mc;
+  RunLog& log = prog.log();
+  if (o.planning) return plan_only(log, rc, o);
+  mesh5d::validate(rc, plan);
+  if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;
+  prog.open();  // validates world == dp·pp·cp·tp before any collective
+  Mesh& mesh = prog.mesh;
+  // Which rank holds which piece: the chapter's picture, for this run.
+  if (mesh.world <= 16 || o.show_mesh) print_mesh(mesh);
+  else log.line("(%d ranks: --show-mesh prints the rank-to-group table)", mesh.world);
+  mesh5d::print_plan(log, rc, plan);
+  check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
+
+  mesh5d::Composed run(rc, plan, mesh);
+  const long first = run.init_or_resume();
+  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
+  Loop loop;
+  loop.predicted = mesh5d::predict_memory(rc, plan);  // rank 0's (pipeline stage 0), the one the table reports
+  loop.step = [&](long step) { return run.step(prog.data, step); };
+  add_reports(loop, log, rc, plan, run);
+  mesh5d::predict_step_time(loop, log, rc, plan, o.calibration, prog.dev);
   train_loop(rc, prog.dev, log, prog.data, first, loop);
   return 0;
 }

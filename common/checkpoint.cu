@@ -199,6 +199,91 @@ static void maybe_crash_midway() {
   }
 }
 
+// This rank's slices of the weights and the moments, into the files rank 0 created; the first
+// tensor holding a non-finite value, or "".
+static std::string write_slices(const std::string& tmp, const ParamTable& table, const std::vector<CheckpointSlice>& mine,
+                                const std::vector<StEntry>& model_e, const std::vector<StEntry>& opt_e, bool any_opt) {
+  std::string bad;
+  SafetensorsWriter w(tmp + "/model.safetensors", model_e, {{"format", "pt"}}, false);
+  for (size_t i = 0; i < mine.size(); i++) {
+    const CheckpointSlice& sl = mine[i];
+    std::vector<float> v = to_host_f32(sl.weights);
+    if (bad.empty()) bad = first_nonfinite(table, "", sl.begin, sl.end, v);
+    int64_t half = sl.begin + (sl.end - sl.begin) / 2;
+    write_range(w, table, "", sl.begin, half, v);
+    if (i == 0) maybe_crash_midway();
+    std::vector<float> rest(v.begin() + (half - sl.begin), v.end());
+    write_range(w, table, "", half, sl.end, rest);
+  }
+  w.sync_and_close();
+  if (any_opt) {
+    SafetensorsWriter o(tmp + "/optimizer.safetensors", opt_e, {{"format", "pt"}}, false);
+    // Moments not yet allocated (a save before the first step, --steps 0) are zeros.
+    auto moments = [](const Tensor& t, int64_t n) { return t.defined() ? to_host_f32(t) : std::vector<float>(size_t(n)); };
+    for (const CheckpointSlice& sl : mine) {
+      if (!sl.opt) continue;
+      for (const char* pre : {"exp_avg.", "exp_avg_sq."}) {
+        const std::vector<float> m = moments(std::string(pre) == "exp_avg." ? sl.opt->m1 : sl.opt->m2, sl.end - sl.begin);
+        if (bad.empty()) bad = first_nonfinite(table, pre, sl.begin, sl.end, m);
+        write_range(o, table, pre, sl.begin, sl.end, m);
+      }
+    }
+    o.sync_and_close();
+  }
+  return bad;
+}
+
+// trainer.json: where the run stands, its schedule, its mesh and every flag, each file's digest
+// and a seal over all of it.
+static Json trainer_json(const RunConfig& rc, long step, const Json& mesh, const std::string& tmp, const std::string& at) {
+  Json tj = Json::object();
+  tj["step"] = step;
+  tj["tokens_seen"] = int64_t(step) * rc.batch * rc.model.seq;
+  tj["batch"] = rc.batch;
+  tj["seq"] = rc.model.seq;
+  tj["seed"] = int64_t(rc.seed);
+  tj["data"] = rc.data.empty() ? std::string("synthetic") : rc.data;
+  tj["dtype"] = dtype_name(rc.dtype);
+  tj["lr_schedule"] = rc.lr_schedule;
+  tj["steps"] = rc.steps;
+  tj["lr"] = rc.lr;
+  tj["warmup_steps"] = rc.warmup_steps;
+  tj["min_lr"] = rc.min_lr;
+  tj["mesh"] = mesh;
+  tj["flags"] = rc.flags;  // the whole command line: --config trainer.json repeats the run
+  // Each file's digest makes the checkpoint verifiable as one whole on load.
+  Json files = Json::object();
+  try {
+    for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.json"})
+      if (exists(tmp + "/" + f)) files[f] = file_digest(tmp + "/" + f);
+  } catch (const FormatError& e) {
+    fatal("cannot read back %s: %s", at.c_str(), e.what());
+  }
+  tj["files"] = files;
+  tj["seal"] = trainer_seal(tj);  // last: it covers every member above
+  return tj;
+}
+
+// Publishes tmp as dir, then drops the checkpoints past --keep-last.
+static void publish(const std::string& tmp, const std::string& dir, const std::string& save_dir, const RunConfig& rc) {
+  // Publish with one atomic step: exchange the new directory with the old one (or rename it
+  // into place), then delete the old one. Until the exchange, DIR is the previous checkpoint.
+  if (exists(dir)) {
+    if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
+      fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
+    remove_tree(tmp);
+  } else if (rename(tmp.c_str(), dir.c_str()) != 0) {
+    fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
+  }
+  std::string parent = dir.find('/') == std::string::npos ? "." : dir.substr(0, dir.rfind('/'));
+  fsync_dir(parent.empty() ? "/" : parent);
+  // Only once the new checkpoint is published does the oldest one go.
+  if (rc.keep_last > 0) {
+    auto steps = step_checkpoints(save_dir);
+    for (size_t i = 0; i + size_t(rc.keep_last) < steps.size(); i++) remove_tree(steps[i].second);
+  }
+}
+
 void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const ParamTable& table,
                      const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
   const bool rank0 = world_rank() == 0;
@@ -226,35 +311,8 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
     if (all_opt) SafetensorsWriter(tmp + "/optimizer.safetensors", opt_e, meta, true).sync_and_close();
   }
   watched_barrier(MPI_COMM_WORLD, "barrier (" + at + ": files created)");
-  std::string bad;  // the first tensor this rank would write with a non-finite value
-  if (!mine.empty()) {
-    SafetensorsWriter w(tmp + "/model.safetensors", model_e, {{"format", "pt"}}, false);
-    for (size_t i = 0; i < mine.size(); i++) {
-      const CheckpointSlice& sl = mine[i];
-      std::vector<float> v = to_host_f32(sl.weights);
-      if (bad.empty()) bad = first_nonfinite(table, "", sl.begin, sl.end, v);
-      int64_t half = sl.begin + (sl.end - sl.begin) / 2;
-      write_range(w, table, "", sl.begin, half, v);
-      if (i == 0) maybe_crash_midway();
-      std::vector<float> rest(v.begin() + (half - sl.begin), v.end());
-      write_range(w, table, "", half, sl.end, rest);
-    }
-    w.sync_and_close();
-    if (any_opt) {
-      SafetensorsWriter o(tmp + "/optimizer.safetensors", opt_e, {{"format", "pt"}}, false);
-      // Moments not yet allocated (a save before the first step, --steps 0) are zeros.
-      auto moments = [](const Tensor& t, int64_t n) { return t.defined() ? to_host_f32(t) : std::vector<float>(size_t(n)); };
-      for (const CheckpointSlice& sl : mine) {
-        if (!sl.opt) continue;
-        for (const char* pre : {"exp_avg.", "exp_avg_sq."}) {
-          const std::vector<float> m = moments(std::string(pre) == "exp_avg." ? sl.opt->m1 : sl.opt->m2, sl.end - sl.begin);
-          if (bad.empty()) bad = first_nonfinite(table, pre, sl.begin, sl.end, m);
-          write_range(o, table, pre, sl.begin, sl.end, m);
-        }
-      }
-      o.sync_and_close();
-    }
-  }
+  // The first tensor this rank would write with a non-finite value.
+  const std::string bad = mine.empty() ? "" : write_slices(tmp, table, mine, model_e, opt_e, any_opt);
   // Every rank has written its slices once this agreement returns. Non-finite weights or moments
   // (a diverged step) are never published: the last good checkpoint stays where it is.
   const std::string err = first_error(bad.empty() ? "" : bad + " holds non-finite values", MPI_COMM_WORLD, at);
@@ -265,49 +323,10 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
   }
   if (rank0) {
     write_text_file_synced(tmp + "/config.json", hf_config(rc.model).dump(2) + "\n");
-    Json tj = Json::object();
-    tj["step"] = step;
-    tj["tokens_seen"] = int64_t(step) * rc.batch * rc.model.seq;
-    tj["batch"] = rc.batch;
-    tj["seq"] = rc.model.seq;
-    tj["seed"] = int64_t(rc.seed);
-    tj["data"] = rc.data.empty() ? std::string("synthetic") : rc.data;
-    tj["dtype"] = dtype_name(rc.dtype);
-    tj["lr_schedule"] = rc.lr_schedule;
-    tj["steps"] = rc.steps;
-    tj["lr"] = rc.lr;
-    tj["warmup_steps"] = rc.warmup_steps;
-    tj["min_lr"] = rc.min_lr;
-    tj["mesh"] = mesh;
-    tj["flags"] = rc.flags;  // the whole command line: --config trainer.json repeats the run
-    // Each file's digest makes the checkpoint verifiable as one whole on load.
-    Json files = Json::object();
-    try {
-      for (const char* f : {"model.safetensors", "optimizer.safetensors", "config.json"})
-        if (exists(tmp + "/" + f)) files[f] = file_digest(tmp + "/" + f);
-    } catch (const FormatError& e) {
-      fatal("cannot read back %s: %s", at.c_str(), e.what());
-    }
-    tj["files"] = files;
-    tj["seal"] = trainer_seal(tj);  // last: it covers every member above
+    const Json tj = trainer_json(rc, step, mesh, tmp, at);
     write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
     fsync_dir(tmp);
-    // Publish with one atomic step: exchange the new directory with the old one (or rename it
-    // into place), then delete the old one. Until the exchange, DIR is the previous checkpoint.
-    if (exists(dir)) {
-      if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, dir.c_str(), RENAME_EXCHANGE) != 0)
-        fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
-      remove_tree(tmp);
-    } else if (rename(tmp.c_str(), dir.c_str()) != 0) {
-      fatal("cannot publish checkpoint %s: %s", dir.c_str(), strerror(errno));
-    }
-    std::string parent = dir.find('/') == std::string::npos ? "." : dir.substr(0, dir.rfind('/'));
-    fsync_dir(parent.empty() ? "/" : parent);
-    // Only once the new checkpoint is published does the oldest one go.
-    if (rc.keep_last > 0) {
-      auto steps = step_checkpoints(save_dir);
-      for (size_t i = 0; i + size_t(rc.keep_last) < steps.size(); i++) remove_tree(steps[i].second);
-    }
+    publish(tmp, dir, save_dir, rc);
   }
   watched_barrier(MPI_COMM_WORLD, "barrier (" + at + ": published)");
 }

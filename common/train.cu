@@ -235,8 +235,8 @@ const char* recompute_name(Recompute r) {
   return r == Recompute::None ? "none" : r == Recompute::Selective ? "selective" : "full";
 }
 
-RunConfig parse_run_config(Args& a) {
-  RunConfig rc;
+// The model's shape: a preset, then any flag that overrides it.
+static void parse_model_flags(Args& a, RunConfig& rc) {
   const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b";  // apply_preset's names, in --help and the error
   rc.preset = a.get_str("--preset", "tiny", std::string("model shape: ") + presets + " (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (%s)", rc.preset.c_str(), presets);
@@ -253,6 +253,10 @@ RunConfig parse_run_config(Args& a) {
   m.top_k = a.get_int("--top-k", 2, "experts per token K (with --experts)", {-HUGE_VAL, 1 << 16});
   m.aux_loss_coef = float(a.get_double("--aux-loss-coef", 0, "weight α of the load-balancing loss E·Σ f_e·P_e (with --experts)"));
   m.capacity_factor = float(a.get_double("--capacity-factor", 0, "tokens per expert and sequence: c·T·K/E (0: dropless)"));
+}
+
+// The numbers, the batch and the optimizer.
+static void parse_training_flags(Args& a, RunConfig& rc) {
   rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
   std::string dt = a.get_str("--dtype", "fp32", "fp32 | bf16 (bf16 compute, fp32 master weights and gradients)");
   if (dt == "fp32") rc.dtype = DType::F32;
@@ -271,6 +275,10 @@ RunConfig parse_run_config(Args& a) {
   rc.lr_schedule = a.get_str("--lr-schedule", rc.lr_schedule, "constant | cosine");
   rc.warmup_steps = a.get_long("--warmup-steps", 0, "linear warm-up steps", at_least(0));
   rc.min_lr = a.get_double("--min-lr", 0, "final learning rate of the cosine schedule", at_least(0));
+}
+
+// Seed, data and evaluation, recomputation, logs, checkpoints and operations.
+static void parse_run_flags(Args& a, RunConfig& rc) {
   rc.seed = uint64_t(a.get_long("--seed", long(rc.seed), "initialisation and synthetic-data seed", at_least(0)));
   rc.data = a.get_str("--data", "", "training text (.txt, bytes) or llm.c shard (.bin); default: embedded synthetic");
   rc.eval_every = a.get_long("--eval-every", 0, "held-out loss every N steps and at the end (0: none; holds out the "
@@ -302,7 +310,11 @@ RunConfig parse_run_config(Args& a) {
   // More threads than cores only slow a rank down, and libgomp dies creating tens of thousands.
   rc.threads = a.get_int("--threads", 0, "CPU threads per rank (0: OMP_NUM_THREADS, else the node's cores / its ranks)",
                          between(0, 1024));
+}
 
+// The checks that need several flags at once.
+static void check_run_config(const RunConfig& rc) {
+  const ModelConfig& m = rc.model;
   if (m.dim % m.heads) config_error("--dim %d is not divisible by --heads %d", m.dim, m.heads);
   if (m.heads % m.kv_heads) config_error("--heads %d is not divisible by --kv-heads %d", m.heads, m.kv_heads);
   if (m.head_dim() % 2) config_error("head dim %d (dim/heads) must be even for RoPE", m.head_dim());
@@ -311,7 +323,6 @@ RunConfig parse_run_config(Args& a) {
     config_error("--top-k %d must be between 1 and --experts %d", m.top_k, m.experts);
   if (m.capacity_factor < 0) config_error("--capacity-factor must be >= 0 (got %g)", double(m.capacity_factor));
   if (m.aux_loss_coef < 0) config_error("--aux-loss-coef must be >= 0 (got %g)", double(m.aux_loss_coef));
-  if (m.experts == 0) m.top_k = 0;
   if (rc.eval_every < 0) config_error("--eval-every must be >= 0 (got %ld)", rc.eval_every);
   if (rc.eval_batches < 1) config_error("--eval-batches must be >= 1 (got %d)", rc.eval_batches);
   if (!rc.eval_data.empty() && rc.eval_every == 0) config_error("--eval-data %s needs --eval-every N", rc.eval_data.c_str());
@@ -320,25 +331,38 @@ RunConfig parse_run_config(Args& a) {
     config_error("--steps %ld × --batch %d × --seq %d tokens overflow a 64-bit count", rc.steps, rc.batch, m.seq);
   if (rc.lr_schedule != "constant" && rc.lr_schedule != "cosine")
     config_error("--lr-schedule must be constant or cosine (got '%s')", rc.lr_schedule.c_str());
-  rc.without_steps = rc.eval_every > 0 || a.has("--sample");  // --sample: 01's flag, read after these
-  if (!rc.resume_dir.empty()) {
-    rc.resume_dir = resolve_checkpoint(rc.resume_dir);
-    TrainerState t;
-    try {
-      t = read_trainer(rc.resume_dir);
-    } catch (const FormatError& e) {
-      config_error("checkpoint %s: %s", rc.resume_dir.c_str(), e.what());
-    }
-    if (t.present) {
-      try {
-        for (const std::string& n : resume_notes(t.rec, rc))
-          if (world_rank() == 0) printf("resume: %s\n", n.c_str());
-      } catch (const FormatError& e) {
-        config_error("--resume %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
-      }
-      check_resume_schedule(rc, t.json, t.rec.step);
-    }
+}
+
+// --resume: the checkpoint it names, and what differs from this run (each rank reads it).
+static void check_resume(RunConfig& rc) {
+  if (rc.resume_dir.empty()) return;
+  rc.resume_dir = resolve_checkpoint(rc.resume_dir);
+  TrainerState t;
+  try {
+    t = read_trainer(rc.resume_dir);
+  } catch (const FormatError& e) {
+    config_error("checkpoint %s: %s", rc.resume_dir.c_str(), e.what());
   }
+  if (t.present) {
+    try {
+      for (const std::string& n : resume_notes(t.rec, rc))
+        if (world_rank() == 0) printf("resume: %s\n", n.c_str());
+    } catch (const FormatError& e) {
+      config_error("--resume %s: trainer.json: %s", rc.resume_dir.c_str(), e.what());
+    }
+    check_resume_schedule(rc, t.json, t.rec.step);
+  }
+}
+
+RunConfig parse_run_config(Args& a) {
+  RunConfig rc;
+  parse_model_flags(a, rc);
+  parse_training_flags(a, rc);
+  parse_run_flags(a, rc);
+  if (rc.model.experts == 0) rc.model.top_k = 0;
+  check_run_config(rc);
+  rc.without_steps = rc.eval_every > 0 || a.has("--sample");  // --sample: 01's flag, read after these
+  check_resume(rc);
   return rc;
 }
 
