@@ -78,7 +78,9 @@ Calibration read_calibration(Args& a) {
   Calibration c;
   // The default is recorded as "" (trainer.json keeps every flag): a run repeated from its
   // checkpoint on another machine, or from another build folder, looks beside its own binary.
+  const std::string previous = a.group("operations");
   const std::string named = a.get_str("--calibration", "", kCalibrationHelp);
+  a.group(previous);
   const bool given = !named.empty();
   c.path = given ? named : default_calibration_path();
   if (given || std::filesystem::exists(c.path)) {

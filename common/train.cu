@@ -46,8 +46,10 @@ Args::Args(int argc, char** argv, std::string doc) : doc_(std::move(doc)) {
   }
   load_config();
   used_.assign(args_.size(), false);
+  group_ = "run and checkpoint";
   get_str("--config", "", "JSON file of flags ({\"steps\": 100, \"lr-schedule\": \"cosine\"}, _ or -), or a checkpoint's "
           "trainer.json; flags on the command line override it");
+  group_ = "";
 }
 
 // --config FILE: its flags go before the command line's, so that the command line wins (the last
@@ -93,7 +95,7 @@ Json Args::effective() const {
 }
 
 const char* Args::take(const std::string& flag, const std::string& def, const std::string& help, bool sw) {
-  help_.push_back("  " + flag + (sw ? "" : " <" + def + ">") + "\n      " + help);
+  help_.push_back({group_, "  " + flag + (sw ? "" : " <" + def + ">") + "\n      " + help});
   declared_.push_back(flag);
   const char* found = nullptr;
   for (size_t i = 0; i < args_.size(); i++)
@@ -196,11 +198,25 @@ static std::string nearest_flag(const std::string& typo, const std::vector<std::
   return best.empty() ? "" : "; did you mean " + best + "?";
 }
 
+std::string Args::group(const std::string& heading) {
+  std::string previous = group_;
+  group_ = heading;
+  return previous;
+}
+
 void Args::finish() {
   if (want_help_) {
     if (world_rank() == 0) {
       printf("%s\n\nflags:\n", doc_.c_str());
-      for (auto& h : help_) printf("%s\n", h.c_str());
+      // The program's own flags first, then the shared ones, group by group.
+      std::vector<std::string> headings = {"", "model", "optimizer", "data", "run and checkpoint", "operations"};
+      for (auto& h : help_)
+        if (std::find(headings.begin(), headings.end(), h.first) == headings.end()) headings.push_back(h.first);
+      for (const std::string& g : headings) {
+        if (!g.empty()) printf("\n%s flags:\n", g.c_str());
+        for (auto& h : help_)
+          if (h.first == g) printf("%s\n", h.second.c_str());
+      }
     }
     comm_finalize();
     exit(0);
@@ -237,6 +253,7 @@ const char* recompute_name(Recompute r) {
 
 // The model's shape: a preset, then any flag that overrides it.
 static void parse_model_flags(Args& a, RunConfig& rc) {
+  a.group("model");
   const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b";  // apply_preset's names, in --help and the error
   rc.preset = a.get_str("--preset", "tiny", std::string("model shape: ") + presets + " (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (%s)", rc.preset.c_str(), presets);
@@ -257,14 +274,18 @@ static void parse_model_flags(Args& a, RunConfig& rc) {
 
 // The numbers, the batch and the optimizer.
 static void parse_training_flags(Args& a, RunConfig& rc) {
+  a.group("operations");
   rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
+  a.group("model");
   std::string dt = a.get_str("--dtype", "fp32", "fp32 | bf16 (bf16 compute, fp32 master weights and gradients)");
   if (dt == "fp32") rc.dtype = DType::F32;
   else if (dt == "bf16") rc.dtype = DType::BF16;
   else config_error("--dtype must be fp32 or bf16 (got '%s')", dt.c_str());
   rc.master_weights = !a.get_bool("--no-master-weights", "bf16: update the bf16 weights directly (the playbook's failure)");
+  a.group("data");
   rc.batch = a.get_int("--batch", rc.batch, "global batch: sequences per optimizer step", between(1, 1 << 24));
   rc.micro_batch = a.get_int("--micro-batch", 0, "sequences per forward pass (0 = whole local batch)", between(0, 1 << 24));
+  a.group("optimizer");
   rc.steps = a.get_long("--steps", rc.steps, "optimizer steps (0: save or evaluate the weights as they are)", at_least(0));
   rc.lr = a.get_double("--lr", rc.lr, "peak learning rate", positive());
   rc.beta1 = a.get_double("--beta1", rc.beta1, "AdamW beta1", {0, 1, false, true});
@@ -279,6 +300,7 @@ static void parse_training_flags(Args& a, RunConfig& rc) {
 
 // Seed, data and evaluation, recomputation, logs, checkpoints and operations.
 static void parse_run_flags(Args& a, RunConfig& rc) {
+  a.group("data");
   rc.seed = uint64_t(a.get_long("--seed", long(rc.seed), "initialisation and synthetic-data seed", at_least(0)));
   rc.data = a.get_str("--data", "", "training text (.txt, bytes) or llm.c shard (.bin); default: embedded synthetic");
   rc.eval_every = a.get_long("--eval-every", 0, "held-out loss every N steps and at the end (0: none; holds out the "
@@ -286,11 +308,13 @@ static void parse_run_flags(Args& a, RunConfig& rc) {
   rc.eval_batches = a.get_int("--eval-batches", rc.eval_batches, "--eval-every: batches of --batch windows per evaluation");
   rc.eval_data = a.get_str("--eval-data", "", "--eval-every: held-out text or llm.c shard (e.g. prepare_data.py's "
                            "val .bin) instead of the data's tail");
+  a.group("model");
   std::string r = a.get_str("--recompute", "none", "activation recomputation: none | selective | full");
   if (r == "none") rc.recompute = Recompute::None;
   else if (r == "selective") rc.recompute = Recompute::Selective;
   else if (r == "full") rc.recompute = Recompute::Full;
   else config_error("--recompute must be none, selective or full (got '%s')", r.c_str());
+  a.group("run and checkpoint");
   rc.log_json = a.get_str("--log-json", "", "write per-step JSON lines and a final summary here");
   rc.trace = a.get_str("--trace", "", "write a Chrome trace (Perfetto) here");
   rc.save_dir = a.get_str("--save", "", "checkpoint directory written at the end (and every --save-every steps)");
@@ -301,12 +325,15 @@ static void parse_run_flags(Args& a, RunConfig& rc) {
   rc.reschedule = a.get_bool("--reschedule", "resume even if this run's lr schedule differs from the checkpoint's");
   rc.overwrite = a.get_bool("--overwrite", "--save may replace a checkpoint that this run did not resume from");
   rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
+  a.group("operations");
   rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job", positive(1e6));
   rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)", at_least(0));
+  a.group("run and checkpoint");
   rc.quiet = a.get_bool("--quiet", "no step lines, only a progress line every --progress-seconds");
   rc.log_every = a.get_long("--log-every", 0, "print every N-th step (0: about 50 lines per run); the JSON log has every step",
                             at_least(0));
   rc.progress_seconds = a.get_double("--progress-seconds", rc.progress_seconds, "--quiet: seconds between progress lines", positive(1e6));
+  a.group("operations");
   // More threads than cores only slow a rank down, and libgomp dies creating tens of thousands.
   rc.threads = a.get_int("--threads", 0, "CPU threads per rank (0: OMP_NUM_THREADS, else the node's cores / its ranks)",
                          between(0, 1024));
@@ -359,6 +386,7 @@ RunConfig parse_run_config(Args& a) {
   parse_model_flags(a, rc);
   parse_training_flags(a, rc);
   parse_run_flags(a, rc);
+  a.group("");  // the program's own flags, declared next, print first
   if (rc.model.experts == 0) rc.model.top_k = 0;
   check_run_config(rc);
   rc.without_steps = rc.eval_every > 0 || a.has("--sample");  // --sample: 01's flag, read after these

@@ -51,13 +51,18 @@ class Args {
   // as a --config file takes them: {"preset": "tiny", "lr-schedule": "cosine", "quiet": false, ...}.
   Json effective() const;
   void finish();  // --help prints and exits 0; unknown flags are a config_error
+  // The --help heading of the flags declared from now on ("": the program's own, listed first);
+  // returns the previous one. The shared flags are grouped: model, optimizer, data, run and
+  // checkpoint, operations.
+  std::string group(const std::string& heading);
  private:
   const char* take(const std::string& flag, const std::string& def, const std::string& help, bool is_switch);
   void load_config();
   std::string doc_;
   std::vector<std::pair<std::string, std::string>> args_;  // flag -> value, in order
   std::vector<bool> used_;
-  std::vector<std::string> help_;
+  std::vector<std::pair<std::string, std::string>> help_;  // heading, text
+  std::string group_;
   std::vector<std::string> declared_;
   std::vector<std::pair<std::string, Json>> effective_;
   std::string config_;   // the --config file, "" without one

@@ -166,6 +166,36 @@ TEST_CASE("--preset: the error and --help list the same names", "[newcomer][flag
   CHECK(has(help.output, "model shape: " + names));
 }
 
+// --help lists the program's own flags first, then the shared ones under their headings, each
+// flag under its own.
+TEST_CASE("--help: the chapter's flags first, then the shared ones in groups", "[newcomer]") {
+  tst::Result help = tst::run_bin("02_data_parallel", "--help", 1, 60);
+  INFO(help.output);
+  REQUIRE(help.status == 0);
+  const std::string& o = help.output;
+  auto at = [&](const std::string& s) { return o.find(s); };
+  const char* headings[] = {"\nmodel flags:", "\noptimizer flags:", "\ndata flags:", "\nrun and checkpoint flags:",
+                            "\noperations flags:"};
+  REQUIRE(at("  --dp <1>") != std::string::npos);
+  size_t last = at("  --bucket-mb <25>");
+  REQUIRE(last != std::string::npos);
+  for (const char* h : headings) {
+    INFO(h);
+    REQUIRE(at(h) != std::string::npos);
+    CHECK(at(h) > last);
+    last = at(h);
+  }
+  // A flag of each group between its heading and the next.
+  CHECK(at("  --preset <tiny>") > at("\nmodel flags:"));
+  CHECK(at("  --preset <tiny>") < at("\noptimizer flags:"));
+  CHECK(at("  --lr <") > at("\noptimizer flags:"));
+  CHECK(at("  --lr <") < at("\ndata flags:"));
+  CHECK(at("  --batch <") > at("\ndata flags:"));
+  CHECK(at("  --save <") > at("\nrun and checkpoint flags:"));
+  CHECK(at("  --calibration <") > at("\noperations flags:"));
+  CHECK(at("  --threads <") > at("\noperations flags:"));
+}
+
 TEST_CASE("a dense checkpoint resumed as a mixture of experts, and the reverse, say so in plain words", "[newcomer][ckpt]") {
   tst::TempDir d;
   run_ok("01_single_gpu", "--steps 1 --save " + d.file("dense"));
