@@ -21,6 +21,9 @@
 #ifndef TS_06_CONTEXT_PARALLEL_CU
 #define TS_06_CONTEXT_PARALLEL_CU
 #include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
 #include <map>
 #include <string>
 #include <vector>
@@ -29,12 +32,16 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "data.h"
+#include "kernels_internal.h"
 #include "mesh.h"
 #include "model.h"
 #include "run.h"
 #include "step_time.h"
 #include "trace.h"
 #include "train.h"
+#ifdef TS_CUDA
+#include "kernels_cuda.h"  // the CUDA twins of attention_merge and swap_leading
+#endif
 
 namespace cp {
 using namespace ts;
@@ -137,18 +144,61 @@ class Rotation {
   double start_us_ = 0;
 };
 
-// Rank r's queries against every rank's keys, one K/V block per ring step: at step t it holds
-// the block of rank r − t. Forward merges each block's (output, lse) into the running result
-// (attention_merge); a block the causal mask hides from all of r's queries is not computed, but
-// still passed on. Only the kv_heads travel, never K/V expanded to the query heads.
-//
-// The merge is the online-softmax rule (flash attention's, across blocks instead of tiles). A
-// block b gives each query row its softmax-weighted output o_b over b's keys and the log of its
-// normaliser, lse_b = log Σ_{j in b} exp(s_j). Two blocks over disjoint keys combine exactly:
+// The merge of two partial attentions: the online-softmax rule (Milakov & Gimelshein 2018;
+// flash attention's, across key blocks instead of tiles; the merge of ring attention, Liu et al.
+// 2023). A block b gives each query row its softmax-weighted output o_b over b's keys and the log
+// of its normaliser, lse_b = log Σ_{j in b} exp(s_j). Two blocks over disjoint keys combine exactly:
 //   lse = log(exp(lse_a) + exp(lse_b)) = max + log(exp(lse_a − max) + exp(lse_b − max)),
 //   o   = exp(lse_a − lse) · o_a + exp(lse_b − lse) · o_b,
 // each weight being the share of the row's total softmax mass that the block holds; after every
-// block, o is the attention over the whole sequence and lse its normaliser (kept for backward).
+// block, o is the attention over the keys so far and lse its normaliser (kept for backward).
+// out [B, S, H, hd] (T) and lse [B, H, S] fp32 hold (o_a, lse_a) and are updated in place with
+// part (T) and part_lse fp32 of the same shapes. A row with no visible key in a block has lse −inf
+// and weight 0; a row with none in either stays lse −inf with out unchanged (never NaN).
+// On the CPU one row (b, s, h) per iteration, the weights taken relative to the larger lse (so
+// neither exp overflows); on a GPU the CUDA twin in common/kernels_cuda.cu.
+template <class T>
+void attention_merge_cpu(T* out, float* lse, const T* part, const float* plse, int64_t B, int64_t S, int64_t H,
+                         int64_t hd) {
+  const float ninf = -std::numeric_limits<float>::infinity();
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < B * S * H; row++) {
+    const int64_t b = row / (S * H), s = row / H % S, h = row % H, l = (b * H + h) * S + s;
+    const float la = lse[l], lb = plse[l], m = std::max(la, lb);
+    if (m == ninf) continue;  // no visible key in either part
+    const float wa = std::exp(la - m), wb = std::exp(lb - m), sum = wa + wb;
+    lse[l] = m + std::log(sum);
+    const float ca = wa / sum, cb = wb / sum;
+    T* o = out + row * hd;
+    const T* p = part + row * hd;
+    for (int64_t d = 0; d < hd; d++) o[d] = st<T>(ca * ld(o[d]) + cb * ld(p[d]));
+  }
+}
+
+inline void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part, const Tensor& part_lse) {
+  TS_PROFILE_OP("attention_merge", out);
+  const char* op = "attention_merge";
+  detail::check_float(op, "out", out);
+  TS_CHECK(out.dim() == 4, "%s: out must be [B, S, H, hd], got %s", op, out.str().c_str());
+  detail::check_like(op, "part", part, out, "out");
+  detail::check_shape(op, "lse", lse, {out.size(0), out.size(2), out.size(1)});
+  detail::check_dtype(op, "lse", lse, DType::F32);
+  detail::check_like(op, "part_lse", part_lse, lse, "lse");
+#ifdef TS_CUDA
+  if (detail::common_device(op, {&out, &lse, &part, &part_lse}) == Device::CUDA)
+    return cuda::attention_merge(out, lse, part, part_lse);
+#endif
+  detail::by_dtype(out.dtype, [&](auto t) {
+    using T = decltype(t);
+    attention_merge_cpu(out.data<T>(), lse.f32(), part.data<T>(), part_lse.f32(), out.size(0), out.size(1),
+                        out.size(2), out.size(3));
+  });
+}
+
+// Rank r's queries against every rank's keys, one K/V block per ring step: at step t it holds
+// the block of rank r − t. Forward merges each block's (output, lse) into the running result
+// (attention_merge above); a block the causal mask hides from all of r's queries is not
+// computed, but still passed on. Only the kv_heads travel, never K/V expanded to the query heads.
 class RingAttention : public AttentionCore {
  public:
   RingAttention(Comm& group, int T, bool zigzag, Device dev) : cp_(group) {
@@ -235,6 +285,30 @@ class RingAttention : public AttentionCore {
 };
 
 // ----- Ulysses ---------------------------------------------------------------------------------------
+
+// The packing around Ulysses' all-to-alls (sequence shards <-> head shards): dst = src with the two
+// leading indices of [a, b, w] swapped, dst[j, i, :] = src[i, j, :], any dtype, w = numel / (a·b).
+// On the CPU one memcpy per w-run; on a GPU the CUDA twin in common/kernels_cuda.cu.
+inline void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b) {
+  TS_PROFILE_OP("swap_leading", dst);
+  const char* op = "swap_leading";
+  detail::check_defined(op, "src", src);
+  detail::check_numel(op, "dst", dst, src.numel(), src.dtype);
+  TS_CHECK(a > 0 && b > 0 && src.numel() % (a * b) == 0, "%s: %s is not [%lld, %lld, w]", op, src.str().c_str(),
+           (long long)a, (long long)b);
+  TS_CHECK(!(dst.raw() == src.raw() && src.numel() > 0), "%s: dst and src must be separate", op);
+#ifdef TS_CUDA
+  if (detail::common_device(op, {&dst, &src}) == Device::CUDA) return cuda::swap_leading(dst, src, a, b);
+#endif
+  const size_t row = size_t(src.numel() / (a * b)) * dtype_size(src.dtype);
+  const char* s = static_cast<const char*>(src.raw());
+  char* d = static_cast<char*>(dst.raw());
+#pragma omp parallel for schedule(static)
+  for (int64_t ij = 0; ij < a * b; ij++) {
+    const int64_t i = ij / b, j = ij % b;
+    std::memcpy(d + (j * a + i) * row, s + ij * row, row);
+  }
+}
 
 // All-to-all from sequence shards to head shards and back. The full sequence is kept in rank
 // order (rank 0's tokens, rank 1's, …): attention masks by position, so no reordering is needed.

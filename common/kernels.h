@@ -1,7 +1,11 @@
 // kernels.h — every op the model needs, forward and backward.
 //
-// Each op dispatches on the device of its tensors: the CPU implementation in kernels.cu is the
-// readable reference (and the test oracle), the CUDA kernel in kernels_cuda.cu is its twin.
+// Each op checks its arguments and dispatches on the device of its tensors (kernels.cu). On the
+// CPU it runs the plain loops of kernels_ref.cu, the readable reference of every op and the test
+// oracle, or, where those are too slow to train with, the tuned kernels of kernels_cpu.cu; on a
+// GPU its CUDA twin in kernels_cuda.cu. The kernels of a chapter's own idea live in that chapter:
+// the vocabulary-parallel cross-entropy in 04_tensor_parallel.cu, the merge of partial attentions
+// and the Ulysses packing in 06_context_parallel.cu (their CUDA twins in kernels_cuda.cu).
 // Activations are fp32 or bf16 (the "T" below: the dtype of x/y/q/...); norm weights, gradients
 // of parameters, statistics (rstd, lse) and losses are always fp32 — the mixed-precision recipe of
 // the playbook: bf16 compute, fp32 master weights and fp32 gradient accumulation.
@@ -62,19 +66,6 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
                         const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
                         const Tensor& v, const Tensor& qpos, const Tensor& kpos);
 
-// ----- context parallelism: attention over key blocks, merged --------------------------------
-// Ring attention computes a query block against one key block at a time. Two partial results
-// (o_a, lse_a) and (o_b, lse_b) over disjoint key sets combine exactly by the online-softmax rule
-// (Milakov & Gimelshein 2018; the merge of ring attention, Liu et al. 2023):
-//   lse = log(exp(lse_a) + exp(lse_b)),   o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b.
-// out [B, S, H, hd] (T) and lse [B, H, S] fp32 hold (o_a, lse_a) and are updated in place with
-// part (T) and part_lse fp32 of the same shapes. A row with no visible key in a block has lse -inf
-// and weight 0; a row with none in either stays lse -inf with out unchanged (never NaN).
-void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part, const Tensor& part_lse);
-// dst = src with the two leading indices of [a, b, w] swapped: dst[j, i, :] = src[i, j, :], any
-// dtype, w = numel / (a·b). The packing around Ulysses' all-to-alls (sequence <-> head shards).
-void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b);
-
 // ----- SwiGLU: h = silu(g) * u -------------------------------------------------------------------
 // g, u, h [N, F] (T). backward overwrites dg, du.
 void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u);
@@ -86,22 +77,6 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
 // probabilities are never stored. Stable for large logits (max subtracted).
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, float grad_scale);
-
-// ----- vocabulary-parallel cross-entropy (Megatron's VocabParallelCrossEntropy) ----------------
-// Under tp the LM head is split by vocabulary: this rank holds logits [N, Vl] (T) for the vocabulary
-// rows [vocab_start, vocab_start + Vl) and the full [N, V] is never gathered. targets int32 [N] are
-// global ids. Three steps, with the caller's collectives over the tp group between them:
-//   1. vocab_ce_max:    max [N] fp32 = the local row max.          all-reduce MAX of max -> M
-//   2. vocab_ce_stats:  stats [2, N] fp32 = (sum over the local row of exp(x - M),
-//                       x[target] where this rank owns the target, else 0).  all-reduce SUM -> (S, z)
-//   3. vocab_ce_finish: losses [N] fp32 = log S + M - z; dlogits [N, Vl] (T, may alias logits) =
-//                       (exp(x - M) / S - onehot(target)) * grad_scale; undefined: losses only.
-// With one rank (vocab_start 0, no collectives) this is cross_entropy_forward_backward.
-void vocab_ce_max(const Tensor& max, const Tensor& logits);
-void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
-                    int64_t vocab_start);
-void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
-                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale);
 
 // ----- optimizer and norms ---------------------------------------------------------------------
 struct AdamWParams {

@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "../06_context_parallel.cu"  // cp::attention_merge, cp::swap_leading
 #include "core.h"
 #include "kernels.h"
 #include "rng.h"
@@ -91,7 +92,7 @@ struct Blockwise {
       for (int64_t j = nb - 1; j >= 0; j--) {
         attention_forward(j == nb - 1 ? oi : part, j == nb - 1 ? li : plse, qi, blk(k, KVH, j), blk(v, KVH, j), qp,
                           bpos(j));
-        if (j != nb - 1) attention_merge(oi, li, part, plse);
+        if (j != nb - 1) cp::attention_merge(oi, li, part, plse);
       }
       err_out = std::max(err_out, max_abs(to_host_f32(oi), seq_rows(ro, B, N, i * S, S)));
       err_lse = std::max(err_lse, max_abs(to_host_f32(li), lse_cols(rl, B, H, N, i * S, S)));
@@ -155,7 +156,7 @@ TEST_CASE("attention_merge: the rule on hand values; fully masked parts never gi
   // [B 1, S 4, H 1, hd 2]; rows: both parts visible, part b masked, part a masked, both masked.
   Tensor out = make({1, 4, 1, 2}, {1, 2, 3, 4, 0, 0, 7, 8}), lse = make({1, 1, 4}, {0.f, 1.f, ninf, ninf});
   Tensor part = make({1, 4, 1, 2}, {3, 6, 9, 9, 5, 6, 0, 0}), plse = make({1, 1, 4}, {std::log(3.f), ninf, 2.f, ninf});
-  attention_merge(out, lse, part, plse);
+  cp::attention_merge(out, lse, part, plse);
   const Vec o = to_host_f32(out), l = to_host_f32(lse);
   // Row 0: weights 1/4 and 3/4, lse log 4.
   CHECK(o[0] == Approx(0.25 * 1 + 0.75 * 3).epsilon(1e-6));
@@ -174,7 +175,7 @@ TEST_CASE("swap_leading swaps the two leading indices of [a, b, w], fp32 and bf1
     Tensor src = Tensor::empty({a * b * w}, dt, Device::CPU, Tag::Workspace);
     Tensor dst = Tensor::empty({a * b * w}, dt, Device::CPU, Tag::Workspace);
     from_host_f32(src, x.data());
-    swap_leading(dst, src, a, b);
+    cp::swap_leading(dst, src, a, b);
     const Vec y = to_host_f32(dst);
     for (int64_t i = 0; i < a; i++)
       for (int64_t j = 0; j < b; j++)
@@ -195,14 +196,14 @@ TEST_CASE("cuda twin: attention_merge and swap_leading", "[cuda][cp]") {
   for (size_t i = 0; i < l.size(); i += 7) l[i] = ninf;
   Tensor oc = make({B, S, H, hd}, o), lc = make({B, H, S}, l);
   Tensor og = make({B, S, H, hd}, o, Device::CUDA), lg = make({B, H, S}, l, Device::CUDA);
-  attention_merge(oc, lc, make({B, S, H, hd}, p), make({B, H, S}, pl));
-  attention_merge(og, lg, make({B, S, H, hd}, p, Device::CUDA), make({B, H, S}, pl, Device::CUDA));
+  cp::attention_merge(oc, lc, make({B, S, H, hd}, p), make({B, H, S}, pl));
+  cp::attention_merge(og, lg, make({B, S, H, hd}, p, Device::CUDA), make({B, H, S}, pl, Device::CUDA));
   const Vec lcv = to_host_f32(lc), lgv = to_host_f32(lg);
   for (size_t i = 0; i < lcv.size(); i++) CHECK((lcv[i] == lgv[i] || std::fabs(lcv[i] - lgv[i]) <= 1e-6));
   CHECK(max_abs(to_host_f32(og), to_host_f32(oc)) <= 1e-6);
   Tensor sc = make({B * S * H * hd}, o), dc = zeros_like(sc);
   Tensor sg = make({B * S * H * hd}, o, Device::CUDA), dg = zeros_like(sg);
-  swap_leading(dc, sc, B * S, H);
-  swap_leading(dg, sg, B * S, H);
+  cp::swap_leading(dc, sc, B * S, H);
+  cp::swap_leading(dg, sg, B * S, H);
   CHECK(max_abs(to_host_f32(dg), to_host_f32(dc)) == 0);
 }

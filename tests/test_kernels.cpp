@@ -1,9 +1,12 @@
 // ranks: 1
-// Every op of kernels.h against a plain double-precision reference written here, at awkward sizes
-// (odd dimensions, sequence lengths that are no multiple of any tile, GQA ratios 1, 2, 4), plus
-// determinism, bf16, the allocator's accounting and the counter-based RNG. With a GPU, every
-// CUDA twin is also checked against the CPU implementation ("cuda twin: <op>").
+// Every op of kernels.h (and 04's vocabulary-parallel cross-entropy) against a plain
+// double-precision reference written here, at awkward sizes (odd dimensions, sequence lengths that
+// are no multiple of any tile, GQA ratios 1, 2, 4); each tuned CPU kernel (kernels_cpu.cu) against
+// its plain-loop reference (ts::ref, kernels_ref.cu) within bounds a real bug breaks by orders of
+// magnitude ("[ref]"); plus determinism, bf16, the allocator's accounting and the counter-based
+// RNG. With a GPU, every CUDA twin is also checked against the CPU implementation ("cuda twin: <op>").
 #include <catch2/catch.hpp>
+#include <cblas.h>
 #include <omp.h>
 
 #include <cmath>
@@ -12,8 +15,10 @@
 #include <string>
 #include <vector>
 
+#include "../04_tensor_parallel.cu"  // tp::vocab_ce_*: the vocabulary-parallel cross-entropy
 #include "core.h"
 #include "kernels.h"
+#include "kernels_ref.h"
 #include "rng.h"
 
 using namespace ts;
@@ -735,21 +740,21 @@ void vocab_parallel_ce(Vec& losses, Vec& dl, const Vec& x, const IVec& t, int tp
   Vec M(N, -std::numeric_limits<float>::infinity()), S(2 * N, 0.0f);
   Tensor mx = f32({N}), stats = f32({2, N});
   for (int r = 0; r < tp; r++) {
-    vocab_ce_max(mx, blocks[r]);
+    tp::vocab_ce_max(mx, blocks[r]);
     for (int64_t n = 0; n < N; n++) M[n] = std::max(M[n], mx.f32()[n]);
   }
   const Tensor Mt = make({N}, M);
   for (int r = 0; r < tp; r++) {
-    vocab_ce_stats(stats, blocks[r], Mt, tg, start(r));
+    tp::vocab_ce_stats(stats, blocks[r], Mt, tg, start(r));
     for (int64_t i = 0; i < 2 * N; i++) S[i] += stats.f32()[i];
   }
   const Tensor St = make({2, N}, S);
   dl.assign(N * V, 0.0f);
   for (int r = 0; r < tp; r++) {
     Tensor l = f32({N});
-    vocab_ce_finish(l, Tensor(), blocks[r], Mt, St, tg, start(r), scale);
+    tp::vocab_ce_finish(l, Tensor(), blocks[r], Mt, St, tg, start(r), scale);
     const Vec alone = host(l);
-    vocab_ce_finish(l, blocks[r], blocks[r], Mt, St, tg, start(r), scale);
+    tp::vocab_ce_finish(l, blocks[r], blocks[r], Mt, St, tg, start(r), scale);
     if (r == 0) losses = host(l);
     REQUIRE(bitwise_equal(host(l), losses));
     REQUIRE(bitwise_equal(alone, losses));
@@ -1038,9 +1043,9 @@ std::vector<Named> run_all_ops(DType dt) {
   r.push_back({"cross_entropy dlogits", host(logits)});
   // One vocabulary shard starting at row 10: rows whose target is below it own no target.
   Tensor shard = act({N, V}, 15, 3.0f), mx = f32({N}), stats = f32({2, N}), vlosses = f32({N});
-  vocab_ce_max(mx, shard);
-  vocab_ce_stats(stats, shard, mx, tok, 10);
-  vocab_ce_finish(vlosses, shard, shard, mx, stats, tok, 10, 1.0f / N);
+  tp::vocab_ce_max(mx, shard);
+  tp::vocab_ce_stats(stats, shard, mx, tok, 10);
+  tp::vocab_ce_finish(vlosses, shard, shard, mx, stats, tok, 10, 1.0f / N);
   r.push_back({"vocab_ce stats", host(stats)});
   r.push_back({"vocab_ce loss", host(vlosses)});
   r.push_back({"vocab_ce dlogits", host(shard)});
@@ -1106,6 +1111,187 @@ TEST_CASE("sum_squares_each gives each tensor's sum_squares, bit for bit", "[nor
   for (size_t i = 0; i < xs.size(); i++) CHECK(each[i] == sum_squares(xs[i]));
   CHECK(each[1] == 9.0);
   CHECK(sum_squares_each({}).empty());
+}
+
+// ===== the tuned CPU kernels against their references ============================================
+
+namespace {
+Tensor clone(const Tensor& t) {
+  if (!t.defined()) return t;
+  Tensor r = Tensor::empty(t.shape, t.dtype, Device::CPU, Tag::Workspace);
+  copy(r, t);
+  return r;
+}
+
+// The largest difference a test allows between a tuned kernel and its reference: absolute, and
+// relative to the largest reference value (norm-wise, robust where single entries are near 0).
+struct Tol {
+  double abs, rel;
+};
+
+// Runs the tuned kernel (the op of kernels.h, which dispatches to kernels_cpu.cu) and its plain-loop
+// reference (ts::ref, kernels_ref.cu) on separate copies of the same tensors, inputs and pre-filled
+// outputs, and requires every tensor at the indices in outs to agree within f32 or bf16 (by that
+// output's dtype). Equal infinities (the lse of a row with no visible key) agree.
+void vs_ref(const char* name, const std::vector<Tensor>& ts, const std::vector<int>& outs,
+            const std::function<void(const std::vector<Tensor>&)>& fast,
+            const std::function<void(const std::vector<Tensor>&)>& reference, Tol f32, Tol bf16) {
+  std::vector<Tensor> f, r;
+  for (const Tensor& t : ts) {
+    f.push_back(clone(t));
+    r.push_back(clone(t));
+  }
+  fast(f);
+  reference(r);
+  for (int i : outs) {
+    const Vec got = host(f[i]), want = host(r[i]);
+    double diff = 0, scale = 1e-30;
+    for (size_t j = 0; j < got.size(); j++) {
+      if (std::isfinite(want[j])) scale = std::max(scale, std::fabs(double(want[j])));
+      if (got[j] != want[j]) diff = std::max(diff, std::isfinite(want[j]) ? std::fabs(double(got[j]) - want[j]) : kInf);
+    }
+    const Tol tol = f[i].dtype == DType::BF16 ? bf16 : f32;
+    INFO(name << ": output " << i << " " << r[i].str() << ": max abs diff " << diff << ", relative " << diff / scale);
+    CHECK(diff <= tol.abs);
+    CHECK(diff / scale <= tol.rel);
+  }
+}
+
+Tensor empty_like(const Tensor& t) { return make(t.shape, Vec(t.numel(), 0.0f), t.dtype); }
+}  // namespace
+
+// Tolerances. The reference sums every product in double and takes std::exp; the tuned kernels sum
+// in fp32 in their own order (vector lanes, register tiles, BLAS blocks) and use exp_approx
+// (~1 ulp), so they differ by their fp32 rounding: with inputs of order 1 and sums of at most a
+// few hundred terms, a few 1e-7 relative (measured: attention 7e-7, matmul 7e-7, RMSNorm 1e-7,
+// RoPE 8e-8, cross-entropy 2e-8). Each relative bound below is 3 to 6 times the largest difference
+// measured (cross-entropy's allows one fp32 ulp of its largest loss), and each absolute bound scales
+// with the size of the outputs (a matmul's |C| grows as sqrt(K), attention's dK/dV sum the heads of
+// a GQA group). A real bug (a wrong mask, a missed GQA head, a transposed operand, a lost scale)
+// moves results by 1e-1 or more, and even a 1e-4 slip in one factor breaks the relative bounds 30
+// times over. In bf16 the outputs are rounded to 8 bits of mantissa and a last-bit difference in
+// fp32 can flip that rounding: one bf16 step, 2^-8 relative (2^-8 times the largest output).
+TEST_CASE("tuned attention equals the reference: GQA, positions, fully masked rows, fp32 and bf16",
+          "[attention][ref]") {
+  struct Case {
+    AttnDims a;
+    IVec qpos, kpos;
+  };
+  std::vector<Case> cases;
+  for (int64_t KVH : {4, 2, 1}) cases.push_back({{2, 37, 4, KVH, 24}, iota(37, 5), iota(37, 5)});  // causal
+  cases.push_back({{1, 70, 8, 2, 16}, iota(70, 0), iota(70, 0)});                                  // > 2 tiles
+  IVec zq(19), zk(19);  // context-parallel chunks: rows 0..4 see no key, the rest some or all
+  for (int64_t i = 0; i < 19; i++) zq[i] = int32_t(i < 5 ? i : 40 + 3 * i), zk[i] = int32_t(10 + 5 * i);
+  cases.push_back({{2, 19, 6, 3, 8}, zq, zk});
+  for (DType dt : {DType::F32, DType::BF16})
+    for (size_t n = 0; n < cases.size(); n++) {
+      const AttnDims& a = cases[n].a;
+      INFO("case " << n << " S " << a.S << " H " << a.H << " KVH " << a.KVH << " hd " << a.hd << " " << dtype_name(dt));
+      const AttnCase c = attn_case(a, cases[n].qpos, cases[n].kpos, 700 + 10 * n);
+      Tensor q = make({a.B, a.S, a.H, a.hd}, c.q, dt), k = make({a.B, a.S, a.KVH, a.hd}, c.k, dt);
+      Tensor v = make({a.B, a.S, a.KVH, a.hd}, c.v, dt), dout = make({a.B, a.S, a.H, a.hd}, c.dout, dt);
+      Tensor qp = ints(c.qpos), kp = ints(c.kpos), out = empty_like(q), dq = empty_like(q);
+      Tensor lse = make({a.B, a.H, a.S}, Vec(a.B * a.H * a.S, 0.0f)), dk = empty_like(k), dv = empty_like(k);
+      vs_ref("attention_forward", {out, lse, q, k, v, qp, kp}, {0, 1},
+             [](auto& t) { attention_forward(t[0], t[1], t[2], t[3], t[4], t[5], t[6]); },
+             [](auto& t) { ref::attention_forward(t[0], t[1], t[2], t[3], t[4], t[5], t[6]); }, {2e-6, 1e-6},
+             {1.0 / 64, 1.0 / 256});
+      attention_forward(out, lse, q, k, v, qp, kp);  // both backwards start from the same out, lse
+      vs_ref("attention_backward", {dq, dk, dv, dout, out, lse, q, k, v, qp, kp}, {0, 1, 2},
+             [](auto& t) { attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10]); },
+             [](auto& t) {
+               ref::attention_backward(t[0], t[1], t[2], t[3], t[4], t[5], t[6], t[7], t[8], t[9], t[10]);
+             },
+             {2e-5, 3e-6}, {1.0 / 16, 1.0 / 256});
+    }
+}
+
+TEST_CASE("tuned rmsnorm, rope and embedding backward equal the reference", "[rmsnorm][rope][embedding][ref]") {
+  for (DType dt : {DType::F32, DType::BF16}) {
+    INFO(dtype_name(dt));
+    const Tol f32{4e-6, 5e-7}, bf16{1.0 / 64, 1.0 / 256};
+    const int64_t N = 13, D = 77;
+    Tensor x = make({N, D}, randn(N * D, 801, 2.0f), dt), dy = make({N, D}, randn(N * D, 802), dt);
+    Tensor w = make({D}, randn(D, 803)), y = empty_like(x), dx = empty_like(x);
+    Tensor rstd = make({N}, Vec(N, 0.0f)), dw = make({D}, randn(D, 804));
+    vs_ref("rmsnorm_forward", {y, rstd, x, w}, {0, 1}, [](auto& t) { rmsnorm_forward(t[0], t[1], t[2], t[3], 1e-5f); },
+           [](auto& t) { ref::rmsnorm_forward(t[0], t[1], t[2], t[3], 1e-5f); }, f32, bf16);
+    rmsnorm_forward(y, rstd, x, w, 1e-5f);
+    vs_ref("rmsnorm_backward", {dx, dw, dy, x, w, rstd}, {0, 1},
+           [](auto& t) { rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5]); },
+           [](auto& t) { ref::rmsnorm_backward(t[0], t[1], t[2], t[3], t[4], t[5]); }, f32, bf16);
+    const int64_t B = 2, S = 11, H = 3, hd = 20;
+    Tensor r = make({B, S, H, hd}, randn(B * S * H * hd, 805), dt), pos = ints(iota(S, 1000));
+    for (float theta : {10000.0f, 500000.0f}) {
+      vs_ref("rope_forward", {r, pos}, {0}, [=](auto& t) { rope_forward(t[0], t[1], theta); },
+             [=](auto& t) { ref::rope_forward(t[0], t[1], theta); }, f32, bf16);
+      vs_ref("rope_backward", {r, pos}, {0}, [=](auto& t) { rope_backward(t[0], t[1], theta); },
+             [=](auto& t) { ref::rope_backward(t[0], t[1], theta); }, f32, bf16);
+    }
+    // Both add each row's tokens in token order in fp32: the same sums, bit for bit.
+    const int64_t V = 70, T = 300;
+    IVec tk(T);
+    for (int64_t i = 0; i < T; i++) tk[i] = int32_t(3 + (i * 37) % (V + 9));  // some outside the shard
+    Tensor dtable = make({V, 9}, randn(V * 9, 806)), dout_e = make({T, 9}, randn(T * 9, 807), dt), tok = ints(tk);
+    vs_ref("embedding_backward", {dtable, dout_e, tok}, {0}, [](auto& t) { embedding_backward(t[0], t[1], t[2], 5); },
+           [](auto& t) { ref::embedding_backward(t[0], t[1], t[2], 5); }, {0, 0},
+           {0, 0});
+  }
+}
+
+TEST_CASE("tuned matmul equals the reference: transposes, alpha and beta, panels, bf16", "[matmul][ref]") {
+  struct Dims {
+    int64_t M, N, K;
+  };
+  // OpenBLAS on one thread, so that the tuned matmul cuts C into its panels (300 rows: two).
+  const int blas_threads = openblas_get_num_threads();
+  openblas_set_num_threads(1);
+  for (Dims d : {Dims{37, 29, 45}, Dims{300, 150, 200}, Dims{1, 17, 3}})
+    for (DType dt : {DType::F32, DType::BF16})
+      for (DType ct : {DType::F32, dt})
+        for (int tr = 0; tr < 4; tr++) {
+          const bool ta = tr & 1, tb = tr & 2;
+          INFO("M " << d.M << " N " << d.N << " K " << d.K << " A^T " << ta << " B^T " << tb << " " << dtype_name(dt)
+                    << " C " << dtype_name(ct));
+          Tensor A = make(ta ? std::vector<int64_t>{d.K, d.M} : std::vector<int64_t>{d.M, d.K},
+                          randn(d.M * d.K, 811 + tr), dt);
+          Tensor B = make(tb ? std::vector<int64_t>{d.N, d.K} : std::vector<int64_t>{d.K, d.N},
+                          randn(d.N * d.K, 812 + tr), dt);
+          Tensor C = make({d.M, d.N}, randn(d.M * d.N, 813), ct);
+          // Sums of K products of unit normals: |C| up to ~4 sqrt(K), 60 at K = 200.
+          const Tol f32{1e-5 * std::sqrt(double(d.K)), 3e-6}, bf16{std::sqrt(double(d.K)) / 64, 1.0 / 256};
+          vs_ref("matmul", {C, A, B}, {0}, [=](auto& t) { matmul(t[0], t[1], ta, t[2], tb, 0.5f, 0.7f); },
+                 [=](auto& t) { ref::matmul(t[0], t[1], ta, t[2], tb, 0.5f, 0.7f); }, f32, bf16);
+          vs_ref("matmul beta 0", {C, A, B}, {0}, [=](auto& t) { matmul(t[0], t[1], ta, t[2], tb, 1.0f, 0.0f); },
+                 [=](auto& t) { ref::matmul(t[0], t[1], ta, t[2], tb, 1.0f, 0.0f); }, f32, bf16);
+        }
+  openblas_set_num_threads(blas_threads);
+}
+
+TEST_CASE("tuned cross-entropy rows and sum_squares equal the reference", "[cross_entropy][norms][ref]") {
+  const int64_t N = 9, V = 257;
+  Vec x = randn(N * V, 821, 3.0f);
+  for (int64_t j = 0; j < V; j += 3) x[2 * V + j] = 80.0f;  // row 2: target at -80 among +80s
+  x[2 * V + 1] = -80.0f;
+  for (int64_t j = 0; j < V; j++) x[3 * V + j] = j % 2 ? 80.0f : -80.0f;
+  const IVec t = {0, 256, 1, 0, 5, 100, 17, 3, 128};
+  for (DType dt : {DType::F32, DType::BF16}) {
+    INFO(dtype_name(dt));
+    // Losses reach 160 (row 2), where one fp32 ulp is 1.5e-5; |dlogits| <= grad_scale = 1/4.
+    const Tol f32{4e-5, 2e-7}, bf16{1.0 / 1024, 1.0 / 256};
+    Tensor logits = make({N, V}, x, dt), losses = make({N}, Vec(N, 0.0f)), dl = empty_like(logits);
+    vs_ref("cross_entropy", {losses, dl, logits, ints(t)}, {0, 1},
+           [](auto& a) { cross_entropy_forward_backward(a[0], a[1], a[2], a[3], 0.25f); },
+           [](auto& a) { ref::cross_entropy_forward_backward(a[0], a[1], a[2], a[3], 0.25f); }, f32, bf16);
+    vs_ref("cross_entropy in place", {losses, logits, ints(t)}, {0, 1},
+           [](auto& a) { cross_entropy_forward_backward(a[0], a[1], a[1], a[2], 0.25f); },
+           [](auto& a) { ref::cross_entropy_forward_backward(a[0], a[1], a[1], a[2], 0.25f); }, f32, bf16);
+  }
+  // Double sums of 200001 squares in chunks against one running sum: ~1e-16 relative per add.
+  const Tensor sq = make({200001}, randn(200001, 822));
+  const double fast = sum_squares(sq), want = ref::sum_squares(sq);
+  INFO("sum_squares " << fast << " reference " << want);
+  CHECK(std::fabs(fast - want) <= 1e-12 * want);
 }
 
 // ===== CUDA twins ================================================================================
@@ -1312,14 +1498,14 @@ TEST_CASE("cuda twin: vocabulary-parallel cross-entropy", "[cuda]") {
   for (DType dt : {DType::F32, DType::BF16}) {
     Tensor logits = make({N, Vl}, lg, dt), mx = make({N}, Vec(N, 0.f)), stats = make({2, N}, Vec(2 * N, 0.f));
     Tensor losses = make({N}, Vec(N, 0.f));
-    twin("vocab_ce_max", {mx, logits}, {0}, [](auto& t) { vocab_ce_max(t[0], t[1]); }, 0);
-    vocab_ce_max(mx, logits);
+    twin("vocab_ce_max", {mx, logits}, {0}, [](auto& t) { tp::vocab_ce_max(t[0], t[1]); }, 0);
+    tp::vocab_ce_max(mx, logits);
     scale_inplace(mx, 1.25f);  // a global max above this shard's own, as from another rank
     twin("vocab_ce_stats", {stats, logits, mx, tgt}, {0},
-         [=](auto& t) { vocab_ce_stats(t[0], t[1], t[2], t[3], vs); }, 1e-5);
-    vocab_ce_stats(stats, logits, mx, tgt, vs);
+         [=](auto& t) { tp::vocab_ce_stats(t[0], t[1], t[2], t[3], vs); }, 1e-5);
+    tp::vocab_ce_stats(stats, logits, mx, tgt, vs);
     twin("vocab_ce_finish", {losses, logits, mx, stats, tgt}, {0, 1},
-         [=](auto& t) { vocab_ce_finish(t[0], t[1], t[1], t[2], t[3], t[4], vs, 0.25f); }, tol_for(dt, 1e-5));
+         [=](auto& t) { tp::vocab_ce_finish(t[0], t[1], t[1], t[2], t[3], t[4], vs, 0.25f); }, tol_for(dt, 1e-5));
   }
 }
 
