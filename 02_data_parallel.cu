@@ -159,16 +159,17 @@ inline double exposed_seconds(bool bucketed, double t_reduce, double last_backwa
 }
 
 // Seconds of the all-reduce of `psi` fp32 gradients over `n` ranks spanning `nodes` nodes.
-inline double reduction_seconds(const Network& net, double psi, int n, double calls, int nodes) {
-  return n > 1 ? group_seconds(net, {{"all_reduce", allreduce_bytes(int64_t(psi), n)}}, calls, nodes) : 0.0;
+inline double reduction_seconds(const Network& net, int64_t psi, int n, double calls, int nodes) {
+  return n > 1 ? group_seconds(net, {{"all_reduce", allreduce_bytes(psi, n)}}, calls, nodes) : 0.0;
 }
 
 // This run's step: dp replicas compute 1/dp of the tokens each, then reduce their 4Ψ of gradients.
 inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, bool bucketed, double bucket_mb) {
   StepTerms s = compute_terms(g, rc, 1, 1, 1, dp);
-  const double psi = double(param_count(rc.model)), mbs = double(rc.batch) / dp / rc.micro_batch;
-  s.t_dp = reduction_seconds(g.net, psi, dp, reduction_calls(bucketed, rc.model.layers, 4 * psi, bucket_mb), 1);
-  s.t_dp_exposed = exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), 4 * psi, bucket_mb);
+  const int64_t psi = param_count(rc.model);
+  const double grad_bytes = 4.0 * double(psi), mbs = double(rc.batch) / dp / rc.micro_batch;
+  s.t_dp = reduction_seconds(g.net, psi, dp, reduction_calls(bucketed, rc.model.layers, grad_bytes, bucket_mb), 1);
+  s.t_dp_exposed = exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), grad_bytes, bucket_mb);
   s.total();
   return s;
 }

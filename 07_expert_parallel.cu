@@ -259,8 +259,7 @@ inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, in
   const double mbs = double(rc.batch) / dp / rc.micro_batch, grad_bytes = 4.0 * double(t.total);
   const int L = rc.model.layers;
   const double calls = dp::reduction_calls(true, L, grad_bytes, bucket_mb);
-  s.t_dp = dp::reduction_seconds(g.net, double(split.dense), dp, calls, 1) +
-           dp::reduction_seconds(g.net, double(split.experts), dp / ep, calls, 1);
+  s.t_dp = dp::reduction_seconds(g.net, split.dense, dp, calls, 1) + dp::reduction_seconds(g.net, split.experts, dp / ep, calls, 1);
   s.t_dp_exposed = dp::exposed_seconds(true, s.t_dp, s.last_backward(mbs), grad_bytes, bucket_mb);
   if (ep > 1)
     s.t_ep = group_seconds(g.net, {{"all_to_all", predict_balanced_bytes(rc, dp, ep)}}, all_to_all_calls(mbs, L), 1);

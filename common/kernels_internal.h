@@ -45,6 +45,17 @@ template <class D, class S> void convert_n(D* dst, const S* src, int64_t n) {
   for (int64_t i = 0; i < n; i++) dst[i] = st<D>(ld(src[i]));
 }
 
+// C [M, N] = op(A) [M, K] · op(B) [K, N], with every leading dimension of C and of A folded into
+// the rows.
+struct MatmulDims {
+  int64_t M, N, K;
+};
+inline MatmulDims matmul_dims(const Tensor& C, const Tensor& A, bool transA) {
+  const int64_t N = C.size(-1), M = N ? C.numel() / N : 0;
+  const int64_t K = !transA ? A.size(-1) : A.size(-1) ? A.numel() / A.size(-1) : 0;
+  return {M, N, K};
+}
+
 // ===== shared numerics ==========================================================================
 
 // exp(x) in plain float arithmetic (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial,

@@ -377,8 +377,7 @@ void rope_backward(const Tensor& dx, const Tensor& pos, float theta) {
 }
 
 void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool transB, float alpha, float beta) {
-  const int64_t N = C.size(-1), M = N ? C.numel() / N : 0;
-  const int64_t K = !transA ? A.size(-1) : A.size(-1) ? A.numel() / A.size(-1) : 0;
+  const auto [M, N, K] = detail::matmul_dims(C, A, transA);
   by_dtype(A.dtype, [&](auto a) {
     using T = decltype(a);
     by_dtype(C.dtype, [&](auto c) {
