@@ -377,11 +377,12 @@ void rope_backward(const Tensor& dx, const Tensor& pos, float theta) {
 }
 
 void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool transB, float alpha, float beta) {
-  const auto [M, N, K] = detail::matmul_dims(C, A, transA);
+  // A named struct, not a structured binding: C++17 lambdas cannot capture bindings.
+  const detail::MatmulDims d = detail::matmul_dims(C, A, transA);
   by_dtype(A.dtype, [&](auto a) {
     using T = decltype(a);
     by_dtype(C.dtype, [&](auto c) {
-      matmul_ref(C.data<decltype(c)>(), A.data<T>(), transA, B.data<T>(), transB, alpha, beta, M, N, K);
+      matmul_ref(C.data<decltype(c)>(), A.data<T>(), transA, B.data<T>(), transB, alpha, beta, d.M, d.N, d.K);
     });
   });
 }
