@@ -12,9 +12,10 @@
 // identity backward) sit before each column-parallel pair and after each row-parallel matmul:
 // two all-reduces per layer forward, two backward.
 //
-// The chapter's figure, read off the code. Each weight is stored [out, in] (common/model.cu
-// Model::make_table: `col` splits its rows, `row` its columns); f and g are called in
-// Model::layer_compute (forward) and Model::layer_backward, with this file's TensorParallel:
+// The chapter's figure, read off the code. Each weight is stored [out, in]; tp::split_of below is
+// the split table the model's shard spec reads (column-parallel splits rows, row-parallel
+// columns). f and g are called in Model::layer_compute (forward) and Model::layer_backward, with
+// this file's TensorParallel:
 //
 //   region     weight                  split                        this rank's output   then
 //   embedding  embed_tokens   [V, D]   vocab rows V/tp              partial rows         g
@@ -41,6 +42,7 @@
 //   ./build/04_tensor_parallel --dry-run --preset 8b --tp 8 --micro-batch 1 --dtype bf16
 #ifndef TS_04_TENSOR_PARALLEL_CU
 #define TS_04_TENSOR_PARALLEL_CU
+#include <cstring>
 #include <map>
 
 #include "checkpoint.h"
@@ -248,8 +250,38 @@ inline void reduce_norm_grads(Model& m, Comm& group, int unit = -1) {
   }
 }
 
+// The split table: the chapter's figure as the model's shard spec reads it. Weights are stored
+// [out, in], so a column-parallel linear holds a block of rows (Split::Rows) and a row-parallel
+// one a block of columns (Split::Cols); the vocabulary tables split their rows. Anything not named
+// (the RMSNorm weights) is whole on every rank; the MoE block sets its own (whole over tp, held by
+// one ep rank: common/model.cu add_experts).
+inline Split split_of(const std::string& hf_name) {
+  static const std::pair<const char*, Split> table[] = {
+      {"model.embed_tokens.weight", Split::Rows},  // vocabulary-parallel embedding: V/tp rows
+      {".self_attn.q_proj.weight", Split::Rows},   // column-parallel by heads
+      {".self_attn.k_proj.weight", Split::Rows},   // column-parallel by kv heads
+      {".self_attn.v_proj.weight", Split::Rows},
+      {".self_attn.o_proj.weight", Split::Cols},   // row-parallel: its heads' columns
+      {".mlp.gate_proj.weight", Split::Rows},      // column-parallel by ffn units
+      {".mlp.up_proj.weight", Split::Rows},
+      {".mlp.down_proj.weight", Split::Cols},      // row-parallel
+      {"lm_head.weight", Split::Rows},             // column-parallel by vocabulary
+  };
+  for (const auto& [suffix, split] : table) {
+    const size_t n = std::strlen(suffix);
+    if (hf_name.size() >= n && hf_name.compare(hf_name.size() - n, n, suffix) == 0) return split;
+  }
+  return Split::Whole;
+}
+
 // The shard spec and the checks every rank makes before any collective.
-inline ShardSpec shard_spec(int tp, int tp_rank) { return ShardSpec{tp, tp_rank, {}}; }
+inline ShardSpec shard_spec(int tp, int tp_rank) {
+  ShardSpec s;
+  s.tp = tp;
+  s.tp_rank = tp_rank;
+  s.tp_split = split_of;
+  return s;
+}
 
 inline void validate(const RunConfig& rc, int tp, bool sp) {
   const ModelConfig& m = rc.model;

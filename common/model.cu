@@ -33,10 +33,12 @@ template <class Add> static void add_experts(const ModelConfig& c, const ShardSp
   expert = false;
 }
 
-// Column-parallel linears and the vocabulary tables split their rows tp ways, row-parallel
-// linears their columns; norm weights are whole on every tp rank. Units another pipeline stage
-// owns are kept in the table with nothing held, so indices agree on every rank.
+// The model's tensors in HF order, unit by unit. How each dense tensor is split over tp is the
+// shard spec's split table (04_tensor_parallel.cu's tp::split_of, the chapter's figure); norm
+// weights come out whole on every tp rank. Units another pipeline stage owns are kept in the
+// table with nothing held, so indices agree on every rank.
 ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& sh) {
+  if (sh.tp > 1 && !sh.tp_split) fatal("make_table: a tp %d shard spec without a split table (tp::shard_spec sets it)", sh.tp);
   ParamTable t;
   int unit = 0;
   auto next_unit = [&] {
@@ -81,32 +83,34 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
     t.total += e.numel;
     t.entries.push_back(e);
   };
+  auto dense = [&](const std::string& name, std::vector<int64_t> shape, bool norm = false) {
+    add(name, std::move(shape), sh.tp_split ? sh.tp_split(name) : Split::Whole, norm);
+  };
   const int64_t D = c.dim, KV = c.kv_dim(), F = c.ffn;
-  const Split col = Split::Rows, row = Split::Cols;  // column-parallel linears hold rows of [out, in]
   next_unit();
-  add("model.embed_tokens.weight", {c.vocab, D}, Split::Rows, false);
+  dense("model.embed_tokens.weight", {c.vocab, D});
   for (int l = 0; l < c.layers; l++) {
     unit = l + 1;
     next_unit();
     std::string p = "model.layers." + std::to_string(l) + ".";
-    add(p + "input_layernorm.weight", {D}, Split::Whole, true);
-    add(p + "self_attn.q_proj.weight", {D, D}, col, false);
-    add(p + "self_attn.k_proj.weight", {KV, D}, col, false);
-    add(p + "self_attn.v_proj.weight", {KV, D}, col, false);
-    add(p + "self_attn.o_proj.weight", {D, D}, row, false);
-    add(p + "post_attention_layernorm.weight", {D}, Split::Whole, true);
+    dense(p + "input_layernorm.weight", {D}, true);
+    dense(p + "self_attn.q_proj.weight", {D, D});
+    dense(p + "self_attn.k_proj.weight", {KV, D});
+    dense(p + "self_attn.v_proj.weight", {KV, D});
+    dense(p + "self_attn.o_proj.weight", {D, D});
+    dense(p + "post_attention_layernorm.weight", {D}, true);
     if (c.experts > 0) {
       add_experts(c, sh, l, add, expert);
       continue;
     }
-    add(p + "mlp.gate_proj.weight", {F, D}, col, false);
-    add(p + "mlp.up_proj.weight", {F, D}, col, false);
-    add(p + "mlp.down_proj.weight", {D, F}, row, false);
+    dense(p + "mlp.gate_proj.weight", {F, D});
+    dense(p + "mlp.up_proj.weight", {F, D});
+    dense(p + "mlp.down_proj.weight", {D, F});
   }
   unit = c.layers + 1;
   next_unit();
-  add("model.norm.weight", {D}, Split::Whole, true);
-  add("lm_head.weight", {c.vocab, D}, Split::Rows, false);
+  dense("model.norm.weight", {D}, true);
+  dense("lm_head.weight", {c.vocab, D});
   next_unit();
   return t;
 }

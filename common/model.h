@@ -117,6 +117,10 @@ struct ShardSpec {
   // Expert parallelism: this rank holds experts [ep_rank·E/ep, (ep_rank+1)·E/ep) of every layer;
   // the dense tensors are replicated over the ep group (counted once, on ep rank 0).
   int ep = 1, ep_rank = 0;
+  // Tensor parallelism's split table: how the weight with this HF name is split over the tp
+  // ranks (Rows, Cols or Whole). 04_tensor_parallel.cu defines it (tp::split_of); without a
+  // table every dense tensor is whole, which tp > 1 refuses.
+  Split (*tp_split)(const std::string& hf_name) = nullptr;
   bool holds(int unit) const {
     if (unit_runs.empty()) return true;
     for (auto [b, e] : unit_runs)

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <map>
 
+#include "../04_tensor_parallel.cu"  // tp::shard_spec, tp::split_of
 #include "checkpoint.h"
 #include "model.h"
 #include "test_util.h"
@@ -55,7 +56,7 @@ TEST_CASE("tp 2 and 4: every rank's block of every tensor is that block of the f
   const std::vector<float> f = init_all(full, 11);
   for (int tp : {2, 4})
     for (int r = 0; r < tp; r++) {
-      const ParamTable t = Model::make_table(kCfg, 1, ShardSpec{tp, r, {}});
+      const ParamTable t = Model::make_table(kCfg, 1, tp::shard_spec(tp, r));
       const std::vector<float> mine = init_all(t, 11);
       int64_t held = 0;
       for (const ParamEntry& e : t.entries) {
@@ -83,7 +84,7 @@ TEST_CASE("tp 2 and 4: every rank's block of every tensor is that block of the f
 }
 
 TEST_CASE("the split rule: column-parallel rows, row-parallel columns, norms replicated and counted once", "[shard]") {
-  const ParamTable t = Model::make_table(kCfg, 1, ShardSpec{4, 1, {}});
+  const ParamTable t = Model::make_table(kCfg, 1, tp::shard_spec(4, 1));
   CHECK(t.find("model.layers.0.self_attn.q_proj.weight").split == Split::Rows);
   CHECK(t.find("model.layers.0.self_attn.k_proj.weight").local_shape == std::vector<int64_t>{8, 64});  // 1 kv head
   CHECK(t.find("model.layers.0.self_attn.o_proj.weight").split == Split::Cols);
@@ -94,7 +95,7 @@ TEST_CASE("the split rule: column-parallel rows, row-parallel columns, norms rep
   CHECK(n.split == Split::Whole);
   CHECK(n.replicated_over == "tp");
   CHECK_FALSE(n.counts);  // rank 1's copy
-  CHECK(Model::make_table(kCfg, 1, ShardSpec{4, 0, {}}).find("model.norm.weight").counts);
+  CHECK(Model::make_table(kCfg, 1, tp::shard_spec(4, 0)).find("model.norm.weight").counts);
   // A pipeline stage holding units 1..2 keeps every entry, with nothing held for the others.
   const ParamTable s = Model::make_table(kCfg, 1, ShardSpec{1, 0, {{1, 3}}});
   CHECK(s.entries.size() == Model::make_table(kCfg).entries.size());
@@ -114,7 +115,7 @@ TEST_CASE("tp 2 × ep 2 with experts: router and experts whole over tp, each ten
   std::map<std::string, int64_t> held;
   for (int tp_rank = 0; tp_rank < 2; tp_rank++)
     for (int ep_rank = 0; ep_rank < 2; ep_rank++) {
-      ShardSpec sh{2, tp_rank, {}};
+      ShardSpec sh = tp::shard_spec(2, tp_rank);
       sh.ep = 2;
       sh.ep_rank = ep_rank;
       const ParamTable t = Model::make_table(c, 1, sh);
@@ -132,7 +133,7 @@ TEST_CASE("tp 2 × ep 2 with experts: router and experts whole over tp, each ten
     }
   for (const auto& [name, n] : counted) {
     INFO(name);
-    CHECK(n == (Model::make_table(c).find(name).split == Split::Whole ? 1 : 2));  // whole: once; a tp block: once per tp rank
+    CHECK(n == (Model::make_table(c, 1, tp::shard_spec(2, 0)).find(name).split == Split::Whole ? 1 : 2));  // whole: once; a tp block: once per tp rank
   }
   int64_t total = 0;
   for (const auto& [name, n] : held) total += n;
@@ -140,7 +141,7 @@ TEST_CASE("tp 2 × ep 2 with experts: router and experts whole over tp, each ten
 }
 
 TEST_CASE("a column block maps to one run per row, a row block to one run", "[shard]") {
-  const ParamTable t = Model::make_table(kCfg, 1, ShardSpec{2, 1, {}});
+  const ParamTable t = Model::make_table(kCfg, 1, tp::shard_spec(2, 1));
   const ParamEntry& o = t.find("model.layers.0.self_attn.o_proj.weight");  // [64, 64], columns 32..63
   std::vector<std::array<int64_t, 3>> runs;
   o.for_each_run(0, o.numel, [&](int64_t l, int64_t g, int64_t n) { runs.push_back({l, g, n}); });
@@ -179,7 +180,7 @@ TEST_CASE("tp blocks saved by every rank give the same model and optimizer bytes
     save_checkpoint(ref, rc, m.table, mine, 3, mesh);
   }
   ModelLayout layout;
-  layout.shard = {tp, rank, {}};
+  layout.shard = tp::shard_spec(tp, rank);
   Model m(kCfg, Device::CPU, DType::F32, Recompute::None, layout);
   AdamW opt(m, 0, m.table.total, false);
   opt.ensure_state();
