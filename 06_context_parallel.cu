@@ -487,11 +487,12 @@ inline double exposed_seconds(Mode mode, double t_cp, double t_compute, const Mo
 // all-to-all), and the gradients all-reduced over the cp ranks as 02 reduces them over dp.
 inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int C, const Options& o, double bucket_mb) {
   StepTerms s = compute_terms(g, rc, 1, C, 1, C);
-  const double mbs = double(rc.batch) / rc.micro_batch, grad_bytes = 4.0 * double(param_count(rc.model));
+  const int64_t psi = param_count(rc.model);
+  const double mbs = double(rc.batch) / rc.micro_batch, grad_bytes = 4.0 * double(psi);
   const int L = rc.model.layers;
   s.t_cp = group_seconds(g.net, predict_comm(rc, C, o), collective_calls(mbs, L, C), 1);
   s.t_cp_exposed = exposed_seconds(o.mode, s.t_cp, s.t_compute, rc.model);
-  s.t_dp = dp::reduction_seconds(g.net, param_count(rc.model), C, dp::reduction_calls(true, L, grad_bytes, bucket_mb), 1);
+  s.t_dp = dp::reduction_seconds(g.net, psi, C, dp::reduction_calls(true, L, grad_bytes, bucket_mb), 1);
   s.t_dp_exposed = dp::exposed_seconds(true, s.t_dp, s.last_backward(mbs), grad_bytes, bucket_mb);
   s.total();
   return s;
