@@ -139,10 +139,12 @@ $(BUILD)/tests/test_%: $(BUILD)/tests/test_%.o $(BUILD)/tests/catch_main.o $(BUI
 $(BUILD)/tests/comm_error_prog: $(BUILD)/tests/comm_error_prog.o $(BUILD)/common.a
 	$(LD) $^ -o $@ $(LIBS)
 
-# The seeded bugs of tests/test_equivalence.cpp, each a test-only variant TECHNIQUE+BUG of a
+# The seeded bugs of tests/test_equivalence.cpp (and 04_tensor_parallel+no_split_table, a misuse that
+# tests/test_tp.cpp expects to be refused), each a test-only variant TECHNIQUE+BUG of a
 # technique binary: the technique's unchanged object linked with tests/bugs/BUG.cpp's, and
 # -Xlinker --wrap=SYMBOL for each __wrap_SYMBOL that file defines (tests/bugs/bug.h says how).
-SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_parallel+swap_fg
+SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_parallel+swap_fg \
+               04_tensor_parallel+no_split_table
 BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant
@@ -153,6 +155,7 @@ $(foreach v,$(SEEDED_BUGS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v
 # Order-only: built with the test that runs them (when the test itself is built), never linked
 # into it; `make test` names them as well, since make skips a missing secondary file otherwise.
 $(BUILD)/tests/test_equivalence: | $(BUG_BIN)
+$(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
 
 $(BUILD)/fuzz/common/%.o: common/%.cu
 	@mkdir -p $(dir $@)

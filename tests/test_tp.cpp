@@ -131,3 +131,14 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {2, "--tp 4", "needs 4 ranks but the job has 2"},
   });
 }
+
+// A programming error, not a flag: 04 always hands the model its split table. A test-only variant
+// (tests/bugs/no_split_table.cpp) drops it, and the model must refuse to build rather than train
+// tp copies of whole tensors.
+TEST_CASE("a tp shard spec without a split table: a fatal on every rank before any step", "[04][errors]") {
+  tst::check_errors("tests/bugs/04_tensor_parallel+no_split_table", kTiny + "--steps 2 ",
+                    {{2, "--tp 2", "a tp 2 shard spec without a split table"}});
+  const tst::Result r = tst::run_bin("tests/bugs/04_tensor_parallel+no_split_table", kTiny + "--steps 2 --tp 2", 2, 60);
+  CHECK(r.output.find("deliberate bug no_split_table") != std::string::npos);
+  CHECK(r.output.find("| loss ") == std::string::npos);  // no step line: it stopped before training
+}
