@@ -8,6 +8,7 @@
 // fixed order, so results are bitwise identical for any OMP_NUM_THREADS. The plain-loop reference
 // of each, the oracle the tests hold it to, is in kernels_ref.cu.
 #include "kernels_cpu.h"
+#include "kernels_bf16.h"
 
 #include <cblas.h>
 #include <omp.h>
@@ -220,22 +221,27 @@ void sgemm_panels(bool transA, bool transB, int64_t M, int64_t N, int64_t K, flo
   }
 }
 
-// C = alpha * op(A) @ op(B) + beta * C through OpenBLAS; bf16 operands are widened into fp32
-// workspace first and a bf16 C is rounded back at the end.
+// C = alpha * op(A) @ op(B) + beta * C. Two bf16 operands go to the CPU's bf16 instructions where it
+// has them (kernels_bf16.h: bf16_gemm_path); otherwise bf16 operands are widened into fp32
+// workspace for OpenBLAS. A bf16 C is accumulated in fp32 workspace and rounded back at the end.
 void matmul_cpu(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool transB, float alpha,
                 float beta, int64_t M, int64_t N, int64_t K) {
-  Tensor ta, tb, tc;
-  const float* a = as_f32(A, ta);
-  const float* b = as_f32(B, tb);
+  Tensor tc;
   float* c = C.dtype == DType::F32 ? C.f32() : nullptr;
   if (!c) {
     tc = workspace(M * N);
     c = tc.f32();
     if (beta != 0.0f) widen(c, C.b16(), M * N);
   }
+  const Bf16Gemm path = A.dtype == DType::BF16 && B.dtype == DType::BF16 ? bf16_gemm_path() : Bf16Gemm::Widen;
   if (K == 0) {  // BLAS needs lda >= 1; an empty sum leaves beta * C
     for (int64_t i = 0; i < M * N; i++) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
+  } else if (path != Bf16Gemm::Widen) {
+    bf16_gemm(path, transA, transB, M, N, K, alpha, A.b16(), A.size(-1), B.b16(), B.size(-1), beta, c);
   } else {
+    Tensor ta, tb;
+    const float* a = as_f32(A, ta);
+    const float* b = as_f32(B, tb);
     sgemm_panels(transA, transB, M, N, K, alpha, a, A.size(-1), b, B.size(-1), beta, c);
   }
   if (tc.defined()) detail::convert_n(C.b16(), c, M * N);

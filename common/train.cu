@@ -4,6 +4,7 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "data.h"
+#include "kernels_bf16.h"
 #include "run.h"
 #include "threads.h"
 #include "trace.h"
@@ -84,8 +85,12 @@ void print_model(RunLog& log, const ModelConfig& m) {
 
 TokenData open_data(const RunConfig& rc, Device dev, RunLog& log) {
   const ThreadChoice threads = setup_threads(rc.threads, int64_t(rc.micro_batch) * rc.model.seq, rc.model.dim);
-  log.line("threads: %s%s", describe(threads).c_str(),
-           dev == Device::CPU ? ("; " + sgemm_core_note()).c_str() : "");
+  // On the CPU: the sgemm kernel OpenBLAS runs and, for bf16, the path of the bf16 matmuls (chosen
+  // here, before any step, so that a TS_BF16_GEMM this CPU cannot run stops every rank at once).
+  std::string kernels;
+  if (dev == Device::CPU) kernels = "; " + sgemm_core_note();
+  if (dev == Device::CPU && rc.dtype == DType::BF16) kernels += "; " + cpu::bf16_gemm_note();
+  log.line("threads: %s%s", describe(threads).c_str(), kernels.c_str());
   if (const std::string w = sgemm_core_warning(); dev == Device::CPU && !w.empty() && world_rank() == 0)
     fprintf(stderr, "%s\n", w.c_str());
   TokenData data = load_data(rc.data, rc.model.vocab, rc.seed, rc.model.seq + 2);

@@ -10,6 +10,7 @@
 #include <omp.h>
 
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -18,6 +19,7 @@
 #include "../04_tensor_parallel.cu"  // tp::vocab_ce_*: the vocabulary-parallel cross-entropy
 #include "core.h"
 #include "kernels.h"
+#include "kernels_bf16.h"
 #include "kernels_ref.h"
 #include "rng.h"
 
@@ -1266,6 +1268,109 @@ TEST_CASE("tuned matmul equals the reference: transposes, alpha and beta, panels
                  [=](auto& t) { ref::matmul(t[0], t[1], ta, t[2], tb, 1.0f, 0.0f); }, f32, bf16);
         }
   openblas_set_num_threads(blas_threads);
+}
+
+// ----- the bf16 GEMM paths (kernels_bf16.h) -----------------------------------------------------
+
+// C [M, N] = alpha · op(A) · op(B) + beta · C0 by the widening path: both bf16 operands widened to
+// fp32, one cblas_sgemm (the path every CPU runs, and the reference the bf16 paths are held to).
+Vec widened_gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const Tensor& A, const Tensor& B,
+                 float beta, const Vec& C0) {
+  const Vec a = host(A), b = host(B);
+  Vec c = C0;
+  cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans, int(M), int(N), int(K),
+              alpha, a.data(), int(A.size(-1)), b.data(), int(B.size(-1)), beta, c.data(), int(N));
+  return c;
+}
+
+Vec path_gemm(cpu::Bf16Gemm p, bool ta, bool tb, int64_t M, int64_t N, int64_t K, float alpha, const Tensor& A,
+              const Tensor& B, float beta, const Vec& C0) {
+  Vec c = C0;
+  cpu::bf16_gemm(p, ta, tb, M, N, K, alpha, A.b16(), A.size(-1), B.b16(), B.size(-1), beta, c.data());
+  return c;
+}
+
+// Each bf16 path the CPU runs, against the widening path. Both form every product exactly (two
+// bf16 values) and add in fp32, in different orders: an fp32 sum of K terms in any order is within
+// γ_K · Σ|terms| of the exact one (γ_K = K·u / (1 − K·u), u = 2^-24; Higham, "Accuracy and
+// Stability of Numerical Algorithms", 3.1), so the two differ by at most 2γ_K · |alpha| · Σ|a||b|
+// plus the roundings of alpha·sum and of + beta·C (2u of each side's magnitude). With small
+// integers every partial sum is an integer below 2^24, exact in any order: the bits must agree.
+TEST_CASE("bf16 GEMM paths equal the widening path: exact on integers, within the fp32 bound, any threads",
+          "[matmul][bf16][ref]") {
+  struct Dims {
+    int64_t M, N, K;
+  };
+  int ran = 0;
+  for (cpu::Bf16Gemm p : {cpu::Bf16Gemm::Avx512Bf16, cpu::Bf16Gemm::Amx}) {
+    if (!cpu::bf16_gemm_available(p)) {
+      WARN("bf16 GEMM path " << cpu::bf16_gemm_name(p) << " not checked: this CPU (or its kernel) does not run it");
+      continue;
+    }
+    ran++;
+    for (Dims d : {Dims{37, 29, 45}, Dims{300, 150, 200}, Dims{1, 17, 3}, Dims{70, 40, 2051}})
+      for (int tr = 0; tr < 4; tr++) {
+        const bool ta = tr & 1, tb = tr & 2;
+        INFO(cpu::bf16_gemm_name(p) << ": M " << d.M << " N " << d.N << " K " << d.K << " A^T " << ta << " B^T " << tb);
+        const auto ashape = ta ? std::vector<int64_t>{d.K, d.M} : std::vector<int64_t>{d.M, d.K};
+        const auto bshape = tb ? std::vector<int64_t>{d.N, d.K} : std::vector<int64_t>{d.K, d.N};
+        // Random operands: within the bound, element by element.
+        const Tensor A = make(ashape, randn(d.M * d.K, 831 + tr), DType::BF16);
+        const Tensor B = make(bshape, randn(d.N * d.K, 832 + tr), DType::BF16);
+        const Vec C0 = randn(d.M * d.N, 833);
+        const Vec want = widened_gemm(ta, tb, d.M, d.N, d.K, 0.5f, A, B, 0.7f, C0);
+        const Vec got = path_gemm(p, ta, tb, d.M, d.N, d.K, 0.5f, A, B, 0.7f, C0);
+        const Vec a = host(A), b = host(B);
+        const double u = std::ldexp(1.0, -24), gamma = d.K * u / (1 - d.K * u);
+        int64_t outside = 0;
+        for (int64_t i = 0; i < d.M; i++)
+          for (int64_t j = 0; j < d.N; j++) {
+            double abs_sum = 0;
+            for (int64_t k = 0; k < d.K; k++)
+              abs_sum += std::fabs(a[ta ? k * d.M + i : i * d.K + k]) * std::fabs(b[tb ? j * d.K + k : k * d.N + j]);
+            const double mag = 0.5 * abs_sum + 0.7 * std::fabs(C0[i * d.N + j]);
+            const double bound = 2 * gamma * 0.5 * abs_sum + 4 * u * mag;
+            outside += std::fabs(double(got[i * d.N + j]) - want[i * d.N + j]) > bound;
+          }
+        CHECK(outside == 0);
+        // Integers in [-8, 8]: |partial sums| ≤ 64 K < 2^24, exact in any order.
+        Vec ia(d.M * d.K), ib(d.N * d.K), ic(d.M * d.N);
+        for (size_t i = 0; i < ia.size(); i++) ia[i] = float(int(i * 7 + tr) % 17 - 8);
+        for (size_t i = 0; i < ib.size(); i++) ib[i] = float(int(i * 5 + 3) % 17 - 8);
+        for (size_t i = 0; i < ic.size(); i++) ic[i] = float(int(i % 9) - 4);
+        const Tensor IA = make(ashape, ia, DType::BF16), IB = make(bshape, ib, DType::BF16);
+        CHECK(path_gemm(p, ta, tb, d.M, d.N, d.K, 1.0f, IA, IB, 1.0f, ic) ==
+              widened_gemm(ta, tb, d.M, d.N, d.K, 1.0f, IA, IB, 1.0f, ic));
+        // The same bits at 1, 2 and 4 threads.
+        Vec one, two, four;
+        with_threads(1, [&] { one = path_gemm(p, ta, tb, d.M, d.N, d.K, 0.5f, A, B, 0.7f, C0); });
+        with_threads(2, [&] { two = path_gemm(p, ta, tb, d.M, d.N, d.K, 0.5f, A, B, 0.7f, C0); });
+        with_threads(4, [&] { four = path_gemm(p, ta, tb, d.M, d.N, d.K, 0.5f, A, B, 0.7f, C0); });
+        CHECK(std::memcmp(one.data(), got.data(), got.size() * 4) == 0);
+        CHECK(std::memcmp(two.data(), got.data(), got.size() * 4) == 0);
+        CHECK(std::memcmp(four.data(), got.data(), got.size() * 4) == 0);
+      }
+    // An element of C does not depend on the matrix around it: the top-left 37 × 29 block of a
+    // 300 × 150 product (same rows of A, columns of B, leading dimensions) has the 37 × 29 product's bits.
+    const Tensor A = make({300, 200}, randn(300 * 200, 841), DType::BF16);
+    const Tensor B = make({200, 150}, randn(200 * 150, 842), DType::BF16);
+    Vec big(300 * 150), small(37 * 29);
+    cpu::bf16_gemm(p, false, false, 300, 150, 200, 1.0f, A.b16(), 200, B.b16(), 150, 0.0f, big.data());
+    cpu::bf16_gemm(p, false, false, 37, 29, 200, 1.0f, A.b16(), 200, B.b16(), 150, 0.0f, small.data());
+    int64_t differ = 0;
+    for (int64_t i = 0; i < 37; i++)
+      for (int64_t j = 0; j < 29; j++) differ += std::memcmp(&big[i * 150 + j], &small[i * 29 + j], 4) != 0;
+    CHECK(differ == 0);
+  }
+  // matmul takes the chosen path for two bf16 operands: its result is that path's, bit for bit.
+  const cpu::Bf16Gemm chosen = cpu::bf16_gemm_path();
+  if (chosen != cpu::Bf16Gemm::Widen) {
+    const Tensor A = make({33, 70}, randn(33 * 70, 851), DType::BF16), B = make({70, 20}, randn(70 * 20, 852), DType::BF16);
+    Tensor C = make({33, 20}, Vec(33 * 20, 0.0f));
+    matmul(C, A, false, B, false);
+    CHECK(host(C) == path_gemm(chosen, false, false, 33, 20, 70, 1.0f, A, B, 0.0f, Vec(33 * 20, 0.0f)));
+  }
+  WARN("bf16 GEMM paths checked: " << ran << " (matmul takes " << cpu::bf16_gemm_name(chosen) << ")");
 }
 
 TEST_CASE("tuned cross-entropy rows and sum_squares equal the reference", "[cross_entropy][norms][ref]") {

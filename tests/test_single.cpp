@@ -235,6 +235,21 @@ TEST_CASE("an interrupted save leaves the previous checkpoint loadable", "[01][e
   CHECK(l.size() == 2);
 }
 
+// TS_BF16_GEMM names the bf16 matmul path (common/kernels_bf16.h); a name it does not know is refused
+// before any step, on every rank. (A known path this CPU cannot run is refused the same way,
+// with its own message: which paths a machine lacks differs, so that case is not pinned here.)
+TEST_CASE("bad input: TS_BF16_GEMM must name a bf16 GEMM path", "[01][errors][bf16]") {
+  for (int np : {1, 2}) {
+    const tst::Result r = tst::run_bin(np == 1 ? "01_single_gpu" : "02_data_parallel",
+                                       "--preset tiny --steps 2 --dtype bf16" + std::string(np == 2 ? " --dp 2" : ""),
+                                       np, 60, "TS_BF16_GEMM=fastest");
+    INFO(r.output);
+    CHECK(r.status == 2);
+    CHECK(r.output.find("TS_BF16_GEMM must be auto, amx, avx512-bf16 or widen (got 'fastest')") != std::string::npos);
+    CHECK(r.output.find("step 0/") == std::string::npos);
+  }
+}
+
 TEST_CASE("bad input: a clear one-line message and a non-zero exit", "[01][errors]") {
   std::string bad_bin = tst::scratch("bad.bin"), short_txt = tst::scratch("short.txt"), trunc = tst::scratch("trunc.bin");
   {
