@@ -159,6 +159,8 @@ def main():
     p.add_argument("--rope-theta", type=float, default=10000.0)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--print-losses", action="store_true", help="one line per step: its loss and time")
+    p.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                   help="bf16: forward and loss under torch.autocast (bf16 matmuls, fp32 weights and AdamW)")
     a = p.parse_args()
     if a.dim % a.heads or a.heads % a.kv_heads:
         sys.exit("dim must divide into heads, and heads into kv-heads")
@@ -178,13 +180,14 @@ def main():
     step_fn = model if a.compile == "none" else torch.compile(
         model, mode=None if a.compile == "default" else a.compile)
     print(f"torch2_llama: torch {torch.__version__}, {a.threads} thread(s), attn {a.attn}, compile {a.compile}, "
-          f"AdamW {a.adam}, {sum(p.numel() for p in model.parameters())} parameters, "
+          f"AdamW {a.adam}, autocast {a.autocast}, {sum(p.numel() for p in model.parameters())} parameters, "
           f"{'data ' + a.data if a.data else 'random bytes'}", flush=True)
 
     rates, losses, started = [], [], time.perf_counter()
     for s, (x, y) in enumerate(batches(a, total)):
         t0 = time.perf_counter()
-        loss = step_fn(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=a.autocast == "bf16"):
+            loss = step_fn(x, y)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()

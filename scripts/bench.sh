@@ -4,8 +4,17 @@
 # CPUs as an old core and runs sgemm several times slower otherwise.
 set -uo pipefail
 BUILD=${BUILD:-build}
-if grep -qw avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}
-elif grep -qw avx2 /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}; fi
+# Both sides of every comparison run the best instruction set this CPU has: OpenBLAS on the core
+# for it, whatever the environment forced (an environment may pin Haswell on an AVX-512 machine,
+# which would compare 01 on AVX2 with PyTorch's MKL on AVX-512). A forced core is reported, then
+# overridden; BENCH_KEEP_CORETYPE=1 keeps it.
+best=
+if grep -qw avx512f /proc/cpuinfo; then best=SkylakeX; elif grep -qw avx2 /proc/cpuinfo; then best=Haswell; fi
+if [ -n "${OPENBLAS_CORETYPE:-}" ] && [ -n "$best" ] && [ "$OPENBLAS_CORETYPE" != "$best" ]; then
+  if [ "${BENCH_KEEP_CORETYPE:-0}" = 1 ]; then best=$OPENBLAS_CORETYPE
+  else echo "the environment forces OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE; this CPU runs $best, which the bench uses"; fi
+fi
+[ -n "$best" ] && export OPENBLAS_CORETYPE=$best
 # OpenMP threads that spin after a parallel region steal the core OpenBLAS's own threads need
 # (the pthread build): both sides run with passive waiting.
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
@@ -53,18 +62,24 @@ else
   echo "PyTorch 2.x: not found in $venv; scripts/torch-venv.sh installs it there (CPU-only, about 2 GB;"
   echo "TORCH_VENV=DIR for another place). The rows below run without it."
 fi
-declare -A ours theirs limit solo pair  # tokens/s by "threads,round"
+# The kernels 01's bf16 matmuls run (common/kernels_bf16.h: amx, avx512-bf16 or widen).
+echo "01: $(OMP_NUM_THREADS=1 "$BUILD/01_single_gpu" --preset tiny --steps 1 --dtype bf16 --quiet --device cpu \
+             </dev/null | sed -n 's/^threads: .*; \(sgemm core .*\)/\1/p')"
+declare -A ours theirs limit solo pair  # tokens/s by "threads,round" (fp32) and "threads bf16,round"
 # 01 as it runs by default: t OpenMP threads share the work, OpenBLAS runs one thread (see Threads
-# in the README).
+# in the README). $1: fp32 or bf16 (01's --dtype; PyTorch's bf16 peer is autocast).
 run_ours() {
-  ours[$t,$r]=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=1 "$BUILD/01_single_gpu" $shape --steps 16 --quiet \
-                --device cpu </dev/null | tok_s)
+  local key=$t${1#fp32}; key=${key/bf16/ bf16}
+  ours[$key,$r]=$(OMP_NUM_THREADS=$t OPENBLAS_NUM_THREADS=1 "$BUILD/01_single_gpu" $shape --dtype $1 --steps 16 \
+                  --quiet --device cpu </dev/null | tok_s)
 }
 run_theirs() {
   [ -n "$torch_py" ] || return 0
-  theirs[$t,$r]=$(OMP_NUM_THREADS=$t LD_PRELOAD=$preload "$torch_py" bench/torch2_llama.py $shape --threads $t \
-                  --attn sdpa --compile default --warmup 2 --steps 8 </dev/null 2>"$BUILD/torch2_llama.err" | tok_s)
-  [ -n "${theirs[$t,$r]}" ] || { echo "bench/torch2_llama.py failed:"; tail -5 "$BUILD/torch2_llama.err"; }
+  local key=$t${1#fp32} autocast=none; key=${key/bf16/ bf16}; [ "$1" = bf16 ] && autocast=bf16
+  theirs[$key,$r]=$(OMP_NUM_THREADS=$t LD_PRELOAD=$preload "$torch_py" bench/torch2_llama.py $shape --threads $t \
+                    --attn sdpa --compile default --autocast $autocast --warmup 2 --steps 8 </dev/null \
+                    2>"$BUILD/torch2_llama.err" | tok_s)
+  [ -n "${theirs[$key,$r]}" ] || { echo "bench/torch2_llama.py failed:"; tail -5 "$BUILD/torch2_llama.err"; }
 }
 gemm_limit() {  # tokens/s of the step's matmuls alone, as plain sgemm calls on $1 threads
   OPENBLAS_NUM_THREADS=$1 "$BUILD/bench/bench_gemm" $shape --threads $1 </dev/null |
@@ -76,7 +91,9 @@ sustained() {  # tokens/s of one process running the step's matmuls back to back
 }
 for ((r = 0; r < rounds; r++)); do
   for t in 1 2; do
-    if ((r % 2 == 0)); then run_ours; run_theirs; else run_theirs; run_ours; fi
+    for dt in fp32 bf16; do
+      if ((r % 2 == 0)); then run_ours $dt; run_theirs $dt; else run_theirs $dt; run_ours $dt; fi
+    done
     limit[$t,$r]=$(gemm_limit $t)
   done
   # The machine's own ceiling for a second thread: two one-thread bench_gemm processes at once share
@@ -94,13 +111,18 @@ col() { local -n a=$1; local r; for ((r = 0; r < rounds; r++)); do echo "${a[$2,
 # round by round, column $1 over column $2 (rounds where either is missing are left out)
 per_round() { paste <(col "$1" "$2") <(col "$3" "$4") | awk '$1 > 0 && $2 > 0 {print $1 / $2}'; }
 echo "tokens/s, median [min-max] of $rounds rounds; ratios per round"
-printf "%-8s %-20s %-20s %-20s %-20s %s\n" threads "01_single_gpu" "PyTorch compiled" "01/PyTorch" "GEMM-only limit" "01/limit"
-for t in 1 2; do
-  printf "%-8s %-20s %-20s %-20s %-20s %s\n" "$t" "$(col ours $t | stats '%.0f [%.0f-%.0f]')" \
-    "$(col theirs $t | stats '%.0f [%.0f-%.0f]')" "$(per_round ours $t theirs $t | stats '%.2fx [%.2f-%.2f]')" \
-    "$(col limit $t | stats '%.0f [%.0f-%.0f]')" "$(per_round ours $t limit $t | stats '%.0f%% [%.0f-%.0f]' 100)"
+printf "%-8s %-20s %-20s %-20s %-20s %s\n" "threads" "01_single_gpu" "PyTorch compiled" "01/PyTorch" "GEMM-only limit" "01/limit"
+for key in 1 2 "1 bf16" "2 bf16"; do
+  t=${key%% *}
+  printf "%-8s %-20s %-20s %-20s %-20s %s\n" "$key" "$(col ours "$key" | stats '%.0f [%.0f-%.0f]')" \
+    "$(col theirs "$key" | stats '%.0f [%.0f-%.0f]')" "$(per_round ours "$key" theirs "$key" | stats '%.2fx [%.2f-%.2f]')" \
+    "$(col limit $t | stats '%.0f [%.0f-%.0f]')" "$(per_round ours "$key" limit $t | stats '%.0f%% [%.0f-%.0f]' 100)"
 done
-echo "01 at 2 threads over 1 thread, round by round: $(per_round ours 2 ours 1 | stats '%.2fx [%.2f-%.2f]')"
+echo "bf16 rows: 01 --dtype bf16, PyTorch under torch.autocast(bfloat16); the GEMM-only limit stays fp32 sgemm's"
+echo "01 bf16 over 01 fp32, round by round: 1 thread $(per_round ours "1 bf16" ours 1 | stats '%.2fx [%.2f-%.2f]')," \
+     "2 threads $(per_round ours "2 bf16" ours 2 | stats '%.2fx [%.2f-%.2f]')"
+echo "01 at 2 threads over 1 thread, round by round: fp32 $(per_round ours 2 ours 1 | stats '%.2fx [%.2f-%.2f]')," \
+     "bf16 $(per_round ours "2 bf16" ours "1 bf16" | stats '%.2fx [%.2f-%.2f]')"
 echo "the machine's ceiling for 2 over 1: two one-thread bench_gemm processes at once, summed, over one alone:" \
      "$(per_round pair 2 solo 1 | stats '%.2fx [%.2f-%.2f]')"
 echo "GEMM-only limit: every matmul of the step at its M, N, K as one cblas_sgemm (causal attention's"
