@@ -74,21 +74,16 @@ bool has_amx_bf16() {
 int64_t a_stride(int64_t Kp) { return Kp + 32; }
 
 // op(A) [M, K] → ap [Mp, a_stride(Kp)], zero-padded. A transposed A (the weight gradient's dYᵀ,
-// stored [K, M]) is the one operand that must be transposed for the instructions.
-void pack_a(bool transA, int64_t M, int64_t K, const bf16* a, int64_t lda, int64_t Mp, int64_t Kp, bf16* ap) {
-  const int64_t ls = a_stride(Kp);
-  std::memset(static_cast<void*>(ap), 0, Mp * ls * sizeof(bf16));
-  if (!transA) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < M; i++) std::memcpy(ap + i * ls, a + i * lda, K * sizeof(bf16));
-  } else {
-    // Row i of ap holds the pairs (A[2q, i], A[2q+1, i]): interleaving rows 2q and 2q+1 of A gives
-    // them for every i at once (contiguous, vectorised), and what is left is a transpose of 32-bit
-    // pairs, [K/2][M] → [M][K/2], by 32 × 32 squares that stay in L1 whatever the strides.
-    const int64_t pairs = (K + 1) / 2;
-    Tensor work = Tensor::empty({pairs * M}, DType::F32, Device::CPU, Tag::Workspace);  // 32-bit pairs
-    uint32_t* il = reinterpret_cast<uint32_t*>(work.f32());
-#pragma omp parallel for schedule(static)
+// stored [K, M]) is the one operand that must be transposed for the instructions: row i of ap
+// holds the pairs (A[2q, i], A[2q+1, i]), so rows 2q and 2q+1 of A are first interleaved into
+// `il` ([K/2][M] 32-bit pairs, for every i at once, contiguous), and what is left is a transpose
+// of 32-bit pairs by 32 × 32 squares, which stay in L1 whatever the strides. Called by every
+// thread of bf16_gemm's parallel region: the loops are shared out, each ends on a barrier.
+void pack_a(bool transA, int64_t M, int64_t K, const bf16* a, int64_t lda, int64_t Mp, int64_t Kp, bf16* ap,
+            uint32_t* il) {
+  const int64_t ls = a_stride(Kp), pairs = (K + 1) / 2;
+  if (transA) {
+#pragma omp for schedule(static)
     for (int64_t q = 0; q < pairs; q++) {
       const uint16_t* r0 = &a[2 * q * lda].bits;
       uint32_t* out = il + q * M;
@@ -99,26 +94,36 @@ void pack_a(bool transA, int64_t M, int64_t K, const bf16* a, int64_t lda, int64
         for (int64_t i = 0; i < M; i++) out[i] = r0[i];
       }
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t i0 = 0; i0 < M; i0 += 32)
-      for (int64_t q0 = 0; q0 < pairs; q0 += 32)
-        for (int64_t i = i0; i < std::min(M, i0 + 32); i++) {
-          uint32_t* row = reinterpret_cast<uint32_t*>(ap + i * ls);
-          for (int64_t q = q0; q < std::min(pairs, q0 + 32); q++) row[q] = il[q * M + i];
-        }
+  }
+#pragma omp for schedule(static)
+  for (int64_t i0 = 0; i0 < Mp; i0 += 32) {
+    const int64_t real = std::max<int64_t>(0, std::min<int64_t>(32, M - i0));  // rows of A in this square
+    for (int64_t i = i0; i < i0 + 32; i++) {
+      bf16* row = ap + i * ls;
+      const int64_t filled = i - i0 < real ? 2 * pairs : 0;
+      std::memset(static_cast<void*>(row + filled), 0, (ls - filled) * sizeof(bf16));
+      if (i - i0 < real && !transA) std::memcpy(row, a + i * lda, K * sizeof(bf16));
+      if (i - i0 < real && !transA && K % 2) row[K] = bf16{0};
+    }
+    for (int64_t q0 = 0; transA && q0 < pairs; q0 += 32)
+      for (int64_t i = i0; i < i0 + real; i++) {
+        uint32_t* row = reinterpret_cast<uint32_t*>(ap + i * ls);
+        for (int64_t q = q0; q < std::min(pairs, q0 + 32); q++) row[q] = il[q * M + i];
+      }
   }
 }
 
 // op(B) [K, N] → bp [Np/16][Kp/2][16][2]: panel p, row pair q, column j, then k = 2q and 2q+1
 // (element k of column n at ((p·Kp/2 + k/2)·16 + n mod 16)·2 + k mod 2). Each source row is read
 // contiguously: a row of B is a row of op(B) (!transB), or a column of it (transB, a weight).
+// Called by every thread of bf16_gemm's parallel region, as pack_a is.
 void pack_b(bool transB, int64_t K, int64_t N, const bf16* b, int64_t ldb, int64_t Np, int64_t Kp, bf16* bp) {
-  std::memset(static_cast<void*>(bp), 0, Np * Kp * sizeof(bf16));
   const int64_t pairs = Kp / 2;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static)
   for (int64_t p = 0; p < Np / kPanel; p++) {
-    const int64_t n0 = p * kPanel, cols = std::min(kPanel, N - n0);
+    const int64_t n0 = p * kPanel, cols = std::max<int64_t>(0, std::min(kPanel, N - n0));
     uint16_t* panel = &bp[p * pairs * 2 * kPanel].bits;
+    std::memset(static_cast<void*>(panel), 0, pairs * 2 * kPanel * sizeof(uint16_t));
     for (int64_t j = 0; transB && j < cols; j++) {  // column n0 + j of op(B) is row n0 + j of B
       const uint16_t* row = &b[(n0 + j) * ldb].bits;
       for (int64_t k = 0; k < K; k++) panel[(k / 2 * kPanel + j) * 2 + k % 2] = row[k];
@@ -268,15 +273,20 @@ void bf16_gemm(Bf16Gemm path, bool transA, bool transB, int64_t M, int64_t N, in
   const int64_t Mp = round_up(M, kBlock), Np = round_up(N, kBlock), Kp = round_up(std::max<int64_t>(K, 1), kBlock);
   Tensor ta = Tensor::empty({Mp * a_stride(Kp)}, DType::BF16, Device::CPU, Tag::Workspace);
   Tensor tb = Tensor::empty({Np * Kp}, DType::BF16, Device::CPU, Tag::Workspace);
-  pack_a(transA, M, K, a, lda, Mp, Kp, ta.b16());
-  pack_b(transB, K, N, b, ldb, Np, Kp, tb.b16());
-  const bf16* ap = ta.b16();
-  const bf16* bp = tb.b16();
+  Tensor til;  // transA: A's row pairs interleaved, (K + 1) / 2 × M 32-bit pairs
+  if (transA) til = Tensor::empty({(K + 1) / 2 * M}, DType::F32, Device::CPU, Tag::Workspace);
+  uint32_t* il = transA ? reinterpret_cast<uint32_t*>(til.f32()) : nullptr;
+  bf16* ap = ta.b16();
+  bf16* bp = tb.b16();
   const int64_t rows = Mp / kBlock, cols = Np / kBlock;
   const bool amx = path == Bf16Gemm::Amx;
-  // Blocks column panel by column panel, so that consecutive blocks of a thread reuse B's panels.
-#pragma omp parallel if (rows * cols > 1)
+  // One parallel region for the packing and the product: with passive waiting (the default, see
+  // threads.cu) every region costs a wake-up of the other threads, as much as a small GEMM's work.
+  // Blocks go column panel by column panel, so that consecutive blocks of a thread reuse B's panels.
+#pragma omp parallel
   {
+    pack_a(transA, M, K, a, lda, Mp, Kp, ap, il);
+    pack_b(transB, K, N, b, ldb, Np, Kp, bp);
     alignas(64) float acc[kBlock * kBlock];
     if (amx) amx_configure();
 #pragma omp for schedule(static)
