@@ -15,6 +15,8 @@
 // two agree bit for bit).
 #include "kernels_bf16.h"
 
+#include "kernels_internal.h"
+
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -33,7 +35,7 @@ namespace {
 constexpr int64_t kBlock = 32;  // rows and columns of C per block; Kp's granule (one AMX tile's K)
 constexpr int64_t kPanel = 16;  // columns of one packed B panel: 16 fp32 lanes, one AMX tile's width
 
-int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+using detail::round_up;
 
 // ----- what the CPU and the kernel offer ---------------------------------------------------------
 

@@ -27,7 +27,7 @@ using detail::by_dtype;
 
 Tensor workspace(int64_t n) { return Tensor::empty({n}, DType::F32, Device::CPU, Tag::Workspace); }
 
-constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+using detail::round_up;
 
 template <class T> void widen(float* dst, const T* src, int64_t n) {
 #pragma omp parallel for schedule(static)

@@ -56,6 +56,9 @@ inline MatmulDims matmul_dims(const Tensor& C, const Tensor& A, bool transA) {
   return {M, N, K};
 }
 
+// x rounded up to a multiple of m (tile and panel sizes of the CPU kernels).
+constexpr int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
 // ===== shared numerics ==========================================================================
 
 // exp(x) in plain float arithmetic (Cephes expf: x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial,
