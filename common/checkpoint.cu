@@ -250,7 +250,14 @@ static Json trainer_json(const RunConfig& rc, long step, const Json& mesh, const
   tj["warmup_steps"] = rc.warmup_steps;
   tj["min_lr"] = rc.min_lr;
   tj["mesh"] = mesh;
-  tj["flags"] = rc.flags;  // the whole command line: --config trainer.json repeats the run
+  // The whole command line: --config trainer.json repeats the run. How the run saves and records
+  // is not part of what it computes: an asynchronous save writes the same bytes as a synchronous
+  // one, and a resume chooses for itself.
+  Json flags = Json::object();
+  if (rc.flags.is_object())
+    for (auto& [k, v] : rc.flags.items())
+      if (k != "async-save" && k != "flight-recorder" && k != "flight-dir") flags[k] = v;
+  tj["flags"] = flags;
   // Each file's digest makes the checkpoint verifiable as one whole on load.
   Json files = Json::object();
   try {

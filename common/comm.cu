@@ -1,6 +1,7 @@
 // comm.cu — collectives over MPI (CPU tensors; CUDA tensors staged through host memory) and NCCL
 // (CUDA tensors when every rank owns a GPU), with byte accounting and the watchdog.
 #include "comm.h"
+#include "flight_recorder.h"
 #include "threads.h"
 
 #include <pthread.h>
@@ -77,6 +78,15 @@ static void under_timer(const std::string& what, const std::function<void()>& ca
   set_blocking("");
 }
 
+// fatal() on a job of several ranks: every live rank's flight record, then the abort. MPI may be
+// used only from the thread that initialised it (the timer thread's watchdog writes its own alone).
+static pthread_t g_main_thread;
+static void dump_on_fatal(const char* message) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world > 1) flight::dump_everywhere(message, pthread_equal(pthread_self(), g_main_thread) != 0);
+}
+
 void comm_init(int* argc, char*** argv) {
   int init = 0;
   MPI_Initialized(&init);
@@ -84,6 +94,8 @@ void comm_init(int* argc, char*** argv) {
   prepare_process_env(*argv);
   // A rank that never arrives leaves the others in MPI_Init's rendezvous.
   under_timer("MPI_Init (the job's start-up)", [&] { MPI_CHECK(MPI_Init(argc, argv)); });
+  g_main_thread = pthread_self();
+  set_fatal_hook(dump_on_fatal);
 }
 
 // Every Comm not yet destroyed, in creation order. Tearing down an NCCL communicator waits for
@@ -99,6 +111,7 @@ void comm_finalize() {
   // NCCL's teardown and MPI_Finalize both wait for the other ranks.
   under_timer("MPI_Finalize (the job's end)", [] {
     for (auto it = g_live.rbegin(); it != g_live.rend(); ++it) (*it)->release();
+    flight::shutdown();
     MPI_Finalize();
   });
 }
@@ -174,6 +187,7 @@ struct Work::Pending {
   std::string what;                         // names the op for the watchdog
   std::vector<Tensor> keep;                 // memory the transfer uses stays alive until it ends
   std::vector<std::function<void()>> then;  // on completion: Avg's division, copies back to the GPU
+  std::vector<uint64_t> flight;             // its flight-recorder entries
   virtual ~Pending() = default;
   virtual bool test() = 0;  // progresses the transfer once; true when it has completed
   virtual void abort() {}
@@ -222,6 +236,7 @@ struct InFlight {
   cudaEvent_t done;
   ncclComm_t comm;
   std::string what;
+  std::vector<uint64_t> flight;  // its flight-recorder entries, completed with the event
 };
 static std::vector<InFlight> g_in_flight;
 
@@ -245,7 +260,10 @@ static void watch_in_flight(double waited) {
 }
 
 static void forget_in_flight() {
-  for (const InFlight& f : g_in_flight) cudaEventDestroy(f.done);
+  for (const InFlight& f : g_in_flight) {
+    for (uint64_t id : f.flight) flight::completed(id);
+    cudaEventDestroy(f.done);
+  }
   g_in_flight.clear();
 }
 
@@ -255,6 +273,7 @@ static void forget_in_flight(ncclComm_t comm) {
   for (const InFlight& f : g_in_flight)
     if (mine(f)) {
       cudaEventSynchronize(f.done);
+      for (uint64_t id : f.flight) flight::completed(id);
       cudaEventDestroy(f.done);
     }
   g_in_flight.erase(std::remove_if(g_in_flight.begin(), g_in_flight.end(), mine), g_in_flight.end());
@@ -264,7 +283,8 @@ static void forget_in_flight(ncclComm_t comm) {
 // whatever reuses them is queued on the compute stream after this wait.
 bool NcclPending::hand_to_stream() {
   CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), done, 0));
-  g_in_flight.push_back({done, comm, what});
+  for (uint64_t id : flight) flight::started(id);  // on the GPU now; completed when the stream is idle
+  g_in_flight.push_back({done, comm, what, flight});
   done = nullptr;
   return true;
 }
@@ -272,6 +292,7 @@ bool NcclPending::hand_to_stream() {
 
 static void complete(std::unique_ptr<Work::Pending>& p) {
   std::unique_ptr<Work::Pending> q = std::move(p);
+  for (uint64_t id : q->flight) flight::completed(id);
   for (auto& f : q->then) f();
 }
 
@@ -300,8 +321,10 @@ void Work::wait() {
     p_.reset();
     return;
   }
+  for (uint64_t id : p_->flight) flight::started(id);
   auto t0 = std::chrono::steady_clock::now();
   while (!p_->test()) {
+    flight::poll();  // another rank's request to dump, or SIGUSR1
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (waited > g_timeout) {
       p_->abort();
@@ -354,10 +377,13 @@ static std::string on_group(MPI_Comm comm, const std::string& what) {
   return what + " on group '" + group_name(comm) + "' (" + std::to_string(n) + " ranks)";
 }
 
-static void watched(MPI_Comm comm, const std::string& what, const std::function<void(MPI_Request*)>& start) {
+// `op`, `count` and `type` are what the flight recorder notes of the call.
+static void watched(MPI_Comm comm, const std::string& what, const char* op, int64_t count, MPI_Datatype type, int root,
+                    const std::function<void(MPI_Request*)>& start) {
   auto p = std::make_unique<MpiPending>();
   p->what = on_group(comm, what);
   maybe_stop(p->what);
+  p->flight.push_back(flight::collective_raw(comm, op, count, type, root, p->what));
   p->reqs.resize(1);
   start(&p->reqs[0]);
   Work(std::move(p)).wait();
@@ -365,30 +391,33 @@ static void watched(MPI_Comm comm, const std::string& what, const std::function<
 
 void watched_allreduce(const void* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
                        const std::string& what) {
-  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Iallreduce(in, out, count, type, op, comm, r)); });
+  watched(comm, what, "all_reduce", count, type, -1,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Iallreduce(in, out, count, type, op, comm, r)); });
 }
 
 void watched_bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what) {
-  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Ibcast(buf, count, type, root, comm, r)); });
+  watched(comm, what, "broadcast", count, type, root,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Ibcast(buf, count, type, root, comm, r)); });
 }
 
 void watched_barrier(MPI_Comm comm, const std::string& what) {
-  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Ibarrier(comm, r)); });
+  watched(comm, what, "barrier", 0, MPI_DATATYPE_NULL, -1, [&](MPI_Request* r) { MPI_CHECK(MPI_Ibarrier(comm, r)); });
 }
 
 void watched_allgather(const void* in, int count, MPI_Datatype type, void* out, MPI_Comm comm, const std::string& what) {
-  watched(comm, what, [&](MPI_Request* r) { MPI_CHECK(MPI_Iallgather(in, count, type, out, count, type, comm, r)); });
+  watched(comm, what, "all_gather", count, type, -1,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Iallgather(in, count, type, out, count, type, comm, r)); });
 }
 
 void watched_gather(const void* in, int count, MPI_Datatype type, void* out, int root, MPI_Comm comm,
                     const std::string& what) {
-  watched(comm, what,
+  watched(comm, what, "gather", count, type, root,
           [&](MPI_Request* r) { MPI_CHECK(MPI_Igather(in, count, type, out, count, type, root, comm, r)); });
 }
 
 void watched_gatherv(const void* in, int count, MPI_Datatype type, void* out, const int* counts, const int* displs,
                      int root, MPI_Comm comm, const std::string& what) {
-  watched(comm, what, [&](MPI_Request* r) {
+  watched(comm, what, "gatherv", count, type, root, [&](MPI_Request* r) {
     MPI_CHECK(MPI_Igatherv(in, count, type, out, counts, displs, type, root, comm, r));
   });
 }
@@ -396,7 +425,10 @@ void watched_gatherv(const void* in, int count, MPI_Datatype type, void* out, co
 void watched_blocking(MPI_Comm comm, const std::string& what, const std::function<void()>& call) {
   const std::string label = on_group(comm, what);
   maybe_stop(label);
+  const uint64_t id = flight::collective_raw(comm, "blocking", 0, MPI_DATATYPE_NULL, -1, label);
+  flight::started(id);
   under_timer(label, call);
+  flight::completed(id);
 }
 
 MPI_Comm watched_split(MPI_Comm parent, int color, int key, const std::string& what) {
@@ -479,6 +511,7 @@ Comm::Comm(std::string name, MPI_Comm comm, void* nccl) : name_(std::move(name))
   MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
   // The watched host operations name the group from the communicator alone.
   MPI_CHECK(MPI_Comm_set_name(comm_, name_.c_str()));
+  flight::register_group(comm_, name_);
 #ifdef TS_CUDA
   if (nccl_) {
     cudaStream_t s;
@@ -504,6 +537,7 @@ void Comm::release() {
 #endif
   int fin = 0;
   MPI_Finalized(&fin);
+  if (comm_ != MPI_COMM_NULL) flight::forget_group(comm_);  // MPI may hand the handle out again
   if (!fin && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);  // leaves comm_ = MPI_COMM_NULL
 }
 
@@ -519,12 +553,12 @@ void Comm::count(const char* op, double payload, double wire) {
   s.wire_bytes += size_ > 1 ? wire : 0;  // a group of one moves nothing
 }
 
-std::string Comm::label(const char* op, int tag) const {
+std::string Comm::label(const char* op, int tag, long seq) const {
   char b[256];
   if (tag >= 0)
-    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, tag %d)", op, seq_, name_.c_str(), size_, tag);
+    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, tag %d)", op, seq, name_.c_str(), size_, tag);
   else
-    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, collective: no tag)", op, seq_, name_.c_str(), size_);
+    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, collective: no tag)", op, seq, name_.c_str(), size_);
   return b;
 }
 
@@ -541,8 +575,10 @@ std::string Comm::label(const char* op, int tag) const {
     CUDA_CHECK(cudaStreamWaitEvent(s_, ready, 0));                              \
     CUDA_CHECK(cudaEventDestroy(ready));                                        \
   }
-static Work nccl_end(cudaStream_t s, ncclComm_t c, std::string what, std::vector<Tensor> keep) {
+static Work nccl_end(cudaStream_t s, ncclComm_t c, std::string what, std::vector<Tensor> keep,
+                     std::vector<uint64_t> ids) {
   auto p = std::make_unique<NcclPending>();
+  p->flight = std::move(ids);
   p->what = std::move(what);
   p->keep = std::move(keep);
   p->comm = c;
@@ -564,20 +600,23 @@ Work Comm::all_reduce_async(const Tensor& out, const Tensor& in, ReduceOp op) {
   TS_CHECK(out.raw() == in.raw() || !overlap(out, in), "all_reduce: out and in partly overlap");
   double K = double(in.nbytes()), N = size_;
   count("all_reduce", K, 2 * (N - 1) / N * K);  // ring: reduce-scatter, then all-gather
-  seq_++;
   if (size_ == 1) {
     if (out.raw() != in.raw()) copy(out, in);
     return Work();
   }
+  const std::string what = label("all_reduce", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_reduce", in.numel(), in.dtype, -1, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(in)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclAllReduce(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
-    return nccl_end(s_, c_, label("all_reduce", -1), {out, in});
+    return nccl_end(s_, c_, what, {out, in}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("all_reduce", -1);
+  p->what = what;
+  p->flight = ids;
   Tensor hin = host_in(in, *p), hout = host_out(out, *p);
   const void* send = hin.raw() == hout.raw() ? MPI_IN_PLACE : hin.raw();
   p->reqs.resize(1);
@@ -598,20 +637,23 @@ Work Comm::reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp op
   TS_CHECK(in_place || !overlap(out, in), "reduce_scatter: out overlaps in other than as chunk %d", rank_);
   double K = double(in.nbytes()), N = size_;
   count("reduce_scatter", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
-  seq_++;
   if (size_ == 1) {
     if (!in_place) copy(out, in);
     return Work();
   }
+  const std::string what = label("reduce_scatter", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "reduce_scatter", in.numel(), in.dtype, -1, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(in)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclReduceScatter(in.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
-    return nccl_end(s_, c_, label("reduce_scatter", -1), {out, in});
+    return nccl_end(s_, c_, what, {out, in}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("reduce_scatter", -1);
+  p->what = what;
+  p->flight = ids;
   // MPI's in-place reduce-scatter leaves the result at the start of the buffer, not at chunk r:
   // an in-place call on the CPU receives into a separate buffer instead.
   Tensor hin = host_in(in, *p), hout = host_out(out, *p, in_place);
@@ -632,20 +674,23 @@ Work Comm::all_gather_async(const Tensor& out, const Tensor& in) {
   TS_CHECK(in_place || !overlap(out, in), "all_gather: in overlaps out other than as chunk %d", rank_);
   double K = double(out.nbytes()), N = size_;
   count("all_gather", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
-  seq_++;
   if (size_ == 1) {
     if (!in_place) copy(out, in);
     return Work();
   }
+  const std::string what = label("all_gather", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_gather", out.numel(), out.dtype, -1, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(in)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclAllGather(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), c_, s_));
-    return nccl_end(s_, c_, label("all_gather", -1), {out, in});
+    return nccl_end(s_, c_, what, {out, in}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("all_gather", -1);
+  p->what = what;
+  p->flight = ids;
   Tensor hin = host_in(in, *p), hout = host_out(out, *p);
   const void* send = is_chunk(hin, hout, rank_) ? MPI_IN_PLACE : hin.raw();
   int n = mpi_count(in.numel());
@@ -662,17 +707,20 @@ Work Comm::broadcast_async(const Tensor& t, int root) {
   double K = double(t.nbytes());
   bool last = (rank_ - root + size_) % size_ == size_ - 1;
   count("broadcast", K, last ? 0 : K);
-  seq_++;
   if (size_ == 1) return Work();
+  const std::string what = label("broadcast", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "broadcast", t.numel(), t.dtype, root, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(t)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype), root, c_, s_));
-    return nccl_end(s_, c_, label("broadcast", -1), {t});
+    return nccl_end(s_, c_, what, {t}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("broadcast", -1);
+  p->what = what;
+  p->flight = ids;
   Tensor h = rank_ == root ? host_in(t, *p) : host_out(t, *p);
   p->reqs.resize(1);
   MPI_CHECK(MPI_Ibcast(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), root, comm_, &p->reqs[0]));
@@ -684,16 +732,19 @@ Work Comm::broadcast_async(const Tensor& t, int root) {
 Work Comm::send_async(const Tensor& t, int peer, int tag) {
   TS_CHECK(peer >= 0 && peer < size_, "send: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
   count("send", double(t.nbytes()), peer == rank_ ? 0 : double(t.nbytes()));
-  seq_++;
+  const std::string what = label("send", tag, flight::next_message(comm_, rank_, peer, tag));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", peer, tag, t.numel(), t.dtype, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(t)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclSend(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
-    return nccl_end(s_, c_, label("send", tag), {t});
+    return nccl_end(s_, c_, what, {t}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("send", tag);
+  p->what = what;
+  p->flight = ids;
   Tensor h = host_in(t, *p);
   p->reqs.resize(1);
   MPI_CHECK(MPI_Isend(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
@@ -704,16 +755,19 @@ Work Comm::send_async(const Tensor& t, int peer, int tag) {
 Work Comm::recv_async(const Tensor& t, int peer, int tag) {
   TS_CHECK(peer >= 0 && peer < size_, "recv: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
   count("recv", double(t.nbytes()), 0);  // the sender counts the wire bytes
-  seq_++;
+  const std::string what = label("recv", tag, flight::next_message(comm_, peer, rank_, tag));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::p2p(comm_, "recv", peer, tag, t.numel(), t.dtype, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(t)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclRecv(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
-    return nccl_end(s_, c_, label("recv", tag), {t});
+    return nccl_end(s_, c_, what, {t}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("recv", tag);
+  p->what = what;
+  p->flight = ids;
   Tensor h = host_out(t, *p);
   p->reqs.resize(1);
   MPI_CHECK(MPI_Irecv(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
@@ -730,11 +784,14 @@ Work Comm::send_recv_async(const Tensor& send, int dst, const Tensor& recv, int 
            recv.str().c_str());
   count("send", double(send.nbytes()), dst == rank_ ? 0 : double(send.nbytes()));
   count("recv", double(recv.nbytes()), 0);
-  seq_++;
   if (size_ == 1) {
     copy(recv, send);
     return Work();
   }
+  const std::string what = label("send_recv", tag, flight::next_message(comm_, rank_, dst, tag));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", dst, tag, send.numel(), send.dtype, what),
+                                       flight::p2p(comm_, "recv", src, tag, recv.numel(), recv.dtype, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(send)) {
     NCCL_BEGIN();
@@ -742,11 +799,12 @@ Work Comm::send_recv_async(const Tensor& send, int dst, const Tensor& recv, int 
     NCCL_CHECK(ncclSend(send.raw(), size_t(send.numel()), nccl_type(send.dtype), dst, c_, s_));
     NCCL_CHECK(ncclRecv(recv.raw(), size_t(recv.numel()), nccl_type(recv.dtype), src, c_, s_));
     NCCL_CHECK(ncclGroupEnd());
-    return nccl_end(s_, c_, label("send_recv", tag), {send, recv});
+    return nccl_end(s_, c_, what, {send, recv}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("send_recv", tag);
+  p->what = what;
+  p->flight = ids;
   Tensor hs = host_in(send, *p), hr = host_out(recv, *p);
   p->reqs.resize(2);
   MPI_CHECK(MPI_Irecv(hr.raw(), mpi_count(recv.numel()), mpi_type(recv.dtype), src, tag, comm_, &p->reqs[0]));
@@ -783,11 +841,13 @@ Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& rec
   // Everything this rank holds leaves except its own chunk: (N-1)/N K for equal chunks.
   double es = double(dtype_size(in.dtype));
   count("all_to_all", ssum * es, (ssum - send_counts[rank_]) * es);
-  seq_++;
   if (size_ == 1) {
     if (ssum) copy(out.view(0, {ssum}), in.view(0, {ssum}));
     return Work();
   }
+  const std::string what = label("all_to_all", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_to_all", ssum, in.dtype, -1, what)};
 #ifdef TS_CUDA
   if (USE_NCCL(in)) {
     // NCCL has no all-to-all: one grouped send and receive per peer.
@@ -803,11 +863,12 @@ Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& rec
                             nccl_type(in.dtype), p, c_, s_));
     }
     NCCL_CHECK(ncclGroupEnd());
-    return nccl_end(s_, c_, label("all_to_all", -1), {out, in});
+    return nccl_end(s_, c_, what, {out, in}, ids);
   }
 #endif
   auto p = std::make_unique<MpiPending>();
-  p->what = label("all_to_all", -1);
+  p->what = what;
+  p->flight = ids;
   Tensor hin = host_in(in, *p), hout = host_out(out, *p);
   p->arrays.resize(4 * size_);
   int* sc = p->arrays.data();
@@ -826,10 +887,13 @@ Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& rec
 
 Work Comm::barrier_async() {
   count("barrier", 0, 0);
-  seq_++;
   if (size_ == 1) return Work();
+  const std::string what = label("barrier", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective_raw(comm_, "barrier", 0, MPI_DATATYPE_NULL, -1, what)};
   auto p = std::make_unique<MpiPending>();
-  p->what = label("barrier", -1);
+  p->what = what;
+  p->flight = ids;
   p->reqs.resize(1);
   MPI_CHECK(MPI_Ibarrier(comm_, &p->reqs[0]));
   return Work(std::move(p));

@@ -133,7 +133,9 @@ class Comm {
 
  private:
   void count(const char* op, double payload, double wire);
-  std::string label(const char* op, int tag) const;  // "all_reduce #12 on group 'dp'" for the watchdog
+  // "all_reduce #12 on group 'dp' ...": the watchdog's name for a call, numbered as the flight
+  // recorder numbers it (the n-th collective on the group; the n-th message of a pair and tag).
+  std::string label(const char* op, int tag, long seq) const;
   // Frees the NCCL communicator, the stream and the MPI communicator now; the Comm is unusable
   // afterwards. The destructor calls it, and so does comm_finalize() for every live Comm.
   void release();
@@ -142,7 +144,6 @@ class Comm {
   std::string name_;
   MPI_Comm comm_ = MPI_COMM_NULL;
   int rank_ = 0, size_ = 1;
-  long seq_ = 0;  // ops issued on this group: names the op the watchdog caught
   std::map<std::string, OpStats> stats_;
   void* nccl_ = nullptr;    // ncclComm_t when NCCL carries this group's CUDA tensors
   void* stream_ = nullptr;  // cudaStream_t: the group's communication stream

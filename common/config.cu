@@ -120,6 +120,24 @@ static void parse_run_flags(Args& a, RunConfig& rc) {
                          between(0, 1024));
 }
 
+// What keeps a failure at scale explainable and a save from stalling the run: the flight
+// recorder (flight_recorder.h) and asynchronous checkpoints (checkpoint.h).
+static void parse_reliability_flags(Args& a, RunConfig& rc) {
+  a.group("run and checkpoint");
+  rc.async_save = a.get_bool("--async-save", "checkpoints: copy to memory and go on; a background thread writes, syncs and "
+                             "publishes (one save in flight)");
+  a.group("operations");
+  rc.flight_entries = a.get_int("--flight-recorder", rc.flight_entries, "collectives and sends each rank remembers for a "
+                                "hang or error report (0: off)", between(0, 10000000));
+  rc.flight_dir = a.get_str("--flight-dir", "", "where each rank's flight record goes on a timeout, a fatal error or "
+                            "SIGUSR1 (default: DIR.flight beside --save DIR, else ./tinyscale-flight)");
+  if (rc.flight_dir.empty()) {
+    std::string save = rc.save_dir;
+    while (save.size() > 1 && save.back() == '/') save.pop_back();
+    rc.flight_dir = save.empty() ? "tinyscale-flight" : save + ".flight";
+  }
+}
+
 // The checks that need several flags at once.
 static void check_run_config(const RunConfig& rc) {
   const ModelConfig& m = rc.model;
@@ -167,6 +185,7 @@ RunConfig parse_run_config(Args& a) {
   parse_model_flags(a, rc);
   parse_training_flags(a, rc);
   parse_run_flags(a, rc);
+  parse_reliability_flags(a, rc);
   a.group("");  // the program's own flags, declared next, print first
   if (rc.model.experts == 0) rc.model.top_k = 0;
   check_run_config(rc);

@@ -43,6 +43,9 @@ struct RunConfig {
   long log_every = 0;  // step lines every N steps (0: about 50 per run), always the first and last
   double progress_seconds = 10;
   int threads = 0;     // CPU threads per rank (0: chosen from the cores, see threads.h)
+  bool async_save = false;  // checkpoints staged in memory and written by a background thread
+  int flight_entries = 2000;  // the flight recorder's ring per rank (0: off; flight_recorder.h)
+  std::string flight_dir;     // where its dumps go: DIR.flight beside --save DIR, else ./tinyscale-flight
   Json flags;          // every flag of this run and its value (Args::effective), kept in trainer.json
 };
 // Reads the flags shared by every technique (not finish(): the technique adds its own first).

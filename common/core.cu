@@ -56,6 +56,9 @@ long current_step() { return g_step; }
   vsnprintf(msg, sizeof msg, fmt, ap); \
   va_end(ap)
 
+static void (*g_fatal_hook)(const char*) = nullptr;
+void set_fatal_hook(void (*hook)(const char* message)) { g_fatal_hook = hook; }
+
 void fatal_at(const char* file, int line, const char* fmt, ...) {
   TS_FORMAT_MESSAGE(msg, fmt);
   if (g_step >= 0)
@@ -63,6 +66,10 @@ void fatal_at(const char* file, int line, const char* fmt, ...) {
   else
     fprintf(stderr, "error [rank %d] %s:%d: %s\n", world_rank(), file, line, msg);
   fflush(stderr);
+  if (auto hook = g_fatal_hook) {
+    g_fatal_hook = nullptr;  // a failure inside the hook ends the job without it
+    hook(msg);
+  }
   abort_job(1);
 }
 

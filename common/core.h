@@ -44,6 +44,8 @@ namespace ts {
   } while (0)
 
 int world_rank();  // 0 before MPI is initialised
+// Called by fatal() with its message before the job is aborted (the flight recorder's dump).
+void set_fatal_hook(void (*hook)(const char* message));
 
 // Called by the run's step loop so fatal() and the watchdog can name the step.
 void set_current_step(long step);

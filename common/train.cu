@@ -4,6 +4,7 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "data.h"
+#include "flight_recorder.h"
 #include "kernels_bf16.h"
 #include "run.h"
 #include "threads.h"
@@ -31,6 +32,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
   set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
+  flight::configure(rc.flight_entries, rc.flight_dir);
   rc.program = argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "";
   own(args, rc, mc);
   args.finish();

@@ -1,0 +1,22 @@
+// short_collective, in 02_data_parallel: the last rank all-reduces only the first half of its
+// second gradient bucket, as a rank with another bucket layout would. The flight recorder's files
+// must show the sizes differing (tests/test_reliability.cpp, "flight recorder"). Wraps the
+// Comm::all_reduce_async that 02's bucketed gradient reduction calls.
+#include "bug.h"
+#include "comm.h"
+
+ts::Work real_all_reduce_async(ts::Comm* self, const ts::Tensor& t, ts::ReduceOp op)
+    __asm__("__real__ZN2ts4Comm16all_reduce_asyncERKNS_6TensorENS_8ReduceOpE");
+ts::Work short_all_reduce_async(ts::Comm* self, const ts::Tensor& t, ts::ReduceOp op)
+    __asm__("__wrap__ZN2ts4Comm16all_reduce_asyncERKNS_6TensorENS_8ReduceOpE");
+
+ts::Work short_all_reduce_async(ts::Comm* self, const ts::Tensor& t, ts::ReduceOp op) {
+  static int calls = 0;
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (ts::world_rank() == world - 1 && ++calls == 2) {
+    bug::announce("short_collective");
+    return real_all_reduce_async(self, t.view(0, {t.numel() / 2}), op);
+  }
+  return real_all_reduce_async(self, t, op);
+}
