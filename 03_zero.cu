@@ -266,6 +266,7 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
   }
   MemoryPrediction m;
   m.optimizer = (8.0 + master) * S;                               // Adam m, v (+ master): 12Ψ/N_d in bf16
+  m.staging = 12.0 * S;  // --async-save stages the shard it writes: fp32 weights, m and v
   m.grads = p.stage == 1 ? 4.0 * P : 4.0 * (S + pair);           // stage 2/3: shard + two unit buffers in flight
   m.params = p.stage < 3 ? e * P : e * (S + (p.prefetch ? pair : largest));  // stage 3: shard + gathered units
   m.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);

@@ -9,6 +9,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <thread>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -173,7 +177,9 @@ static void remove_stale_temporaries(const std::string& save_dir, const std::str
     const std::string name = e.path().filename().string();
     const bool mine = name.rfind(base + ".tmp", 0) == 0 ||
                       (steps && name.rfind("step_", 0) == 0 && name.find(".tmp") != std::string::npos);
-    if (mine) remove_tree(e.path().string());
+    if (!mine) continue;
+    remove_tree(e.path().string());
+    printf("save: removed %s, the unfinished save of an earlier job\n", e.path().string().c_str());
   }
 }
 
@@ -187,50 +193,6 @@ static std::string first_nonfinite(const ParamTable& t, const std::string& prefi
       if (!std::isfinite(src[size_t(flat - b + k)])) found = prefix + p.name;
   });
   return found;
-}
-
-// A test hook: TS_CRASH_IN_SAVE=1 kills the process after the first half of the weights is
-// written, the way a node failure would, to prove the previous checkpoint survives.
-static void maybe_crash_midway() {
-  const char* c = getenv("TS_CRASH_IN_SAVE");
-  if (c && std::string(c) == "1") {
-    fprintf(stderr, "TS_CRASH_IN_SAVE: simulated crash during checkpoint save\n");
-    _exit(3);
-  }
-}
-
-// This rank's slices of the weights and the moments, into the files rank 0 created; the first
-// tensor holding a non-finite value, or "".
-static std::string write_slices(const std::string& tmp, const ParamTable& table, const std::vector<CheckpointSlice>& mine,
-                                const std::vector<StEntry>& model_e, const std::vector<StEntry>& opt_e, bool any_opt) {
-  std::string bad;
-  SafetensorsWriter w(tmp + "/model.safetensors", model_e, {{"format", "pt"}}, false);
-  for (size_t i = 0; i < mine.size(); i++) {
-    const CheckpointSlice& sl = mine[i];
-    std::vector<float> v = to_host_f32(sl.weights);
-    if (bad.empty()) bad = first_nonfinite(table, "", sl.begin, sl.end, v);
-    int64_t half = sl.begin + (sl.end - sl.begin) / 2;
-    write_range(w, table, "", sl.begin, half, v);
-    if (i == 0) maybe_crash_midway();
-    std::vector<float> rest(v.begin() + (half - sl.begin), v.end());
-    write_range(w, table, "", half, sl.end, rest);
-  }
-  w.sync_and_close();
-  if (any_opt) {
-    SafetensorsWriter o(tmp + "/optimizer.safetensors", opt_e, {{"format", "pt"}}, false);
-    // Moments not yet allocated (a save before the first step, --steps 0) are zeros.
-    auto moments = [](const Tensor& t, int64_t n) { return t.defined() ? to_host_f32(t) : std::vector<float>(size_t(n)); };
-    for (const CheckpointSlice& sl : mine) {
-      if (!sl.opt) continue;
-      for (const char* pre : {"exp_avg.", "exp_avg_sq."}) {
-        const std::vector<float> m = moments(std::string(pre) == "exp_avg." ? sl.opt->m1 : sl.opt->m2, sl.end - sl.begin);
-        if (bad.empty()) bad = first_nonfinite(table, pre, sl.begin, sl.end, m);
-        write_range(o, table, pre, sl.begin, sl.end, m);
-      }
-    }
-    o.sync_and_close();
-  }
-  return bad;
 }
 
 // trainer.json: where the run stands, its schedule, its mesh and every flag, each file's digest
@@ -291,51 +253,215 @@ static void publish(const std::string& tmp, const std::string& dir, const std::s
   }
 }
 
-void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const ParamTable& table,
-                     const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
+// ----- saving: staged, written, agreed on, sealed and published --------------------------------
+// A save runs in five parts. (1) Every rank agrees on the layout and rank 0 creates the temporary
+// directory and the files' headers. (2) Each rank copies its slices out of the training state
+// (the staging buffer: fp32 weights and both moments, 12 bytes per parameter it writes). (3) Each
+// rank writes its part and syncs it. (4) Every rank agrees that every part is written and finite.
+// (5) Rank 0 writes config.json and trainer.json with each file's digest and the seal, and
+// publishes the directory with one rename. A synchronous save does all five before training goes
+// on; --async-save does (1) and (2), writes (3) on a background thread, agrees (4) at the first
+// step boundary where every rank has finished (one small all-reduce per step while a save is in
+// flight), and seals and publishes (5) on rank 0's background thread. The bytes are the same.
+
+struct StagedSlice {
+  int64_t begin = 0, end = 0;
+  std::vector<float> weights, m1, m2;  // m1/m2 empty when the slice carries no optimizer state
+};
+
+struct Save {
+  std::string save_dir, dir, tmp, at;
+  RunConfig rc;
+  const ParamTable* table = nullptr;  // the model's: it outlives the run's last save
+  long step = 0;
+  Json mesh;
+  std::vector<StEntry> model_e, opt_e;
+  bool any_opt = false, all_opt = false;
+  std::vector<StagedSlice> staged;
+  std::string bad;  // the writer's verdict: the first tensor with a non-finite value, or ""
+  std::atomic<bool> written{false}, agreed{false};
+  std::thread writer, sealer;
+};
+static std::unique_ptr<Save> g_save;  // the save in flight (--async-save), or null
+static size_t g_staging_peak = 0;
+size_t checkpoint_staging_peak() { return g_staging_peak; }
+
+// While a save's files are unpublished, a fatal error on this rank (a full disk, a failed sync)
+// removes them and the --save lock before the job ends, and says so in the error's line.
+static std::string g_unpublished;
+static std::string cleanup_failed_save() {
+  if (g_unpublished.empty()) return "";
+  std::error_code ec;
+  std::filesystem::remove_all(g_unpublished, ec);
+  std::string said = "; removed the unfinished save " + g_unpublished;
+  if (!g_locked.empty() && unlink((g_locked + ".lock").c_str()) == 0) said += " and the lock " + g_locked + ".lock";
+  g_unpublished.clear();
+  return said + "; the last published checkpoint is intact";
+}
+
+// A test hook: TS_CRASH_IN_SAVE=1 kills the process after the first half of the weights is
+// written, the way a node failure would, to prove the previous checkpoint survives.
+static void maybe_crash_midway() {
+  const char* c = getenv("TS_CRASH_IN_SAVE");
+  if (c && std::string(c) == "1") {
+    fprintf(stderr, "TS_CRASH_IN_SAVE: simulated crash during checkpoint save\n");
+    _exit(3);
+  }
+}
+
+// Part (1): the layout agreed, the temporary directory and the empty files created.
+static std::unique_ptr<Save> begin_save(const std::string& save_dir, const RunConfig& rc, const ParamTable& table,
+                                        const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
+  auto s = std::make_unique<Save>();
   const bool rank0 = world_rank() == 0;
-  const std::string dir = rc.keep_last > 0 ? step_dir(save_dir, step) : strip_slashes(save_dir);
-  const std::string at = "checkpoint of step " + std::to_string(step);
-  const std::vector<StEntry> model_e = entries_with_prefix(table, "");
-  std::vector<StEntry> opt_e = entries_with_prefix(table, "exp_avg.");
-  for (StEntry& e : entries_with_prefix(table, "exp_avg_sq.")) opt_e.push_back(e);
+  s->save_dir = save_dir, s->rc = rc, s->table = &table, s->step = step, s->mesh = mesh;
+  s->dir = rc.keep_last > 0 ? step_dir(save_dir, step) : strip_slashes(save_dir);
+  s->at = "checkpoint of step " + std::to_string(step);
+  s->model_e = entries_with_prefix(table, "");
+  s->opt_e = entries_with_prefix(table, "exp_avg.");
+  for (StEntry& e : entries_with_prefix(table, "exp_avg_sq.")) s->opt_e.push_back(e);
   // {any optimizer state, rank 0's pid}: the temporary directory is named after this job, so two
   // jobs never write into one.
   int mine_flags[2] = {0, rank0 ? int(getpid()) : 0}, all_flags[2] = {0, 0};
-  for (const CheckpointSlice& s : mine) mine_flags[0] |= s.opt != nullptr;
-  watched_allreduce(mine_flags, all_flags, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD, "all_reduce (" + at + ": its layout)");
-  const int any_opt = mine_flags[0], all_opt = all_flags[0];
-  const std::string tmp = dir + ".tmp." + std::to_string(all_flags[1]);
-
+  for (const CheckpointSlice& sl : mine) mine_flags[0] |= sl.opt != nullptr;
+  watched_allreduce(mine_flags, all_flags, 2, MPI_INT, MPI_MAX, MPI_COMM_WORLD, "all_reduce (" + s->at + ": its layout)");
+  s->any_opt = mine_flags[0], s->all_opt = all_flags[0];
+  s->tmp = s->dir + ".tmp." + std::to_string(all_flags[1]);
+  g_unpublished = s->tmp;
+  set_fatal_cleanup(cleanup_failed_save);
   if (rank0) {
     if (rc.keep_last > 0 && !exists(save_dir) && mkdir(save_dir.c_str(), 0755) != 0)
       fatal("cannot create checkpoint directory %s: %s", save_dir.c_str(), strerror(errno));
-    remove_stale_temporaries(save_dir, dir, rc.keep_last > 0);
-    if (exists(tmp)) remove_tree(tmp);
-    if (mkdir(tmp.c_str(), 0755) != 0) fatal("cannot create checkpoint directory %s", tmp.c_str());
+    remove_stale_temporaries(save_dir, s->dir, rc.keep_last > 0);
+    if (exists(s->tmp)) remove_tree(s->tmp);
+    if (mkdir(s->tmp.c_str(), 0755) != 0) fatal("cannot create checkpoint directory %s: %s", s->tmp.c_str(), strerror(errno));
     std::map<std::string, std::string> meta = {{"format", "pt"}};
-    SafetensorsWriter(tmp + "/model.safetensors", model_e, meta, true).sync_and_close();
-    if (all_opt) SafetensorsWriter(tmp + "/optimizer.safetensors", opt_e, meta, true).sync_and_close();
+    SafetensorsWriter(s->tmp + "/model.safetensors", s->model_e, meta, true).sync_and_close();
+    if (s->all_opt) SafetensorsWriter(s->tmp + "/optimizer.safetensors", s->opt_e, meta, true).sync_and_close();
   }
-  watched_barrier(MPI_COMM_WORLD, "barrier (" + at + ": files created)");
-  // The first tensor this rank would write with a non-finite value.
-  const std::string bad = mine.empty() ? "" : write_slices(tmp, table, mine, model_e, opt_e, any_opt);
-  // Every rank has written its slices once this agreement returns. Non-finite weights or moments
-  // (a diverged step) are never published: the last good checkpoint stays where it is.
-  const std::string err = first_error(bad.empty() ? "" : bad + " holds non-finite values", MPI_COMM_WORLD, at);
+  watched_barrier(MPI_COMM_WORLD, "barrier (" + s->at + ": files created)");
+  return s;
+}
+
+// Part (2): this rank's slices copied out of the training state. Moments not yet allocated (a
+// save before the first step, --steps 0) are zeros.
+static void stage(Save& s, const std::vector<CheckpointSlice>& mine) {
+  size_t bytes = 0;
+  for (const CheckpointSlice& sl : mine) {
+    StagedSlice st;
+    st.begin = sl.begin, st.end = sl.end;
+    st.weights = to_host_f32(sl.weights);
+    auto moments = [&](const Tensor& t) { return t.defined() ? to_host_f32(t) : std::vector<float>(size_t(sl.end - sl.begin)); };
+    if (sl.opt) st.m1 = moments(sl.opt->m1), st.m2 = moments(sl.opt->m2);
+    bytes += 4 * (st.weights.size() + st.m1.size() + st.m2.size());
+    s.staged.push_back(std::move(st));
+  }
+  g_staging_peak = std::max(g_staging_peak, bytes);
+}
+
+// Part (3): the staged slices into the files rank 0 created; the first tensor holding a
+// non-finite value, or "".
+static std::string write_staged(const Save& s) {
+  std::string bad;
+  if (s.staged.empty()) return bad;
+  const ParamTable& table = *s.table;
+  SafetensorsWriter w(s.tmp + "/model.safetensors", s.model_e, {{"format", "pt"}}, false);
+  for (size_t i = 0; i < s.staged.size(); i++) {
+    const StagedSlice& sl = s.staged[i];
+    if (bad.empty()) bad = first_nonfinite(table, "", sl.begin, sl.end, sl.weights);
+    const int64_t half = sl.begin + (sl.end - sl.begin) / 2;
+    write_range(w, table, "", sl.begin, half, sl.weights);
+    if (i == 0) maybe_crash_midway();
+    const std::vector<float> rest(sl.weights.begin() + (half - sl.begin), sl.weights.end());
+    write_range(w, table, "", half, sl.end, rest);
+  }
+  w.sync_and_close();
+  if (!s.any_opt) return bad;
+  SafetensorsWriter o(s.tmp + "/optimizer.safetensors", s.opt_e, {{"format", "pt"}}, false);
+  for (const StagedSlice& sl : s.staged) {
+    if (sl.m1.empty()) continue;
+    for (const char* pre : {"exp_avg.", "exp_avg_sq."}) {
+      const std::vector<float>& m = std::string(pre) == "exp_avg." ? sl.m1 : sl.m2;
+      if (bad.empty()) bad = first_nonfinite(table, pre, sl.begin, sl.end, m);
+      write_range(o, table, pre, sl.begin, sl.end, m);
+    }
+  }
+  o.sync_and_close();
+  return bad;
+}
+
+// Part (4), collective: every rank has written its slices once this agreement returns.
+// Non-finite weights or moments (a diverged step) are never published: the last good checkpoint
+// stays where it is.
+static void agree_written(Save& s) {
+  const std::string err = first_error(s.bad.empty() ? "" : s.bad + " holds non-finite values", MPI_COMM_WORLD, s.at);
   if (!err.empty()) {
-    if (rank0) remove_tree(tmp);
+    if (world_rank() == 0) remove_tree(s.tmp);
+    g_unpublished.clear();
     config_error("%s not published: %s (the run diverged; try a lower --lr). The last good checkpoint in %s is kept.",
-                 at.c_str(), err.c_str(), save_dir.c_str());
+                 s.at.c_str(), err.c_str(), s.save_dir.c_str());
   }
-  if (rank0) {
-    write_text_file_synced(tmp + "/config.json", hf_config(rc.model).dump(2) + "\n");
-    const Json tj = trainer_json(rc, step, mesh, tmp, at);
-    write_text_file_synced(tmp + "/trainer.json", tj.dump(2) + "\n");
-    fsync_dir(tmp);
-    publish(tmp, dir, save_dir, rc);
+  s.agreed = true;
+}
+
+// Part (5), rank 0: the seal, then the one rename that publishes.
+static void seal_and_publish(const Save& s) {
+  write_text_file_synced(s.tmp + "/config.json", hf_config(s.rc.model).dump(2) + "\n");
+  const Json tj = trainer_json(s.rc, s.step, s.mesh, s.tmp, s.at);
+  write_text_file_synced(s.tmp + "/trainer.json", tj.dump(2) + "\n");
+  fsync_dir(s.tmp);
+  publish(s.tmp, s.dir, s.save_dir, s.rc);
+}
+
+// Collective: the save in flight, agreed, sealed and published; the seconds this rank waited.
+double finish_async_save() {
+  if (!g_save) return 0;
+  auto t0 = std::chrono::steady_clock::now();
+  Save& s = *g_save;
+  if (s.writer.joinable()) s.writer.join();
+  if (!s.agreed) agree_written(s);
+  if (world_rank() == 0 && !s.sealer.joinable()) seal_and_publish(s);
+  if (s.sealer.joinable()) s.sealer.join();
+  watched_barrier(MPI_COMM_WORLD, "barrier (" + s.at + ": published)");
+  g_unpublished.clear();
+  g_save.reset();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void progress_async_save() {
+  if (!g_save || g_save->agreed) return;
+  Save& s = *g_save;
+  int mine = s.written ? 1 : 0, all = 0;
+  watched_allreduce(&mine, &all, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD, "all_reduce (" + s.at + ": every part written?)");
+  if (!all) return;
+  s.writer.join();
+  agree_written(s);
+  if (world_rank() == 0) s.sealer = std::thread([&s] { seal_and_publish(s); });
+}
+
+void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const ParamTable& table,
+                     const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
+  if (g_save) {  // at most one save in flight: this one waits for the last
+    const std::string last = g_save->at;
+    const double waited = finish_async_save();
+    if (world_rank() == 0)
+      printf("save: waited %.3f s for the %s to be published before the checkpoint of step %ld\n", waited,
+             last.c_str(), step);
   }
-  watched_barrier(MPI_COMM_WORLD, "barrier (" + at + ": published)");
+  std::unique_ptr<Save> s = begin_save(save_dir, rc, table, mine, step, mesh);
+  stage(*s, mine);
+  if (rc.async_save) {
+    Save* p = s.get();
+    s->writer = std::thread([p] {
+      p->bad = write_staged(*p);
+      p->written = true;
+    });
+    g_save = std::move(s);
+    return;
+  }
+  s->bad = write_staged(*s);
+  g_save = std::move(s);
+  finish_async_save();  // (4) and (5) at once
 }
 
 // Dense and mixture-of-experts checkpoints differ in kind, not in one number: say which is which

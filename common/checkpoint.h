@@ -37,8 +37,17 @@ struct CheckpointSlice {
   Tensor weights;       // fp32 [end - begin] (any device)
   const AdamW* opt = nullptr;  // its m1/m2 cover exactly [begin, end)
 };
+// With rc.async_save the call returns once the slices are staged in memory (checkpoint.cu
+// says which part of the save runs where); a save still in flight is finished first (logged).
 void save_checkpoint(const std::string& dir, const RunConfig& rc, const ParamTable& table,
                      const std::vector<CheckpointSlice>& mine, long step, const Json& mesh);
+// Collective, at every step boundary (train_loop): moves an asynchronous save on once every
+// rank has written its part (one small all-reduce while a save is in flight; nothing otherwise).
+void progress_async_save();
+// Collective: waits until the save in flight is published; returns the seconds waited (0: none).
+double finish_async_save();
+// The most bytes this rank has held staged for a save (12 per parameter it writes).
+size_t checkpoint_staging_peak();
 
 struct CheckpointInfo {
   long step = 0;

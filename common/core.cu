@@ -58,9 +58,16 @@ long current_step() { return g_step; }
 
 static void (*g_fatal_hook)(const char*) = nullptr;
 void set_fatal_hook(void (*hook)(const char* message)) { g_fatal_hook = hook; }
+static std::string (*g_fatal_cleanup)() = nullptr;
+void set_fatal_cleanup(std::string (*cleanup)()) { g_fatal_cleanup = cleanup; }
 
 void fatal_at(const char* file, int line, const char* fmt, ...) {
   TS_FORMAT_MESSAGE(msg, fmt);
+  if (auto cleanup = g_fatal_cleanup) {
+    g_fatal_cleanup = nullptr;
+    const std::string said = cleanup();
+    strncat(msg, said.c_str(), sizeof msg - strlen(msg) - 1);
+  }
   if (g_step >= 0)
     fprintf(stderr, "error [rank %d, step %ld] %s:%d: %s\n", world_rank(), g_step, file, line, msg);
   else

@@ -46,6 +46,9 @@ namespace ts {
 int world_rank();  // 0 before MPI is initialised
 // Called by fatal() with its message before the job is aborted (the flight recorder's dump).
 void set_fatal_hook(void (*hook)(const char* message));
+// Called by fatal() first, whose return it appends to the message: what was cleaned up (a
+// failed save's temporary files).
+void set_fatal_cleanup(std::string (*cleanup)());
 
 // Called by the run's step loop so fatal() and the watchdog can name the step.
 void set_current_step(long step);

@@ -10,6 +10,7 @@ MemoryPrediction predict_states(int64_t psi, int64_t psi_opt, DType dt, bool mas
   p.params = double(psi) * dtype_size(dt);
   p.grads = 4.0 * psi;  // fp32 gradients (accumulated in fp32 under bf16 too)
   p.optimizer = 8.0 * psi_opt + (dt != DType::F32 && master_weights ? 4.0 * psi_opt : 0.0);
+  p.staging = 12.0 * psi_opt;
   return p;
 }
 

@@ -12,6 +12,9 @@ namespace ts {
 
 struct MemoryPrediction {
   double params = 0, grads = 0, optimizer = 0, activations = 0;
+  // --async-save's staging buffer: the fp32 weights and both moments of the range this rank's
+  // optimizer covers, 4 B x 3 x Ψ_opt (the range it writes).
+  double staging = 0;
   // What the unpredicted `comm` row holds in this technique, for the memory table's footnote
   // (every technique adds the host staging of CUDA tensors that ranks sharing a GPU send by MPI).
   std::string comm_holds;

@@ -160,7 +160,7 @@ Json comm_report(RunLog& log, const Comm& group, long steps, const std::map<std:
   return c;
 }
 
-Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
+Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred, size_t staged) {
   const MemStats& s = mem_stats(dev);
   const double predicted[kNumTags] = {pred.params, pred.grads, pred.optimizer, pred.activations, -1, -1};
   Json mem = Json::object();
@@ -184,6 +184,15 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred) {
     log.line("   and host staging of CUDA tensors sent over MPI when ranks share a GPU; nor for workspace:");
   }
   log.line("   scratch freed within one call, chiefly the fp32 weight copy at init, resume and save, and kernel temporaries)");
+  if (staged > 0) {  // host memory, outside the device's categories
+    log.line("  %-12s %22s %16s   %.4f   (--async-save: fp32 weights + 2 moments written, 12 B x Ψ_opt)", "ckpt staging",
+             human_bytes(double(staged)).c_str(), human_bytes(pred.staging).c_str(),
+             pred.staging > 0 ? double(staged) / pred.staging : 0.0);
+    Json c = Json::object();
+    c["measured"] = int64_t(staged);
+    c["predicted"] = int64_t(std::llround(pred.staging));
+    mem["checkpoint_staging"] = std::move(c);
+  }
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",
            human_bytes(double(s.reserved_peak)).c_str());

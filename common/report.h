@@ -54,6 +54,7 @@ std::string human_bytes(double b);
 // The memory table: each category measured (this rank's allocator, per-category peak of bytes in
 // use) next to the prediction, then the total peak and the allocator's reserved peak (cached
 // free blocks included); returned as the summary's "memory" object.
-Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred);
+// `staged`: the bytes an asynchronous save held staged (0: no row), next to pred.staging.
+Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred, size_t staged = 0);
 
 }  // namespace ts

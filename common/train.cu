@@ -181,6 +181,30 @@ StepTimes step_times(long first_step, const std::vector<double>& seconds) {
   return t;
 }
 
+// The seconds a save holds training up: all of it when synchronous; the staging copy (and any
+// wait for the previous save) under --async-save.
+static double timed_save(Loop& loop, long step) {
+  auto t0 = std::chrono::steady_clock::now();
+  loop.save(step);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// The stall per save, and the staging buffer of an asynchronous one next to its formula.
+static Json checkpoint_report(RunLog& log, const RunConfig& rc, const std::vector<double>& stalls) {
+  std::vector<double> periodic(stalls.begin(), stalls.end() - (stalls.size() > 1 ? 1 : 0));  // the last waits for itself
+  std::sort(periodic.begin(), periodic.end());
+  Json c = Json::object();
+  c["saves"] = int64_t(stalls.size());
+  c["async"] = rc.async_save;
+  c["stall_s_median"] = periodic[periodic.size() / 2];
+  c["stall_s_max"] = periodic.back();
+  c["staging_bytes"] = int64_t(checkpoint_staging_peak());
+  log.line("checkpoints: %zu saves (%s); training stalled %.4f s per save (median; max %.4f)%s", stalls.size(),
+           rc.async_save ? "asynchronous: staged in memory, written behind training" : "synchronous",
+           periodic[periodic.size() / 2], periodic.back(), stalls.size() > 1 ? ", the final save not counted" : "");
+  return c;
+}
+
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop) {
   check_eval_available(rc, loop);
   // tokens/s is the whole job's (the global batch per step) and the peak is one device's: MFU is
@@ -195,6 +219,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   ProfileScope::reset();
   catch_stop_signals();
   long done = first, saved = -1, evaluated = -1;
+  std::vector<double> stalls;  // seconds each save held training up
   double last_eval = NAN;
   int stop = 0;
   for (long step = first; step < rc.steps && !stop; step++) {
@@ -213,8 +238,9 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
               peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak,
               r.extra, r.note, flops_per_token(rc.model) * tokens / secs, eval_due ? last_eval : NAN});
+    progress_async_save();  // an asynchronous save moves on (collective; nothing without one)
     if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
-      loop.save(done);
+      stalls.push_back(timed_save(loop, done));
       saved = done;
     }
     stop = agreed_stop_signal();
@@ -225,7 +251,8 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     last_eval = loop.eval();
     log.line("eval loss %.6f after step %ld (held-out data)", last_eval, done);
   }
-  if (!rc.save_dir.empty() && saved != done) loop.save(done);
+  if (!rc.save_dir.empty() && saved != done) stalls.push_back(timed_save(loop, done));
+  finish_async_save();
   const char* stop_name = stop == SIGINT ? "SIGINT" : "SIGTERM";
   if (stop) {
     log.line("%s: stopped after %ld of %ld steps; %s", stop_name, done, rc.steps,
@@ -234,7 +261,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   }
 
   Json summary = Json::object();
-  summary["memory"] = memory_report(log, dev, loop.predicted);
+  summary["memory"] = memory_report(log, dev, loop.predicted, rc.async_save ? checkpoint_staging_peak() : 0);
   summary["comm"] = loop.comm ? loop.comm(done - first) : Json::object();
   summary["final_loss"] = last_loss;
   summary["steps_done"] = done;
@@ -251,6 +278,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
              last_loss, data.entropy_floor, eval);
   }
+  if (!stalls.empty()) summary["checkpoint"] = checkpoint_report(log, rc, stalls);
   if (loop.step_time && !seconds.empty()) summary["step_time"] = loop.step_time(step_times(first, seconds));
   if (loop.extra) loop.extra(summary);
   log.summary(summary);

@@ -7,9 +7,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <thread>
 
 #include "checkpoint.h"
@@ -157,4 +160,107 @@ TEST_CASE("the analyzer on a directory without records says so and exits 2", "[f
   const Verdict v = analyze(d.path);
   CHECK(v.status == 2);
   CHECK(has(v.first, "no flight records (rank_<r>.json) in " + d.path));
+}
+
+// ----- checkpoints that do not stall training and leave nothing behind -------------------------
+
+namespace {
+
+// Every file of every step_ checkpoint under dir, by name relative to dir.
+std::map<std::string, std::string> tree_bytes(const std::string& dir) {
+  std::map<std::string, std::string> files;
+  for (const auto& e : std::filesystem::recursive_directory_iterator(dir))
+    if (e.is_regular_file()) files[e.path().string().substr(dir.size())] = read_text_file(e.path().string());
+  return files;
+}
+
+}  // namespace
+
+TEST_CASE("--async-save writes the same bytes as a synchronous save, every checkpoint of the run", "[ckpt][async]") {
+  tst::TempDir d;
+  const std::string ck = d.file("ck"), args = kTiny + "--dp 2 --steps 6 --save-every 2 --keep-last 10 --save " + ck;
+  std::map<std::string, std::string> sync, async;
+  for (const char* how : {"", " --async-save"}) {
+    std::filesystem::remove_all(ck);
+    tst::Result r = tst::run_bin("02_data_parallel", args + how, 2, 120);
+    INFO(how << "\n" << r.output);
+    REQUIRE(r.status == 0);
+    CHECK(has(r.output, *how ? "saves (asynchronous" : "saves (synchronous"));
+    (*how ? async : sync) = tree_bytes(ck);
+  }
+  CHECK(sync.size() == 12);  // step_000002, 4 and 6, four files each
+  CHECK(sync.count("/step_000004/optimizer.safetensors") == 1);
+  CHECK(async == sync);
+}
+
+TEST_CASE("--async-save's staging buffer is in the memory table next to 12 B x Ψ_opt", "[ckpt][async]") {
+  tst::TempDir d;
+  const std::string log = d.file("log.jsonl");
+  tst::Result r = tst::run_bin("03_zero", kTiny + "--dp 2 --zero 1 --steps 2 --async-save --save " + d.file("ck") +
+                                              " --log-json " + log, 2, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  const Json m = tst::read_log(log).summary.at("memory").at("checkpoint_staging");
+  // ZeRO-1 at dp 2: rank 0 writes half the model's weights and moments.
+  CHECK(m.at("measured").as_int() == m.at("predicted").as_int());
+  CHECK(m.at("measured").as_int() > 0);
+  CHECK(has(r.output, "ckpt staging"));
+}
+
+TEST_CASE("--async-save under --save-every 1, killed at any moment, leaves a whole checkpoint that loads",
+          "[ckpt][async]") {
+  const double delays[] = {0.6, 1.1, 1.5, 2.0, 2.6};
+  for (double delay : delays) {
+    tst::TempDir d;
+    const std::string ck = d.file("ck");
+    const std::string cmd = "sh -c '" + tst::bin_command("02_data_parallel", kTiny + "--dp 2 --steps 100000 --save-every 1 "
+                                                         "--async-save --save " + ck, 2) +
+                            " & p=$!; sleep " + std::to_string(delay) + "; pkill -KILL -f \"^" + tst::build_dir() +
+                            "/02_data_parallel .*--save " + ck + "\"; wait $p'";
+    tst::Result killed = tst::run(cmd, 60);
+    INFO("killed after " << delay << " s\n" << killed.output);
+    CHECK(killed.status != 0);
+    // What is there is one whole checkpoint: a resume verifies the seal and every digest first.
+    REQUIRE(exists(ck + "/trainer.json"));
+    const long step = long(Json::parse(read_text_file(ck + "/trainer.json")).at("step").as_int());
+    bool unfinished = false;  // killed mid-save (else between two saves)
+    for (const auto& e : std::filesystem::directory_iterator(d.path))
+      unfinished |= e.path().filename().string().find(".tmp.") != std::string::npos;
+    tst::Result resumed = tst::run_bin("02_data_parallel", kTiny + "--dp 2 --resume " + ck + " --steps " +
+                                       std::to_string(step + 1) + " --save " + ck, 2, 60);
+    INFO(resumed.output);
+    CHECK(resumed.status == 0);
+    CHECK(has(resumed.output, "removed " + ck + ".tmp.") == unfinished);  // the killed job's unfinished save
+    for (const auto& e : std::filesystem::directory_iterator(d.path))
+      CHECK(e.path().filename().string().find(".tmp.") == std::string::npos);
+  }
+}
+
+TEST_CASE("a save into a full filesystem fails in one line, leaves no temporary files, and the last checkpoint loads",
+          "[ckpt]") {
+  tst::TempDir d;
+  const std::string mnt = d.file("small");
+  std::filesystem::create_directories(mnt);
+  // 2.5 MiB: the first checkpoint (1.4 MiB of weights and moments) fits, a second beside it does not.
+  const int mounted = mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=2560k");
+  if (mounted != 0) FAIL("cannot mount a small tmpfs at " << mnt << " (this test needs root): " << strerror(errno));
+  const std::string ck = mnt + "/ck";
+  tst::Result first = tst::run_bin("01_single_gpu", kTiny + "--steps 2 --save " + ck, 1, 60);
+  INFO(first.output);
+  CHECK(first.status == 0);
+  tst::Result full = tst::run_bin("01_single_gpu", kTiny + "--resume " + ck + " --steps 4 --save " + ck, 1, 60);
+  INFO(full.output);
+  CHECK(full.status != 0);
+  size_t lines = 0;
+  for (size_t at = 0; (at = full.output.find("error", at)) != std::string::npos; at++) lines++;
+  CHECK(lines == 1);
+  CHECK(has(full.output, "No space left on device"));
+  CHECK(has(full.output, "removed the unfinished save " + ck + ".tmp."));
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(mnt)) left.push_back(e.path().filename().string());
+  CHECK(left == std::vector<std::string>{"ck"});  // no ck.tmp.<pid>, no ck.lock
+  tst::Result again = tst::run_bin("01_single_gpu", kTiny + "--resume " + ck + " --steps 3", 1, 60);
+  INFO(again.output);
+  CHECK(again.status == 0);
+  umount2(mnt.c_str(), MNT_DETACH);
 }
