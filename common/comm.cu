@@ -93,7 +93,12 @@ void comm_init(int* argc, char*** argv) {
   if (init) return;
   prepare_process_env(*argv);
   // A rank that never arrives leaves the others in MPI_Init's rendezvous.
-  under_timer("MPI_Init (the job's start-up)", [&] { MPI_CHECK(MPI_Init(argc, argv)); });
+  under_timer("MPI_Init (the job's start-up)", [&] {
+    MPI_CHECK(MPI_Init(argc, argv));
+    MPI_Comm channel;
+    MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &channel));
+    flight::open_channel(channel);
+  });
   g_main_thread = pthread_self();
   set_fatal_hook(dump_on_fatal);
 }

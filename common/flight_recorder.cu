@@ -82,16 +82,6 @@ bool mpi_up() {
   return init && !fin;
 }
 
-// The dump-request channel and SIGUSR1, once MPI is up (the first recorded call).
-void arm() {
-  Recorder& r = R();
-  if (r.channel != MPI_COMM_NULL || !mpi_up()) return;
-  signal(SIGUSR1, on_usr1);
-  if (MPI_Comm_dup(MPI_COMM_WORLD, &r.channel) != MPI_SUCCESS) return;
-  MPI_Comm_set_errhandler(r.channel, MPI_ERRORS_RETURN);
-  MPI_Irecv(&r.request_from, 1, MPI_INT, MPI_ANY_SOURCE, kTagRequest, r.channel, &r.request);
-}
-
 int group_index(MPI_Comm comm) {
   Recorder& r = R();
   auto it = r.live.find(comm);
@@ -104,6 +94,13 @@ int group_index(MPI_Comm comm) {
   return r.live[comm];
 }
 
+void serve_signal() {
+  if (g_usr1.exchange(false)) {
+    const std::string path = dump("SIGUSR1");
+    if (!path.empty()) fprintf(stderr, "flight recorder: SIGUSR1: rank %d wrote %s\n", world_rank(), path.c_str());
+  }
+}
+
 Entry* slot(uint64_t id) {
   Recorder& r = R();
   if (id == 0 || r.ring.empty()) return nullptr;
@@ -114,7 +111,7 @@ Entry* slot(uint64_t id) {
 uint64_t add(int group, bool p2p, long seq, const char* op, int peer, int tag, int root, int64_t count,
              int64_t bytes, std::string dtype, const std::string& what) {
   Recorder& r = R();
-  poll();
+  serve_signal();  // not the request channel: an MPI call here would progress the caller's transfers
   if (r.capacity <= 0) return 0;
   if (r.ring.size() != size_t(r.capacity)) r.ring.assign(size_t(r.capacity), Entry{});
   const uint64_t id = r.next_id++;
@@ -209,10 +206,17 @@ void configure(int capacity, const std::string& dir) {
 int capacity() { return R().capacity; }
 const std::string& dump_dir() { return R().dir; }
 
+void open_channel(MPI_Comm channel) {
+  Recorder& r = R();
+  signal(SIGUSR1, on_usr1);
+  r.channel = channel;
+  MPI_Comm_set_errhandler(r.channel, MPI_ERRORS_RETURN);
+  MPI_Irecv(&r.request_from, 1, MPI_INT, MPI_ANY_SOURCE, kTagRequest, r.channel, &r.request);
+}
+
 void register_group(MPI_Comm comm, const std::string& name) {
   Recorder& r = R();
   if (!mpi_up()) return;
-  arm();
   Group g;
   g.name = name;
   int n = 1;
@@ -284,21 +288,23 @@ void completed(uint64_t id) {
   }
 }
 
+// A receive withdrawn: a cancelled request completes locally, at once.
+static void cancel(MPI_Request& q) {
+  if (q == MPI_REQUEST_NULL) return;
+  MPI_Cancel(&q);
+  for (int done = 0; !done;)
+    if (MPI_Test(&q, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
+}
+
 void shutdown() {
   Recorder& r = R();
   if (!mpi_up() || r.channel == MPI_COMM_NULL) return;
-  if (r.request != MPI_REQUEST_NULL) {
-    MPI_Cancel(&r.request);
-    MPI_Wait(&r.request, MPI_STATUS_IGNORE);
-  }
+  cancel(r.request);
   MPI_Comm_free(&r.channel);
 }
 
 void poll() {
-  if (g_usr1.exchange(false)) {
-    const std::string path = dump("SIGUSR1");
-    if (!path.empty()) fprintf(stderr, "flight recorder: SIGUSR1: rank %d wrote %s\n", world_rank(), path.c_str());
-  }
+  serve_signal();
   if (R().request != MPI_REQUEST_NULL) serve_request();
 }
 
@@ -332,24 +338,27 @@ void dump_everywhere(const std::string& reason, bool mpi_usable, double grace_s)
     MPI_Comm_size(MPI_COMM_WORLD, &world);
     const int me = world_rank();
     g_me = me;
-    std::vector<MPI_Request> asks;
+    // One request to each other rank, one receive posted for each answer.
+    std::vector<MPI_Request> asks, answers;
+    std::vector<int> got(size_t(world), 0);
     for (int q = 0; q < world; q++)
       if (q != me) {
         asks.push_back(MPI_REQUEST_NULL);
         MPI_Isend(&g_me, 1, MPI_INT, q, kTagRequest, r.channel, &asks.back());
+        answers.push_back(MPI_REQUEST_NULL);
+        MPI_Irecv(&got[size_t(q)], 1, MPI_INT, q, kTagAnswer, r.channel, &answers.back());
       }
     // The others answer from their wait loops; a stopped or lost rank never does.
     const double until = now() + grace_s;
     while (answered < world - 1 && now() < until) {
-      int flag = 0, v = 0;
-      MPI_Iprobe(MPI_ANY_SOURCE, kTagAnswer, r.channel, &flag, MPI_STATUS_IGNORE);
-      if (flag) {
-        MPI_Recv(&v, 1, MPI_INT, MPI_ANY_SOURCE, kTagAnswer, r.channel, MPI_STATUS_IGNORE);
-        answered++;
-      } else {
-        usleep(1000);
-      }
+      int n = 0;
+      std::vector<int> which(answers.size());
+      MPI_Testsome(int(answers.size()), answers.data(), &n, which.data(), MPI_STATUSES_IGNORE);
+      if (n == MPI_UNDEFINED) break;
+      answered += n;
+      if (n == 0) usleep(1000);
     }
+    for (MPI_Request& q : answers) cancel(q);
     for (MPI_Request& q : asks) MPI_Request_free(&q);
   }
   fprintf(stderr, "flight recorder: rank %d wrote %s; %d of the other %d ranks wrote theirs; read them with "

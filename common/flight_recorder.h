@@ -54,6 +54,9 @@ long next_message(MPI_Comm comm, int src, int dst, int tag);
 void started(uint64_t id);
 void completed(uint64_t id);
 
+// At MPI's start-up (comm_init): the communicator of its own that dump requests travel on
+// (a duplicate of the world), and SIGUSR1's handler.
+void open_channel(MPI_Comm channel);
 // Before MPI_Finalize: withdraws the pending request receive and frees the request channel.
 void shutdown();
 // From every wait loop: serves a dump asked for by SIGUSR1 or by another rank. Cheap.
