@@ -119,6 +119,7 @@ long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t
 
 Tensor weights_f32(const Tensor& weights, const AdamW& opt) {
   if (opt.master.defined()) return opt.master;
+  if (weights.dtype == DType::F32) return weights;  // read before the next update changes it
   Tensor w = Tensor::empty(weights.shape, DType::F32, weights.device(), Tag::Workspace);
   convert(w, weights);
   return w;

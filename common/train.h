@@ -68,7 +68,8 @@ TokenData open_data(const RunConfig& rc, Device dev, RunLog& log);
 // (the compute copy: fp32, or bf16 rounded from fp32) and the optimizer's master copy.
 // Returns the first step to run.
 long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights);
-// fp32 values of a range of weights for checkpointing: the master copy when there is one.
+// fp32 values of a range of weights for checkpointing: the master copy when there is one, the
+// weights themselves when they are fp32 (a save reads them before the next update).
 Tensor weights_f32(const Tensor& weights, const AdamW& opt);
 // Prints the current bytes per category (the first-step anomaly lines).
 void print_memory(RunLog& log, Device dev, long step, const char* when);
