@@ -361,6 +361,7 @@ static std::string group_name(MPI_Comm comm) {
 static void maybe_stop(const std::string& what) {
   static const char* stop = getenv("TS_STOP_IN");
   static const char* kill = getenv("TS_KILL_IN");
+  if (!stop && !kill) return;  // every collective passes here: nothing to ask MPI in a normal run
   int world = 1;
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
   if (world_rank() != world - 1) return;

@@ -40,7 +40,8 @@ struct Entry {
   const char* op = "";
   int peer = -1, tag = -1, root = -1;  // group ranks
   int64_t count = 0, bytes = 0;
-  std::string dtype, what;
+  const char* dtype = "";  // a literal: recording allocates only `what`
+  std::string what;
   long step = -1;
   State state = State::Enqueued;
   double t_enqueued = 0, t_started = 0, t_completed = 0;
@@ -109,7 +110,7 @@ Entry* slot(uint64_t id) {
 }
 
 uint64_t add(int group, bool p2p, long seq, const char* op, int peer, int tag, int root, int64_t count,
-             int64_t bytes, std::string dtype, const std::string& what) {
+             int64_t bytes, const char* dtype, const std::string& what) {
   Recorder& r = R();
   serve_signal();  // not the request channel: an MPI call here would progress the caller's transfers
   if (r.capacity <= 0) return 0;
@@ -117,7 +118,7 @@ uint64_t add(int group, bool p2p, long seq, const char* op, int peer, int tag, i
   const uint64_t id = r.next_id++;
   Entry& e = r.ring[id % r.ring.size()];
   e.id = id, e.group = group, e.p2p = p2p, e.seq = seq, e.op = op, e.peer = peer, e.tag = tag, e.root = root;
-  e.count = count, e.bytes = bytes, e.dtype = std::move(dtype), e.what = what, e.step = current_step();
+  e.count = count, e.bytes = bytes, e.dtype = dtype, e.what = what, e.step = current_step();
   e.state = State::Enqueued, e.t_enqueued = now(), e.t_started = e.t_completed = 0;
   return id;
 }
@@ -203,8 +204,6 @@ void configure(int capacity, const std::string& dir) {
   if (!dir.empty()) R().dir = dir;
   R().ring.clear();
 }
-int capacity() { return R().capacity; }
-const std::string& dump_dir() { return R().dir; }
 
 void open_channel(MPI_Comm channel) {
   Recorder& r = R();
@@ -237,34 +236,35 @@ void register_group(MPI_Comm comm, const std::string& name) {
 
 void forget_group(MPI_Comm comm) { R().live.erase(comm); }
 
-uint64_t collective(MPI_Comm comm, const char* op, int64_t count, DType dtype, int root, const std::string& what,
-                    long* seq) {
-  Group& g = R().groups[size_t(group_index(comm))];
-  const long n = ++g.collectives;
-  if (seq) *seq = n;
-  return add(group_index(comm), false, n, op, -1, -1, root, count, count * int64_t(dtype_size(dtype)),
-             dtype_name(dtype), what);
+namespace {
+// The next collective on comm, numbered, into the ring.
+uint64_t add_collective(MPI_Comm comm, const char* op, int64_t count, int64_t bytes, const char* dtype, int root,
+                        const std::string& what) {
+  const int gi = group_index(comm);
+  const long n = ++R().groups[size_t(gi)].collectives;
+  return add(gi, false, n, op, -1, -1, root, count, bytes, dtype, what);
+}
+}  // namespace
+
+uint64_t collective(MPI_Comm comm, const char* op, int64_t count, DType dtype, int root, const std::string& what) {
+  return add_collective(comm, op, count, count * int64_t(dtype_size(dtype)), dtype_name(dtype), root, what);
 }
 
 uint64_t collective_raw(MPI_Comm comm, const char* op, int64_t count, MPI_Datatype type, int root,
                         const std::string& what) {
-  Group& g = R().groups[size_t(group_index(comm))];
-  const long n = ++g.collectives;
   int size = 0;
   if (type != MPI_DATATYPE_NULL) MPI_Type_size(type, &size);
-  return add(group_index(comm), false, n, op, -1, -1, root, count, count * size,
-             type == MPI_DATATYPE_NULL ? "none" : mpi_type_name(type), what);
+  return add_collective(comm, op, count, count * size, type == MPI_DATATYPE_NULL ? "none" : mpi_type_name(type), root,
+                        what);
 }
 
-uint64_t p2p(MPI_Comm comm, const char* op, int peer, int tag, int64_t count, DType dtype, const std::string& what,
-             long* seq) {
+uint64_t p2p(MPI_Comm comm, const char* op, int peer, int tag, int64_t count, DType dtype, const std::string& what) {
   const int gi = group_index(comm);
   Group& g = R().groups[size_t(gi)];
   int me = 0;
   MPI_Comm_rank(comm, &me);
   const bool send = op[0] == 's';
   const long n = ++g.messages[{send ? me : peer, send ? peer : me, tag}];
-  if (seq) *seq = n;
   return add(gi, true, n, op, peer, tag, -1, count, count * int64_t(dtype_size(dtype)), dtype_name(dtype), what);
 }
 

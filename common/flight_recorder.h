@@ -29,21 +29,17 @@ namespace ts::flight {
 
 // --flight-recorder and --flight-dir (the default ring is on from MPI_Init, before the flags).
 void configure(int capacity, const std::string& dir);
-int capacity();
-const std::string& dump_dir();
 
 // The communicators the entries refer to. A Comm registers its own under its name; a host
 // operation on a communicator nobody registered registers it under MPI's name for it.
 void register_group(MPI_Comm comm, const std::string& name);
 void forget_group(MPI_Comm comm);
 
-// A call about to be issued: returns its entry's id (0 when the ring is off) and, in *seq, its
-// number as described above (counted even when the ring is off: the numbering is the same).
+// A call about to be issued: returns its entry's id (0 when the ring is off). Its number, as
+// described above, is counted even when the ring is off (next_collective / next_message).
 // `peer` and `root` are ranks within the group (-1: none); `what` is the watchdog's label.
-uint64_t collective(MPI_Comm comm, const char* op, int64_t count, DType dtype, int root, const std::string& what,
-                    long* seq = nullptr);
-uint64_t p2p(MPI_Comm comm, const char* op, int peer, int tag, int64_t count, DType dtype, const std::string& what,
-             long* seq = nullptr);
+uint64_t collective(MPI_Comm comm, const char* op, int64_t count, DType dtype, int root, const std::string& what);
+uint64_t p2p(MPI_Comm comm, const char* op, int peer, int tag, int64_t count, DType dtype, const std::string& what);
 // MPI_BYTE-like host operations (watched_* on ints, chars) are recorded with their MPI type.
 uint64_t collective_raw(MPI_Comm comm, const char* op, int64_t count, MPI_Datatype type, int root,
                         const std::string& what);
@@ -61,7 +57,7 @@ void open_channel(MPI_Comm channel);
 void shutdown();
 // From every wait loop: serves a dump asked for by SIGUSR1 or by another rank. Cheap.
 void poll();
-// Writes this rank's ring to dump_dir()/rank_<r>.json (atomically: a reader never sees half a
+// Writes this rank's ring to --flight-dir/rank_<r>.json (atomically: a reader never sees half a
 // file); returns the path, or "" when the ring is off or the write failed (said on stderr).
 std::string dump(const std::string& reason);
 // On a timeout or a fatal error, before the job is aborted: this rank's dump, then (from the
