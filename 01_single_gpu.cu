@@ -16,6 +16,7 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "data.h"
+#include "fp8_linear.h"
 #include "model.h"
 #include "moe.h"
 #include "rng.h"
@@ -170,8 +171,8 @@ int main(int argc, char** argv) {
   check_sample(rc, prog.data, sample);
   print_prediction(log, rc);
   check_memory_fits(predict_replica(rc, param_count(rc.model)), prog.dev);
-
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
+  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);

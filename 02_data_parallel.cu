@@ -19,6 +19,7 @@
 #include "comm.h"
 #include "data.h"
 #include "mesh.h"
+#include "fp8_linear.h"
 #include "model.h"
 #include "run.h"
 #include "step_time.h"
@@ -273,6 +274,7 @@ int main(int argc, char** argv) {
   log.line("dp %d, %s, %d sequences per rank per step", mc.dp, mode.c_str(), rc.batch / mc.dp);
 
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
+  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   // Every rank initialises (or loads) the same full weights: no broadcast needed.
   const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);

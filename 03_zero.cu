@@ -25,6 +25,7 @@
 #include "comm.h"
 #include "data.h"
 #include "mesh.h"
+#include "fp8_linear.h"
 #include "model.h"
 #include "run.h"
 #include "step_time.h"
@@ -434,6 +435,7 @@ int main(int argc, char** argv) {
   layout.hold_params = stage < 3;
   layout.hold_grads = stage < 2;
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
+  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   Zero zero(model, mesh.dp(), stage, prefetch, rc);
   const long first = init_shards(model, zero, rc, mesh);
 

@@ -50,6 +50,7 @@
 #include "data.h"
 #include "kernels_internal.h"
 #include "mesh.h"
+#include "fp8_linear.h"
 #include "model.h"
 #include "run.h"
 #include "step_time.h"
@@ -433,6 +434,7 @@ int main(int argc, char** argv) {
   ModelLayout layout;
   layout.shard = tp::shard_spec(mc.tp, mesh.tp_rank);
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
+  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   tp::install(model, mesh.tp(), sp);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   // Each rank initialises (or loads) exactly its blocks of the full model: no broadcast.

@@ -32,6 +32,7 @@
 #include "comm.h"
 #include "data.h"
 #include "mesh.h"
+#include "fp8_linear.h"
 #include "model.h"
 #include "run.h"
 #include "step_time.h"
@@ -723,6 +724,7 @@ int main(int argc, char** argv) {
   ModelLayout layout;
   layout.shard = pp::shard_spec(rc.model, p, V, mesh.pp_rank);
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
+  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);

@@ -34,6 +34,7 @@
 #include "data.h"
 #include "kernels_internal.h"
 #include "mesh.h"
+#include "fp8_linear.h"
 #include "model.h"
 #include "run.h"
 #include "step_time.h"
@@ -599,13 +600,15 @@ static Json work_report(RunLog& log, Mesh& mesh, const cp::AttentionWork& w, lon
 }
 
 // --cp-mode and --zigzag, checked.
-static cp::Options parse_options(const std::string& mode, int zigzag, int C) {
+static cp::Options parse_options(const RunConfig& rc, const std::string& mode, int zigzag, int C) {
   if (mode != "ring" && mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", mode.c_str());
   if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
   // Ulysses trades the sequence split for a head split over the cp ranks: at cp 1 it is ring's
   // single rank under another name, and the run would report a technique it never used.
   if (mode == "ulysses" && C == 1) config_error("--cp-mode ulysses needs --cp 2 or more (got --cp 1)");
-  return {mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+  const cp::Options o{mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
+  cp::validate(rc, C, o);
+  return o;
 }
 
 // The loop's predictions, checkpoint and reports: memory at T/cp tokens per rank; rank 0 writes
@@ -649,14 +652,14 @@ int main(int argc, char** argv) {
   RunConfig& rc = prog.rc;
   const MeshConfig& mc = prog.mc;
   RunLog& log = prog.log();
-  const cp::Options opt_cp = parse_options(mode, zigzag, mc.cp);
-  cp::validate(rc, mc.cp, opt_cp);
+  const cp::Options opt_cp = parse_options(rc, mode, zigzag, mc.cp);
   if (prog.dry_run([&] { cp::print_plan(log, rc, mc.cp, opt_cp); })) return 0;
   prog.open();  // validates world == cp before any collective
   Mesh& mesh = prog.mesh;
   cp::print_plan(log, rc, mc.cp, opt_cp);
   check_memory_fits(cp::predict_memory(rc, mc.cp), prog.dev);
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
+  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   const std::function<cp::AttentionWork()> work = cp::install(model, mesh.cp(), opt_cp);
   const std::vector<int32_t> mine = cp::positions(rc.model.seq, mc.cp, mesh.cp_rank, opt_cp.zigzag);
   const Tensor pos = cp::device_ints(mine, model.dev);

@@ -35,6 +35,7 @@
 #include "checkpoint.h"
 #include "comm.h"
 #include "mesh.h"
+#include "fp8_linear.h"
 #include "model.h"
 #include "run.h"
 #include "moe.h"
@@ -379,9 +380,9 @@ int main(int argc, char** argv) {
   Mesh& mesh = prog.mesh;
   ep::print_plan(log, rc, mc.dp, mc.ep);
   check_memory_fits(ep::predict_memory(rc, mc.ep), prog.dev);
-  ModelLayout layout;
-  layout.shard = ep::shard_spec(mc.ep, mesh.ep_rank);
+  const ModelLayout layout{ep::shard_spec(mc.ep, mesh.ep_rank)};  // this rank's experts, every dense weight
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
+  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   ep::ExpertParallelMoe& moe = ep::install(model, mesh.ep());
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   // Each rank initialises (or loads) its experts and the dense weights: no broadcast.

@@ -549,6 +549,7 @@ int main(int argc, char** argv) {
   check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 
   mesh5d::Composed run(rc, plan, mesh);
+  fp8::install(run.model(), rc, mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   const long first = run.init_or_resume();
   if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
   Loop loop;

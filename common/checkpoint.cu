@@ -21,6 +21,7 @@
 #include <filesystem>
 
 #include "comm.h"
+#include "numerics.h"
 #include "safetensors.h"
 
 namespace ts {
@@ -212,6 +213,8 @@ static Json trainer_json(const RunConfig& rc, long step, const Json& mesh, const
   tj["warmup_steps"] = rc.warmup_steps;
   tj["min_lr"] = rc.min_lr;
   tj["mesh"] = mesh;
+  // The batches an --on-spike rewind skipped: a resume from here goes on skipping them.
+  if (!numerics().skips().empty()) tj["skipped_batches"] = numerics().skips_json();
   // The whole command line: --config trainer.json repeats the run. How the run saves and records
   // is not part of what it computes: an asynchronous save writes the same bytes as a synchronous
   // one, and a resume chooses for itself.

@@ -141,6 +141,8 @@ static MPI_Datatype mpi_type(DType t) {
     case DType::F32: return MPI_FLOAT;
     case DType::BF16: return MPI_UINT16_T;
     case DType::I32: return MPI_INT;
+    case DType::F8E4M3:
+    case DType::F8E5M2: return MPI_UINT8_T;  // codes travel as bytes (no reduction is defined on them)
   }
   return MPI_BYTE;
 }
@@ -178,6 +180,8 @@ static ncclDataType_t nccl_type(DType t) {
     case DType::F32: return ncclFloat32;
     case DType::BF16: return ncclBfloat16;
     case DType::I32: return ncclInt32;
+    case DType::F8E4M3:
+    case DType::F8E5M2: return ncclUint8;  // codes travel as bytes
   }
   return ncclFloat32;
 }

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 
 namespace ts {
 
@@ -53,16 +54,63 @@ static void parse_model_flags(Args& a, RunConfig& rc) {
   m.capacity_factor = float(a.get_double("--capacity-factor", 0, "tokens per expert and sequence: c·T·K/E (0: dropless)"));
 }
 
+const char* fp8_recipe_name(Fp8Recipe r) {
+  switch (r) {
+    case Fp8Recipe::Off: return "off";
+    case Fp8Recipe::Tensorwise: return "tensorwise";
+    case Fp8Recipe::Delayed: return "delayed";
+    case Fp8Recipe::Blockwise: return "blockwise";
+  }
+  return "?";
+}
+
+// --fp8-*: the recipe of --dtype fp8 (fp8_linear.h). Given without --dtype fp8 they are refused,
+// rather than ignored.
+static void parse_fp8_flags(Args& a, Fp8Config& f, bool fp8) {
+  const std::string r = a.get_str("--fp8-recipe", "tensorwise",
+                                  "tensorwise | delayed | blockwise: current per-tensor scales, scales from an amax "
+                                  "history, or 1 x tile / tile x tile block scales (DeepSeek-V3)");
+  if (r == "tensorwise") f.recipe = Fp8Recipe::Tensorwise;
+  else if (r == "delayed") f.recipe = Fp8Recipe::Delayed;
+  else if (r == "blockwise") f.recipe = Fp8Recipe::Blockwise;
+  else config_error("--fp8-recipe must be tensorwise, delayed or blockwise (got '%s')", r.c_str());
+  if (!fp8) f.recipe = Fp8Recipe::Off;
+  f.history = a.get_int("--fp8-history", f.history, "delayed: steps of amax history (the scale uses their max)",
+                        between(1, 1 << 16));
+  f.margin = a.get_int("--fp8-margin", f.margin, "scale = max_fp8 / amax / 2^margin", between(-100, 100));
+  f.tile = a.get_int("--fp8-tile", f.tile, "blockwise: tile width (1 x tile activations and gradients, tile x tile weights)",
+                     between(1, 1 << 20));
+  f.accum_bits = a.get_int("--fp8-accum-bits", f.accum_bits,
+                           "mantissa bits the GEMM accumulator keeps (23: fp32; ~14 emulates Hopper's FP8 MMA)",
+                           between(1, 23));
+  f.promote_every = a.get_int("--fp8-promote-every", f.promote_every,
+                              "N_C: add partial sums into fp32 every N_C products (DeepSeek-V3: 128; 0: never)",
+                              between(0, 1 << 24));
+  // A value other than the default needs --dtype fp8 (a checkpoint's trainer.json records every
+  // flag with its value, defaults included, and --config replays them).
+  const Fp8Config d;
+  const std::pair<const char*, bool> changed[] = {
+      {"--fp8-recipe", r != "tensorwise"},         {"--fp8-history", f.history != d.history},
+      {"--fp8-margin", f.margin != d.margin},      {"--fp8-tile", f.tile != d.tile},
+      {"--fp8-accum-bits", f.accum_bits != d.accum_bits}, {"--fp8-promote-every", f.promote_every != d.promote_every}};
+  if (!fp8)
+    for (const auto& [flag, differs] : changed)
+      if (differs) config_error("%s needs --dtype fp8", flag);
+}
+
 // The numbers, the batch and the optimizer.
 static void parse_training_flags(Args& a, RunConfig& rc) {
   a.group("operations");
   rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
   a.group("model");
-  std::string dt = a.get_str("--dtype", "fp32", "fp32 | bf16 (bf16 compute, fp32 master weights and gradients)");
+  std::string dt = a.get_str("--dtype", "fp32",
+                              "fp32 | bf16 (bf16 compute, fp32 master weights and gradients) | fp8 (bf16, and the dense "
+                              "linears' GEMMs on FP8 operands)");
   if (dt == "fp32") rc.dtype = DType::F32;
-  else if (dt == "bf16") rc.dtype = DType::BF16;
-  else config_error("--dtype must be fp32 or bf16 (got '%s')", dt.c_str());
+  else if (dt == "bf16" || dt == "fp8") rc.dtype = DType::BF16;
+  else config_error("--dtype must be fp32, bf16 or fp8 (got '%s')", dt.c_str());
   rc.master_weights = !a.get_bool("--no-master-weights", "bf16: update the bf16 weights directly (the playbook's failure)");
+  parse_fp8_flags(a, rc.fp8, dt == "fp8");
   a.group("data");
   rc.batch = a.get_int("--batch", rc.batch, "global batch: sequences per optimizer step", between(1, 1 << 24));
   rc.micro_batch = a.get_int("--micro-batch", 0, "sequences per forward pass (0 = whole local batch)", between(0, 1 << 24));
@@ -138,6 +186,63 @@ static void parse_reliability_flags(Args& a, RunConfig& rc) {
   }
 }
 
+// ----- numerics flags (numerics.h) ----------------------------------------------------------------
+const char* on_spike_name(OnSpike s) {
+  switch (s) {
+    case OnSpike::Report: return "report";
+    case OnSpike::Stop: return "stop";
+    case OnSpike::Skip: return "skip";
+    case OnSpike::Rewind: return "rewind";
+  }
+  return "?";
+}
+
+// The numerics' flags (numerics.h says what each does).
+static void parse_numerics_flags(Args& a, RunConfig& rc) {
+  a.group("numerics");
+  NumericsConfig& n = rc.numerics;
+  n.every = a.get_long("--numerics-every", 0, "per-layer gradient norms and activation RMS in the JSON log every N steps "
+                       "(0: off)", at_least(0));
+  n.spike_window = a.get_int("--spike-window", n.spike_window, "spike detection: steps of loss and grad norm in the "
+                             "rolling window (0: off); it fires once the window is full", between(0, 1 << 20));
+  n.spike_sigma = a.get_double("--spike-sigma", n.spike_sigma, "spike: a loss or grad norm above mean + sigma · std of "
+                               "the window", positive(1e6));
+  const std::string on = a.get_str("--on-spike", "report", "report | stop | skip (the step's update is not applied) | "
+                                   "rewind (reload the last checkpoint of --save, skip the batches read since)");
+  if (on == "report") n.on_spike = OnSpike::Report;
+  else if (on == "stop") n.on_spike = OnSpike::Stop;
+  else if (on == "skip") n.on_spike = OnSpike::Skip;
+  else if (on == "rewind") n.on_spike = OnSpike::Rewind;
+  else config_error("--on-spike must be report, stop, skip or rewind (got '%s')", on.c_str());
+  if (n.on_spike != OnSpike::Report && n.spike_window == 0)
+    config_error("--on-spike %s needs spike detection (--spike-window > 0)", on.c_str());
+  if (n.on_spike == OnSpike::Rewind && (rc.save_dir.empty() || rc.save_every <= 0))
+    config_error("--on-spike rewind needs checkpoints to rewind to: --save DIR and --save-every N");
+  const std::string skip = a.get_str("--skip-batches", "", "FROM:COUNT[,FROM:COUNT...]: from step FROM on, read COUNT "
+                                     "batches further along the data (the batches an --on-spike rewind skips, by hand)");
+  for (size_t at = 0; at < skip.size();) {
+    const size_t end = std::min(skip.find(',', at), skip.size());
+    long from = -1, count = -1;
+    char tail = 0;
+    if (sscanf(skip.substr(at, end - at).c_str(), "%ld:%ld%c", &from, &count, &tail) != 2 || from < 0 || count < 1)
+      config_error("--skip-batches wants FROM:COUNT pairs with FROM >= 0 and COUNT >= 1, separated by commas (got '%s')",
+                   skip.c_str());
+    n.skip_batches.push_back({from, count});
+    at = end + 1;
+  }
+  n.poison_batch = a.get_long("--poison-batch", -1, "lab: multiply this batch's loss gradient by 1000, a bad batch "
+                              "that makes a gradient-norm spike (-1: off)", at_least(-1));
+  const std::string nan = a.get_str("--inject-nan", "", "lab: STEP:LAYER writes a NaN into the gradient w.r.t. the "
+                                    "input of layer LAYER in the backward of step STEP");
+  if (!nan.empty()) {
+    char tail = 0;
+    if (sscanf(nan.c_str(), "%ld:%d%c", &n.nan_step, &n.nan_layer, &tail) != 2 || n.nan_step < 0 || n.nan_layer < 0 ||
+        n.nan_layer >= rc.model.layers)
+      config_error("--inject-nan wants STEP:LAYER with 0 <= LAYER < --layers %d (got '%s')", rc.model.layers,
+                   nan.c_str());
+  }
+}
+
 // The checks that need several flags at once.
 static void check_run_config(const RunConfig& rc) {
   const ModelConfig& m = rc.model;
@@ -186,6 +291,7 @@ RunConfig parse_run_config(Args& a) {
   parse_training_flags(a, rc);
   parse_run_flags(a, rc);
   parse_reliability_flags(a, rc);
+  parse_numerics_flags(a, rc);
   a.group("");  // the program's own flags, declared next, print first
   if (rc.model.experts == 0) rc.model.top_k = 0;
   check_run_config(rc);

@@ -121,10 +121,19 @@ const char* dtype_name(DType t) {
     case DType::F32: return "f32";
     case DType::BF16: return "bf16";
     case DType::I32: return "i32";
+    case DType::F8E4M3: return "f8e4m3";
+    case DType::F8E5M2: return "f8e5m2";
   }
   return "?";
 }
-size_t dtype_size(DType t) { return t == DType::BF16 ? 2 : 4; }
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::BF16: return 2;
+    case DType::F8E4M3:
+    case DType::F8E5M2: return 1;
+    default: return 4;
+  }
+}
 
 bool cuda_available() {
 #ifdef TS_CUDA

@@ -75,7 +75,9 @@ const char* cublas_error_string(cublasStatus_t s);
 // Devices and dtypes
 // ---------------------------------------------------------------------------------------------
 enum class Device : uint8_t { CPU, CUDA };
-enum class DType : uint8_t { F32, BF16, I32 };
+// F8E4M3 / F8E5M2: the OCP 8-bit float formats (fp8.h), one byte per element, used for the FP8
+// linears' quantized operands.
+enum class DType : uint8_t { F32, BF16, I32, F8E4M3, F8E5M2 };
 const char* device_name(Device d);
 const char* dtype_name(DType t);
 size_t dtype_size(DType t);

@@ -165,11 +165,11 @@ struct SwiGluMlp : MlpBlock {
     const int64_t N = h.size(0), F = m.weight(idx[l].gate).size(0);
     a.g = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
     a.u = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-    linear_forward(a.g, h, m.weight(idx[l].gate));
-    linear_forward(a.u, h, m.weight(idx[l].up));
+    m.linear(idx[l].gate, a.g, h);
+    m.linear(idx[l].up, a.u, h);
     a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
     swiglu_forward(a.act, a.g, a.u);
-    linear_forward(y, a.act, m.weight(idx[l].down));
+    m.linear(idx[l].down, y, a.act);
   }
   void backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) override {
     const int64_t N = h.size(0), F = a.g.size(1);
@@ -179,10 +179,10 @@ struct SwiGluMlp : MlpBlock {
     }
     auto work = [&] { return Tensor::empty({N, F}, m.dtype, m.dev, Tag::Workspace); };
     Tensor dact = work(), dg = work(), du = work();
-    m.linear_backward(dact, m.grad(idx[l].down), dy, a.act, m.weight(idx[l].down));
+    m.linear_backward(idx[l].down, dact, dy, a.act);
     swiglu_backward(dg, du, dact, a.g, a.u);
-    m.linear_backward(dh, m.grad(idx[l].gate), dg, h, m.weight(idx[l].gate));
-    m.linear_backward(dh, m.grad(idx[l].up), du, h, m.weight(idx[l].up), /*accumulate_dx=*/true);
+    m.linear_backward(idx[l].gate, dh, dg, h);
+    m.linear_backward(idx[l].up, dh, du, h, /*accumulate_dx=*/true);
   }
   void drop_recomputable(LayerActs& a) override { a.act = Tensor(); }
 };
@@ -245,6 +245,7 @@ Model::Model(const ModelConfig& c, Device d, DType dt, Recompute rc, ModelLayout
   else mlp = std::make_unique<SwiGluMlp>(*this);
   this->tp = std::make_unique<TpOps>();
   loss = std::make_unique<CrossEntropyLoss>();
+  gemms = std::make_unique<LinearGemms>();
 }
 
 int Model::entry(const std::string& name) const { return e_idx(name); }
@@ -276,10 +277,20 @@ void Model::linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy
                             bool accumulate_dx) {
   if (!defer_) return ts::linear_backward(dx, dW, dy, x, W, accumulate_dx);
   ts::linear_backward(dx, Tensor(), dy, x, W, accumulate_dx);
+  defer_weight_grad(-1, dW, dy, x);
+}
+
+void Model::linear_backward(int e, const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx) {
+  gemms->input_grad(e, dx, dy, w_[size_t(e)], accumulate_dx);
+  if (defer_) return defer_weight_grad(e, g_[size_t(e)], dy, x);
+  gemms->weight_grad(e, g_[size_t(e)], dy, x);
+}
+
+void Model::defer_weight_grad(int e, const Tensor& dW, const Tensor& dy, const Tensor& x) {
   // dy is snapshotted: the layer keeps updating the residual gradient it may alias.
   Tensor keep = Tensor::empty(dy.shape, dy.dtype, dev, Tag::Activations);
   copy(keep, dy);
-  defer_->push_back({defer_unit_, dW, keep, x});
+  defer_->push_back({defer_unit_, dW, keep, x, e});
 }
 
 // ----- forward -------------------------------------------------------------------------------------
@@ -335,9 +346,9 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos
   a.v = act({B, S, KVH, hd});
   {
     const Tensor h = tp->f_forward(a.h1);
-    linear_forward(a.q.reshape({N, H * hd}), h, w_[L.q]);
-    linear_forward(a.k.reshape({N, KVH * hd}), h, w_[L.k]);
-    linear_forward(a.v.reshape({N, KVH * hd}), h, w_[L.v]);
+    linear(L.q, a.q.reshape({N, H * hd}), h);
+    linear(L.k, a.k.reshape({N, KVH * hd}), h);
+    linear(L.v, a.v.reshape({N, KVH * hd}), h);
   }
   rope_forward(a.q, pos, cfg.rope_theta);
   rope_forward(a.k, pos, cfg.rope_theta);
@@ -347,7 +358,7 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos
   a.x_mid = act({Nr, cfg.dim});
   {
     Tensor o = work({N, cfg.dim});
-    linear_forward(o, a.y.reshape({N, H * hd}), w_[L.o]);
+    linear(L.o, o, a.y.reshape({N, H * hd}));
     add(a.x_mid, a.x, tp->g_forward(o));
   }
   a.h2 = act({Nr, cfg.dim});
@@ -446,15 +457,15 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
   // Attention: x_mid = x + g(o_proj(attn(rope(q(f(h1))), rope(k(f(h1))), v(f(h1))))), h1 = RMSNorm(x).
   {
     Tensor dy = work(a.y.shape), dq = work(a.q.shape), dk = work(a.k.shape), dv = work(a.v.shape);
-    linear_backward(dy.reshape({N, H * hd}), g_[L.o], tp->g_backward(dx), a.y.reshape({N, H * hd}), w_[L.o]);
+    linear_backward(L.o, dy.reshape({N, H * hd}), tp->g_backward(dx), a.y.reshape({N, H * hd}));
     attention->backward(dq, dk, dv, dy, a.y, a.lse, a.q, a.k, a.v, st.pos);
     rope_backward(dq, st.pos, cfg.rope_theta);
     rope_backward(dk, st.pos, cfg.rope_theta);
     Tensor dh1 = work({N, cfg.dim});
     const Tensor h1 = tp->f_forward(a.h1);
-    linear_backward(dh1, g_[L.q], dq.reshape({N, H * hd}), h1, w_[L.q]);
-    linear_backward(dh1, g_[L.k], dk.reshape({N, KVH * hd}), h1, w_[L.k], true);
-    linear_backward(dh1, g_[L.v], dv.reshape({N, KVH * hd}), h1, w_[L.v], true);
+    linear_backward(L.q, dh1, dq.reshape({N, H * hd}), h1);
+    linear_backward(L.k, dh1, dk.reshape({N, KVH * hd}), h1, true);
+    linear_backward(L.v, dh1, dv.reshape({N, KVH * hd}), h1, true);
     rmsnorm_backward(tmp, g_[L.ln1], tp->f_backward(dh1), a.x, fp32_weight(w_[L.ln1]), a.rstd1);
     add_inplace(dx, tmp);  // dx := d x
   }
@@ -508,6 +519,7 @@ void Model::unit_forward(int u, ForwardState& st, Tensor& x, float grad_scale) {
     }
     unit_grads_ready(u);
   }
+  if (u <= L) unit_output(u, x);
   after_unit(u);
 }
 
@@ -525,6 +537,7 @@ void Model::unit_backward(int u, ForwardState& st, Tensor& dx, bool defer_weight
     layer_backward(u - 1, st, dx);
   }
   defer_ = nullptr;
+  unit_input_grad(u, dx);
   if (defer_weights && u > 0) return;
   unit_grads_ready(u);
   if (u > 0) after_unit(u);
@@ -534,7 +547,9 @@ void Model::unit_backward_weights(int u, ForwardState& st) {
   {
     TraceScope t("bwd weights layer " + std::to_string(u - 1));
     for (const DeferredGrad& d : st.deferred)
-      if (d.unit == u) ts::linear_backward(Tensor(), d.dW, d.dy, d.x, Tensor());
+      if (d.unit != u) continue;
+      else if (d.entry >= 0) gemms->weight_grad(d.entry, d.dW, d.dy, d.x);
+      else ts::linear_backward(Tensor(), d.dW, d.dy, d.x, Tensor());
   }
   st.deferred.erase(std::remove_if(st.deferred.begin(), st.deferred.end(), [u](const DeferredGrad& d) { return d.unit == u; }),
                     st.deferred.end());

@@ -172,6 +172,7 @@ struct LayerActs {
 struct DeferredGrad {
   int unit;
   Tensor dW, dy, x;
+  int entry = -1;  // a dense linear's table entry (its GEMMs go through Model::gemms), or -1
 };
 
 // What one forward pass of a micro-batch keeps for its backward.
@@ -200,6 +201,32 @@ struct AttentionCore {
 };
 
 class Model;
+
+// The dense linears' three GEMMs — q/k/v/o and the SwiGLU MLP's gate/up/down, addressed by
+// their table entry — are swappable: FP8 training quantizes their operands (fp8_linear.h). The
+// defaults are the compute dtype's matmuls. The LM head, the embedding and MoE experts do not
+// come through here.
+struct LinearGemms {
+  virtual ~LinearGemms() = default;
+  // y [N, out] := x [N, in] · W^T (the forward GEMM)
+  virtual void forward(int entry, const Tensor& y, const Tensor& x, const Tensor& W) {
+    (void)entry;
+    linear_forward(y, x, W);
+  }
+  // dx [N, in] := dy · W, or += when accumulate (the input-gradient GEMM, "dgrad")
+  virtual void input_grad(int entry, const Tensor& dx, const Tensor& dy, const Tensor& W, bool accumulate) {
+    (void)entry;
+    linear_backward(dx, Tensor(), dy, Tensor(), W, accumulate);
+  }
+  // dW [out, in] fp32 += dy^T · x (the weight-gradient GEMM, "wgrad")
+  virtual void weight_grad(int entry, const Tensor& dW, const Tensor& dy, const Tensor& x) {
+    (void)entry;
+    linear_backward(Tensor(), dW, dy, x, Tensor());
+  }
+  // Once per optimizer step, before the update (AdamW::step calls it on every rank; a repeated
+  // call for the same step does nothing): where a recipe keeps per-step state.
+  virtual void end_step(long step) { (void)step; }
+};
 
 // The token losses of a step's micro-batches, read on the host once per step: on a GPU each read
 // is a device-to-host copy that waits for the whole queue, so reading per micro-batch would
@@ -302,10 +329,15 @@ class Model {
   Hook<int> unit_grads_ready;  // after a unit's gradients are complete
   Hook<int> after_unit;        // after a unit's forward/backward has used its weights
   Hook<> after_forward;        // loss computed, backward not yet started
+  // The numerics' view (no-ops unless subscribed): a unit's output after its forward (u <= L:
+  // the residual stream leaving it), and d(loss)/d(its input) after its backward.
+  Hook<int, const Tensor&> unit_output;
+  Hook<int, const Tensor&> unit_input_grad;
   std::unique_ptr<AttentionCore> attention;  // default: local causal attention
   std::unique_ptr<MlpBlock> mlp;             // default: SwiGLU
   std::unique_ptr<TpOps> tp;                 // default: identity f and g
   std::unique_ptr<LossFn> loss;              // default: the fused softmax-cross-entropy
+  std::unique_ptr<LinearGemms> gemms;        // default: the compute dtype's matmuls
   float loss_scale = 1;  // the current micro-batch's grad_scale (set by unit_forward): MLP blocks scale their aux loss by it
 
   // ----- one micro-batch, unit by unit -----------------------------------------------------
@@ -345,6 +377,9 @@ class Model {
   // current backward defers weight gradients. What layers and MLP blocks call.
   void linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                        bool accumulate_dx = false);
+  // The same for the dense linear at table entry e (its weight(e) and grad(e)), through `gemms`.
+  void linear(int e, const Tensor& y, const Tensor& x) { gemms->forward(e, y, x, w_[size_t(e)]); }
+  void linear_backward(int e, const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx = false);
 
  private:
   int e_idx(const std::string& name) const;
@@ -356,6 +391,7 @@ class Model {
   std::vector<Tensor> w_, g_;
   std::vector<DeferredGrad>* defer_ = nullptr;  // where linear_backward queues dW while deferring
   int defer_unit_ = -1;                         // the unit whose weight gradients are being queued
+  void defer_weight_grad(int e, const Tensor& dW, const Tensor& dy, const Tensor& x);
   // The f and g around the MLP block: tp's, or the identity for a block replicated over tp.
   TpOps& mlp_tp() {
     static TpOps identity;

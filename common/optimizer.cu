@@ -3,6 +3,7 @@
 
 #include "comm.h"
 #include "kernels.h"
+#include "numerics.h"
 #include "trace.h"
 
 #include <mpi.h>
@@ -40,6 +41,29 @@ double global_mean_loss(double local_sum, double global_tokens, const std::vecto
   return v / global_tokens;
 }
 
+// --numerics-every: the squares of each unit's gradients, counted as the norm counts them (each
+// replicated copy once) and summed over the same groups, so they do not depend on the mesh. A
+// separate pass, so that the norm itself keeps its summation order (and its bits).
+static std::vector<double> unit_grad_squares(const ParamTable& t, const std::vector<GradRange>& ranges,
+                                             const std::vector<MPI_Comm>& shard_groups) {
+  std::vector<Tensor> pieces;
+  std::vector<int> unit;
+  for (const GradRange& r : ranges)
+    t.for_each_overlap(r.begin, r.begin + r.grads.numel(), [&](const ParamEntry& p, int64_t lo, int64_t hi) {
+      if (!p.counts) return;
+      pieces.push_back(r.grads.view(lo - r.begin, {hi - lo}));
+      unit.push_back(p.unit);
+    });
+  std::vector<double> sq(size_t(t.num_units()), 0.0), all(sq.size());
+  const std::vector<double> each = sum_squares_each(pieces);
+  for (size_t i = 0; i < each.size(); i++) sq[size_t(unit[i])] += each[i];
+  for (MPI_Comm c : shard_groups) {
+    watched_allreduce(sq.data(), all.data(), int(sq.size()), MPI_DOUBLE, MPI_SUM, c, "all_reduce (grad norm per unit)");
+    sq = all;
+  }
+  return sq;
+}
+
 // Copies that do not count are cut out of each range; what remains is summed in pieces as long
 // as possible (one piece per range when nothing is replicated: the order 01 uses).
 double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& ranges,
@@ -65,6 +89,8 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
     watched_allreduce(&sq, &all, 1, MPI_DOUBLE, MPI_SUM, c, "all_reduce (the gradient norm)");
     sq = all;
   }
+  if (numerics().unit_stats_due()) numerics().note_unit_grad_squares(unit_grad_squares(t, ranges, shard_groups));
+  numerics().note_grad_norm(std::sqrt(sq));
   return std::sqrt(sq);
 }
 
@@ -72,7 +98,11 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
 // updated with that parameter's weight-decay rule.
 void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, long t, float clip_coef,
                  const RunConfig& rc) {
+  // A skipped step (non-finite norm, or --on-spike skip) touches nothing: moments, master copy
+  // and weights keep their bits (numerics.h; collective on the step's first call).
+  if (!numerics().allow_update(m, g, begin, end)) return;
   ensure_state();
+  m.gemms->end_step(t);  // FP8 delayed scaling rolls its amax histories (collective)
   TraceScope trace("optimizer");
   AdamWParams p{float(lr), float(rc.beta1), float(rc.beta2), float(rc.eps), float(rc.weight_decay), t};
   m.table.for_each_overlap(begin, end, [&](const ParamEntry& e, int64_t lo, int64_t hi) {

@@ -141,6 +141,12 @@ void RunLog::summary(Json s) {
   fflush(json_);
 }
 
+void RunLog::event(const Json& e) {
+  if (!rank0_ || !json_) return;
+  fprintf(json_, "%s\n", e.dump().c_str());
+  fflush(json_);
+}
+
 Json comm_report(RunLog& log, const Comm& group, long steps, const std::map<std::string, double>& predicted) {
   Json ops = Json::object();
   const double n = double(std::max(1L, steps));

@@ -33,6 +33,9 @@ class RunLog {
   void step(const StepRecord& r);
   // memory: category -> {measured, predicted}; comm: group -> op -> {calls, bytes, predicted}.
   void summary(Json s);
+  // A JSON line {"event": ..., "step": ...} between the step records (a spike, a non-finite
+  // step: numerics.h); rank 0 only, like every line of the log.
+  void event(const Json& e);
   void line(const char* fmt, ...) __attribute__((format(printf, 2, 3)));  // rank 0 only
   ~RunLog();
  private:

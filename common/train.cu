@@ -16,13 +16,19 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <map>
 
 namespace ts {
 
-MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev) {
+static MicroBatch microbatch_at(const TokenData& d, long batch, int B, int T, int seq0, int nseq, Device dev) {
   std::vector<int32_t> in(size_t(nseq) * T), tg(size_t(nseq) * T);
-  fill_batch(d, step, B, T, seq0, nseq, in.data(), tg.data());
+  fill_batch(d, batch, B, T, seq0, nseq, in.data(), tg.data());
   return {from_host_i32(in, dev), from_host_i32(tg, dev)};
+}
+
+// A training step reads batch `step` of the stream, unless a rewind skipped batches before it.
+MicroBatch make_microbatch(const TokenData& d, long step, int B, int T, int seq0, int nseq, Device dev) {
+  return microbatch_at(d, numerics().batch_of(step), B, T, seq0, nseq, dev);
 }
 
 // ----- the shared start ----------------------------------------------------------------------------
@@ -31,6 +37,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   comm_init(&argc, &argv);
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
+  numerics().configure(rc);
   set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   flight::configure(rc.flight_entries, rc.flight_dir);
   rc.program = argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "";
@@ -103,18 +110,66 @@ TokenData open_data(const RunConfig& rc, Device dev, RunLog& log) {
   return data;
 }
 
-long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights) {
+// Every range init_or_resume filled in this process, so that --on-spike rewind can load a
+// checkpoint into the same places (the models and optimizers live as long as the run).
+struct LoadedRange {
+  const Model* model;
+  AdamW* opt;
+  int64_t b, e;
+  Tensor weights;
+};
+static std::vector<LoadedRange>& loaded_ranges() {
+  static std::vector<LoadedRange> r;
+  return r;
+}
+
+// [b, e) of the weights and moments from the checkpoint in dir; returns its step.
+static long load_range(const std::string& dir, const LoadedRange& r, const RunConfig& rc) {
+  Tensor w32 = Tensor::empty({r.e - r.b}, DType::F32, r.model->dev, Tag::Workspace);
+  r.opt->ensure_state();
+  const CheckpointInfo info = load_checkpoint(dir, rc.model, r.model->table, r.b, r.e, w32, r.opt);
+  numerics().load_skips(info.trainer);
+  convert(r.weights, w32);  // a copy in fp32, a rounding to bf16 otherwise
+  r.opt->load_master(*r.model, w32);
+  return info.step;
+}
+
+long init_or_resume(Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights) {
+  numerics().attach(model);
+  const LoadedRange r{&model, &opt, b, e, weights};
+  loaded_ranges().push_back(r);
+  if (!rc.resume_dir.empty()) return load_range(rc.resume_dir, r, rc);
   Tensor w32 = Tensor::empty({e - b}, DType::F32, model.dev, Tag::Workspace);
-  long step = 0;
-  if (rc.resume_dir.empty()) {
-    Model::init_range(model.table, rc.seed, b, e, w32);
-  } else {
-    opt.ensure_state();
-    step = load_checkpoint(rc.resume_dir, rc.model, model.table, b, e, w32, &opt).step;
-  }
-  convert(weights, w32);  // a copy in fp32, a rounding to bf16 otherwise
+  Model::init_range(model.table, rc.seed, b, e, w32);
+  convert(weights, w32);
   opt.load_master(model, w32);
-  return step;
+  return 0;
+}
+
+// --on-spike rewind after a spike at `step`: every rank loads its ranges again from `dir` (the
+// newest checkpoint this run saved or resumed from), and from that checkpoint's step c on the
+// run reads the batches after the spike's, skipping those of steps c..step (PaLM's remedy: the
+// same weights, other data). Returns c. A spike that recurs at the same checkpoint three
+// times is not the data's: the run stops.
+static long rewind(const RunConfig& rc, RunLog& log, const std::string& dir, long step) {
+  finish_async_save();  // the checkpoint to read must be published
+  static std::map<long, int> rewinds;  // checkpoint step -> rewinds to it
+  const std::string at = resolve_checkpoint(dir);  // --keep-last: the newest step_ under it
+  long c = -1;
+  for (const LoadedRange& r : loaded_ranges()) c = load_range(at, r, rc);
+  if (++rewinds[c] > 3)
+    config_error("spike at step %ld: rewound to the checkpoint of step %ld three times already; the spikes do not "
+                 "come from the data (try a lower --lr)", step, c);
+  numerics().add_skip(c, step);
+  log.line("rewind: weights and optimizer state of step %ld loaded from %s; batches %ld..%ld skipped", c,
+           at.c_str(), numerics().batch_of(c) - (step - c + 1), numerics().batch_of(c) - 1);
+  Json e = Json::object();
+  e["event"] = "rewind";
+  e["step"] = step;
+  e["to_step"] = c;
+  e["skipped_batches"] = numerics().skips_json();
+  log.event(e);
+  return c;
 }
 
 Tensor weights_f32(const Tensor& weights, const AdamW& opt) {
@@ -146,7 +201,7 @@ double held_out_loss(Model& model, const TokenData& held_out, const RunConfig& r
   // Evaluation batch k reads the windows training step k would read, in the held-out tokens.
   for (long k = 0; k < rc.eval_batches; k++)
     for (int s0 = 0; s0 < nseq; s0 += mb) {
-      MicroBatch b = make_microbatch(held_out, k, rc.batch, T, seq0 + s0, mb, model.dev);
+      MicroBatch b = microbatch_at(held_out, k, rc.batch, T, seq0 + s0, mb, model.dev);
       Tensor logits = model.forward_logits(b.inputs, mb);
       Tensor losses = Tensor::empty({int64_t(mb) * T}, DType::F32, model.dev, Tag::Workspace);
       // grad_scale 0: the loss function's gradient output is zeros, written over the logits.
@@ -206,6 +261,51 @@ static Json checkpoint_report(RunLog& log, const RunConfig& rc, const std::vecto
   return c;
 }
 
+// The numerics' fields join the technique's own (MoE routing statistics) in the step record.
+static void merge_into(Json& extra, const Json& more) {
+  if (!more.is_object() || more.size() == 0) return;
+  if (!extra.is_object()) extra = Json::object();
+  for (const auto& [k, v] : more.items()) extra[k] = v;
+}
+
+// What the steps leave for the summary.
+struct RunTally {
+  std::vector<double> seconds;  // each step's wall time
+  std::vector<double> stalls;   // seconds each save held training up
+  double last_loss = NAN, last_eval = NAN;
+  long done = 0;
+  int stop = 0;  // the signal that stopped the run
+};
+
+// The summary line and JSON: memory table, communication, losses, throughput, checkpoint stalls,
+// the step-time model against the measured steps, the technique's own fields.
+static void summarize(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, Loop& loop, long first,
+                      const RunTally& t) {
+  const double tokens = double(rc.batch) * rc.model.seq;
+  Json summary = Json::object();
+  summary["memory"] = memory_report(log, dev, loop.predicted, rc.async_save ? checkpoint_staging_peak() : 0);
+  summary["comm"] = loop.comm ? loop.comm(t.done - first) : Json::object();
+  summary["final_loss"] = t.last_loss;
+  summary["steps_done"] = t.done;
+  if (t.stop) summary["stopped_by"] = t.stop == SIGINT ? "SIGINT" : "SIGTERM";
+  summary["loss_floor"] = data.entropy_floor;
+  if (rc.eval_every > 0) summary["eval_loss"] = t.last_eval;
+  if (!t.seconds.empty()) {
+    std::vector<double> tps;
+    for (double s : t.seconds) tps.push_back(tokens / s);
+    std::sort(tps.begin(), tps.end());
+    summary["tokens_per_s_median"] = tps[tps.size() / 2];
+    char eval[48] = "";
+    if (rc.eval_every > 0) snprintf(eval, sizeof eval, "; eval loss %.4f", t.last_eval);
+    log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
+             t.last_loss, data.entropy_floor, eval);
+  }
+  if (!t.stalls.empty()) summary["checkpoint"] = checkpoint_report(log, rc, t.stalls);
+  if (loop.step_time && !t.seconds.empty()) summary["step_time"] = loop.step_time(step_times(first, t.seconds));
+  if (loop.extra) loop.extra(summary);
+  log.summary(summary);
+}
+
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop) {
   check_eval_available(rc, loop);
   // tokens/s is the whole job's (the global batch per step) and the peak is one device's: MFU is
@@ -214,75 +314,58 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
   const double peak = world * peak_tflops_for(dev, rc.dtype, rc.peak_tflops) * 1e12;
   const double tokens = double(rc.batch) * rc.model.seq;
-  std::vector<double> seconds;  // each step's wall time
-  double last_loss = NAN;
   if (!rc.trace.empty()) Trace::get().enable();
   ProfileScope::reset();
   catch_stop_signals();
-  long done = first, saved = -1, evaluated = -1;
-  std::vector<double> stalls;  // seconds each save held training up
-  double last_eval = NAN;
-  int stop = 0;
-  for (long step = first; step < rc.steps && !stop; step++) {
+  RunTally t;
+  t.done = first;
+  long saved = -1, evaluated = -1;
+  std::string rewind_to = rc.resume_dir;  // the newest checkpoint: --on-spike rewind goes back to it
+  for (long step = first; step < rc.steps && !t.stop; step++) {
     set_current_step(step);
+    numerics().begin_step(step);
     auto t0 = std::chrono::steady_clock::now();
     StepResult r = loop.step(step);
     device_sync(dev);
     double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!std::isfinite(r.loss)) fatal("loss is %f at step %ld: the run diverged (try a lower --lr)", r.loss, step);
-    seconds.push_back(secs);
-    last_loss = r.loss;
-    done = step + 1;
+    if (!std::isfinite(r.loss) || !std::isfinite(r.grad_norm))
+      numerics().locate_nonfinite(step, r.loss, r.grad_norm, [&] { loop.step(step); }, log);
+    merge_into(r.extra, numerics().end_step(step, r.loss, r.grad_norm, log, r.note));
+    t.seconds.push_back(secs);
+    t.last_loss = r.loss;
+    t.done = step + 1;
     // After the update, outside the step's time: the loss of the weights this step produced.
-    const bool eval_due = rc.eval_every > 0 && (done % rc.eval_every == 0 || done == rc.steps);
-    if (eval_due) last_eval = loop.eval(), evaluated = done;
+    const bool eval_due = rc.eval_every > 0 && (t.done % rc.eval_every == 0 || t.done == rc.steps);
+    if (eval_due) t.last_eval = loop.eval(), evaluated = t.done;
     log.step({step, r.loss, lr_at(rc, step), r.grad_norm, tokens / secs,
               peak > 0 ? flops_per_token(rc.model) * tokens / secs / peak : 0.0, secs * 1e3, mem_stats(dev).total_peak,
-              r.extra, r.note, flops_per_token(rc.model) * tokens / secs, eval_due ? last_eval : NAN});
-    progress_async_save();  // an asynchronous save moves on (collective; nothing without one)
-    if (!rc.save_dir.empty() && rc.save_every > 0 && done % rc.save_every == 0 && done < rc.steps) {
-      stalls.push_back(timed_save(loop, done));
-      saved = done;
+              r.extra, r.note, flops_per_token(rc.model) * tokens / secs, eval_due ? t.last_eval : NAN});
+    if (numerics().rewind_due() && !rewind_to.empty()) {
+      step = rewind(rc, log, rewind_to, step) - 1;  // the loop goes on at the checkpoint's step
+      t.done = step + 1;
+      continue;
     }
-    stop = agreed_stop_signal();
+    if (numerics().rewind_due()) log.line("rewind: no checkpoint yet to rewind to; the update was applied");
+    progress_async_save();  // an asynchronous save moves on (collective; nothing without one)
+    if (!rc.save_dir.empty() && rc.save_every > 0 && t.done % rc.save_every == 0 && t.done < rc.steps) {
+      t.stalls.push_back(timed_save(loop, t.done));
+      saved = t.done;
+      rewind_to = rc.save_dir;
+    }
+    t.stop = agreed_stop_signal();
   }
   set_current_step(-1);
   // No step ran (a --resume at its own step: evaluating a checkpoint), or a signal stopped the run.
-  if (rc.eval_every > 0 && evaluated != done) {
-    last_eval = loop.eval();
-    log.line("eval loss %.6f after step %ld (held-out data)", last_eval, done);
+  if (rc.eval_every > 0 && evaluated != t.done) {
+    t.last_eval = loop.eval();
+    log.line("eval loss %.6f after step %ld (held-out data)", t.last_eval, t.done);
   }
-  if (!rc.save_dir.empty() && saved != done) stalls.push_back(timed_save(loop, done));
+  if (!rc.save_dir.empty() && saved != t.done) t.stalls.push_back(timed_save(loop, t.done));
   finish_async_save();
-  const char* stop_name = stop == SIGINT ? "SIGINT" : "SIGTERM";
-  if (stop) {
-    log.line("%s: stopped after %ld of %ld steps; %s", stop_name, done, rc.steps,
-             rc.save_dir.empty() ? "no --save, so nothing to resume from"
-                                 : ("resume with --resume " + rc.save_dir).c_str());
-  }
-
-  Json summary = Json::object();
-  summary["memory"] = memory_report(log, dev, loop.predicted, rc.async_save ? checkpoint_staging_peak() : 0);
-  summary["comm"] = loop.comm ? loop.comm(done - first) : Json::object();
-  summary["final_loss"] = last_loss;
-  summary["steps_done"] = done;
-  if (stop) summary["stopped_by"] = stop_name;
-  summary["loss_floor"] = data.entropy_floor;
-  if (rc.eval_every > 0) summary["eval_loss"] = last_eval;
-  if (!seconds.empty()) {
-    std::vector<double> tps;
-    for (double s : seconds) tps.push_back(tokens / s);
-    std::sort(tps.begin(), tps.end());
-    summary["tokens_per_s_median"] = tps[tps.size() / 2];
-    char eval[48] = "";
-    if (rc.eval_every > 0) snprintf(eval, sizeof eval, "; eval loss %.4f", last_eval);
-    log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
-             last_loss, data.entropy_floor, eval);
-  }
-  if (!stalls.empty()) summary["checkpoint"] = checkpoint_report(log, rc, stalls);
-  if (loop.step_time && !seconds.empty()) summary["step_time"] = loop.step_time(step_times(first, seconds));
-  if (loop.extra) loop.extra(summary);
-  log.summary(summary);
+  if (t.stop)
+    log.line("%s: stopped after %ld of %ld steps; %s", t.stop == SIGINT ? "SIGINT" : "SIGTERM", t.done, rc.steps,
+             rc.save_dir.empty() ? "no --save, so nothing to resume from" : ("resume with --resume " + rc.save_dir).c_str());
+  summarize(rc, dev, log, data, loop, first, t);
   if (!rc.trace.empty()) Trace::get().write(rc.trace);
   ProfileScope::print();
 }

@@ -19,6 +19,7 @@
 #include "memory_model.h"
 #include "mesh.h"
 #include "model.h"
+#include "numerics.h"
 #include "optimizer.h"
 #include "report.h"
 
@@ -66,8 +67,9 @@ TokenData open_data(const RunConfig& rc, Device dev, RunLog& log);
 
 // Weights of the global range [b, e) from the counter-based init or --resume, into `weights`
 // (the compute copy: fp32, or bf16 rounded from fp32) and the optimizer's master copy.
-// Returns the first step to run.
-long init_or_resume(const Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights);
+// Returns the first step to run. Also attaches the numerics (numerics.h) to the model: every
+// technique calls this once its model is complete (its loss function installed).
+long init_or_resume(Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights);
 // fp32 values of a range of weights for checkpointing: the master copy when there is one, the
 // weights themselves when they are fp32 (a save reads them before the next update).
 Tensor weights_f32(const Tensor& weights, const AdamW& opt);
@@ -115,7 +117,7 @@ struct Loop {
   MemoryPrediction predicted;
 };
 // Runs steps [first, rc.steps): timing, the step log (loss, lr, grad norm, tokens/s, MFU, peak
-// memory), NaN/inf detection, the held-out loss every --eval-every steps and at the end, periodic
+// memory), NaN/inf detection and location, spike detection, --numerics-every statistics, the held-out loss every --eval-every steps and at the end, periodic
 // and final checkpoints, then the summary with the memory table. Collective: every rank calls it.
 void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& data, long first, Loop& loop);
 

@@ -1,6 +1,8 @@
 #!/usr/bin/python3
 """Draws what --log-json files recorded: the loss curves of several runs on one plot with the
 data's loss floor (and the held-out loss of runs with --eval-every, as dots on their curve's colour), each run's memory per category measured next to predicted, and throughput.
+Runs with --numerics-every get a second row: each unit's gradient norm and output RMS over the
+steps, and the gradient norm with the spikes and rewinds the run logged.
 
   /usr/bin/python3 scripts/plot.py RUN.jsonl [RUN.jsonl ...] [-o runs.png] [--labels a,b,...]
 
@@ -22,7 +24,8 @@ CATEGORIES = ["params", "grads", "optimizer", "activations", "comm", "workspace"
 
 
 def read_log(path):
-    steps, summary = [], {}
+    """The step records, the summary, and the events (spikes, rewinds, a non-finite step)."""
+    steps, summary, events = [], {}, []
     with open(path) as f:
         for line in f:
             if not line.strip():
@@ -30,11 +33,13 @@ def read_log(path):
             j = json.loads(line)
             if "summary" in j:
                 summary = j["summary"]
+            elif "event" in j:
+                events.append(j)
             else:
                 steps.append(j)
     if not steps:
         sys.exit(f"{path}: no step records (is it a --log-json file?)")
-    return steps, summary
+    return steps, summary, events
 
 
 def tail_inset(ax, runs, floors):
@@ -75,9 +80,12 @@ def main():
     labels = args.labels.split(",") if args.labels else [os.path.basename(p).rsplit(".", 1)[0] for p in args.logs]
     if len(labels) != len(args.logs):
         sys.exit(f"--labels names {len(labels)} runs but {len(args.logs)} logs were given")
-    runs = [(label, *read_log(p)) for label, p in zip(labels, args.logs)]
+    logs = [(label, *read_log(p)) for label, p in zip(labels, args.logs)]
+    runs = [(label, steps, summary) for label, steps, summary, _ in logs]
+    numerics = any("numerics" in s for _, steps, _, _ in logs for s in steps)
 
-    fig, (ax_loss, ax_mem, ax_tps) = plt.subplots(1, 3, figsize=(16, 4.8))
+    fig, axes = plt.subplots(2 if numerics else 1, 3, figsize=(16, 9.6 if numerics else 4.8), squeeze=False)
+    ax_loss, ax_mem, ax_tps = axes[0]
 
     # Later runs are drawn thinner and dashed so that curves that coincide stay visible.
     floors = set()
@@ -121,11 +129,43 @@ def main():
     ax_tps.set(title="throughput (running median)", xlabel="step", ylabel="tokens/s (whole job)")
     ax_tps.legend(fontsize=8)
 
+    if numerics:
+        numerics_row(axes[1], logs)
     fig.tight_layout()
     fig.savefig(args.output, dpi=80)
     evals = [(label, sum("eval_loss" in s for s in steps)) for label, steps, _ in runs]
     evals = ", ".join(f"{label} {n}" for label, n in evals if n)  # only the runs that have some
-    print(f"wrote {args.output}" + (f"; eval points: {evals}" if evals else ""))
+    spikes = ", ".join(f"{label} {n}" for label, n in
+                       [(label, sum(e["event"] == "spike" for e in ev)) for label, _, _, ev in logs] if n)
+    print(f"wrote {args.output}" + (f"; eval points: {evals}" if evals else "") + (f"; spikes: {spikes}" if spikes else ""))
+
+
+def numerics_row(row, logs):
+    """Per-unit gradient norms and output RMS of the first run that recorded them (one line per
+    unit: 0 the embedding, 1..L the layers, L+1 the head), and every run's gradient norm with its
+    spikes (x) and rewinds (vertical lines)."""
+    ax_gn, ax_rms, ax_ev = row
+    label, steps = next((label, steps) for label, steps, _, _ in logs if any("numerics" in s for s in steps))
+    rec = [s for s in steps if "numerics" in s]
+    for name, ax in (("grad_norm", ax_gn), ("act_rms", ax_rms)):
+        units = len(rec[0]["numerics"][name])
+        for u in range(units):
+            ax.plot([s["step"] for s in rec], [s["numerics"][name][u] for s in rec], color=plt.cm.viridis(u / units),
+                    linewidth=1, label=f"unit {u}")
+        ax.set_yscale("log")
+        ax.legend(fontsize=7, ncol=2)
+    ax_gn.set(title=f"{label}: gradient norm per unit", xlabel="step")
+    ax_rms.set(title=f"{label}: output RMS per unit (0: embedding)", xlabel="step")
+    for k, (label, steps, _, events) in enumerate(logs):
+        ax_ev.plot([s["step"] for s in steps], [s["grad_norm"] for s in steps], color=f"C{k}", linewidth=1, label=label)
+        for e in events:
+            if e["event"] == "spike":
+                ax_ev.plot([e["step"]], [e["grad_norm"]], "x", color=f"C{k}", markersize=9)
+            elif e["event"] == "rewind":
+                ax_ev.axvline(e["step"], color=f"C{k}", linestyle=":", linewidth=1)
+    ax_ev.set_yscale("log")
+    ax_ev.set(title="gradient norm; x: spike, dotted: rewind", xlabel="step")
+    ax_ev.legend(fontsize=8)
 
 
 if __name__ == "__main__":

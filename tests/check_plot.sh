@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/plot.py draws real logs: 01 and 02 (dp 2) at the same global batch, overlaid, into a PNG
 # of the size it asks for (16 × 4.8 in at 80 dpi = 1280 × 384 px), with 01's held-out loss
-# (--eval-every 3 over 6 steps: after steps 2 and 5) as dots.
+# (--eval-every 3 over 6 steps: after steps 2 and 5) as dots; then a run with --numerics-every and
+# a poisoned batch, whose second row (per-unit norms, spikes) doubles the height.
 set -eu
 BUILD=${BUILD:-build}
 d=$(mktemp -d); trap 'rm -rf "$d"' EXIT
@@ -18,5 +19,17 @@ assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
 w, h = struct.unpack(">II", data[16:24])  # the IHDR chunk's width and height
 assert (w, h) == (1280, 384), f"{w} x {h}"
 assert len(data) > 20000, f"only {len(data)} bytes: an empty figure?"
+print(f"PNG {w} x {h}, {len(data)} bytes")
+PY
+"$BUILD/01_single_gpu" --preset tiny --steps 10 --batch 8 --quiet --device cpu --numerics-every 2 --spike-window 4 \
+  --poison-batch 7 --log-json "$d/spike.jsonl" >/dev/null
+out=$(/usr/bin/python3 scripts/plot.py "$d/spike.jsonl" --labels poisoned -o "$d/numerics.png")
+echo "$out"
+[ "$out" = "wrote $d/numerics.png; spikes: poisoned 1" ] || { echo "expected one spike for the poisoned run"; exit 1; }
+/usr/bin/python3 - "$d/numerics.png" <<'PY'
+import struct, sys
+data = open(sys.argv[1], "rb").read()
+w, h = struct.unpack(">II", data[16:24])
+assert (w, h) == (1280, 768), f"{w} x {h}: no numerics row?"
 print(f"PNG {w} x {h}, {len(data)} bytes")
 PY

@@ -94,9 +94,10 @@ inline Result run_bin(const std::string& bin, const std::string& args, int np = 
   return run(bin_command(bin, args, np, extra_env), timeout_s);
 }
 
-// The JSON lines of a --log-json file: per-step records, then {"summary": ...}.
+// The JSON lines of a --log-json file: per-step records and events, then {"summary": ...}.
 struct Log {
   std::vector<ts::Json> steps;
+  std::vector<ts::Json> events;  // {"event": "spike" | "rewind" | "non_finite", "step": ...}
   ts::Json summary;
   std::vector<double> losses() const {
     std::vector<double> v;
@@ -113,6 +114,7 @@ inline Log read_log(const std::string& path) {
     if (line.empty()) continue;
     ts::Json j = ts::Json::parse(line);
     if (j.contains("summary")) l.summary = j.at("summary");
+    else if (j.contains("event")) l.events.push_back(j);
     else l.steps.push_back(j);
   }
   return l;
