@@ -59,7 +59,7 @@ ifeq ($(CUDA),1)
   # --threads 0: the architectures of one file compile in parallel, not one after the other.
   CU := $(NVCC) -std=c++17 -x cu $(GENCODE) --threads 0 -Xcompiler "$(HOST_FLAGS)" --expt-relaxed-constexpr
   # No relocatable device code, so the host linker links nvcc's objects directly.
-  LIBS += -L$(CUDA_LIB) -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_LIB)
+  LIBS += -L$(CUDA_LIB) -lcublasLt -lcublas -lcudart -lnccl -Wl,-rpath,$(CUDA_LIB)
 else
   CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 endif

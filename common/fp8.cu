@@ -13,8 +13,10 @@
 // are. The chunk's sum is then scaled by its dequantization factor and added to the fp32 result
 // (scale_add): DeepSeek-V3 §3.3.2's promotion, where the scales are applied on the CUDA cores.
 //
-// On CUDA this decode path is the only one: cuBLASLt's FP8 GEMM is not used, so the CUDA result
-// follows the same arithmetic as the CPU's, differing only in the fp32 GEMM's summation order.
+// On CUDA with per-tensor scales and an sm_89+ device the GEMM goes to cuBLASLt's FP8 tensor
+// cores instead (native_gemm, fp8_cublaslt.cu); everything else, blockwise scales and the Accum
+// emulation included, takes the decode path, whose CUDA result follows the CPU's arithmetic and
+// differs only in the fp32 GEMM's summation order.
 #include "fp8.h"
 
 #include <algorithm>
@@ -216,6 +218,11 @@ void emulate(float* out, const OpView& A, const OpView& B, int64_t M, int64_t N,
     for (int64_t n = 0; n < N; n++) out[m * N + n] = emulate_element(A, B, m, n, K, kc, acc, out[m * N + n]);
 }
 
+void transpose_codes(uint8_t* dst, const uint8_t* src, int64_t R, int64_t C) {
+  for (int64_t r = 0; r < R; r++)
+    for (int64_t c = 0; c < C; c++) dst[c * R + r] = src[r * C + c];
+}
+
 }  // namespace on_cpu
 
 // ----- CUDA ------------------------------------------------------------------------------------
@@ -314,6 +321,18 @@ __global__ void emulate_kernel(float* out, OpView A, OpView B, int64_t M, int64_
 void emulate(float* out, const OpView& A, const OpView& B, int64_t M, int64_t N, int64_t K, int64_t kc,
              const Accum& acc) {
   emulate_kernel<<<blocks_for(M * N), kThreads, 0, compute_stream()>>>(out, A, B, M, N, K, kc, acc);
+  KERNEL_CHECK();
+}
+
+// A grid-stride loop over dst's elements: reads are strided, writes coalesced; one byte each, so
+// a tiled transpose would gain little next to the GEMM that follows.
+__global__ void transpose_kernel(uint8_t* dst, const uint8_t* src, int64_t R, int64_t C) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < R * C; i += int64_t(gridDim.x) * blockDim.x)
+    dst[i] = src[(i % R) * C + i / R];  // dst[c, r] = src[r, c] with i = c·R + r
+}
+
+void transpose_codes(uint8_t* dst, const uint8_t* src, int64_t R, int64_t C) {
+  transpose_kernel<<<blocks_for(R * C), kThreads, 0, compute_stream()>>>(dst, src, R, C);
   KERNEL_CHECK();
 }
 
@@ -451,11 +470,21 @@ void gemm(const Tensor& C, const Quantized& A, bool transA, const Quantized& B, 
     if (C.dtype != DType::F32) convert(out, C);
     if (beta != 1.f) scale_inplace(out, beta);
   }
-  if (acc.mantissa_bits < 23 || acc.promote_every > 0)
+  const bool exact = acc.mantissa_bits == 23 && acc.promote_every == 0;
+  if (!exact)
     FP8_ON(dev, emulate(out.f32(), view_of(A, ga, transA), view_of(B, gb, transB), M, N, K, kc, acc));
-  else
+  else if (!native_gemm(out, A, transA, B, transB, M, N, K))
     gemm_decoded(out, A, ga, transA, B, gb, transB, M, N, K, kc);
   if (C.dtype != DType::F32) convert(C, out);
+}
+
+void transpose_codes(const Tensor& dst, const Tensor& src) {
+  const char* op = "fp8::transpose_codes";
+  const Mat m = as_mat(op, "src", src), d = as_mat(op, "dst", dst);
+  TS_CHECK(is_fp8(src.dtype) && dst.dtype == src.dtype && d.rows == m.cols && d.cols == m.rows,
+           "%s: dst must be src's fp8 codes transposed: dst %s, src %s", op, dst.str().c_str(), src.str().c_str());
+  const Device dev = detail::common_device(op, {&dst, &src});
+  FP8_ON(dev, transpose_codes(dst.data<uint8_t>(), src.data<uint8_t>(), m.rows, m.cols));
 }
 
 }  // namespace ts::fp8

@@ -153,10 +153,20 @@ struct Accum {
 // 1/sA and 1/sB (their fp32 product) and added to the fp32 result. The scale tiles of A and B
 // along K must be equal or cover all of K (checked). On the CPU the chunk products are an sgemm
 // of the decoded codes (exact: a code times a code fits fp32's mantissa); on CUDA, cuBLASLt's FP8
-// GEMM with its tensorwise scales, or its 1×128 / 128×128 block scales (fp8.cu says when), and
-// otherwise the decoded codes through cuBLAS's fp32 GEMM, chunk by chunk as on the CPU. beta 0
-// ignores C's old contents.
+// GEMM when native_gemm takes it (per-tensor scales, sm_89 or later), and otherwise the decoded
+// codes through cuBLAS's fp32 GEMM, chunk by chunk as on the CPU. beta 0 ignores C's old contents.
 void gemm(const Tensor& C, const Quantized& A, bool transA, const Quantized& B, bool transB, float beta = 0.f,
           const Accum& acc = {});
+
+// dst [C, R] := src [R, C]^T, for FP8 codes (the dtype of both), on either device.
+void transpose_codes(const Tensor& dst, const Tensor& src);
+
+// fp8_cublaslt.cu: out [M, N] fp32 += op(A) op(B) dequantized, by cuBLASLt's FP8 tensor-core GEMM.
+// It takes per-tensor scales only (both scale grids 1 × 1), CUDA tensors on an sm_89+ device,
+// M, N, K multiples of 16 and not two e5m2 operands; returns false, doing nothing, otherwise
+// (and when TS_FP8_GEMM=decode asks for the decode path). cuBLASLt wants both operands with K
+// contiguous ("TN"); an operand stored the other way is transposed first (transpose_codes).
+bool native_gemm(const Tensor& out, const Quantized& A, bool transA, const Quantized& B, bool transB, int64_t M,
+                 int64_t N, int64_t K);
 
 }  // namespace ts::fp8

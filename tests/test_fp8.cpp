@@ -621,3 +621,78 @@ TEST_CASE("gemm refuses scale tiles along K that differ, and malformed operands"
   fp8::gemm(Z, A0, false, B0, false, 0.5f);
   CHECK(to_host_f32(Z) == Vec(M * N, 1.f));
 }
+
+// ===== the native path's pieces ====================================================================
+
+TEST_CASE("transpose_codes turns the codes of [R, C] into [C, R], and refuses what is not that", "[fp8][native]") {
+  for (auto [R, C] : {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {16, 48}, {130, 7}}) {
+    const fp8::Quantized X = fp8::quantize_current(make({R, C}, varied(R, C, 91)), DType::F8E5M2, 1, 1);
+    Tensor T = Tensor::empty({C, R}, DType::F8E5M2, Device::CPU, Tag::Workspace);
+    fp8::transpose_codes(T, X.q);
+    const uint8_t* x = X.q.data<uint8_t>();
+    const uint8_t* t = T.data<uint8_t>();
+    int64_t wrong = 0;
+    for (int64_t r = 0; r < R; r++)
+      for (int64_t c = 0; c < C; c++) wrong += t[c * R + r] != x[r * C + c];
+    CHECK(wrong == 0);
+  }
+  const fp8::Quantized X = fp8::quantize_current(make({4, 6}, varied(4, 6, 92)), DType::F8E4M3, 1, 1);
+  Tensor same = Tensor::empty({4, 6}, DType::F8E4M3, Device::CPU, Tag::Workspace);
+  auto r = dies([&] { fp8::transpose_codes(same, X.q); });
+  CHECK(r.first);
+  CHECK_THAT(r.second, Catch::Matchers::Contains("dst must be src's fp8 codes transposed"));
+  Tensor other = Tensor::empty({6, 4}, DType::F8E5M2, Device::CPU, Tag::Workspace);
+  CHECK(dies([&] { fp8::transpose_codes(other, X.q); }).first);
+  // On the CPU the native path never applies: the decode path is the reference.
+  Tensor C = f32(4, 4);
+  CHECK(!fp8::native_gemm(C, X, false, X, true, 4, 4, 6));
+}
+
+#ifdef TS_CUDA
+// The CUDA result against the CPU's decode path, for every layout the linears use: on an sm_89+
+// device the per-tensor case runs on cuBLASLt's FP8 tensor cores (native_gemm, checked to be taken),
+// whose accumulation keeps fewer bits than fp32 between its promotions: a K-term sum rounded at
+// p bits is within about √K · 2^-p relative normwise, and p = 13 leaves a bit of room below the
+// ~14 bits Hopper keeps. The blockwise case takes the decode path there too (fp32, reordered sums).
+TEST_CASE("cuda twin: fp8::gemm, native per-tensor and decoded blockwise, against the CPU", "[cuda][fp8]") {
+  if (!cuda_available()) {
+    WARN("no GPU visible: CUDA twin not run");
+    return;
+  }
+  int dev = 0, major = 0, minor = 0;
+  REQUIRE(cudaGetDevice(&dev) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess);
+  REQUIRE(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) == cudaSuccess);
+  const bool fp8_cores = 10 * major + minor >= 89;
+  auto on = [](const Tensor& t, Device d) {
+    Tensor r = Tensor::empty(t.shape, t.dtype, d, Tag::Workspace);
+    copy(r, t);
+    return r;
+  };
+  auto to_gpu = [&](const fp8::Quantized& q) { return fp8::Quantized{on(q.q, Device::CUDA), on(q.scales, Device::CUDA), q.tr, q.tc}; };
+  const int64_t M = 64, N = 96, K = 256;
+  for (Scaling s : {Scaling::Tensor, Scaling::Row128})
+    for (auto [ta, tb] : {std::pair{false, true}, {false, false}, {true, false}}) {
+      INFO("scaling " << int(s) << " transA " << ta << " transB " << tb);
+      const Scaling sb = s == Scaling::Tensor ? s : Scaling::Block128;
+      const fp8::Quantized A = quantize_operand(varied(ta ? K : M, ta ? M : K, 93), ta ? K : M, ta ? M : K,
+                                                DType::F8E5M2, s, !ta);
+      const fp8::Quantized B = quantize_operand(varied(tb ? N : K, tb ? K : N, 94), tb ? N : K, tb ? K : N,
+                                                DType::F8E4M3, sb, tb);
+      Tensor c_cpu = f32(M, N, 0.5f);
+      fp8::gemm(c_cpu, A, ta, B, tb, 1.f);
+      const fp8::Quantized Ag = to_gpu(A), Bg = to_gpu(B);
+      Tensor c_gpu = on(f32(M, N, 0.5f), Device::CUDA);
+      fp8::gemm(c_gpu, Ag, ta, Bg, tb, 1.f);
+      device_sync(Device::CUDA);
+      const Vec c = to_host_f32(c_cpu), g = to_host_f32(c_gpu);
+      double num = 0, den = 0;
+      for (size_t i = 0; i < c.size(); i++) num += (g[i] - c[i]) * (g[i] - c[i]), den += c[i] * c[i];
+      CHECK(std::sqrt(num / den) <= std::sqrt(double(K)) * std::ldexp(1.0, -13));
+      if (s == Scaling::Tensor && fp8_cores) {
+        Tensor probe = on(f32(M, N), Device::CUDA);
+        CHECK(fp8::native_gemm(probe, Ag, ta, Bg, tb, M, N, K));
+      }
+    }
+}
+#endif
