@@ -60,12 +60,15 @@ class GradReducer {
   void set_sync(bool sync) { sync_ = sync; }
 
   // Called by the model as each unit's gradients complete: launch every bucket that now lies
-  // entirely in finished units, and poll the in-flight ones (MPI progresses when called).
+  // entirely in finished units, and poll the in-flight ones (MPI progresses when called). Units
+  // are counted one by one, not as "everything above u": under a pipeline the embedding's
+  // gradient can be final before the layers' deferred weight gradients (ZB-H1's W).
   void on_unit_ready(int u) {
     if (!sync_) return;
-    const int64_t ready_from = m_.table.unit_begin[u];
+    ready_.resize(size_t(m_.table.num_units()), false);
+    ready_[size_t(u)] = true;
     for (Bucket& b : buckets_) {
-      if (!b.launched && b.begin >= ready_from) {
+      if (!b.launched && complete(b)) {
         if (first_launch_ < 0) first_launch_ = Trace::get().now_us();
         b.start = Trace::get().now_us();
         b.work = dp_.all_reduce_async(m_.grads.view(b.begin, {b.end - b.begin}));
@@ -96,8 +99,11 @@ class GradReducer {
       span_us_ += t1 - t0;
     }
     for (Bucket& b : buckets_) b.launched = b.done = false;
+    ready_.assign(ready_.size(), false);
     first_launch_ = -1;
   }
+  // When the first bucket went out this step (trace clock, µs; < 0: none yet).
+  double first_launch_us() const { return first_launch_; }
 
   // Fraction of communication time that ran behind backward compute.
   double hidden_fraction() const { return span_us_ > 0 ? 1.0 - exposed_us_ / span_us_ : 0.0; }
@@ -110,6 +116,14 @@ class GradReducer {
     bool launched = false, done = false;
     double start = 0;
   };
+  // Every unit with gradients in [b.begin, b.end) has finished its last micro-batch's backward.
+  bool complete(const Bucket& b) const {
+    for (int v = 0; v < m_.table.num_units(); v++) {
+      const int64_t ub = m_.table.unit_begin[v], ue = m_.table.unit_begin[v + 1];
+      if (ue > ub && ub < b.end && ue > b.begin && !ready_[size_t(v)]) return false;
+    }
+    return true;
+  }
   bool covers(const ParamEntry& e) const {
     for (auto [b, end] : ranges_)
       if (e.numel > 0 && e.offset >= b && e.offset + e.numel <= end) return true;
@@ -130,6 +144,7 @@ class GradReducer {
   bool bucketed_, sync_ = true;
   std::vector<std::pair<int64_t, int64_t>> ranges_;
   std::vector<Bucket> buckets_;
+  std::vector<bool> ready_;  // per unit: its gradients are final this step
   double first_launch_ = -1, exposed_us_ = 0, span_us_ = 0;
 };
 

@@ -20,6 +20,7 @@
 #define TS_03_ZERO_CU
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "checkpoint.h"
 #include "comm.h"
@@ -71,6 +72,8 @@ class Zero {
     if (stage_ >= 2) {
       m.before_backward.add([this](int u) { new_unit_grads(u); });
       m.unit_grads_ready.add([this](int u) { reduce_scatter_unit(u); });
+    } else {
+      m.unit_grads_ready.add([this](int u) { reduce_scatter_final(u); });
     }
   }
 
@@ -96,16 +99,31 @@ class Zero {
     if (stage_ >= 2) ts::zero(grad_shard_);
     else ts::zero(m_.grads);
   }
-  void begin_microbatch() { use_pos_ = 0; }
+  // `last`: the step's last micro-batch, whose backward makes each unit's accumulated gradients
+  // final: stage 1 then reduce-scatters each unit as soon as it is (set_last alone: under a
+  // pipeline, before each of the stage's actions).
+  void begin_microbatch(bool last = false) {
+    use_pos_ = 0;
+    set_last(last);
+  }
+  void set_last(bool last) { last_ = last; }
 
-  // After the micro-batch's backward: stage 1 reduce-scatters now (only after the last
-  // micro-batch: the full gradient buffer accumulates them), stages 2/3 finish the last unit.
+  // After the micro-batch's backward: stage 1, after the last, waits for its units' reduce-
+  // scatters (and sends those no backward launched: the accumulated buffer is final now);
+  // stages 2/3 finish the last unit.
   void end_microbatch(bool last) {
     if (stage_ >= 2) {
       finish_pending();
     } else if (last) {
-      TraceScope t("reduce_scatter gradients", Lane::Comm);
-      for (int u = 0; u < units(); u++) dp_.reduce_scatter(grads(u), unit_view(m_.grads, u));
+      TraceScope t("reduce_scatter gradients (what is still in flight)", Lane::Comm);
+      last_ = true;
+      for (int u = 0; u < units(); u++) reduce_scatter_final(u);
+      for (auto& [u, w] : final_) {
+        w.first.wait();
+        Trace::get().add("reduce_scatter unit " + std::to_string(u), Lane::Comm2, w.second, Trace::get().now_us() - w.second);
+      }
+      final_.clear();
+      last_ = false;
     }
   }
 
@@ -159,6 +177,12 @@ class Zero {
 
  private:
   Tensor unit_view(const Tensor& flat, int u) const { return flat.view(m_.table.unit_begin[u], {sh_.unit_size(u)}); }
+
+  // ---- stage 1: each unit's accumulated gradients, reduce-scattered once final ---------------
+  void reduce_scatter_final(int u) {
+    if (!last_ || final_.count(u)) return;
+    final_.emplace(u, std::make_pair(dp_.reduce_scatter_async(grads(u), unit_view(m_.grads, u)), Trace::get().now_us()));
+  }
 
   // ---- stages 2 and 3: per-unit gradient buffers, reduce-scattered as soon as complete -------
   struct PendingGrad {
@@ -245,6 +269,8 @@ class Zero {
   std::vector<Gathered> gathered_;
   int use_pos_ = 0;
   bool forward_only_ = false;  // evaluate() is running
+  bool last_ = false;          // stage 1: the step's last micro-batch is running
+  std::map<int, std::pair<Work, double>> final_;  // stage 1: unit -> its reduce-scatter, launch time
 };
 
 // ----- predict: memory and communication per rank (notes/03 derives each line) ---------------------
@@ -252,7 +278,8 @@ class Zero {
 struct ZeroPlan {
   int stage, n, micro_batches;
   bool prefetch;
-  ParamTable table;  // padded per unit to a multiple of n
+  ParamTable table;        // padded per unit to a multiple of n
+  bool pipelined = false;  // under a pipeline (08): micro-batches' backwards interleave
 };
 
 inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
@@ -260,11 +287,15 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
   const double master = rc.dtype != DType::F32 && rc.master_weights ? 4.0 : 0.0;
   const int U = p.table.num_units();
   auto unit = [&](int u) { return double(p.table.unit_begin[u + 1] - p.table.unit_begin[u]); };
-  double pair = 0, largest = 0;  // the largest two consecutive units, and the largest unit
+  // The two unit buffers live at once: consecutive units in one backward; under a pipeline any
+  // two the stage holds (a chunk's last unit is in flight while the next action's first runs).
+  double pair = 0, largest = 0, second = 0;
   for (int u = 0; u < U; u++) {
-    largest = std::max(largest, unit(u));
+    if (unit(u) > largest) second = largest, largest = unit(u);
+    else second = std::max(second, unit(u));
     if (u + 1 < U) pair = std::max(pair, unit(u) + unit(u + 1));
   }
+  if (p.pipelined) pair = largest + second;
   MemoryPrediction m;
   m.optimizer = (8.0 + master) * S;                               // Adam m, v (+ master): 12Ψ/N_d in bf16
   m.staging = 12.0 * S;  // --async-save stages the shard it writes: fp32 weights, m and v
@@ -364,7 +395,7 @@ static StepResult train_step(Model& model, Zero& zero, const TokenData& data, co
   const bool show = show_step_memory(model, log, rc, step);
   zero.begin_step();
   for (int s0 = 0; s0 < local; s0 += mb) {
-    zero.begin_microbatch();
+    zero.begin_microbatch(s0 + mb == local);
     MicroBatch b = make_microbatch(data, step, rc.batch, T, first_seq + s0, mb, model.dev);
     model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
     zero.end_microbatch(s0 + mb == local);

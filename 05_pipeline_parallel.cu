@@ -1,8 +1,8 @@
 // 05_pipeline_parallel.cu — pipeline parallelism: AFAB (GPipe), 1F1B, interleaved 1F1B and ZB-H1.
 //
 // The playbook's pipeline chapter, runnable. The decoder layers are cut into p·V contiguous
-// virtual stages of L/(p·V) layers; virtual stage k = c·p + s is chunk c of rank s (Megatron's
-// round-robin assignment: with V = 1 rank s holds one contiguous run). The embedding goes with
+// virtual stages (L/(p·V) layers each, or an uneven split); virtual stage k = c·p + s is chunk c
+// of rank s (Megatron's round-robin assignment: with V = 1 rank s holds one contiguous run). The embedding goes with
 // virtual stage 0 (rank 0), the final norm, LM head and loss with virtual stage p·V − 1 (rank
 // p − 1). The m = batch/micro-batch micro-batches of a step flow through the stages:
 //   afab         all forwards, then all backwards (GPipe, Huang et al. 2019);
@@ -15,15 +15,18 @@
 // A schedule is data: build_plan() turns (p, m, V, schedule) into one list of actions per rank
 // (F, B, W, send, recv); the executor runs the list; --schedule-chart prints its timeline.
 //
-// pp must divide the layers (the default shape, tiny, has 2), and m = batch / micro-batch should
-// be several times pp for a small bubble ((p − 1)/m):
+// Each virtual stage holds L/(p·V) layers when that divides, else the stages at the ends one
+// fewer (balanced_split), or what --stage-layers a,b,… says; m = batch / micro-batch should be
+// several times pp for a small bubble ((p − 1)/m):
 //   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --layers 4 --schedule 1f1b --batch 16 --micro-batch 2
 //   ./build/05_pipeline_parallel --dry-run --pp 4 --layers 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
 #ifndef TS_05_PIPELINE_PARALLEL_CU
 #define TS_05_PIPELINE_PARALLEL_CU
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
+#include <numeric>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -71,21 +74,81 @@ struct Timed {
   int start, dur;
 };
 
-// The whole schedule: per rank the compute actions with their simulated slots (unit costs F = 1,
-// B = 2, or B = 1 and W = 1 when split) and the full list with the p2p actions in place.
+// The whole schedule: per rank the compute actions with their simulated slots and the full list
+// with the p2p actions in place. A virtual stage of n layers costs F = n, B = 2n (or B = n and
+// W = n when split) in units of the smallest stage's layer count's divisor (1 each when even).
 struct Plan {
   int p = 1, m = 1, V = 1;
   Schedule schedule = Schedule::OneFOneB;
+  std::vector<int> layers;  // per virtual stage k: its decoder layers (the split)
   std::vector<std::vector<Timed>> timeline;
   std::vector<std::vector<Action>> actions;
   int makespan = 0;
   bool complete = false;  // the simulation ran every action (false: the order deadlocks)
   int K() const { return p * V; }
   int stage(int rank, int chunk) const { return chunk * p + rank; }
-  int busy() const { return m * V * 3; }  // every rank's compute slots
-  // Idle slots over compute slots, the playbook's t_bubble / t_ideal.
-  double bubble() const { return double(makespan - busy()) / busy(); }
+  // A rank's compute slots; the busiest rank's set the pace of the pipeline.
+  int busy(int rank) const {
+    int b = 0;
+    for (const Timed& t : timeline[size_t(rank)]) b += t.dur;
+    return b;
+  }
+  int busiest() const {
+    int b = 1;
+    for (int r = 0; r < p; r++) b = std::max(b, busy(r));
+    return b;
+  }
+  // Idle slots over the busiest rank's compute slots, the playbook's t_bubble / t_ideal.
+  double bubble() const { return double(makespan - busiest()) / busiest(); }
+  // The layers rank s holds, and the busiest rank's share of L/p (1 when the split is even).
+  double busiest_share() const {
+    int most = 0, all = 0;
+    for (int s = 0; s < p; s++) {
+      int n = 0;
+      for (int c = 0; c < V; c++) n += layers[size_t(stage(s, c))];
+      most = std::max(most, n), all += n;
+    }
+    return double(most) * p / std::max(1, all);
+  }
 };
+
+// ----- the stage split ----------------------------------------------------------------------------
+
+// Even when p·V divides L; else the stages at the ends get one layer fewer each, the last first
+// (it also runs the head and its vocabulary-wide loss), then the first (the embedding and, under
+// 1F1B, the most micro-batches in flight), then inwards: 126 layers on 16 stages are 7, 8 × 14, 7
+// (Llama 3 405B's pipeline, Megatron's --decoder-first/last-pipeline-num-layers).
+inline std::vector<int> balanced_split(int L, int K) {
+  const int n = (L + K - 1) / K;
+  std::vector<int> s(size_t(K), n);
+  for (int d = K * n - L, i = 0; d > 0; d--, i++) s[size_t(i % 2 ? i / 2 : K - 1 - i / 2)]--;
+  return s;
+}
+// --stage-layers a,b,…: one count per virtual stage (k = c·p + s), each >= 1, summing to L.
+inline std::vector<int> parse_split(const std::string& text, int L, int K) {
+  std::vector<int> s;
+  size_t at = 0;
+  while (at <= text.size()) {
+    const size_t comma = std::min(text.find(',', at), text.size());
+    const std::string item = text.substr(at, comma - at);
+    char* end = nullptr;
+    const long v = std::strtol(item.c_str(), &end, 10);
+    if (item.empty() || *end || v < 1 || v > L)
+      config_error("--stage-layers '%s': '%s' is not a layer count from 1 to %d", text.c_str(), item.c_str(), L);
+    s.push_back(int(v));
+    at = comma + 1;
+  }
+  int sum = 0;
+  for (int v : s) sum += v;
+  if (int(s.size()) != K || sum != L)
+    config_error("--stage-layers '%s' gives %zu stages of %d layers in all; this run has pp × virtual stages = %d "
+                 "stages and --layers %d", text.c_str(), s.size(), sum, K, L);
+  return s;
+}
+// The split a run uses: --stage-layers when given, else balanced_split.
+inline std::vector<int> stage_split(const std::string& text, int L, int K) {
+  return text.empty() ? balanced_split(L, K) : parse_split(text, L, K);
+}
 
 // The playbook's bubble formulas: (p − 1)/m, (p − 1)/(V·m), and ZB-H1's (p − 1)/(3m).
 inline double bubble_formula(Schedule s, int p, int m, int V) {
@@ -129,19 +192,23 @@ inline std::vector<Action> one_f_one_b_order(int p, int m, int V, int s) {
 // (F done, W not: 1F1B's bound), else the oldest pending W (it fills what would be a bubble).
 class Simulator {
  public:
-  Simulator(int p, int m, int V, bool split) : p_(p), m_(m), V_(V), split_(split) {
+  Simulator(int p, int m, int V, bool split, std::vector<int> layers) : p_(p), m_(m), V_(V), split_(split) {
     fF_.assign(size_t(m * p * V), -1);
     fB_ = fF_;
+    int g = 0;
+    for (int n : layers) g = std::gcd(g, n);
+    for (int n : layers) w_.push_back(n / std::max(1, g));
   }
   Plan run(Schedule sched) {
     Plan pl;
     pl.p = p_, pl.m = m_, pl.V = V_, pl.schedule = sched;
+    const int heaviest = *std::max_element(w_.begin(), w_.end());
     pl.timeline.resize(size_t(p_));
     std::vector<std::vector<Action>> order{size_t(p_)};
     for (int s = 0; s < p_; s++) order[s] = sched == Schedule::AFAB ? afab_order(m_) : one_f_one_b_order(p_, m_, V_, s);
     std::vector<int> free_at(size_t(p_), 0), next(size_t(p_), 0), nF(size_t(p_), 0), nB(size_t(p_), 0), nW(size_t(p_), 0);
     const int need = m_ * V_ * (split_ ? 3 : 2);
-    const int limit = 4 * (3 * m_ * V_ + 3 * p_) + 8;
+    const int limit = heaviest * (4 * (3 * m_ * V_ + 3 * p_) + 8);
     int done = 0;
     for (int t = 0; t < limit && done < need * p_; t++)
       for (int s = 0; s < p_; s++) {
@@ -156,8 +223,8 @@ class Simulator {
           a = {Op::W, nW[s]++, 0};
         }
         if (a.mb < 0) continue;
-        const int dur = a.op == Op::B && !split_ ? 2 : 1;
         const int k = a.chunk * p_ + s;
+        const int dur = w_[size_t(k)] * (a.op == Op::B && !split_ ? 2 : 1);
         if (a.op == Op::F) fF_[idx(a.mb, k)] = t + dur;
         if (a.op == Op::B) fB_[idx(a.mb, k)] = t + dur;
         pl.timeline[s].push_back({a, t, dur});
@@ -180,6 +247,7 @@ class Simulator {
   }
   int p_, m_, V_;
   bool split_;
+  std::vector<int> w_;        // per virtual stage: its cost in slots (layers over their gcd)
   std::vector<int> fF_, fB_;  // finish slot of F / B per (micro-batch, virtual stage); -1 not yet
 };
 
@@ -273,9 +341,19 @@ inline bool completes_under_rendezvous(const Plan& pl) {
   return true;
 }
 
-// The one function that makes a schedule: (p, m, V, schedule) -> per-rank action lists.
-inline Plan build_plan(int p, int m, int V, Schedule sched) {
-  Plan pl = Simulator(p, m, V, sched == Schedule::ZBH1).run(sched);
+// "3,2": the split as --stage-layers takes it.
+inline std::string split_text(const std::vector<int>& split) {
+  std::string t;
+  for (int n : split) t += (t.empty() ? "" : ",") + std::to_string(n);
+  return t;
+}
+
+// The one function that makes a schedule: (p, m, V, schedule, split) -> per-rank action lists.
+// `layers`: the decoder layers of each virtual stage (empty: p·V equal stages of one slot each).
+inline Plan build_plan(int p, int m, int V, Schedule sched, std::vector<int> layers = {}) {
+  if (layers.empty()) layers.assign(size_t(p * V), 1);
+  Plan pl = Simulator(p, m, V, sched == Schedule::ZBH1, layers).run(sched);
+  pl.layers = std::move(layers);
   add_p2p(pl);
   return pl;
 }
@@ -300,16 +378,26 @@ inline std::vector<std::string> schedule_chart(const Plan& pl) {
 
 // ----- the stage layout ---------------------------------------------------------------------------
 
-// Virtual stage k holds layers [k·n, (k+1)·n), n = L/(p·V), i.e. units 1 + k·n .. (k+1)·n; the
-// first also the embedding (unit 0), the last also the head (unit L+1).
-inline std::pair<int, int> stage_units(int layers, int K, int k) {
-  const int n = layers / K;
-  return {k == 0 ? 0 : 1 + k * n, k == K - 1 ? layers + 2 : 1 + (k + 1) * n};
+// Virtual stage k holds the layers after those of stages 0..k−1, i.e. units 1 + first ..
+// first + n_k; the first also the embedding (unit 0), the last also the head (unit L+1).
+inline std::pair<int, int> stage_units(const std::vector<int>& split, int k) {
+  int first = 0, L = 0;
+  for (int j = 0; j < int(split.size()); j++) (j < k ? first : L) += split[size_t(j)];
+  L += first;
+  const int K = int(split.size());
+  return {k == 0 ? 0 : 1 + first, k == K - 1 ? L + 2 : 1 + first + split[size_t(k)]};
 }
-inline ShardSpec shard_spec(const ModelConfig& c, int p, int V, int rank) {
+inline ShardSpec shard_spec(const std::vector<int>& split, int p, int V, int rank) {
   ShardSpec s;
-  for (int ch = 0; ch < V; ch++) s.unit_runs.push_back(stage_units(c.layers, p * V, ch * p + rank));
+  for (int ch = 0; ch < V; ch++) s.unit_runs.push_back(stage_units(split, ch * p + rank));
   return s;
+}
+inline ShardSpec shard_spec(const Plan& pl, int rank) { return shard_spec(pl.layers, pl.p, pl.V, rank); }
+// The decoder layers rank `rank` holds over its V chunks.
+inline int rank_layers(const std::vector<int>& split, int p, int rank) {
+  int n = 0;
+  for (size_t k = size_t(rank); k < split.size(); k += size_t(p)) n += split[k];
+  return n;
 }
 
 inline void validate(const RunConfig& rc, int p, int V, Schedule sched) {
@@ -317,9 +405,8 @@ inline void validate(const RunConfig& rc, int p, int V, Schedule sched) {
   if (V < 1) config_error("--virtual-stages must be >= 1 (got %d)", V);
   if (V > 1 && sched != Schedule::Interleaved)
     config_error("--virtual-stages %d needs --schedule interleaved (got %s)", V, schedule_name(sched));
-  if (rc.model.layers % (p * V))
-    config_error("--layers %d is not divisible by --pp %d × --virtual-stages %d (every virtual stage holds L/(pp·V) "
-                 "layers; the embedding goes with the first, the head with the last)",
+  if (rc.model.layers < p * V)
+    config_error("--layers %d is fewer than --pp %d × --virtual-stages %d: every virtual stage holds at least one layer",
                  rc.model.layers, p, V);
   const int m = rc.batch / rc.micro_batch;
   if (sched == Schedule::Interleaved && m % p)
@@ -344,20 +431,21 @@ inline double deferred_b_peak_per_token(const ModelConfig& c, DType dt) {
   return std::max((D + 2 * F) * e, (2 * D + 2 * KV) * e - 4);
 }
 
-// Peak saved activations of a rank, by replaying its compute list: a micro-batch chunk holds n
-// layers' saved sets from its F to its B (and n deferred sets from its B to its W). The peak is
+// Peak saved activations of a rank, by replaying its compute list: a micro-batch chunk holds its
+// n layers' saved sets from its F to its B (and n deferred sets from its B to its W). The peak is
 // at one of: the F of a chunk's last layer ((n − 1) saved + a complete set + the output), the
 // head (n saved + the head's tensors), or, when B defers, inside a layer's B.
 // tp, sp: the stage's layers are tensor-parallel (on a larger mesh; the ZB-H1 terms are derived
 // for tp 1).
 inline double predict_stage_activations(const Plan& pl, int rank, const ModelConfig& c, int64_t b, DType dt, Recompute rc,
                                         int tp = 1, bool sp = false) {
-  const double tokens = double(b) * c.seq, n = c.layers / pl.K(), e = dtype_size(dt) * (sp ? 1.0 / tp : 1.0);
+  const double tokens = double(b) * c.seq, e = dtype_size(dt) * (sp ? 1.0 / tp : 1.0);
   const double S = layer_activation_bytes(c, dt, rc, tp, sp), all = layer_activation_bytes(c, dt, Recompute::None, tp, sp);
   const double Wd = deferred_bytes_per_token(c, dt), X = deferred_b_peak_per_token(c, dt);
   double peak = 0, held = 0;  // bytes per token held by chunks in flight
   for (const Timed& t : pl.timeline[rank]) {
     const bool last = pl.stage(rank, t.a.chunk) == pl.K() - 1;
+    const double n = pl.layers[size_t(pl.stage(rank, t.a.chunk))];
     if (t.a.op == Op::F) {
       peak = std::max(peak, held + (n - 1) * S + all + c.dim * e);
       if (last) peak = std::max(peak, held + n * S + head_activation_bytes(c, dt, tp, sp));
@@ -391,11 +479,14 @@ inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int 
 // p2p calls per step: an activation and a gradient per micro-batch and chunk.
 inline double p2p_calls(double micro_batches, int V) { return 2 * micro_batches * V; }
 
-// The pipeline's terms: its simulated bubble idles the stage's compute and its tp collectives
-// alike (t_compute and t_tp set before); the busiest stage's sends (a middle one) wait on the
-// critical path. token_share as predict_send_bytes takes it.
+// The pipeline's terms: the busiest rank's layers set the pace (t_compute and t_tp, set before
+// for L/p layers, scaled by its share: 1 when even); the simulated bubble idles its compute and
+// its tp collectives alike; the busiest stage's sends (a middle one) wait on the critical path.
+// token_share as predict_send_bytes takes it.
 inline void price_pipeline(StepTerms& s, const Network& net, const RunConfig& rc, const Plan& pl, double token_share,
                            double micro_batches, int nodes) {
+  s.t_compute *= pl.busiest_share();
+  s.t_tp *= pl.busiest_share();
   s.bubble = pl.bubble();
   s.t_bubble = s.bubble * (s.t_compute + s.t_tp);
   double send = 0;
@@ -414,7 +505,7 @@ inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, const Plan
 }
 
 inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& pl, int rank) {
-  const int64_t psi = local_param_count(Model::make_table(rc.model, 1, shard_spec(rc.model, pl.p, pl.V, rank)));
+  const int64_t psi = local_param_count(Model::make_table(rc.model, 1, shard_spec(pl, rank)));
   MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);
   p.activations = predict_stage_activations(pl, rank, rc.model, rc.micro_batch, rc.dtype, rc.recompute);
   return p;
@@ -422,10 +513,9 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& pl, int 
 
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool chart) {
   print_model(log, rc.model);
-  const int n = rc.model.layers / pl.K();
-  log.line("pp %d, schedule %s, %d virtual stage%s per rank of %d layer%s; m = %d micro-batch%s of %d", pl.p,
-           schedule_name(pl.schedule), pl.V, pl.V > 1 ? "s" : "", n, n > 1 ? "s" : "", pl.m, pl.m > 1 ? "es" : "",
-           rc.micro_batch);
+  log.line("pp %d, schedule %s, %d virtual stage%s per rank, layers per virtual stage %s; m = %d micro-batch%s of %d",
+           pl.p, schedule_name(pl.schedule), pl.V, pl.V > 1 ? "s" : "", split_text(pl.layers).c_str(), pl.m,
+           pl.m > 1 ? "es" : "", rc.micro_batch);
   for (int s = 0; s < pl.p; s++) {
     const MemoryPrediction mp = predict_memory(rc, pl, s);
     log.line("  stage %d: params %s, grads %s, optimizer %s, activations %s; p2p sent per step %s", s,
@@ -463,6 +553,10 @@ class Pipeline {
   // Where micro-batch mb of a step comes from on a larger mesh (this dp rank's sequences, this
   // cp rank's tokens and positions); by default the global batch's sequences [mb·b, (mb+1)·b).
   std::function<ForwardState(const TokenData& data, long step, int mb)> begin_microbatch;
+  // Called before each compute action: a data-parallel reducer on a larger mesh turns its sync
+  // on for the last micro-batch, so each bucket leaves as soon as that micro-batch's backward
+  // has finished its units, during the cooldown, not after the flush.
+  std::function<void(const Action& a)> before_compute;
 
   // Runs this rank's action list for one step. The last stage's head adds the token losses to
   // the model's tally (take_loss); the other stages add none.
@@ -479,6 +573,7 @@ class Pipeline {
         continue;
       }
       flush(group);
+      if (before_compute) before_compute(a);
       const double c0 = Trace::get().now_us();
       compute(a, data, rc, step);
       busy_us_ += Trace::get().now_us() - c0;
@@ -505,7 +600,7 @@ class Pipeline {
 
   void compute(const Action& a, const TokenData& data, const RunConfig& rc, long step) {
     const int k = pl_.stage(rank_, a.chunk), L = m_.cfg.layers, T = rc.model.seq, b = rc.micro_batch;
-    const auto [ub, ue] = stage_units(L, K(), k);
+    const auto [ub, ue] = stage_units(pl_.layers, k);
     if (!st_.count(a.mb)) {
       if (begin_microbatch) {
         st_.emplace(a.mb, begin_microbatch(data, step, a.mb));
@@ -667,12 +762,13 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
 }
 
 // --schedule, checked, and the action lists of every rank for this run's m micro-batches.
-static pp::Plan make_plan(const RunConfig& rc, int p, int V, const std::string& sched_name) {
+static pp::Plan make_plan(const RunConfig& rc, int p, int V, const std::string& sched_name, const std::string& split) {
   pp::Schedule sched;
   if (!pp::parse_schedule(sched_name, sched))
     config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched_name.c_str());
   pp::validate(rc, p, V, sched);
-  const pp::Plan plan = pp::build_plan(p, rc.batch / rc.micro_batch, V, sched);
+  const pp::Plan plan =
+      pp::build_plan(p, rc.batch / rc.micro_batch, V, sched, pp::stage_split(split, rc.model.layers, p * V));
   TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks", pp::schedule_name(sched), p, plan.m, V);
   return plan;
 }
@@ -702,7 +798,7 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
 
 int main(int argc, char** argv) {
   int p = 1, V = 1;
-  std::string sched_name;
+  std::string sched_name, split;
   bool chart = false;
   Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
@@ -710,11 +806,12 @@ int main(int argc, char** argv) {
     p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
     sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
     V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
+    split = args.get_str("--stage-layers", "", "layers per virtual stage a,b,… (default: even, or the ends lighter)");
     chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
   });
   RunConfig& rc = prog.rc;
   RunLog& log = prog.log();
-  const pp::Plan plan = make_plan(rc, p, V, sched_name);
+  const pp::Plan plan = make_plan(rc, p, V, sched_name, split);
   if (prog.dry_run([&] { pp::print_plan(log, rc, plan, chart); })) return 0;
   prog.open();  // validates world == pp before any collective
   Mesh& mesh = prog.mesh;
@@ -722,7 +819,7 @@ int main(int argc, char** argv) {
   check_memory_fits(pp::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 
   ModelLayout layout;
-  layout.shard = pp::shard_spec(rc.model, p, V, mesh.pp_rank);
+  layout.shard = pp::shard_spec(plan, mesh.pp_rank);
   Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
   fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   AdamW opt(model, 0, model.table.total, rc.master_weights);

@@ -50,7 +50,17 @@ struct Plan {
   cp::Options cp{cp::Mode::Ring, true};
   pp::Schedule schedule = pp::Schedule::OneFOneB;
   int virtual_stages = 1;
+  std::string stage_layers;  // --stage-layers a,b,… ("": pp::balanced_split)
 };
+
+// The layers of each virtual stage (05's split: even, the ends lighter, or --stage-layers).
+inline std::vector<int> stage_split(const RunConfig& rc, const Plan& p) {
+  return pp::stage_split(p.stage_layers, rc.model.layers, p.mesh.pp * p.virtual_stages);
+}
+// The decoder layers of the stage at pp_rank.
+inline int stage_layers(const RunConfig& rc, const Plan& p, int pp_rank) {
+  return pp::rank_layers(stage_split(rc, p), p.mesh.pp, pp_rank);
+}
 
 // Every check of the pieces, before any collective; the unsupported combinations name why.
 // What one cp rank holds of each sequence: the model at seq/cp tokens (what 04's and 06's
@@ -98,14 +108,19 @@ inline void validate(const RunConfig& rc, const Plan& p) {
     RunConfig per_dp = rc;
     per_dp.batch = rc.batch / p.mesh.dp;  // the pipeline's micro-batches are this dp rank's
     pp::validate(per_dp, p.mesh.pp, p.virtual_stages, p.schedule);
-    if (p.zero >= 2)
-      config_error("--zero %d with --pp %d: ZeRO-2/3 shard gradients or weights per micro-batch, which a pipeline "
-                   "re-reads every micro-batch (the playbook: rarely worth it); use --zero 0 or 1",
-                   p.zero, p.mesh.pp);
+    stage_split(rc, p);  // a bad --stage-layers is a config error here, before any collective
+    if (p.zero == 3)
+      config_error("--zero 3 with --pp %d is not composed: ZeRO-3 gathers each unit in one micro-batch's forward-then-"
+                   "backward order, and a pipeline interleaves micro-batches, so every F and B would gather its "
+                   "stage's weights again (2·m gathers a step); use --zero 1 or 2", p.mesh.pp);
+    if (p.zero == 2 && p.schedule == pp::Schedule::ZBH1)
+      config_error("--zero 2 with --schedule zb-h1 is not composed: ZeRO-2 holds one unit's gradient buffer at a time, "
+                   "and ZB-H1 writes a unit's gradients in its B and again in its later W, after other units' B");
     if (p.schedule == pp::Schedule::ZBH1 && p.mesh.tp > 1)
       config_error("--schedule zb-h1 with --tp %d is not composed: its deferred-gradient memory is derived for tp 1",
                    p.mesh.tp);
   }
+  if (p.mesh.pp == 1 && !p.stage_layers.empty()) config_error("--stage-layers needs --pp > 1");
   if (p.dp_mode != "naive" && p.dp_mode != "bucketed")
     config_error("--dp-mode must be naive or bucketed (got '%s')", p.dp_mode.c_str());
   if (p.zero > 0 && p.dp_mode != "bucketed") config_error("--dp-mode applies to plain data parallelism (--zero 0) only");
@@ -114,7 +129,7 @@ inline void validate(const RunConfig& rc, const Plan& p) {
 // This rank's shard: its tp blocks of its pipeline stage's units, and of the experts its ep rank's.
 inline ShardSpec shard_spec(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank, int ep_rank) {
   ShardSpec s = tp::shard_spec(p.mesh.tp, tp_rank);
-  if (p.mesh.pp > 1) s.unit_runs = pp::shard_spec(rc.model, p.mesh.pp, p.virtual_stages, pp_rank).unit_runs;
+  if (p.mesh.pp > 1) s.unit_runs = pp::shard_spec(stage_split(rc, p), p.mesh.pp, p.virtual_stages, pp_rank).unit_runs;
   const ShardSpec e = ep::shard_spec(p.mesh.ep, ep_rank);
   s.ep = e.ep;
   s.ep_rank = e.ep_rank;
@@ -129,7 +144,7 @@ inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank, i
 
 // The pipeline's action lists over this dp rank's micro-batches.
 inline pp::Plan pipeline_plan(const RunConfig& rc, const Plan& p) {
-  return pp::build_plan(p.mesh.pp, rc.batch / p.mesh.dp / rc.micro_batch, p.virtual_stages, p.schedule);
+  return pp::build_plan(p.mesh.pp, rc.batch / p.mesh.dp / rc.micro_batch, p.virtual_stages, p.schedule, stage_split(rc, p));
 }
 // The part of a micro-batch's tokens one rank's residual stream holds (what travels between stages).
 inline double token_share(const Plan& p) { return 1.0 / p.mesh.cp / (p.sp ? p.mesh.tp : 1); }
@@ -148,7 +163,7 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int p
     const int64_t psi = local_param_count(t);
     m = predict_states(psi, psi, rc.dtype, rc.master_weights);
   } else {
-    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t});
+    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t, p.mesh.pp > 1});
   }
   const ModelConfig local = cp::local_model(rc.model, p.mesh.cp);
   if (p.mesh.pp > 1)
@@ -174,7 +189,7 @@ inline std::string dense_group_name(const Plan& p) { return p.mesh.cp > 1 ? "dp_
 inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p,
                                                                          int pp_rank = 0) {
   const double mbs = micro_batches_per_rank(rc, p);
-  const int P = p.mesh.pp, layers = rc.model.layers / P;
+  const int P = p.mesh.pp, layers = stage_layers(rc, p, pp_rank);
   const bool first = pp_rank == 0, last = pp_rank == P - 1;
   std::map<std::string, std::map<std::string, double>> c;
   if (p.mesh.tp > 1)
@@ -225,9 +240,9 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
     for (auto& [op, b] : ops) log.line("per-rank %s %s per step: %s", group.c_str(), op.c_str(), human_bytes(b).c_str());
   if (p.mesh.pp > 1) {
     const pp::Plan pl = pipeline_plan(rc, p);
-    log.line("pipeline: %s, %d virtual stage(s) per rank, m = %d; bubble simulated %.4f, formula %.4f%s",
-             pp::schedule_name(pl.schedule), pl.V, pl.m, pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V),
-             p.zero == 0 && dense_group_size(p) > 1 ? "; dense gradients reduced after the flush, per tensor" : "");
+    log.line("pipeline: %s, %d virtual stage(s) per rank of %s layers, m = %d; bubble simulated %.4f, formula %.4f%s",
+             pp::schedule_name(pl.schedule), pl.V, pp::split_text(pl.layers).c_str(), pl.m, pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V),
+             p.zero == 0 && dense_group_size(p) > 1 && p.dp_mode == "bucketed" ? "; dense gradients reduced in buckets as the last micro-batch's backward completes them" : "");
   }
 }
 
@@ -253,15 +268,22 @@ class Composed {
         const MicroBatch b = local_microbatch(data, step, mb);
         return model_.begin_microbatch(b.inputs, b.targets, rc_.micro_batch, pos_);
       };
+      // 02's buckets under a pipeline: only the last micro-batch's backward completes a unit's
+      // gradients, so its actions (the head's F, each chunk's B and W) launch the buckets.
+      pipe_->before_compute = [this](const pp::Action& a) { set_last(a.mb == plan_.m - 1); };
     }
-    // Sequence-parallel norm gradients are partial over tp: reduced before ZeRO-2/3 scatters the
-    // unit (a subscriber added first runs first), else once per step in finish_backward.
-    if (p.sp && p.zero >= 2) model_.unit_grads_ready.add([this](int u) { tp::reduce_norm_grads(model_, mesh_.tp(), u); });
+    // Sequence-parallel norm gradients are partial over tp: reduced before ZeRO scatters the unit
+    // (a subscriber added first runs first): every micro-batch's under ZeRO-2/3, the accumulated
+    // ones under ZeRO-1 (its last micro-batch); plain DP reduces them after the dp all-reduce.
+    if (p.sp && p.zero >= 1)
+      model_.unit_grads_ready.add([this](int u) {
+        if (p_.zero >= 2 || last_) tp::reduce_norm_grads(model_, mesh_.tp(), u);
+      });
     if (p.zero == 0) {
       opt_ = std::make_unique<AdamW>(model_, 0, model_.table.total, rc.master_weights);
-      // Under a pipeline a stage's micro-batch backwards interleave: its gradients are reduced
-      // after the flush, tensor by tensor (02's naive mode).
-      const bool bucketed = p.dp_mode == "bucketed" && p.mesh.pp == 1;
+      // Under a pipeline too: the buckets leave during the last micro-batch's backward
+      // (before_compute above), the stage's cooldown.
+      const bool bucketed = p.dp_mode == "bucketed";
       if (p.mesh.ep > 1) {  // 07's split: dense ranges over the dense group, each held expert over ep_dp
         std::vector<std::pair<int64_t, int64_t>> dense_r, expert_r;
         ep::split_ranges(model_.table, dense_r, expert_r);
@@ -308,24 +330,16 @@ class Composed {
     const int T = rc_.model.seq, mb = rc_.micro_batch, n = rc_.batch / p_.mesh.dp / mb;
     if (zero_) zero_->begin_step();
     else ts::zero(model_.grads);
-    if (pipe_) {  // the stage's schedule runs every micro-batch; gradients are reduced after the flush
+    if (pipe_) {  // the stage's schedule runs every micro-batch; the reductions leave in its cooldown
       pipe_->run_step(data, rc_, step);
-      if (zero_) {
-        if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());
-        zero_->end_microbatch(true);
-      }
+      if (zero_) zero_->end_microbatch(true);  // what is still in flight
     } else {
       for (int i = 0; i < n; i++) {
-        const bool last = i + 1 == n;
         if (zero_) zero_->begin_microbatch();
-        else reducer_->set_sync(last);
-        if (experts_) experts_->set_sync(last);
+        set_last(i + 1 == n);
         const MicroBatch b = local_microbatch(data, step, i);
         model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
-        if (zero_) {
-          if (last && p_.sp && p_.zero == 1) tp::reduce_norm_grads(model_, mesh_.tp());  // before the scatter
-          zero_->end_microbatch(last);
-        }
+        if (zero_) zero_->end_microbatch(i + 1 == n);
       }
     }
     // tp blocks, pipeline stages and ep ranks (their experts) hold different parameters: the norm
@@ -337,7 +351,7 @@ class Composed {
       norm = zero_->grad_norm(shards);
       zero_->optimizer_step(rc_, step, norm);
     } else {
-      reducer_->finish();  // under a pipeline, naive mode: every tensor after the flush
+      reducer_->finish();  // what is still in flight (naive mode: every tensor now)
       if (experts_) experts_->finish();
       if (p_.sp) tp::reduce_norm_grads(model_, mesh_.tp());  // after the dp all-reduce has landed
       norm = global_grad_norm(model_.table, {{0, model_.grads}}, shards);
@@ -348,6 +362,15 @@ class Composed {
     StepResult r{global_mean_loss(model_.take_loss(), double(rc_.batch) * T, token_groups), norm};
     if (rc_.model.experts > 0) moe_step_report(model_, r, token_groups);
     return r;
+  }
+
+  // The step's last micro-batch runs: its backward makes each unit's gradients final, so 02's
+  // buckets and ZeRO-1's per-unit reduce-scatters leave as the units finish.
+  void set_last(bool last) {
+    last_ = last;
+    if (reducer_) reducer_->set_sync(last);
+    if (experts_) experts_->set_sync(last);
+    if (zero_) zero_->set_last(last);
   }
 
   // The groups this mesh communicates on (size > 1), for the comm report.
@@ -399,6 +422,7 @@ class Composed {
   std::unique_ptr<dp::GradReducer> experts_;  // --ep: the expert ranges over ep_dp
   ep::ExpertParallelMoe* moe_ = nullptr;      // --ep: the model's MoE block (the model owns it)
   std::unique_ptr<zero::Zero> zero_;
+  bool last_ = true;  // the step's last micro-batch is running (set_last)
 };
 
 }  // namespace mesh5d
@@ -422,6 +446,7 @@ struct Options {
   bool planning = false, mesh_given = false, show_mesh = false;
   mesh5d::Cluster cluster{nullptr, 0, 8, 8};
   mesh5d::PlanJob job;
+  mesh5d::Fixed fixed;  // --plan: what the flags fix (the rest is searched)
   Calibration calibration;
   std::string gpu;
   double gpu_mem = 0, batch_tokens = 0;
@@ -463,6 +488,7 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
   plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
   const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1");
   plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank");
+  plan.stage_layers = a.get_str("--stage-layers", "", "pp > 1: layers per virtual stage a,b,… (default: even, or the ends lighter)");
   if (!pp::parse_schedule(sched, plan.schedule))
     config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
 }
@@ -483,19 +509,31 @@ static void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
   if (o.batch_tokens > 0 || o.job.default_batch) rc.batch = int((o.job.default_batch ? mesh5d::kDefaultBatchTokens : o.batch_tokens) / rc.model.seq);
   if (rc.batch < 1) config_error("--global-batch-tokens %.0f is less than one sequence of %d", o.batch_tokens, rc.model.seq);
   if (!o.mesh_given) mc = MeshConfig{};  // the batch is split per candidate
+  mesh5d::Fixed& f = o.fixed;
+  auto given = [&](const char* flag, int v) { return a.has(flag) ? v : 0; };
+  f.dp = given("--dp", mc.dp), f.tp = given("--tp", mc.tp), f.pp = given("--pp", mc.pp), f.cp = given("--cp", mc.cp);
+  f.ep = given("--ep", mc.ep);
+  f.zero = a.has("--zero") ? o.plan.zero : -1;
+  f.micro_batch = given("--micro-batch", rc.micro_batch);
+  f.virtual_stages = given("--virtual-stages", o.plan.virtual_stages);
+  if (a.has("--schedule") && o.plan.schedule != pp::Schedule::Interleaved && !f.virtual_stages) f.virtual_stages = 1;
+  f.recompute = a.has("--recompute") ? int(rc.recompute) : -1;
 }
 
-// --plan: the mesh given (checked against the cluster), or every mesh, ranked.
+// --plan: every mesh within what the flags fix, ranked; a mesh given whole is checked against
+// the cluster and 02–07's rules first.
 static int plan_only(RunLog& log, const RunConfig& rc, Options& o) {
   mesh5d::Plan& plan = o.plan;
-  if (o.mesh_given) {
+  const mesh5d::Fixed& f = o.fixed;
+  if (f.dp && f.pp && f.cp && f.tp) {
     plan.sp = plan.sp || (plan.mesh.tp > 1 && rc.model.experts == 0);  // the MoE block is not composed with SP
     if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != o.cluster.gpus)
       config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
                    plan.mesh.tp, o.cluster.gpus);
     mesh5d::validate(rc, plan);
   }
-  return mesh5d::plan_only(log, rc, o.cluster, o.mesh_given ? &plan : nullptr, o.job);
+  o.fixed.base = plan;
+  return mesh5d::plan_only(log, rc, o.cluster, o.fixed, o.job);
 }
 
 // The loop's checkpoint and reports: every rank writes its shard at its global offsets; each
@@ -523,6 +561,12 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const mesh
       c[g->name()] = one.at(g->name());
     }
     return c;
+  };
+  // Plain DP: the share of the reduction's time that ran behind compute (02's measure).
+  loop.extra = [&](Json& s) {
+    if (plan.zero > 0 || mesh5d::dense_group_size(plan) == 1) return;
+    s["comm_hidden_fraction"] = run.hidden_fraction();
+    log.line("dense gradients' reduction hidden behind compute: %.1f%%", 100 * run.hidden_fraction());
   };
 }
 

@@ -118,47 +118,79 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
 
 // ----- the search -----------------------------------------------------------------------------------------
 
-// Every valid mesh of the cluster: tp dividing the heads and kv heads, cp (ring, zigzag)
-// dividing the sequence into 2·cp chunks, pp dividing the layers (1F1B, and interleaved with two
-// chunks per rank where it divides), dp the rest; each ZeRO stage (only 0 and 1 with pp), the
-// micro-batches that divide the batch, each recompute mode; sequence parallel with tp. With
-// experts: each ep dividing dp and the experts (ZeRO only at ep 1), no cp and no sequence
-// parallelism (validate says why).
-inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl) {
+// What the user fixed (0 or -1: open, searched): any of the mesh's axes, the ZeRO stage, the
+// micro-batch, the virtual stages, the recomputation, the stage split.
+struct Fixed {
+  int dp = 0, tp = 0, pp = 0, cp = 0, ep = 0, zero = -1, micro_batch = 0, virtual_stages = 0, recompute = -1;
+  Plan base;  // the other options as given (cp mode, schedule, buckets, --stage-layers)
+  bool mesh_fixed() const { return dp || tp || pp || cp || ep; }
+  // The values of one knob to search: the fixed one, or the powers of two up to `most`.
+  static std::vector<int> values(int fixed, int most) {
+    if (fixed > 0) return {fixed};
+    std::vector<int> v;
+    for (int x = 1; x <= most; x *= 2) v.push_back(x);
+    return v;
+  }
+  bool all_fixed() const { return dp && tp && pp && cp && zero >= 0 && micro_batch && virtual_stages && recompute >= 0; }
+};
+
+// The plan of one mesh with the given options: sequence parallel with tp (not with experts),
+// interleaved when V > 1, else the schedule given (1F1B by default).
+inline Plan make_plan(const Plan& base, const MeshConfig& mesh, int zero, int V, const ModelConfig& m) {
+  Plan p = base;
+  p.mesh = mesh;
+  p.zero = zero;
+  p.sp = mesh.tp > 1 && m.experts == 0;
+  p.virtual_stages = V;
+  if (V > 1) p.schedule = pp::Schedule::Interleaved;
+  else if (p.schedule == pp::Schedule::Interleaved) p.schedule = pp::Schedule::OneFOneB;
+  return p;
+}
+// What validate() refuses that the search would otherwise reach.
+inline bool composes(const Plan& p, const ModelConfig& m) {
+  const std::string& split = p.stage_layers;
+  if (!split.empty() && int(std::count(split.begin(), split.end(), ',')) + 1 != p.mesh.pp * p.virtual_stages) return false;
+  if (p.mesh.pp > 1 && p.schedule == pp::Schedule::ZBH1 && (p.zero >= 2 || p.mesh.tp > 1)) return false;
+  return m.layers >= p.mesh.pp * p.virtual_stages;
+}
+
+// Every valid mesh of the cluster (within what `f` fixes): tp dividing the heads and kv heads,
+// cp (ring, zigzag) dividing the sequence into 2·cp chunks, pp up to the layers (uneven stages
+// where it does not divide them: 05's balanced_split), 1F1B or interleaved with 2 or 4 chunks per
+// rank, dp the rest; each ZeRO stage (0–2 with pp), the micro-batches that divide the batch, each
+// recompute mode; sequence parallel with tp. With experts: each ep dividing dp and the experts
+// (ZeRO only at ep 1), no cp and no sequence parallelism (validate says why).
+inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl, const Fixed& f = {}) {
   std::vector<Candidate> all;
   const ModelConfig& m = rc.model;
-  for (int tp = 1; tp <= cl.gpus; tp *= 2)
-    for (int cpn = 1; cpn * tp <= cl.gpus && cpn <= 16; cpn *= 2)
-      for (int pp = 1; pp * cpn * tp <= cl.gpus && pp <= m.layers; pp *= 2) {
+  for (int tp : Fixed::values(f.tp, cl.gpus))
+    for (int cpn : Fixed::values(f.cp, std::min(16, cl.gpus / tp)))
+      for (int pp : Fixed::values(f.pp, std::min(m.layers, cl.gpus / (tp * cpn)))) {
         if (cl.gpus % (tp * cpn * pp) || m.heads % tp || m.kv_heads % tp || m.ffn % tp || m.vocab % tp) continue;
         // cp for long sequences only: below ~1k tokens per rank a ring's K/V transfer outlasts the
         // attention it hides behind (notes/06).
-        if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 1024)) continue;
+        if (m.seq % (2 * cpn) || (cpn > 1 && m.seq / cpn < 1024 && !f.cp)) continue;
         if (m.experts > 0 && cpn > 1) continue;
-        if (m.layers % pp) continue;
         const int dp = cl.gpus / (tp * cpn * pp);
-        if (rc.batch % dp) continue;
-        for (int V : {1, 2}) {
-          if (V > 1 && (pp == 1 || m.layers % (pp * V))) continue;
-          for (int zero = 0; zero <= (pp > 1 ? 1 : 3); zero++)
-            for (int mb = 1; mb <= rc.batch / dp; mb *= 2) {
+        if (rc.batch % dp || (f.dp && f.dp != dp)) continue;
+        for (int V : Fixed::values(f.virtual_stages, pp > 1 ? 4 : 1)) {
+          if (V > 1 && pp == 1) continue;
+          for (int zero = 0; zero <= (pp > 1 ? 2 : 3); zero++) {
+            if (f.zero >= 0 && zero != f.zero) continue;
+            for (int mb : Fixed::values(f.micro_batch, rc.batch / dp)) {
               if ((rc.batch / dp) % mb) continue;
-              const int micro = rc.batch / dp / mb;
-              if (V > 1 && micro % pp) continue;  // interleaved needs m a multiple of pp
-              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full})
-                for (int ep = 1; ep <= (m.experts > 0 ? dp * cpn : 1); ep *= 2) {
+              if (V > 1 && (rc.batch / dp / mb) % pp) continue;  // interleaved needs m a multiple of pp
+              for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
+                if (f.recompute >= 0 && int(r) != f.recompute) continue;
+                for (int ep : Fixed::values(f.ep, m.experts > 0 ? dp * cpn : 1)) {
                   if ((dp * cpn) % ep || (m.experts > 0 && m.experts % ep) || (ep > 1 && zero > 0)) continue;
                   if (dp * cpn == 1 && zero > 0) continue;
-                  Plan p;
-                  p.mesh = {dp, pp, cpn, tp, ep};
-                  p.zero = zero;
-                  p.sp = tp > 1 && m.experts == 0;
-                  p.virtual_stages = V;
-                  p.schedule = V > 1 ? pp::Schedule::Interleaved : pp::Schedule::OneFOneB;
-                  p.dp_mode = pp > 1 ? "naive" : "bucketed";
-                  all.push_back(evaluate(rc, cl, p, mb, r));
+                  const Plan p = make_plan(f.base, {dp, pp, cpn, tp, ep}, zero, V, m);
+                  if (composes(p, m)) all.push_back(evaluate(rc, cl, p, mb, r));
                 }
+              }
             }
+          }
         }
       }
   return all;
@@ -300,9 +332,26 @@ inline void print_cost(RunLog& log, const Cluster& cl, const Candidate& c, doubl
            gpu_hours * usd_per_gpu_hour, usd_per_gpu_hour);
 }
 
+// The model as the plan names it: its preset, or, when flags changed the preset's shape, the
+// shape itself with its Ψ ("126 layers, h 16384, …, Ψ = 405.9B").
+inline std::string model_name(const RunConfig& rc) {
+  ModelConfig p;
+  const ModelConfig& m = rc.model;
+  if (apply_preset(rc.preset, p) && p.dim == m.dim && p.layers == m.layers && p.heads == m.heads &&
+      p.kv_heads == m.kv_heads && p.ffn == m.ffn && p.vocab == m.vocab && p.experts == m.experts &&
+      (m.experts == 0 || p.top_k == m.top_k))
+    return rc.preset;
+  char b[200];
+  snprintf(b, sizeof b, "%d layers, h %d, %d heads, %d kv heads, ffn %d, vocab %d%s, Ψ = %.1fB", m.layers, m.dim, m.heads,
+           m.kv_heads, m.ffn, m.vocab,
+           m.experts ? (", " + std::to_string(m.experts) + " experts top-" + std::to_string(m.top_k)).c_str() : "",
+           double(param_count(m)) / 1e9);
+  return b;
+}
+
 // One candidate's parts.
 inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl, const Candidate& c) {
-  log.line("plan: %s on %d × %s: %s", rc.preset.c_str(), cl.gpus, cl.gpu->name.c_str(), describe(c).c_str());
+  log.line("plan: %s on %d × %s: %s", model_name(rc).c_str(), cl.gpus, cl.gpu->name.c_str(), describe(c).c_str());
   log.line("  memory per GPU %s (params %s, grads %s, optimizer %s, activations %s)%s%s", human_bytes(c.mem_total).c_str(),
            human_bytes(c.mem.params).c_str(), human_bytes(c.mem.grads).c_str(), human_bytes(c.mem.optimizer).c_str(),
            human_bytes(c.mem.activations).c_str(), c.reject.empty() ? "" : " — ", c.reject.c_str());
@@ -380,24 +429,30 @@ struct PlanJob {
 // The playbook's benchmark grid trains 1M tokens per step (sequences of 4096): the default batch.
 constexpr double kDefaultBatchTokens = 1048576;
 
-// --plan: runs nothing; ranks every valid mesh for the cluster, or prices the one given.
-inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const Plan* given, const PlanJob& job) {
+// --plan: runs nothing; ranks every valid mesh for the cluster within what `fixed` fixes (with
+// the mesh given, the micro-batch, virtual stages, ZeRO stage and recomputation left open are
+// searched), and prices the best; everything fixed: that one plan.
+inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const Fixed& fixed, const PlanJob& job) {
   log.line("plan: %s on %d × %s (%.1f GiB usable = %.0f%% of %.0f GiB, %d per node), seq %d, %d sequences per step "
-           "(%.0f tokens%s)", rc.preset.c_str(), cl.gpus, cl.gpu->name.c_str(), usable_bytes(cl) / 1073741824.0,
+           "(%.0f tokens%s)", model_name(rc).c_str(), cl.gpus, cl.gpu->name.c_str(), usable_bytes(cl) / 1073741824.0,
            100 * kMemoryHeadroom, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch, double(rc.batch) * rc.model.seq,
            job.default_batch ? "; the default: set --global-batch-tokens" : "");
   print_assumptions(log, *cl.gpu);
-  std::vector<Candidate> all;
+  std::vector<Candidate> all = enumerate(rc, cl, fixed);
   const Candidate* best = nullptr;
-  if (given) {
-    all.push_back(evaluate(rc, cl, *given, rc.micro_batch, rc.recompute));
-    print_candidate(log, rc, cl, all[0]);
+  if (fixed.all_fixed() && all.size() == 1) {
     best = &all[0];
   } else {
-    all = enumerate(rc, cl);
     best = print_ranking(log, rc, cl, all);
   }
-  print_warnings(log, rc, cl, best, !given);
+  if (fixed.mesh_fixed() && !all.empty()) {  // the plan priced in full: the best, or the smallest that does not fit
+    const Candidate* shown = best;
+    if (!shown)
+      for (const Candidate& c : all)
+        if (!shown || c.mem_total < shown->mem_total) shown = &c;
+    print_candidate(log, rc, cl, *shown);
+  }
+  print_warnings(log, rc, cl, best, !fixed.mesh_fixed());
   if (best && best->reject.empty()) {
     const double tokens = job.train_tokens > 0 ? job.train_tokens : 20.0 * double(param_count(rc.model));
     print_cost(log, cl, *best, tokens, job.train_tokens > 0, job.usd_per_gpu_hour);

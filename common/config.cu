@@ -24,8 +24,15 @@ bool apply_preset(const std::string& name, ModelConfig& m) {
   // The playbook's 80B benchmark model, known by its size only: 70B's width, 96 layers (so that its
   // pipelines of 16 and 32 stages divide them) and the MLP narrowed to 26,880: 80.0B parameters.
   else if (name == "80b") m = {8192, 96, 64, 8, 26880, 128256, 4096};
-  else return false;
-  if (name != "tiny" && name != "small" && name != "124m") m.rope_theta = 500000.f;
+  // Llama-3.1-405B (Dubey et al. 2024, table 3): 126 layers, pretrained on sequences of 8192.
+  else if (name == "405b") m = {16384, 126, 128, 8, 53248, 128256, 8192};
+  // Mixtral-8x7B (Jiang et al. 2024): Mistral-7B's shape with 8 experts per layer, 2 per token.
+  else if (name == "8x7b") {
+    m = {4096, 32, 32, 8, 14336, 32000, 4096};
+    m.experts = 8;
+    m.top_k = 2;
+  } else return false;
+  if (name != "tiny" && name != "small" && name != "124m") m.rope_theta = name == "8x7b" ? 1e6f : 500000.f;
   return true;
 }
 
@@ -36,7 +43,7 @@ const char* recompute_name(Recompute r) {
 // The model's shape: a preset, then any flag that overrides it.
 static void parse_model_flags(Args& a, RunConfig& rc) {
   a.group("model");
-  const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b";  // apply_preset's names, in --help and the error
+  const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b, 405b, 8x7b";  // apply_preset's names, in --help and the error
   rc.preset = a.get_str("--preset", "tiny", std::string("model shape: ") + presets + " (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (%s)", rc.preset.c_str(), presets);
   ModelConfig& m = rc.model;
@@ -47,9 +54,9 @@ static void parse_model_flags(Args& a, RunConfig& rc) {
   m.ffn = a.get_int("--ffn", m.ffn, "SwiGLU intermediate size", between(1, 1 << 20));
   m.vocab = a.get_int("--vocab", m.vocab, "vocabulary size", between(2, 1 << 24));
   m.seq = a.get_int("--seq", m.seq, "sequence length s", between(1, 1 << 24));
-  m.experts = a.get_int("--experts", 0, "mixture of experts: E SwiGLU experts of width --ffn per layer (0: dense MLP)",
+  m.experts = a.get_int("--experts", m.experts, "mixture of experts: E SwiGLU experts of width --ffn per layer (0: dense MLP)",
                          {-HUGE_VAL, 1 << 16});
-  m.top_k = a.get_int("--top-k", 2, "experts per token K (with --experts)", {-HUGE_VAL, 1 << 16});
+  m.top_k = a.get_int("--top-k", m.top_k > 0 ? m.top_k : 2, "experts per token K (with --experts)", {-HUGE_VAL, 1 << 16});
   m.aux_loss_coef = float(a.get_double("--aux-loss-coef", 0, "weight α of the load-balancing loss E·Σ f_e·P_e (with --experts)"));
   m.capacity_factor = float(a.get_double("--capacity-factor", 0, "tokens per expert and sequence: c·T·K/E (0: dropless)"));
 }

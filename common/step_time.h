@@ -114,9 +114,11 @@ struct StepTerms {
   double exposed() const { return t_tp + t_cp_exposed + t_dp_exposed + t_pp + t_ep; }
   // step = compute + bubble + what the collectives leave exposed.
   void total() { step = t_compute + t_bubble + exposed(); }
-  // The window a gradient reduction can hide behind: backward, none under a pipeline (its
-  // gradients are complete only after the flush); the last micro-batch's share of it.
-  double backward() const { return pipeline ? 0 : kBackwardShare * t_compute; }
+  // The window a gradient reduction can hide behind: backward; the last micro-batch's share of
+  // it. Under a pipeline the same: each stage's reductions leave as its last micro-batch's
+  // backward completes their units, and stage 0's last backward ends the step (the stages after
+  // it finish theirs earlier, with the cooldown to spare).
+  double backward() const { return kBackwardShare * t_compute; }
   double last_backward(double micro_batches) const { return backward() / std::max(1.0, micro_batches); }
 };
 // The compute term of a step of `rc` on `gpus` ranks whose matmuls are split tp ways, whose

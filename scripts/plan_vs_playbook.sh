@@ -44,7 +44,7 @@ while read -r model nodes dp tp pp mb zero measured; do
   extra=""
   [ "$tp" -gt 8 ] && extra="--kv-heads $tp"  # tp 16 needs 16 kv heads (the preset has 8)
   out=$("$build/08_5d_mesh" --plan --preset "$model" --gpus $((8 * nodes)) --seq 4096 --global-batch-tokens 1048576 \
-        --dp "$dp" --tp "$tp" --pp "$pp" --micro-batch "$mb" --zero "$zero" $extra)
+        --dp "$dp" --tp "$tp" --pp "$pp" --micro-batch "$mb" --zero "$zero" --virtual-stages 1 --recompute none $extra)
   pred=$(sed -n 's/.*MFU \([0-9.]*\)%.*/\1/p' <<<"$out" | head -1)
   err=$(awk -v p="$pred" -v m="$measured" 'BEGIN{printf "%+.0f%%", 100 * (p / m - 1)}')
   [ "$nodes" -gt 1 ] && errs+=("$(awk -v p="$pred" -v m="$measured" 'BEGIN{e = p / m - 1; print (e < 0 ? -e : e)}')")

@@ -4,6 +4,7 @@
 // equal the predictions; checkpoints cross between meshes and 01; bad input.
 #include <catch2/catch.hpp>
 
+#include <map>
 #include <string>
 
 #include "test_util.h"
@@ -23,6 +24,15 @@ const Run& mesh(int dp, int tp, const std::string& args, int cp = 1, int pp = 1)
 std::string steps(int batch, int micro) { return tst::steps_args(kSteps, batch, micro); }
 double mem(const Run& r, const char* cat, const char* which) {
   return r.log.summary.at("memory").at(cat).at(which).as_double();
+}
+
+// Stage by stage: each stage's dp group reduces its own units, so rank 0's bytes are stage 0's.
+void check_stage_comm(const Run& r) {
+  for (const char* op : {"all_reduce", "all_gather", "reduce_scatter"}) {
+    if (!r.log.summary.at("comm").contains("dp") || !r.log.summary.at("comm").at("dp").contains(op)) continue;
+    const ts::Json& g = r.log.summary.at("comm").at("dp").at(op);
+    CHECK(g.at("bytes").as_double() == Approx(g.at("predicted").as_double()).epsilon(1e-12));
+  }
 }
 
 struct Case {
@@ -48,7 +58,32 @@ const Case kPipeCases[] = {
     {2, 2, "--pp 2 --schedule interleaved --virtual-stages 2 --sequence-parallel", 2, 1, 2},  // interleaved, SP
     {1, 2, "--pp 2 --cp 2 --sequence-parallel", 2, 2, 2},                             // tp × cp × pp, SP
     {4, 1, "--pp 2 --zero 1", 1, 1, 2},                                               // dp 4 × pp 2, ZeRO-1
+    {2, 1, "--pp 2 --zero 2", 2, 1, 2},                                               // ZeRO-2 × pp, accumulation 2
+    {2, 2, "--pp 2 --zero 2 --sequence-parallel --schedule interleaved --virtual-stages 2", 1, 1, 2},  // + SP, interleaved
+    {2, 2, "--pp 2 --zero 1 --sequence-parallel", 1, 1, 2},                           // ZeRO-1 + SP: per-unit norm sums
+    {2, 1, "--pp 2 --schedule zb-h1 --bucket-mb 0.01", 1, 1, 2},                      // 02's buckets under B/W split
+    {2, 1, "--pp 2 --schedule zb-h1 --zero 1", 1, 1, 2},                              // ZeRO-1 under B/W split
 };
+// Uneven stages: 5 layers, 3 and 2 by default, 1 and 4 as given, 1, 2, 1, 1 interleaved.
+const std::string kPipe5 = "--layers 5 ";
+const Case kUnevenCases[] = {
+    {2, 1, "--pp 2", 2, 1, 2},
+    {2, 2, "--pp 2 --stage-layers 1,4 --zero 2 --sequence-parallel", 1, 1, 2},
+    {1, 2, "--pp 2 --schedule interleaved --virtual-stages 2 --zero 0", 1, 1, 2},
+};
+
+// One pipelined mesh against 01: losses and weights, every memory category and the dp bytes as
+// predicted.
+const Run& check_pipe_case(const Case& c, const std::string& base, const Run& ref) {
+  const Run& r = mesh(c.dp, c.tp, base + c.flags + " " + steps(8, c.micro), c.cp, c.pp);
+  INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags << " micro-batch " << c.micro);
+  REQUIRE(r.log.steps.size() == size_t(kSteps));
+  tst::check_equivalent(r, ref);
+  for (const char* cat : {"params", "grads", "optimizer", "activations"})
+    CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
+  check_stage_comm(r);
+  return r;
+}
 
 }  // namespace
 
@@ -65,17 +100,58 @@ TEST_CASE("dp × tp (+ sequence parallel) with plain DP and ZeRO-1/2/3 reproduce
   }
 }
 
-TEST_CASE("with a pipeline: dp × tp × pp (1F1B, interleaved), tp × cp × pp, ZeRO-1 × pp reproduce 01", "[08][e2e][equiv][pp]") {
+TEST_CASE("with a pipeline: dp × tp × pp (1F1B, interleaved, ZB-H1), tp × cp × pp, ZeRO-1/2 × pp reproduce 01", "[08][e2e][equiv][pp]") {
   const Run& ref = single(kPipe + steps(8, 8));
   for (const Case& c : kPipeCases) {
-    const Run& r = mesh(c.dp, c.tp, kPipe + c.flags + " " + steps(8, c.micro), c.cp, c.pp);
-    INFO("dp " << c.dp << " tp " << c.tp << " " << c.flags << " micro-batch " << c.micro);
-    REQUIRE(r.log.steps.size() == size_t(kSteps));
-    tst::check_equivalent(r, ref);
-    for (const char* cat : {"params", "grads", "optimizer", "activations"})
-      CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
+    const Run& r = check_pipe_case(c, kPipe, ref);
     const ts::Json& pp = r.log.summary.at("comm").at("pp").at("send");
     CHECK(pp.at("bytes").as_double() == Approx(pp.at("predicted").as_double()).epsilon(1e-12));
+  }
+}
+
+TEST_CASE("uneven stages and ZeRO under them reproduce 01; memory and bytes as predicted", "[08][e2e][equiv][pp]") {
+  const Run& ref = single(kPipe5 + steps(8, 8));
+  for (const Case& c : kUnevenCases) {
+    check_pipe_case(c, kPipe5, ref);
+  }
+}
+
+// 02's buckets under a pipeline leave during the last micro-batch's backward (the cooldown), not
+// after the flush: on every rank some bucket's all-reduce runs while a backward layer computes;
+// ZeRO-1's per-unit reduce-scatters likewise (their own lane).
+TEST_CASE("--trace: the DP reduction overlaps the pipeline's cooldown on every stage", "[08][e2e][overlap][pp]") {
+  struct Traced {
+    std::string flags;
+    int lane;
+    const char* prefix;
+  };
+  for (const Traced& t : {Traced{"", 1, "all_reduce bucket"}, Traced{"--zero 1", 2, "reduce_scatter unit"}}) {
+    const std::string path = tst::scratch("pp_dp_trace" + std::to_string(t.lane) + ".json");
+    const tst::Result r = tst::run_bin("08_5d_mesh", kTiny + kPipe + "--dp 2 --pp 2 --steps 2 --batch 8 --micro-batch 1 "
+                                       "--bucket-mb 0.01 --trace " + path + " " + t.flags, 4, 240);
+    INFO(t.flags << "\n" << r.output);
+    REQUIRE(r.status == 0);
+    const ts::Json ev = ts::Json::parse(ts::read_text_file(path)).at("traceEvents");
+    std::map<int64_t, int> comms, overlapping;
+    for (const ts::Json& e : ev.as_array()) {
+      if (e.at("ph").as_string() != "X" || e.at("tid").as_int() != t.lane || e.at("name").as_string().rfind(t.prefix, 0) != 0)
+        continue;
+      const int64_t rank = e.at("pid").as_int();
+      comms[rank]++;
+      const double s = e.at("ts").as_double(), f = s + e.at("dur").as_double();
+      for (const ts::Json& c : ev.as_array())
+        if (c.at("ph").as_string() == "X" && c.at("pid").as_int() == rank && c.at("tid").as_int() == 0 &&
+            c.at("name").as_string().rfind("bwd layer", 0) == 0 && c.at("ts").as_double() < f &&
+            s < c.at("ts").as_double() + c.at("dur").as_double()) {
+          overlapping[rank]++;
+          break;
+        }
+    }
+    for (int64_t rank = 0; rank < 4; rank++) {
+      INFO("rank " << rank);
+      CHECK(comms[rank] > 2);
+      CHECK(overlapping[rank] > 0);
+    }
   }
 }
 
@@ -202,9 +278,12 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {8, "--dp 2 --tp 4 --kv-heads 2", "--kv-heads 2 is not divisible by --tp 4"},
       {4, "--dp 1 --cp 2 --tp 2 --cp-mode ulysses --heads 4 --kv-heads 2 --tp 2", "must divide by --cp 2"},
       {4, "--dp 2 --cp 2 --seq 30", "--seq 30 is not divisible by 2·cp = 4"},
-      {4, "--dp 2 --pp 2 --zero 2 --layers 4", "ZeRO-2/3 shard gradients or weights per micro-batch"},
+      {4, "--dp 2 --pp 2 --zero 3 --layers 4", "--zero 3 with --pp 2 is not composed"},
+      {4, "--dp 2 --pp 2 --zero 2 --schedule zb-h1 --layers 4", "--zero 2 with --schedule zb-h1 is not composed"},
       {8, "--dp 2 --pp 2 --tp 2 --schedule zb-h1 --layers 4", "--schedule zb-h1 with --tp 2 is not composed"},
-      {4, "--dp 2 --pp 2 --layers 3", "--layers 3 is not divisible by --pp 2"},
+      {4, "--dp 2 --pp 2 --layers 1", "--layers 1 is fewer than --pp 2 × --virtual-stages 1"},
+      {4, "--dp 2 --pp 2 --layers 4 --stage-layers 3,2", "--stage-layers '3,2' gives 2 stages of 5 layers in all"},
+      {4, "--dp 4 --stage-layers 2", "--stage-layers needs --pp > 1"},
       {4, "--dp 2 --tp 2 --zero 4", "--zero must be 0 (plain DP), 1, 2 or 3"},
       {4, "--dp 4 --batch 6", "--batch 6 is not divisible by --dp 4"},
       {4, "--dp 2 --tp 2 --zero 1 --dp-mode naive", "--dp-mode applies to plain data parallelism"},

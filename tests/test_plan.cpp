@@ -4,6 +4,8 @@
 // assumed, the memory it applies, the warnings, the axes an alternative differs in, the cost to train.
 #include <catch2/catch.hpp>
 
+#include <set>
+
 #include "../08_plan.h"
 #include "test_util.h"
 
@@ -26,6 +28,13 @@ Candidate fake(double tokens_per_s, double memory, int zero = 0) {
 double number_after(const std::string& s, const std::string& key) {
   const size_t at = s.find(key);
   return at == std::string::npos ? 0 : std::atof(s.c_str() + at + key.size());
+}
+
+// A calibration as make bench writes it: 20 GFLOP/s, bus bandwidths 0.5 / 0.4 / 0.25 GB/s
+// (all-reduce, all-gather, reduce-scatter), 10 µs a call: round numbers to check terms by hand.
+void write_calibration(const std::string& path) {
+  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
+                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
 }
 
 }  // namespace
@@ -196,8 +205,7 @@ TEST_CASE("a candidate's memory is predict_memory's, the fuller pipeline stage's
 // compute is F × tokens / rate, and its collectives run at the measured bus bandwidths.
 TEST_CASE("--gpu local reads the calibration make bench writes, and prices with it", "[plan]") {
   const std::string path = tst::scratch("calibration.json");
-  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
-                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
+  write_calibration(path);
   const Gpu g = local_gpu(path);
   CHECK(g.peak_tflops == Approx(0.02));
   CHECK(g.achievable == 1);
@@ -244,8 +252,7 @@ TEST_CASE("measured step time: the first step is warm-up, the median of the rest
 // the all-gather after the step.
 TEST_CASE("predicted step time on this machine: compute, bubble, p2p and ZeRO-1's terms by hand", "[plan]") {
   const std::string path = tst::scratch("calibration_terms.json");
-  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
-                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
+  write_calibration(path);
   const Gpu g = local_gpu(path);
   RunConfig rc;
   REQUIRE(apply_preset("small", rc.model));
@@ -280,15 +287,110 @@ TEST_CASE("predicted step time on this machine: compute, bubble, p2p and ZeRO-1'
   CHECK(z.step == Approx(z.t_compute + z.t_dp_exposed));
 }
 
+// Under a pipeline 02's buckets leave as the last micro-batch's backward completes their units:
+// stage 0's last backward ends the step, so the window is its share of one micro-batch's backward,
+// as without a pipeline (it was zero when the reduction waited for the flush). ZeRO-1 the same,
+// unit by unit. An uneven split paces the step by the busiest stage: 3 of 5 layers = 1.2× an
+// even stage's compute and tp time, its bubble simulated over its own busy slots.
+TEST_CASE("the pipeline's new terms by hand: DP in the cooldown, ZeRO-1 per unit, the busiest uneven stage", "[plan]") {
+  const std::string path = tst::scratch("calibration_pp_terms.json");
+  write_calibration(path);
+  const Gpu g = local_gpu(path);
+  RunConfig rc;
+  REQUIRE(apply_preset("small", rc.model));
+  rc.batch = 8;
+  const Cluster cl{&g, 8, 4, 4};
+  const double F = flops_per_token(rc.model), tokens = 8.0 * rc.model.seq, mbs = 4;  // 8 / dp 2 / micro-batch 1
+  Plan d;
+  d.mesh = {2, 2, 1, 1, 1};
+  d.bucket_mb = 0.01;
+  const Candidate c = evaluate(rc, cl, d, 1, Recompute::None);
+  CHECK(c.t_compute == Approx(F * tokens / 4 / 20e9));
+  const double grad = 4.0 * double(local_table(rc, d, 0).total);  // stage 0's fp32 gradients
+  const double calls = std::max(1.0, grad / (0.01 * 1048576));
+  const double t_dp = calls * 1e-5 + grad / 0.5e9;  // all-reduce over 2: 2·½·grad wire bytes
+  CHECK(c.t_dp == Approx(t_dp));
+  const double window = kBackwardShare * c.t_compute / mbs;
+  CHECK(c.t_dp_exposed == Approx(std::max(t_dp - window, t_dp * 0.01 * 1048576 / grad)));
+  CHECK(c.t_dp_exposed < c.t_dp);  // some of it hidden
+
+  Plan z = d;
+  z.zero = 1;
+  const Candidate zc = evaluate(rc, cl, z, 1, Recompute::None);
+  const ParamTable zt = local_table(rc, z, 0);
+  int held = 0;
+  for (int u = 0; u < zt.num_units(); u++) held += zt.unit_begin[u + 1] > zt.unit_begin[u];
+  const double units = zt.num_units(), P = double(zt.total);
+  const double rs = units * 1e-5 + 2 * P / 0.25e9, ag = units * 1e-5 + 2 * P / 0.4e9;  // ½·4Ψ each, a call per unit
+  CHECK(held == 3);  // stage 0: the embedding and two layers
+  CHECK(zc.t_dp_exposed == Approx(std::max(rs - window, rs / units) + ag));
+
+  RunConfig five = rc;
+  five.model.layers = 5;
+  Plan u;
+  u.mesh = {1, 2, 1, 1, 1};
+  const Candidate uc = evaluate(five, Cluster{&g, 8, 2, 2}, u, 1, Recompute::None);
+  const double even = flops_per_token(five.model) * tokens / 2 / 20e9;
+  CHECK(uc.t_compute == Approx(1.2 * even));
+  const pp::Plan pl = pp::build_plan(2, 8, 1, pp::Schedule::OneFOneB, {3, 2});
+  CHECK(uc.bubble == Approx(pl.bubble()));
+  CHECK(uc.t_bubble == Approx(pl.bubble() * 1.2 * even));
+}
+
+// 126 layers on tp 8 × pp 16, the mesh of Llama 3 405B's runs (Dubey et al. 2024, table 4): the
+// planner splits the layers 7, 8 × 14, 7, fills in micro-batch, virtual stages, ZeRO stage and
+// recomputation, and finds a plan that fits in 80 GB; every candidate it ranks has the mesh given.
+TEST_CASE("--plan fills in what a given mesh leaves open: 405b on 8,192 GPUs at tp 8 × pp 16", "[plan][e2e]") {
+  const std::string log = tst::scratch("plan_405b.jsonl");
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 405b --gpus 8192 --global-batch-tokens 16777216 "
+                                     "--tp 8 --pp 16 --dp 64 --log-json " + log, 1, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(r.output.find("plan: 405b on 8192 × h100: dp 64 pp 16") != std::string::npos);
+  CHECK(r.output.find("does not fit", r.output.find("plan: 405b on 8192 × h100: dp")) == std::string::npos);
+  const auto plan = tst::read_log(log);
+  const Json& cands = plan.summary.at("candidates");
+  REQUIRE(cands.size() > 10);
+  std::set<std::string> searched;
+  for (const Json& c : cands.as_array()) {
+    CHECK(c.at("dp").as_int() == 64);
+    CHECK(c.at("tp").as_int() == 8);
+    CHECK(c.at("pp").as_int() == 16);
+    searched.insert(c.at("recompute").as_string() + std::to_string(c.at("zero").as_int()) +
+                    std::to_string(c.at("virtual_stages").as_int()) + "/" + std::to_string(c.at("micro_batch").as_int()));
+  }
+  CHECK(searched.size() == cands.size());  // each a different choice of the open knobs
+  const Json& best = cands.as_array()[0];
+  CHECK(best.at("reject").as_string().empty());
+  CHECK(best.at("memory_bytes").as_double() < 72.0 * 1073741824);
+  CHECK(best.at("micro_batch").as_int() == 1);  // m = 32 micro-batches, not one of 32 sequences
+}
+
+TEST_CASE("--plan names an explicit shape by its shape and Ψ, a preset by its name", "[plan][e2e]") {
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 8b --layers 30 --gpus 8", 1, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  ModelConfig m;
+  REQUIRE(apply_preset("8b", m));
+  m.layers = 30;
+  char psi[32];
+  snprintf(psi, sizeof psi, "Ψ = %.1fB", double(param_count(m)) / 1e9);
+  CHECK(r.output.find(std::string("plan: 30 layers, h 4096, 32 heads, 8 kv heads, ffn 14336, vocab 128256, ") + psi +
+                      " on 8 × h100") != std::string::npos);
+  CHECK(r.output.find("tiny") == std::string::npos);
+  const tst::Result p = tst::run_bin("08_5d_mesh", "--plan --preset 8x7b --gpus 64", 1, 120);
+  CHECK(p.output.find("plan: 8x7b on 64 × h100") != std::string::npos);
+}
+
 // A real 2-rank run prints its step time next to the prediction; the terms add up to it, the
 // prediction is the planner's for the same mesh, and a bad calibration stops every rank.
 TEST_CASE("every run prints its predicted step time next to the measured one, term by term", "[plan][e2e]") {
   const std::string path = tst::scratch("calibration_run.json");
-  tst::write_bytes(path, R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
-                         R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05})");
+  write_calibration(path);
   const std::string args = "--preset tiny --quiet --steps 3 --batch 8 --micro-batch 2 --calibration " + path;
   for (const auto& [bin, mesh, plan] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {"05_pipeline_parallel", "--pp 2", "--pp 2"}, {"03_zero", "--dp 2 --zero 1", "--dp 2 --zero 1"}}) {
+           {"05_pipeline_parallel", "--pp 2", "--dp 1 --pp 2 --zero 0 --virtual-stages 1 --recompute none"},
+           {"03_zero", "--dp 2 --zero 1", "--dp 2 --zero 1 --recompute none"}}) {
     const std::string log = tst::scratch(bin + "_step_time.jsonl");
     const tst::Result r = tst::run_bin(bin, args + " " + mesh + " --log-json " + log, 2, 120);
     INFO(r.output);
@@ -317,7 +419,7 @@ TEST_CASE("every run prints its predicted step time next to the measured one, te
                                                         " --preset tiny --batch 8 --micro-batch 2 --dtype fp32 --gpus 2 "
                                                         "--gpus-per-node 2 " + plan, 1, 60);
     INFO(p.output);
-    const size_t per_gpu = p.output.find(" tok/s/GPU");
+    const size_t per_gpu = p.output.rfind(" tok/s/GPU");  // the priced plan's line, after any ranking
     REQUIRE(per_gpu != std::string::npos);
     const double planned = std::atof(p.output.c_str() + p.output.rfind(' ', per_gpu - 1) + 1);
     CHECK(2 * planned == Approx(s.at("predicted_tokens_per_s").as_double()).margin(2));

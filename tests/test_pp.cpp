@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <map>
+#include <numeric>
 #include <set>
 
 #include "../05_pipeline_parallel.cu"
@@ -242,6 +243,96 @@ TEST_CASE("activations per stage measured equal predicted for every schedule; AF
   CHECK(t.log.summary.at("comm").at("pp").at("send").at("bytes").as_double() == m * 32 * 64 * 4.0);
 }
 
+// ----- uneven stages ----------------------------------------------------------------------------------
+
+TEST_CASE("the default split: even where p·V divides L, else the last stage and then the first one layer lighter",
+          "[05][split]") {
+  using V = std::vector<int>;
+  CHECK(pp::balanced_split(4, 2) == V{2, 2});
+  CHECK(pp::balanced_split(5, 2) == V{3, 2});
+  CHECK(pp::balanced_split(6, 4) == V{1, 2, 2, 1});
+  CHECK(pp::balanced_split(5, 4) == V{1, 2, 1, 1});  // three short: last, first, then the last but one
+  V llama(16, 8);
+  llama.front() = llama.back() = 7;  // Llama 3 405B: 126 layers on 16 stages
+  CHECK(pp::balanced_split(126, 16) == llama);
+  for (int L = 1; L <= 40; L++)
+    for (int K = 1; K <= L; K++) {
+      const V s = pp::balanced_split(L, K);
+      CHECK(std::accumulate(s.begin(), s.end(), 0) == L);
+      CHECK(*std::max_element(s.begin(), s.end()) - *std::min_element(s.begin(), s.end()) <= 1);
+    }
+  CHECK(pp::parse_split("1,3", 4, 2) == V{1, 3});
+  // Units: stage k runs the layers after stages 0..k-1; the embedding with the first, the head with the last.
+  CHECK(pp::stage_units({1, 3}, 0) == std::make_pair(0, 2));
+  CHECK(pp::stage_units({1, 3}, 1) == std::make_pair(2, 6));
+  CHECK(pp::stage_units({1, 2, 1, 1}, 2) == std::make_pair(4, 5));
+}
+
+// Stage 0 of 3 layers and stage 1 of 2: F costs 3 and 2 slots, B 6 and 4. AFAB: stage 0's eight F end
+// at 24, stage 1's first B can start only after its last F (24..26), so stage 0's first B waits for
+// stage 1's B of micro-batch 0 (26..30): 6 idle slots = stage 1's F and B of one micro-batch, over
+// stage 0's 8·9 busy ones. The busiest stage sets the pace: 3 of 5 layers, 1.2× an even stage's.
+TEST_CASE("uneven stages in the simulator: costs by layers, the bubble over the busiest stage", "[05][split][schedule]") {
+  const pp::Plan a = pp::build_plan(2, 8, 1, pp::Schedule::AFAB, {3, 2});
+  CHECK(a.complete);
+  CHECK(a.busy(0) == 72);
+  CHECK(a.busy(1) == 48);
+  CHECK(a.makespan == 78);
+  CHECK(a.bubble() == Approx(6.0 / 72).epsilon(1e-12));
+  CHECK(a.busiest_share() == Approx(1.2).epsilon(1e-12));
+  // Equal layers in every stage: the unit-cost schedule, slot for slot.
+  for (pp::Schedule s : kAll) {
+    const int V = s == pp::Schedule::Interleaved ? 2 : 1;
+    const pp::Plan even = pp::build_plan(4, 8, V, s, std::vector<int>(size_t(4 * V), 3)), unit = pp::build_plan(4, 8, V, s);
+    CHECK(even.makespan == unit.makespan);
+    CHECK(even.bubble() == unit.bubble());
+  }
+  for (pp::Schedule s : kAll)
+    for (int m : {2, 4, 6}) {
+      const int V = s == pp::Schedule::Interleaved ? 2 : 1;
+      const pp::Plan pl = pp::build_plan(2, m, V, s, V == 2 ? std::vector<int>{1, 3, 2, 1} : std::vector<int>{1, 4});
+      INFO(pp::schedule_name(s) << " m " << m);
+      CHECK(pl.complete);
+      if (s != pp::Schedule::Interleaved) CHECK(pp::completes_under_rendezvous(pl));
+    }
+}
+
+// Every schedule on uneven stages: 5 layers on pp 2 (3, 2 by default, or 1, 4 as given), on pp 2 × V 2
+// (1, 2, 1, 1), and 6 layers on pp 4 (1, 2, 2, 1): 01's losses and weights, each stage's memory and
+// sends as predicted.
+TEST_CASE("uneven stages under every schedule reproduce 01; each stage's memory as predicted", "[05][e2e][equiv][split]") {
+  struct Uneven {
+    int p;
+    pp::Schedule s;
+    int layers;
+    std::string split;
+  };
+  const Uneven cases[] = {{2, pp::Schedule::AFAB, 5, ""},        {2, pp::Schedule::OneFOneB, 5, ""},
+                          {2, pp::Schedule::ZBH1, 5, "1,4"},     {2, pp::Schedule::Interleaved, 5, ""},
+                          {4, pp::Schedule::OneFOneB, 6, ""},    {4, pp::Schedule::ZBH1, 6, ""},
+                          {2, pp::Schedule::Interleaved, 6, "2,1,1,2"}};
+  for (const Uneven& c : cases) {
+    const std::string flag = c.split.empty() ? "" : "--stage-layers " + c.split;
+    const Run& ref = single(c.layers, 8);
+    const Run& t = pipe(c.p, c.s, c.layers, 8, flag);
+    INFO(pp::schedule_name(c.s) << " pp " << c.p << " layers " << c.layers << " " << flag);
+    REQUIRE(t.log.steps.size() == size_t(kSteps));
+    check_same_kernels(t, ref);
+    for (int st = 0; st < c.p; st++) {
+      INFO("stage " << st);
+      CHECK(stage(t, st).at("activations_measured").as_double() == stage(t, st).at("activations_predicted").as_double());
+      CHECK(stage(t, st).at("send_bytes").as_double() == stage(t, st).at("send_predicted").as_double());
+    }
+    for (const char* cat : {"params", "grads", "optimizer"})
+      CHECK(t.log.summary.at("memory").at(cat).at("measured").as_double() ==
+            t.log.summary.at("memory").at(cat).at("predicted").as_double());
+  }
+  // Stage 0 of "1,4" holds the embedding and one layer (params on rank 0, what the table reports).
+  const double layer = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64 + 2 * 64;
+  CHECK(pipe(2, pp::Schedule::ZBH1, 5, 8, "--stage-layers 1,4").log.summary.at("memory").at("params").at("measured").as_double() ==
+        4 * (256 * 64 + layer));
+}
+
 // ----- checkpoints -----------------------------------------------------------------------------------
 
 TEST_CASE("a pp 4 checkpoint resumes in 01 and at pp 2 on 01's curve", "[05][e2e][ckpt]") {
@@ -257,8 +348,11 @@ TEST_CASE("a pp 4 checkpoint resumes in 01 and at pp 2 on 01's curve", "[05][e2e
 
 TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[05][errors]") {
   tst::check_errors("05_pipeline_parallel", kTiny + "--steps 2 --batch 8 --micro-batch 1 ", {
-      {2, "--pp 2 --layers 3", "--layers 3 is not divisible by --pp 2"},
-      {2, "--pp 2 --layers 4 --schedule interleaved --virtual-stages 4", "--layers 4 is not divisible by --pp 2 × --virtual-stages 4"},
+      {2, "--pp 2 --layers 1", "--layers 1 is fewer than --pp 2 × --virtual-stages 1"},
+      {2, "--pp 2 --layers 4 --schedule interleaved --virtual-stages 4 --batch 8", "--layers 4 is fewer than --pp 2 × --virtual-stages 4"},
+      {2, "--pp 2 --layers 4 --stage-layers 1,2", "--stage-layers '1,2' gives 2 stages of 3 layers in all; this run has pp × virtual stages = 2 stages and --layers 4"},
+      {2, "--pp 2 --layers 4 --stage-layers 4,0", "--stage-layers '4,0': '0' is not a layer count from 1 to 4"},
+      {2, "--pp 2 --layers 4 --stage-layers 2,,2", "'' is not a layer count"},
       {4, "--pp 4 --layers 8 --schedule interleaved --virtual-stages 2 --batch 6", "to be a multiple of --pp 4"},
       {2, "--pp 2 --layers 4 --schedule gpipe", "unknown --schedule 'gpipe'"},
       {2, "--pp 2 --layers 4 --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"},
