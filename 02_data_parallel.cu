@@ -163,7 +163,7 @@ inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allr
 
 // All-reduce calls per step, for their latency: naive one per tensor (9 per layer), bucketed one
 // per bucket of the `grad_bytes` of fp32 gradients.
-inline double reduction_calls(bool bucketed, int layers, double grad_bytes, double bucket_mb) {
+inline double reduction_calls(bool bucketed, double layers, double grad_bytes, double bucket_mb) {
   return bucketed ? std::max(1.0, grad_bytes / (bucket_mb * 1048576)) : 9.0 * layers;
 }
 

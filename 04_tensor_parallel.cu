@@ -348,7 +348,7 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, b
 
 // Collective calls per step, for their latency: per layer 2 forward (g after attention and after
 // the MLP) and 2 backward (their f), each an all-gather + reduce-scatter pair under SP.
-inline double collective_calls(double micro_batches, int layers, bool sp) { return micro_batches * layers * (sp ? 8 : 4); }
+inline double collective_calls(double micro_batches, double layers, bool sp) { return micro_batches * layers * (sp ? 8 : 4); }
 
 // This run's step: the matmuls split tp ways (smaller, so further below peak: layer_efficiency),
 // and every f/g on the critical path (nothing to hide them behind).

@@ -479,14 +479,13 @@ inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int 
 // p2p calls per step: an activation and a gradient per micro-batch and chunk.
 inline double p2p_calls(double micro_batches, int V) { return 2 * micro_batches * V; }
 
-// The pipeline's terms: the busiest rank's layers set the pace (t_compute and t_tp, set before
-// for L/p layers, scaled by its share: 1 when even); the simulated bubble idles its compute and
-// its tp collectives alike; the busiest stage's sends (a middle one) wait on the critical path.
-// token_share as predict_send_bytes takes it.
+// The pipeline's terms: the busiest rank's layers set the pace (t_compute, set before for L/p
+// layers, scaled by its share: 1 when even; t_tp, set before, is already that rank's); the
+// simulated bubble idles its compute and its tp collectives alike; the busiest stage's sends (a
+// middle one) wait on the critical path. token_share as predict_send_bytes takes it.
 inline void price_pipeline(StepTerms& s, const Network& net, const RunConfig& rc, const Plan& pl, double token_share,
                            double micro_batches, int nodes) {
   s.t_compute *= pl.busiest_share();
-  s.t_tp *= pl.busiest_share();
   s.bubble = pl.bubble();
   s.t_bubble = s.bubble * (s.t_compute + s.t_tp);
   double send = 0;
@@ -762,14 +761,20 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
 }
 
 // --schedule, checked, and the action lists of every rank for this run's m micro-batches.
-static pp::Plan make_plan(const RunConfig& rc, int p, int V, const std::string& sched_name, const std::string& split) {
+// The chapter's flags.
+struct PipeFlags {
+  int p = 1, V = 1;
+  std::string schedule, split;
+  bool chart = false;
+};
+static pp::Plan make_plan(const RunConfig& rc, const PipeFlags& f) {
   pp::Schedule sched;
-  if (!pp::parse_schedule(sched_name, sched))
-    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched_name.c_str());
-  pp::validate(rc, p, V, sched);
+  if (!pp::parse_schedule(f.schedule, sched))
+    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", f.schedule.c_str());
+  pp::validate(rc, f.p, f.V, sched);
   const pp::Plan plan =
-      pp::build_plan(p, rc.batch / rc.micro_batch, V, sched, pp::stage_split(split, rc.model.layers, p * V));
-  TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks", pp::schedule_name(sched), p, plan.m, V);
+      pp::build_plan(f.p, rc.batch / rc.micro_batch, f.V, sched, pp::stage_split(f.split, rc.model.layers, f.p * f.V));
+  TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks", pp::schedule_name(sched), f.p, plan.m, f.V);
   return plan;
 }
 
@@ -797,25 +802,23 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
 }
 
 int main(int argc, char** argv) {
-  int p = 1, V = 1;
-  std::string sched_name, split;
-  bool chart = false;
+  PipeFlags f;
   Calibration calibration;
   Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
     calibration = read_calibration(args);
-    p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
-    sched_name = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
-    V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
-    split = args.get_str("--stage-layers", "", "layers per virtual stage a,b,… (default: even, or the ends lighter)");
-    chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
+    f.p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
+    f.schedule = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
+    f.V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
+    f.split = args.get_str("--stage-layers", "", "layers per virtual stage a,b,… (default: even, or the ends lighter)");
+    f.chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
   });
   RunConfig& rc = prog.rc;
   RunLog& log = prog.log();
-  const pp::Plan plan = make_plan(rc, p, V, sched_name, split);
-  if (prog.dry_run([&] { pp::print_plan(log, rc, plan, chart); })) return 0;
+  const pp::Plan plan = make_plan(rc, f);
+  if (prog.dry_run([&] { pp::print_plan(log, rc, plan, f.chart); })) return 0;
   prog.open();  // validates world == pp before any collective
   Mesh& mesh = prog.mesh;
-  pp::print_plan(log, rc, plan, chart);
+  pp::print_plan(log, rc, plan, f.chart);
   check_memory_fits(pp::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
 
   ModelLayout layout;

@@ -476,7 +476,7 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int C, co
 
 // Collective calls per step: cp−1 ring steps per layer forward and as many backward (Ulysses'
 // all-to-alls priced alike).
-inline double collective_calls(double micro_batches, int layers, int C) { return micro_batches * layers * 2 * (C - 1); }
+inline double collective_calls(double micro_batches, double layers, int C) { return micro_batches * layers * 2 * (C - 1); }
 
 // The ring overlaps its K/V transfers with attention (attention_share of the compute): what
 // outlasts it shows. Ulysses' all-to-alls sit between the projections and attention, exposed.

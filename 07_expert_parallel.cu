@@ -248,7 +248,7 @@ inline double predict_balanced_bytes(const RunConfig& rc, int dp, int ep) {
 // ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
 
 // All-to-all calls per step: per layer a dispatch and a combine forward, and both again backward.
-inline double all_to_all_calls(double micro_batches, int layers) { return micro_batches * layers * 4; }
+inline double all_to_all_calls(double micro_batches, double layers) { return micro_batches * layers * 4; }
 
 // This run's step: the dp ranks compute 1/dp of the tokens each; the all-to-alls wait on the
 // critical path (balanced routing); the dense gradients are all-reduced over dp and each expert's

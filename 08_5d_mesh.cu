@@ -61,6 +61,13 @@ inline std::vector<int> stage_split(const RunConfig& rc, const Plan& p) {
 inline int stage_layers(const RunConfig& rc, const Plan& p, int pp_rank) {
   return pp::rank_layers(stage_split(rc, p), p.mesh.pp, pp_rank);
 }
+// The pipeline stage with the most layers (the first of them; 0 without a pipeline).
+inline int busiest_stage(const RunConfig& rc, const Plan& p) {
+  int busy = 0;
+  for (int s = 1; s < p.mesh.pp; s++)
+    if (stage_layers(rc, p, s) > stage_layers(rc, p, busy)) busy = s;
+  return busy;
+}
 
 // Every check of the pieces, before any collective; the unsupported combinations name why.
 // What one cp rank holds of each sequence: the model at seq/cp tokens (what 04's and 06's
@@ -155,8 +162,9 @@ inline double micro_batches_per_rank(const RunConfig& rc, const Plan& p) {
   return double(rc.batch) / p.mesh.dp / rc.micro_batch;
 }
 
-// For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports).
-inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank = 0) {
+// For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports);
+// `pl`: the pipeline's schedule (pp > 1).
+inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank, const pp::Plan* pl) {
   const ParamTable t = local_table(rc, p, 0, pp_rank);
   MemoryPrediction m;
   if (p.zero == 0) {
@@ -166,14 +174,27 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int p
     m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t, p.mesh.pp > 1});
   }
   const ModelConfig local = cp::local_model(rc.model, p.mesh.cp);
-  if (p.mesh.pp > 1)
-    m.activations = pp::predict_stage_activations(pipeline_plan(rc, p), pp_rank, local, rc.micro_batch, rc.dtype,
-                                                  rc.recompute, p.mesh.tp, p.sp);
+  if (pl)
+    m.activations = pp::predict_stage_activations(*pl, pp_rank, local, rc.micro_batch, rc.dtype, rc.recompute,
+                                                  p.mesh.tp, p.sp);
   else
     m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
-  if (p.mesh.pp > 1) m.comm_also_holds(pp::comm_holds(pipeline_plan(rc, p)));
+  if (pl) m.comm_also_holds(pp::comm_holds(*pl));
   m.comm_also_holds(cp::comm_holds(p.cp, p.mesh.cp));
   m.comm_also_holds(ep::comm_holds(p.mesh.ep));
+  return m;
+}
+inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank = 0) {
+  if (p.mesh.pp == 1) return predict_memory(rc, p, pp_rank, nullptr);
+  const pp::Plan pl = pipeline_plan(rc, p);
+  return predict_memory(rc, p, pp_rank, &pl);
+}
+// Every pipeline stage's memory, the schedule simulated once (one entry without a pipeline).
+inline std::vector<MemoryPrediction> stage_memory(const RunConfig& rc, const Plan& p) {
+  if (p.mesh.pp == 1) return {predict_memory(rc, p, 0, nullptr)};
+  const pp::Plan pl = pipeline_plan(rc, p);
+  std::vector<MemoryPrediction> m;
+  for (int s = 0; s < p.mesh.pp; s++) m.push_back(predict_memory(rc, p, s, &pl));
   return m;
 }
 
@@ -448,7 +469,7 @@ struct Options {
   mesh5d::PlanJob job;
   mesh5d::Fixed fixed;  // --plan: what the flags fix (the rest is searched)
   Calibration calibration;
-  std::string gpu;
+  std::string gpu, network;
   double gpu_mem = 0, batch_tokens = 0;
 };
 
@@ -458,6 +479,8 @@ static void declare_planner_flags(Args& a, Options& o) {
   o.gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
   o.calibration = read_calibration(a);  // also --plan --gpu local's
   o.gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
+  o.network = a.get_str("--network", "", "--plan: the cluster's bus bandwidths by collective and node count (JSON, the "
+                        "calibration's keys; default: the playbook's H100 table)");
   o.cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
   o.cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
   o.batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq, or 1M when neither is given)");
@@ -502,6 +525,12 @@ static void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
   if (gpu == "local") local = o.calibration.found ? o.calibration.gpu : local_gpu(o.calibration.path);
   cluster.gpu = gpu == "local" ? &local : find_gpu(gpu);
   if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
+  static mesh5d::Gpu on_network;  // the GPU on the cluster's own network
+  if (!o.network.empty()) {
+    on_network = *cluster.gpu;
+    on_network.net = read_network(o.network);
+    cluster.gpu = &on_network;
+  }
   cluster.mem_gib = o.gpu_mem > 0 ? o.gpu_mem : cluster.gpu->mem_gib;
   if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
   if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training

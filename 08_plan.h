@@ -47,6 +47,7 @@ struct Candidate : StepTerms {
   Recompute recompute = Recompute::None;
   MemoryPrediction mem;
   double mem_total = 0, tokens_per_s_gpu = 0, mfu = 0;
+  int mem_stage = 0;   // the pipeline stage whose memory mem is (the fullest)
   std::string reject;  // why it cannot run ("" = it fits)
 };
 
@@ -60,11 +61,17 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   const Gpu& g = *cl.gpu;
   StepTerms s = compute_terms(g, rc, p.mesh.tp, p.mesh.cp, p.mesh.pp, cl.gpus);
   const double mbs = micro_batches_per_rank(rc, p);
-  const int layers = rc.model.layers / p.mesh.pp, units = local_table(rc, p, 0).num_units();
-  const auto comm = predict_comm(rc, p);
+  // The busiest stage sets the pace: its layers' tp, cp and ep collectives are on the critical
+  // path (price_pipeline scales the compute to it). The dense group's reduction is stage 0's: its
+  // last backward ends the step.
+  const int busy = busiest_stage(rc, p);
+  const double layers = stage_layers(rc, p, busy);
+  const int units = local_table(rc, p, 0).num_units();
+  const auto comm = predict_comm(rc, p, busy), comm0 = busy == 0 ? comm : predict_comm(rc, p, 0);
   auto ops = [&](const std::string& group) {
-    const auto it = comm.find(group);
-    return it == comm.end() ? std::map<std::string, double>{} : it->second;
+    const auto& c = group == dense_group_name(p) || group == "ep_dp" ? comm0 : comm;
+    const auto it = c.find(group);
+    return it == c.end() ? std::map<std::string, double>{} : it->second;
   };
   auto nodes = [&](Axis a) { return group_nodes(p, a, cl.per_node); };
   s.t_tp = group_seconds(g.net, ops("tp"), tp::collective_calls(mbs, layers, p.sp), nodes(Axis::TP));
@@ -75,7 +82,7 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   const int dense_nodes = nodes(p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP);
   if (p.zero == 0) {
     const bool bucketed = p.dp_mode != "naive";
-    const double grad = grad_bytes(rc, p), calls = dp::reduction_calls(bucketed, layers, grad, p.bucket_mb);
+    const double grad = grad_bytes(rc, p), calls = dp::reduction_calls(bucketed, stage_layers(rc, p, 0), grad, p.bucket_mb);
     s.t_dp = group_seconds(g.net, ops(dense), calls, dense_nodes) + group_seconds(g.net, ops("ep_dp"), calls, nodes(Axis::EP_DP));
     s.t_dp_exposed = dp::exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), grad, p.bucket_mb);
   } else {
@@ -97,14 +104,11 @@ inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& 
   rc.micro_batch = mb;
   rc.recompute = r;
   // The fullest pipeline stage sets the memory: the first (embedding, most micro-batches in
-  // flight) or the last (head and logits).
+  // flight), the last (head and logits), or, split unevenly, a middle one with a layer more.
   auto total = [](const MemoryPrediction& m) { return m.params + m.grads + m.optimizer + m.activations; };
-  c.mem = predict_memory(rc, p, 0);
-  if (p.mesh.pp > 1) {
-    const MemoryPrediction last = predict_memory(rc, p, p.mesh.pp - 1);
-    if (total(last) > total(c.mem)) c.mem = last;
-  }
-  c.mem_total = total(c.mem);
+  const std::vector<MemoryPrediction> stages = stage_memory(rc, p);
+  for (size_t s = 0; s < stages.size(); s++)
+    if (s == 0 || total(stages[s]) > c.mem_total) c.mem = stages[s], c.mem_total = total(stages[s]), c.mem_stage = int(s);
   static_cast<StepTerms&>(c) = step_terms(rc, cl, p);
   const ModelConfig& m = rc.model;
   const double tokens = double(rc.batch) * m.seq, gpus = double(cl.gpus);
@@ -438,6 +442,8 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
            100 * kMemoryHeadroom, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch, double(rc.batch) * rc.model.seq,
            job.default_batch ? "; the default: set --global-batch-tokens" : "");
   print_assumptions(log, *cl.gpu);
+  const std::string beyond = beyond_table(cl.gpu->net, (cl.gpus + cl.per_node - 1) / cl.per_node);
+  if (!beyond.empty()) log.line("%s", beyond.c_str());
   std::vector<Candidate> all = enumerate(rc, cl, fixed);
   const Candidate* best = nullptr;
   if (fixed.all_fixed() && all.size() == 1) {

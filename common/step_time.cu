@@ -45,23 +45,81 @@ const Gpu* find_gpu(const std::string& name) {
 // bench_comm at 2 ranks. One "node": every rank on this machine.
 //   {"gflops": 21.3, "memory_gib": 7.7, "all_reduce_gbs": 0.9, "all_gather_gbs": 0.6,
 //    "reduce_scatter_gbs": 0.5, "latency_s": 2e-05}
-Gpu local_gpu(const std::string& path) {
+static Json read_json_file(const char* flag, const std::string& path, const char* hint) {
   std::ifstream f(path);
-  if (!f) config_error("--calibration: cannot read %s (make bench writes it; or pass --calibration FILE)", path.c_str());
+  if (!f) config_error("%s: cannot read %s%s", flag, path.c_str(), hint);
   const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   try {
-    const Json j = Json::parse(text);
-    auto num = [&](const char* key) {
-      const double v = j.at(key).as_double();
-      if (!(v > 0)) throw FormatError(std::string(key) + " must be > 0");
-      return v;
-    };
-    const double ar = num("all_reduce_gbs"), ag = num("all_gather_gbs"), rs = num("reduce_scatter_gbs"), lat = num("latency_s");
+    return Json::parse(text);
+  } catch (const FormatError& e) {
+    config_error("%s %s: %s", flag, path.c_str(), e.what());
+  }
+}
+static double positive(const Json& j, const std::string& key) {
+  const double v = j.as_double();
+  if (!(v > 0)) throw FormatError(key + " must be > 0");
+  return v;
+}
+static double positive_at(const Json& j, const char* key) { return positive(j.at(key), key); }
+
+// The bus bandwidths and latencies of a calibration or --network file (the same keys).
+static Network parse_network(const Json& j, const std::string& source) {
+  Network n;
+  if (j.contains("nodes"))
+    for (const Json& v : j.at("nodes").as_array()) n.nodes.push_back(positive(v, "nodes"));
+  else
+    n.nodes = {1};
+  if (n.nodes[0] != 1) throw FormatError("nodes must start at 1");
+  for (size_t i = 1; i < n.nodes.size(); i++)
+    if (n.nodes[i] <= n.nodes[i - 1]) throw FormatError("nodes must increase");
+  for (auto [key, v] : {std::pair{"all_reduce_gbs", &n.all_reduce}, {"all_gather_gbs", &n.all_gather},
+                        {"reduce_scatter_gbs", &n.reduce_scatter}}) {
+    const Json& x = j.at(key);
+    if (x.is_array())
+      for (const Json& e : x.as_array()) v->push_back(positive(e, key));
+    else
+      v->push_back(positive(x, key));
+    if (v->size() != n.nodes.size())
+      throw FormatError(std::string(key) + " has " + std::to_string(v->size()) + " values for " +
+                        std::to_string(n.nodes.size()) + " node counts");
+  }
+  n.latency_intra_s = positive_at(j, "latency_s");
+  n.latency_inter_s = j.contains("latency_inter_s") ? positive_at(j, "latency_inter_s") : n.latency_intra_s;
+  n.p2p_inter_gbs = j.contains("p2p_inter_gbs") ? positive_at(j, "p2p_inter_gbs") : n.all_gather.back();
+  n.source = source;
+  return n;
+}
+
+Gpu local_gpu(const std::string& path) {
+  const Json j = read_json_file("--calibration", path, " (make bench writes it; or pass --calibration FILE)");
+  try {
     // Memory bandwidth is not measured: the roofline is left out (the step rate already holds it).
-    return {"local", num("memory_gib"), num("gflops") / 1e3, 1e9, 1.0, Network{{1}, {ar}, {ag}, {rs}, ag, lat, lat}};
+    return {"local", positive_at(j, "memory_gib"), positive_at(j, "gflops") / 1e3, 1e9, 1.0,
+            parse_network(j, "measured here by make bench")};
   } catch (const FormatError& e) {
     config_error("--calibration %s: %s", path.c_str(), e.what());
   }
+}
+
+Network read_network(const std::string& path) {
+  const Json j = read_json_file("--network", path, "");
+  try {
+    return parse_network(j, path);
+  } catch (const FormatError& e) {
+    config_error("--network %s: %s", path.c_str(), e.what());
+  }
+}
+
+std::string beyond_table(const Network& n, int nodes) {
+  const double last = n.nodes.back();
+  if (nodes <= last) return "";
+  char b[600];
+  snprintf(b, sizeof b,
+           "assumed beyond the measured %g nodes (%s), for groups spanning up to %d: the last values held, all-reduce "
+           "%.1f, all-gather %.1f, reduce-scatter %.1f GB/s (a ring's bus bandwidth does not depend on its ranks in the "
+           "α–β model; how a larger fabric falls short of that is not known here); a cluster's own: --network FILE",
+           last, n.source.c_str(), nodes, n.all_reduce.back(), n.all_gather.back(), n.reduce_scatter.back());
+  return b;
 }
 
 std::string default_calibration_path() {
@@ -90,15 +148,17 @@ Calibration read_calibration(Args& a) {
   return c;
 }
 
-// The table, linear in log2(nodes) between its points; past its last point it falls ∝ 1/nodes (an
-// assumption: the table's trend from 32 to 64 nodes).
+// The table, linear in log2(nodes) between its points; past its last point the last value holds
+// (an assumption, printed by beyond_table: in the α–β model a ring's bus bandwidth does not depend
+// on the number of ranks, so the fall the table shows is its own fabric at its own sizes; carried
+// on ∝ 1/nodes it would put a 2048-node all-reduce at 1 GB/s, a fiftieth of one NIC).
 double bus_bandwidth(const Network& n, Collective op, int nodes) {
   if (op == Collective::P2P) return nodes > 1 ? n.p2p_inter_gbs : n.all_gather[0];
   const std::vector<double>& bw = op == Collective::AllReduce ? n.all_reduce
                                   : op == Collective::AllGather ? n.all_gather
                                                                 : n.reduce_scatter;
   const size_t last = n.nodes.size() - 1;
-  if (nodes >= n.nodes[last]) return bw[last] * n.nodes[last] / nodes;
+  if (nodes >= n.nodes[last]) return bw[last];
   size_t i = 0;
   while (i + 1 < last && n.nodes[i + 1] <= nodes) i++;
   const double f = (std::log2(double(nodes)) - std::log2(n.nodes[i])) / (std::log2(n.nodes[i + 1]) - std::log2(n.nodes[i]));
@@ -183,10 +243,10 @@ void print_assumptions(RunLog& log, const Gpu& g) {
              g.net.all_reduce[0], g.net.all_gather[0], g.net.reduce_scatter[0], 1e6 * g.net.latency_intra_s);
     return;
   }
-  log.line("assumed: matmuls at up to %.0f%% of %.0f TFLOP/s (roofline at %.0f GB/s); bus bandwidth by nodes spanned "
-           "(all-reduce %.0f GB/s in a node, %.1f across %g nodes); %.0f/%.0f µs per call in/across nodes",
-           100 * g.achievable, g.peak_tflops, g.hbm_gbs, g.net.all_reduce[0], g.net.all_reduce.back(), g.net.nodes.back(),
-           1e6 * g.net.latency_intra_s, 1e6 * g.net.latency_inter_s);
+  log.line("assumed: matmuls at up to %.0f%% of %.0f TFLOP/s (roofline at %.0f GB/s); bus bandwidth by nodes spanned, "
+           "%s (all-reduce %.0f GB/s in a node, %.1f across %g nodes); %.0f/%.0f µs per call in/across nodes",
+           100 * g.achievable, g.peak_tflops, g.hbm_gbs, g.net.source.c_str(), g.net.all_reduce[0], g.net.all_reduce.back(),
+           g.net.nodes.back(), 1e6 * g.net.latency_intra_s, 1e6 * g.net.latency_inter_s);
 }
 
 // "measured 12.3 ms (median of …)" and the summary's measured fields.

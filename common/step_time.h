@@ -39,6 +39,7 @@ struct Network {
   double p2p_inter_gbs;    // one GPU's share of the network: a send between nodes
   double latency_intra_s;  // per call, inside a node
   double latency_inter_s;  // per call, across nodes
+  std::string source = "the playbook's measurement";  // where the numbers come from, for the plan's assumptions
 };
 
 // The Ultra-Scale Playbook's measurement (pipeline-parallelism chapter, "communication bandwidth
@@ -63,6 +64,13 @@ Network scaled(const Network& n, double intra, double inter);
 const Gpu* find_gpu(const std::string& name);
 // This machine, as `make bench` measured it (scripts/bench.sh writes the file).
 Gpu local_gpu(const std::string& path);
+// A cluster's own bus bandwidths (--network FILE), in the calibration's keys: all_reduce_gbs,
+// all_gather_gbs, reduce_scatter_gbs and latency_s, each a number (one node) or, with "nodes":
+// [1, 2, 4, …], an array of one value per node count; optional latency_inter_s and p2p_inter_gbs.
+Network read_network(const std::string& path);
+// The line a plan prints when a group spans more nodes than the table measured: the value assumed
+// there and why ("" when every group is inside the table).
+std::string beyond_table(const Network& n, int nodes);
 
 // The calibration a run prices itself with: --calibration FILE, else calibration.json in the
 // folder of the running binary, where make bench writes it (BUILD/calibration.json). A file named

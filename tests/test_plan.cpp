@@ -39,16 +39,56 @@ void write_calibration(const std::string& path) {
 
 }  // namespace
 
-TEST_CASE("bus bandwidth: the playbook's table at its points, log-interpolated between, ∝ 1/nodes past it", "[plan]") {
+TEST_CASE("bus bandwidth: the playbook's table at its points, log-interpolated between, held past it", "[plan]") {
   CHECK(bus_bandwidth(kNet, Collective::AllReduce, 1) == 436.0);
   CHECK(bus_bandwidth(kNet, Collective::AllGather, 8) == 69.0);
   CHECK(bus_bandwidth(kNet, Collective::ReduceScatter, 64) == 11.1);
   // 3 nodes: log2(3) − 1 = 0.58496 of the way from 2 nodes (361.7) to 4 (160.1).
   CHECK(bus_bandwidth(kNet, Collective::AllReduce, 3) == Approx(361.7 - 0.5849625 * 201.6).epsilon(1e-6));
-  CHECK(bus_bandwidth(kNet, Collective::AllReduce, 128) == Approx(32.9 / 2));
+  CHECK(bus_bandwidth(kNet, Collective::AllReduce, 128) == 32.9);
+  CHECK(bus_bandwidth(kNet, Collective::AllGather, 2048) == 11.0);
+  CHECK(beyond_table(kNet, 64).empty());
+  const std::string past = beyond_table(kNet, 2048);
+  CHECK(past.find("assumed beyond the measured 64 nodes (the playbook's measurement), for groups spanning up to 2048: the "
+                  "last values held, all-reduce 32.9, all-gather 11.0, reduce-scatter 11.1 GB/s") == 0);
   // p2p: NVLink (a node's all-gather rate) inside a node, one NIC's 50 GB/s across nodes.
   CHECK(bus_bandwidth(kNet, Collective::P2P, 1) == 249.8);
   CHECK(bus_bandwidth(kNet, Collective::P2P, 2) == 50);
+}
+
+// --network FILE: a cluster's own table, in the calibration's keys; read as the playbook's is, held
+// past its last point; a malformed file stops the plan with the file and the key named.
+TEST_CASE("--network reads a cluster's bus bandwidths by node count; bad files are named", "[plan][e2e]") {
+  const std::string path = tst::scratch("network.json");
+  tst::write_bytes(path, R"({"nodes": [1, 16, 256], "all_reduce_gbs": [400, 100, 80], "all_gather_gbs": [300, 90, 70],)"
+                         R"( "reduce_scatter_gbs": [300, 90, 70], "latency_s": 1e-05, "latency_inter_s": 3e-05})");
+  const Network n = read_network(path);
+  CHECK(bus_bandwidth(n, Collective::AllReduce, 16) == 100);
+  CHECK(bus_bandwidth(n, Collective::AllReduce, 64) == Approx(90));  // half-way in log2 from 16 to 256
+  CHECK(bus_bandwidth(n, Collective::ReduceScatter, 1024) == 70);
+  CHECK(bus_bandwidth(n, Collective::P2P, 2) == 70);  // no p2p_inter_gbs: the widest all-gather's
+  CHECK(collective_seconds(n, Collective::AllGather, 9e9, 2, 16) == Approx(6e-5 + 0.1));
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 4096 --seq 4096 --global-batch-tokens 4194304 "
+                                     "--tp 8 --pp 4 --network " + path, 1, 120);
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(r.output.find("bus bandwidth by nodes spanned, " + path + " (all-reduce 400 GB/s in a node, 80.0 across 256 nodes)") !=
+        std::string::npos);
+  CHECK(r.output.find("assumed beyond the measured 256 nodes (" + path + "), for groups spanning up to 512") !=
+        std::string::npos);
+  for (const auto& [text, message] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"nodes": [1, 2], "all_reduce_gbs": [1], "all_gather_gbs": [1, 1], "reduce_scatter_gbs": [1, 1], "latency_s": 1})",
+            "all_reduce_gbs has 1 values for 2 node counts"},
+           {R"({"nodes": [2], "all_reduce_gbs": 1, "all_gather_gbs": 1, "reduce_scatter_gbs": 1, "latency_s": 1})",
+            "nodes must start at 1"},
+           {R"({"all_reduce_gbs": 1, "all_gather_gbs": 0, "reduce_scatter_gbs": 1, "latency_s": 1})",
+            "all_gather_gbs must be > 0"}}) {
+    tst::write_bytes(path, text);
+    const tst::Result bad = tst::run_bin("08_5d_mesh", "--plan --gpus 8 --network " + path, 1, 60);
+    INFO(bad.output);
+    CHECK(bad.status == 2);
+    CHECK(bad.output.find("--network " + path + ": " + message) != std::string::npos);
+  }
 }
 
 TEST_CASE("a collective's time: a latency per call plus wire bytes over bus bandwidth", "[plan]") {
