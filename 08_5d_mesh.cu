@@ -595,7 +595,7 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const mesh
   loop.extra = [&](Json& s) {
     if (plan.zero > 0 || mesh5d::dense_group_size(plan) == 1) return;
     s["comm_hidden_fraction"] = run.hidden_fraction();
-    log.line("dense gradients' reduction hidden behind compute: %.1f%%", 100 * run.hidden_fraction());
+    log.line("dense gradients' all-reduce hidden behind backward: %.1f%%", 100 * run.hidden_fraction());
   };
 }
 
