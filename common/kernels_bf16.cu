@@ -244,13 +244,31 @@ bool bf16_gemm_available(Bf16Gemm p) {
   return p == Bf16Gemm::Widen || (p == Bf16Gemm::Avx512Bf16 && avx512) || (p == Bf16Gemm::Amx && amx);
 }
 
+namespace {
+// AMD's cores with AVX512-BF16 (Zen 4, Zen 5) issue VDPBF16PS at the rate of a 512-bit FMA, so it
+// does twice sgemm's multiply-adds per instruction; the Intel core measured here issued it at a
+// quarter of that (notes/01). The choice goes by vendor, never by a timing at start-up: a path
+// picked by a race would change a run's bits from one launch to the next.
+bool vendor_is_amd() {
+  unsigned r[4];
+  if (!cpuid(0, 0, r)) return false;
+  char v[13] = {};
+  std::memcpy(v, &r[1], 4), std::memcpy(v + 4, &r[3], 4), std::memcpy(v + 8, &r[2], 4);  // EBX, EDX, ECX
+  return std::string(v) == "AuthenticAMD";
+}
+}  // namespace
+
+// auto: AMX where it runs; AVX512-BF16 on AMD's cores; widening elsewhere.
+static Bf16Gemm auto_bf16_gemm() {
+  if (bf16_gemm_available(Bf16Gemm::Amx)) return Bf16Gemm::Amx;
+  if (bf16_gemm_available(Bf16Gemm::Avx512Bf16) && vendor_is_amd()) return Bf16Gemm::Avx512Bf16;
+  return Bf16Gemm::Widen;
+}
+
 static Bf16Gemm choose_bf16_gemm() {
   const char* env = getenv("TS_BF16_GEMM");
   const std::string want = env ? env : "auto";
-  // auto takes AMX where it runs and widens elsewhere: on a Sapphire Rapids core VDPBF16PS ran
-  // slower than widening for sgemm (notes/01), so AVX512-BF16 is chosen only by name, for the CPUs
-  // that issue it at twice FMA's rate.
-  if (want == "auto" || want.empty()) return bf16_gemm_available(Bf16Gemm::Amx) ? Bf16Gemm::Amx : Bf16Gemm::Widen;
+  if (want == "auto" || want.empty()) return auto_bf16_gemm();
   for (Bf16Gemm p : {Bf16Gemm::Amx, Bf16Gemm::Avx512Bf16, Bf16Gemm::Widen}) {
     if (want != bf16_gemm_name(p)) continue;
     if (!bf16_gemm_available(p)) config_error("TS_BF16_GEMM=%s: this CPU (or its kernel) does not run it", env);

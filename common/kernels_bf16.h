@@ -22,7 +22,8 @@ const char* bf16_gemm_name(Bf16Gemm p);  // "widen", "avx512-bf16", "amx"
 // Whether this CPU (and, for AMX, the kernel: Linux 5.16+ grants the tile state on request) runs p.
 bool bf16_gemm_available(Bf16Gemm p);
 // The path bf16 matmuls take: the environment's TS_BF16_GEMM (auto | amx | avx512-bf16 | widen;
-// a path this CPU cannot run is a config_error); auto is AMX where it runs, else Widen. Chosen
+// a path this CPU cannot run is a config_error); auto is AMX where it runs, else AVX512-BF16 on
+// AMD's cores (Zen 4 and later, where it issues at FMA's rate), else Widen. Chosen
 // once per process, never by timing, so a run's bits do not depend on the machine's load.
 Bf16Gemm bf16_gemm_path();
 // "bf16 GEMM amx" (and "(TS_BF16_GEMM)" when the environment chose it), for the start-up line.

@@ -250,6 +250,25 @@ TEST_CASE("bad input: TS_BF16_GEMM must name a bf16 GEMM path", "[01][errors][bf
   }
 }
 
+// auto's choice, read independently of the CPUID code that makes it: /proc/cpuinfo's vendor and
+// flags. AMX where the CPU has it; AVX512-BF16 on AMD (Zen 4 and later issue it at FMA's rate);
+// widening elsewhere. The start-up line names the path.
+TEST_CASE("TS_BF16_GEMM=auto takes the path this CPU's flags call for, and names it", "[01][bf16]") {
+  std::string info, line, flags;  // /proc files report size 0: read them line by line
+  for (std::ifstream in("/proc/cpuinfo"); std::getline(in, line);) {
+    info += line + "\n";
+    if (flags.empty() && line.rfind("flags", 0) == 0) flags = line + " ";
+  }
+  REQUIRE(!flags.empty());
+  const auto has = [&](const std::string& f) { return flags.find(" " + f + " ") != std::string::npos; };
+  const bool amd = info.find("AuthenticAMD") != std::string::npos;
+  const std::string want = has("amx_bf16") ? "amx" : has("avx512_bf16") && amd ? "avx512-bf16" : "widen";
+  const tst::Result r = tst::run_bin("01_single_gpu", "--preset tiny --steps 1 --dtype bf16", 1, 60, "TS_BF16_GEMM=auto");
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(r.output.find("; bf16 GEMM " + want + " (TS_BF16_GEMM)\n") != std::string::npos);
+}
+
 TEST_CASE("bad input: a clear one-line message and a non-zero exit", "[01][errors]") {
   std::string bad_bin = tst::scratch("bad.bin"), short_txt = tst::scratch("short.txt"), trunc = tst::scratch("trunc.bin");
   {
