@@ -300,8 +300,9 @@ void bf16_gemm(Bf16Gemm path, bool transA, bool transB, int64_t M, int64_t N, in
   bf16* bp = tb.b16();
   const int64_t rows = Mp / kBlock, cols = Np / kBlock;
   const bool amx = path == Bf16Gemm::Amx;
-  // One parallel region for the packing and the product: with passive waiting (the default, see
-  // threads.cu) every region costs a wake-up of the other threads, as much as a small GEMM's work.
+  // One parallel region for the packing and the product: a thread that has gone to sleep between
+  // regions (threads.h) costs a wake-up, as much as a small GEMM's work, and the barriers inside
+  // one region are cheaper.
   // Blocks go column panel by column panel, so that consecutive blocks of a thread reuse B's panels.
 #pragma omp parallel
   {

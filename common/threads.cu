@@ -46,8 +46,12 @@ std::string sgemm_core_note() {
 std::string sgemm_core_warning() {
   const std::string core = openblas_get_corename();
   const char* best = best_core();
-  // Haswell's AVX2 kernels on an AVX-512 machine run at about half of SkylakeX's rate.
-  if (!best || core == best || !(is_old_core(core) || std::string(best) == "SkylakeX")) return "";
+  // Haswell's AVX2 kernels on an AVX-512 machine run at about half of SkylakeX's rate. Cooperlake
+  // and SapphireRapids are SkylakeX's sgemm with bf16 kernels beside it: no slower.
+  const bool avx512_core = core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
+  if (!best || core == best || (std::string(best) == "SkylakeX" && avx512_core) ||
+      !(is_old_core(core) || std::string(best) == "SkylakeX"))
+    return "";
   return "warning: OpenBLAS runs sgemm with its " + core + " kernels; this CPU supports the faster " + best +
          " ones (OPENBLAS_CORETYPE=" + best + ")";
 }
@@ -59,12 +63,20 @@ void prepare_process_env(char** argv) {
   const char* best = best_core();
   const std::string detected = openblas_get_corename();
   const bool fix_core = !getenv("OPENBLAS_CORETYPE") && best && is_old_core(detected);
-  if (!fix_core && getenv("OMP_WAIT_POLICY") && getenv("UCX_HANDLE_ERRORS")) return;
+  const bool wait_set = getenv("OMP_WAIT_POLICY") || getenv("GOMP_SPINCOUNT");
+  if (!fix_core && wait_set && getenv("UCX_HANDLE_ERRORS")) return;
   if (fix_core) {
     setenv("OPENBLAS_CORETYPE", best, 1);
     setenv("TS_OPENBLAS_DETECTED", detected.c_str(), 1);
   }
-  setenv("OMP_WAIT_POLICY", "passive", 0);
+  // An idle OpenMP thread spins for kSpinCount pauses (some tens of microseconds), then sleeps.
+  // The spin covers the gap between one op's parallel region and the next: waking a sleeping
+  // thread costs about as much (a futex and, on a virtual machine, an interrupt to another vCPU),
+  // and a step runs hundreds of regions (at the bench shape in bf16, passive waiting cost a
+  // two-thread step 10%). The sleep gives the cores back during MPI waits and to OpenBLAS's own
+  // threads when OPENBLAS_NUM_THREADS asks for them. libgomp's own default spins 30 times longer.
+  constexpr const char* kSpinCount = "10000";
+  if (!wait_set) setenv("OMP_WAIT_POLICY", "passive", 1), setenv("GOMP_SPINCOUNT", kSpinCount, 1);
   setenv("UCX_HANDLE_ERRORS", "none", 0);
   execv("/proc/self/exe", argv);
   // Without /proc the run continues with spinning threads: slower on a busy machine, same results.

@@ -1,12 +1,13 @@
 // threads.h — how many CPU threads each rank runs: the node's cores shared among the ranks on
-// it, never more threads than cores unless asked for, and idle OpenMP threads that sleep instead
-// of spinning against OpenBLAS's threads.
+// it, never more threads than cores unless asked for, and idle OpenMP threads that spin only
+// briefly before they sleep.
 #pragma once
 #include <string>
 
 namespace ts {
 
-// Before MPI_Init, unless the environment already says: idle OpenMP threads wait passively, and
+// Before MPI_Init, unless the environment already says: idle OpenMP threads spin briefly, then
+// sleep (OMP_WAIT_POLICY=passive with GOMP_SPINCOUNT=10000, which libgomp lets override it), and
 // UCX (MPICH's transport) prints no backtrace of its own when a peer dies under it (the job's
 // one-line error and mpirun's report of the lost rank are what a reader needs, last). libgomp
 // and UCX read these once, when they are loaded, so setting them means re-executing the process

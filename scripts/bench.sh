@@ -15,10 +15,10 @@ if [ -n "${OPENBLAS_CORETYPE:-}" ] && [ -n "$best" ] && [ "$OPENBLAS_CORETYPE" !
   else echo "the environment forces OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE; this CPU runs $best, which the bench uses"; fi
 fi
 [ -n "$best" ] && export OPENBLAS_CORETYPE=$best
-# OpenMP threads that spin after a parallel region steal the core OpenBLAS's own threads need
-# (the pthread build): both sides run with passive waiting.
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
-echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-auto} OMP_WAIT_POLICY=$OMP_WAIT_POLICY"
+# Both sides' idle OpenMP threads wait the same way, 01's default (common/threads.h): a short spin,
+# then sleep (PyTorch's bundled libgomp reads the same variables). Set either to compare others.
+if [ -z "${OMP_WAIT_POLICY:-}${GOMP_SPINCOUNT:-}" ]; then export OMP_WAIT_POLICY=passive GOMP_SPINCOUNT=10000; fi
+echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-auto} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-unset} GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-unset}"
 
 echo; echo "== kernels (one thread)"
 OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 mpirun -np 1 "$BUILD/bench/bench_kernels"

@@ -16,7 +16,6 @@ BUILD=${BUILD:-build}
 ROUNDS=${ROUNDS:-3}
 if grep -qw avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}
 elif grep -qw avx2 /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}; fi
-export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
 echo; echo "== predict, then measure: each run's predicted step time (the step-time model) on 2 ranks of 02–08"

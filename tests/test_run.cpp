@@ -88,13 +88,19 @@ static std::string last_spincount(const std::string& out) {
   return v;
 }
 
-TEST_CASE("threads: idle OpenMP threads sleep instead of spinning, unless OMP_WAIT_POLICY says otherwise", "[run][threads]") {
-  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, tst::kOwnThreads + " OMP_DISPLAY_ENV=verbose");
+// The default: a short spin (10000 pauses), then sleep; a policy the environment names is kept.
+TEST_CASE("threads: idle OpenMP threads spin briefly, then sleep, unless the environment says otherwise", "[run][threads]") {
+  const std::string dflt = tst::kOwnThreads + " -u OMP_WAIT_POLICY -u GOMP_SPINCOUNT OMP_DISPLAY_ENV=verbose";
+  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, dflt);
   INFO(r.output);
-  CHECK(last_spincount(r.output) == "0");
-  tst::Result a = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, "OMP_WAIT_POLICY=active OMP_DISPLAY_ENV=verbose");
+  CHECK(last_spincount(r.output) == "10000");
+  tst::Result p = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, "-u GOMP_SPINCOUNT OMP_WAIT_POLICY=passive OMP_DISPLAY_ENV=verbose");
+  INFO(p.output);
+  CHECK(last_spincount(p.output) == "0");
+  tst::Result a = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, "-u GOMP_SPINCOUNT OMP_WAIT_POLICY=active OMP_DISPLAY_ENV=verbose");
   INFO(a.output);
   CHECK(last_spincount(a.output) != "0");
+  CHECK(last_spincount(a.output) != "10000");
   CHECK(!last_spincount(a.output).empty());
 }
 
