@@ -52,6 +52,8 @@ probe=$(MKL_VERBOSE=1 LD_PRELOAD=$preload "$torch_py" -c \
 version=$(sed -n 's/^torch \([0-9].*\)/\1/p' <<<"$probe")
 if [ "${version%%.*}" -ge 2 ] 2>/dev/null; then
   mkl=$(sed -n 's/^MKL_VERBOSE oneMKL \([0-9.]*\).*(Intel(R) \(AVX[^)]*\)).*/MKL \1, \2 kernels/p' <<<"$probe" | head -1)
+  # On AMD MKL's banner names no instruction set ("Intel(R) Architecture processors"): say so.
+  [ -z "$mkl" ] && mkl=$(sed -n 's/^MKL_VERBOSE oneMKL \([0-9.]*\).*/MKL \1 (its banner names no instruction set on this CPU)/p' <<<"$probe" | head -1)
   echo "PyTorch $version ($venv), attn sdpa, torch.compile default;" \
        "sgemm: ${mkl:-MKL (MKL_VERBOSE printed nothing)} on $vendor${preload:+ (LD_PRELOAD overrides the Intel check of MKL)}"
   if [ "$vendor" = AuthenticAMD ] && [ -z "$preload" ]; then

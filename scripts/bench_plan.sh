@@ -77,7 +77,7 @@ done
 echo "load after:  $(uptime | sed 's/.*load average/load average/')"
 echo "calibration ($cal, the last of those rewritten before each run): $(cat "$cal")"
 echo "error = predicted / measured − 1; medians over $ROUNDS rounds, the errors' range in brackets"
-printf "%-62s %9s %10s %10s %7s %15s\n" "run (2 ranks, 1 thread each, $steps steps)" "01 tok/s" "predicted" "measured" "error" "range"
+printf "%-72s %9s %10s %10s %7s %15s\n" "run (2 ranks, 1 thread each, $steps steps)" "01 tok/s" "predicted" "measured" "error" "range"
 for i in "${!runs[@]}"; do
   IFS='|' read -r bin flags <<<"${runs[$i]}"
   awk -F'|' -v i="$i" -v r="$bin $flags" '
@@ -88,12 +88,12 @@ for i in "${!runs[@]}"; do
     $1 == i { split($3, pm, " "); n++; o[n] = $2; p[n] = pm[1]; m[n] = pm[2]; e[n] = pm[2] > 0 ? 100 * (pm[1] / pm[2] - 1) : 0 }
     END {
       lo = e[1]; hi = e[1]; for (j = 1; j <= n; j++) { if (e[j] < lo) lo = e[j]; if (e[j] > hi) hi = e[j] }
-      printf "%-62s %9.0f %10.0f %10.0f %+6.0f%% [%+4.0f%%, %+4.0f%%]\n", r, median(o, n), median(p, n), median(m, n), median(e, n), lo, hi
+      printf "%-72s %9.0f %10.0f %10.0f %+6.0f%% [%+4.0f%%, %+4.0f%%]\n", r, median(o, n), median(p, n), median(m, n), median(e, n), lo, hi
     }' "$results"
 done
 echo "the terms of each prediction (ms, last round):"
 for i in "${!runs[@]}"; do
   IFS='|' read -r bin flags <<<"${runs[$i]}"
-  awk -F'|' -v i="$i" -v r="$bin $flags" '$1 == i {t = $4} END {printf "  %-60s %s\n", r, t}' "$results"
+  awk -F'|' -v i="$i" -v r="$bin $flags" '$1 == i {t = $4} END {printf "  %-70s %s\n", r, t}' "$results"
 done
 rm -f "$results"
