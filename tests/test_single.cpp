@@ -3,6 +3,9 @@
 // accumulation, recompute, memory, checkpoints, mixed precision, bad input).
 #include <catch2/catch.hpp>
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cmath>
 #include <numeric>
 
@@ -262,7 +265,10 @@ TEST_CASE("TS_BF16_GEMM=auto takes the path this CPU's flags call for, and names
   REQUIRE(!flags.empty());
   const auto has = [&](const std::string& f) { return flags.find(" " + f + " ") != std::string::npos; };
   const bool amd = info.find("AuthenticAMD") != std::string::npos;
-  const std::string want = has("amx_bf16") ? "amx" : has("avx512_bf16") && amd ? "avx512-bf16" : "widen";
+  // AMX also needs the kernel's grant of the tile state (arch_prctl ARCH_REQ_XCOMP_PERM, 0x1023, for
+  // XTILEDATA, 18), which a container's kernel may refuse.
+  const bool amx = has("amx_bf16") && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  const std::string want = amx ? "amx" : has("avx512_bf16") && amd ? "avx512-bf16" : "widen";
   const tst::Result r = tst::run_bin("01_single_gpu", "--preset tiny --steps 1 --dtype bf16", 1, 60, "TS_BF16_GEMM=auto");
   INFO(r.output);
   REQUIRE(r.status == 0);
