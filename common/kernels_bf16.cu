@@ -244,24 +244,14 @@ bool bf16_gemm_available(Bf16Gemm p) {
   return p == Bf16Gemm::Widen || (p == Bf16Gemm::Avx512Bf16 && avx512) || (p == Bf16Gemm::Amx && amx);
 }
 
-namespace {
-// AMD's cores with AVX512-BF16 (Zen 4, Zen 5) issue VDPBF16PS at the rate of a 512-bit FMA, so it
-// does twice sgemm's multiply-adds per instruction; the Intel core measured here issued it at a
-// quarter of that (notes/01). The choice goes by vendor, never by a timing at start-up: a path
-// picked by a race would change a run's bits from one launch to the next.
-bool vendor_is_amd() {
-  unsigned r[4];
-  if (!cpuid(0, 0, r)) return false;
-  char v[13] = {};
-  std::memcpy(v, &r[1], 4), std::memcpy(v + 4, &r[3], 4), std::memcpy(v + 8, &r[2], 4);  // EBX, EDX, ECX
-  return std::string(v) == "AuthenticAMD";
-}
-}  // namespace
-
-// auto: AMX where it runs; AVX512-BF16 on AMD's cores; widening elsewhere.
+// auto: AMX where it runs; AVX512-BF16 on AMD's cores; widening elsewhere. AMD's cores with
+// AVX512-BF16 (Zen 4, Zen 5) issue VDPBF16PS at the rate of a 512-bit FMA, so it does twice sgemm's
+// multiply-adds per instruction; the Intel core measured here issued it at a quarter of that
+// (notes/01). The choice goes by vendor, never by a timing at start-up: a path picked by a race
+// would change a run's bits from one launch to the next.
 static Bf16Gemm auto_bf16_gemm() {
   if (bf16_gemm_available(Bf16Gemm::Amx)) return Bf16Gemm::Amx;
-  if (bf16_gemm_available(Bf16Gemm::Avx512Bf16) && vendor_is_amd()) return Bf16Gemm::Avx512Bf16;
+  if (bf16_gemm_available(Bf16Gemm::Avx512Bf16) && __builtin_cpu_is("amd")) return Bf16Gemm::Avx512Bf16;
   return Bf16Gemm::Widen;
 }
 

@@ -49,9 +49,8 @@ std::string sgemm_core_warning() {
   // Haswell's AVX2 kernels on an AVX-512 machine run at about half of SkylakeX's rate. Cooperlake
   // and SapphireRapids are SkylakeX's sgemm with bf16 kernels beside it: no slower.
   const bool avx512_core = core == "SkylakeX" || core == "Cooperlake" || core == "SapphireRapids";
-  if (!best || core == best || (std::string(best) == "SkylakeX" && avx512_core) ||
-      !(is_old_core(core) || std::string(best) == "SkylakeX"))
-    return "";
+  const bool slower = is_old_core(core) || (best && std::string(best) == "SkylakeX" && !avx512_core);
+  if (!best || core == best || !slower) return "";
   return "warning: OpenBLAS runs sgemm with its " + core + " kernels; this CPU supports the faster " + best +
          " ones (OPENBLAS_CORETYPE=" + best + ")";
 }

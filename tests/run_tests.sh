@@ -42,8 +42,8 @@ for src in tests/test_*.cpp; do
     # A summary line cut by another write (a rank's stderr forwarded mid-line) still has its
     # count: the test cases the filter selects.
     [[ "$n" =~ ^[0-9]+$ ]] || n=$("$bin" --list-test-names-only "${filter[@]}" 2>/dev/null | grep -c . || true)
-    [[ "$n" =~ ^[0-9]+$ ]] && [ "$n" -ge 1 ] || n=1
-    if [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi
+    [[ "$n" =~ ^[0-9]+$ ]] || n=1
+    if [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; [ "$n" -ge 1 ] || n=1; fi
     passed=$((passed + n - f)); failed=$((failed + f))
     if [ $rc -ne 0 ]; then
       [ $rc -eq 124 ] && echo "TIMEOUT after ${TIMEOUT}s" >>"$log"
