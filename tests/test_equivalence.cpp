@@ -1,8 +1,9 @@
 // ranks: 1
 // The equivalence criterion itself (tests/test_util.h, derived in notes/00_architecture.md):
 // AdamW's per-step bound and the initial weights it relies on; three real bugs, each linked into a
-// variant of its technique binary (tests/bugs/), each failing it by a wide margin while the same
-// run without the bug passes; and the thread count, which must not change a single bit.
+// variant of its technique binary (tests/bugs/), each failing it (and the bf16 criterion) by a wide
+// margin while the same run without the bug passes; and the thread count, which must not change a
+// single bit.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -24,6 +25,12 @@ const Run& single(int batch, int micro) { return run("01_single_gpu", 1, tst::st
 double worst_ratio(const tst::Equivalence& e) {
   return std::max({e.loss_rel / tst::equiv::kLossRel, e.norm_rel / tst::equiv::kGradRel,
                    e.grad_rel / tst::equiv::kGradRel, e.update_rel / tst::equiv::kUpdateRel, e.max_abs / e.cap});
+}
+// The same by the bf16 bounds (tst::check_bf16_equivalent) for 256-token steps.
+double worst_ratio_bf16(const tst::Equivalence& e) {
+  namespace q = tst::equiv;
+  return std::max({e.loss_rel / q::bf16_loss_rel(256), e.norm_rel / q::kBf16GradRel, e.grad_rel / q::kBf16GradRel,
+                   e.update_rel / q::kBf16UpdateRel, e.max_abs / e.cap});
 }
 
 }  // namespace
@@ -83,20 +90,21 @@ TEST_CASE("initial_weights are the weights a run starts from", "[equiv]") {
 
 // Each seeded bug against the same mesh without it: the variant BIN+BUG of the binary (the Makefile's
 // SEEDED_BUGS) says when its bug fires. The margins are printed (WARN) for the notes.
+struct Bug {
+  const char* name;
+  std::string bin;
+  int np;
+  std::string args;
+  int batch, micro;
+};
+const Bug kBugs[] = {
+    {"drop_microbatch", "02_data_parallel", 2, "--dp 2 ", 8, 2},  // two micro-batches per rank, the first lost
+    {"swap_fg", "04_tensor_parallel", 2, "--tp 2 ", 8, 8},        // f and g exchanged in layer 0's MLP backward
+    {"stale_shard", "03_zero", 2, "--dp 2 --zero 1 ", 8, 4},      // the last rank never updates layer 0's shard
+};
+
 TEST_CASE("three seeded bugs fail the criterion by a wide margin; the same runs without them pass", "[equiv][e2e]") {
-  struct Bug {
-    const char* name;
-    std::string bin;
-    int np;
-    std::string args;
-    int batch, micro;
-  };
-  const Bug bugs[] = {
-      {"drop_microbatch", "02_data_parallel", 2, "--dp 2 ", 8, 2},  // two micro-batches per rank, the first lost
-      {"swap_fg", "04_tensor_parallel", 2, "--tp 2 ", 8, 8},        // f and g exchanged in layer 0's MLP backward
-      {"stale_shard", "03_zero", 2, "--dp 2 --zero 1 ", 8, 4},      // the last rank never updates layer 0's shard
-  };
-  for (const Bug& b : bugs) {
+  for (const Bug& b : kBugs) {
     const Run& ref = single(b.batch, b.batch);
     const std::string args = b.args + tst::steps_args(6, b.batch, b.micro);
     const tst::Equivalence good = tst::compare(run(b.bin, b.np, args), ref);
@@ -110,6 +118,22 @@ TEST_CASE("three seeded bugs fail the criterion by a wide margin; the same runs 
     CHECK(tst::equivalent(good));
     CHECK_FALSE(tst::equivalent(bad));
     CHECK(worst_ratio(bad) >= 30);
+  }
+}
+
+// The bf16 bounds are wider than fp32's by the ratio of the two formats' rounding: they must still
+// catch each bug, and pass the same runs without it.
+TEST_CASE("the three seeded bugs fail the bf16 criterion too; the same runs without them pass it", "[equiv][e2e][bf16]") {
+  for (const Bug& b : kBugs) {
+    const std::string args = b.args + tst::steps_args(6, b.batch, b.micro) + " --dtype bf16";
+    const Run& ref = run("01_single_gpu", 1, tst::steps_args(6, b.batch, b.batch) + " --dtype bf16");
+    const tst::Equivalence good = tst::compare(run(b.bin, b.np, args), ref);
+    const tst::Equivalence bad = tst::compare(run("tests/bugs/" + b.bin + "+" + b.name, b.np, args), ref);
+    INFO(b.name << "\n  without: " << good << "\n  with: " << bad);
+    WARN(b.name << " (bf16): worst measure/bound " << worst_ratio_bf16(bad) << " with the bug, "
+                << worst_ratio_bf16(good) << " without");
+    CHECK(worst_ratio_bf16(good) <= 1);
+    CHECK(worst_ratio_bf16(bad) >= 10);
   }
 }
 

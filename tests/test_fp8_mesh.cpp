@@ -31,8 +31,8 @@ std::string fp8(const std::string& recipe) {
 // sequence the two runs' rounding errors are independent (δ → sqrt(δ·u) per quantization), so
 // each operand differs as two independent roundings do: RMS sqrt(2/3)·u relative.
 constexpr double kU4 = 1.0 / 16, kU5 = 1.0 / 8;
-// A GEMM output, operands with u_a and u_b: sqrt(2/3)·sqrt(u_a² + u_b²).
-double gemm_rel(double ua, double ub) { return std::sqrt(2.0 / 3.0) * std::sqrt(ua * ua + ub * ub); }
+// A GEMM output, operands with u_a and u_b: sqrt(2/3)·sqrt(u_a² + u_b²) (as for bf16, test_util.h).
+using tst::equiv::gemm_rel;
 // Weight gradients: dy in e5m2 (tensorwise, delayed) or e4m3 (blockwise), x in e4m3.
 double grad_bound(const std::string& recipe) { return gemm_rel(recipe == "blockwise" ? kU4 : kU5, kU4); }
 // The loss: the forward GEMMs (both operands e4m3) move each token's loss independently, and the

@@ -386,6 +386,46 @@ inline void check_equivalent(const CachedRun& r, const CachedRun& ref) {
   CHECK(e.max_abs <= e.cap);
 }
 
+// ----- what "equal to 01" means in bf16 (notes/00_architecture.md, "... under bf16") -----------
+//
+// bf16 weights and activations round to 8 significant bits (u = 2^-8). Where a technique sums in
+// another order before a value is rounded, the value crosses a rounding boundary now and then, and
+// from there the two runs round it independently: two independent roundings differ by RMS
+// sqrt(2/3)·u relative. The fp32 criterion's chain then applies with that in place of a reordered
+// sum's sqrt(n)·u: up to 43 such stages along the forward add in quadrature, the backward runs the
+// chain twice more. The FP8 criterion (test_fp8_mesh.cpp) starts from the same per-rounding term.
+namespace equiv {
+// Two independently rounded operands with unit roundoffs u_a, u_b: a product differs by
+// sqrt(2/3)·sqrt(u_a² + u_b²) relative, normwise.
+inline double gemm_rel(double ua, double ub) { return std::sqrt(2.0 / 3.0) * std::sqrt(ua * ua + ub * ub); }
+constexpr double kUbf16 = 1.0 / 256;
+// A forward's value: sqrt(43) stages × sqrt(2/3)·u = 0.021.
+inline const double kBf16ForwardRel = kSqrtStages * std::sqrt(2.0 / 3.0) * kUbf16;
+// A step's loss averages `tokens` tokens' losses, each moved independently: 1.3e-3 at 256 tokens.
+inline double bf16_loss_rel(int tokens) { return kBf16ForwardRel / std::sqrt(double(tokens)); }
+// Gradients (step 1's per tensor, and every step's norm): sqrt(3) × the forward's, 0.036.
+inline const double kBf16GradRel = 1.7320508075688772 * kBf16ForwardRel;
+// Weights: the fp32 criterion's 2·sqrt(0.8·δ) with the gradient bound as δ, 0.34.
+inline const double kBf16UpdateRel = 2 * std::sqrt(0.8 * kBf16GradRel);
+}  // namespace equiv
+
+// A bf16 run against 01's bf16 run of the same global batch (`tokens` tokens a step), by the bf16
+// bounds. Even dp, whose samples each take 01's path, rounds in other places: a GEMM library may
+// block a sum differently for a smaller micro-batch (OpenBLAS's sgemm under TS_BF16_GEMM=widen
+// does), and one crossed boundary is enough.
+inline void check_bf16_equivalent(const CachedRun& r, const CachedRun& ref, int tokens) {
+  REQUIRE(r.log.steps.size() == ref.log.steps.size());
+  const Equivalence e = compare(r, ref);
+  report(e);
+  INFO(e << "; bf16 bounds: loss " << equiv::bf16_loss_rel(tokens) << ", gradients " << equiv::kBf16GradRel
+         << ", weights " << equiv::kBf16UpdateRel);
+  CHECK(e.loss_rel <= equiv::bf16_loss_rel(tokens));
+  CHECK(e.norm_rel <= equiv::kBf16GradRel);
+  CHECK(e.grad_rel <= equiv::kBf16GradRel);
+  CHECK(e.update_rel <= equiv::kBf16UpdateRel);
+  CHECK(e.max_abs <= e.cap);
+}
+
 // Resumes `bin` (np ranks, `args` + --resume from_ckpt) to the reference's last step and checks
 // that it continues the reference run by the same criterion: the losses of the steps after the
 // checkpoint and the final weights (step 1's gradients belong to the run that wrote from_ckpt).

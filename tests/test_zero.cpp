@@ -1,6 +1,6 @@
 // ranks: 1
 // 03_zero: ZeRO-1/2/3 against 01 end to end — losses and final weights in fp32 (with clipping
-// and gradient accumulation), bf16 smoke runs, per-rank memory and communication against the
+// and gradient accumulation), bf16 runs by the bf16 bounds, per-rank memory and communication against the
 // playbook's formulas (checked here independently of the binary's own predictions), resuming a
 // stage-3 checkpoint under stage 1 on another dp, and bad input.
 #include <catch2/catch.hpp>
@@ -95,18 +95,17 @@ TEST_CASE("ZeRO-3 at dp 3 (padded units) reproduces 01 on a batch of 12", "[03][
 
 // ----- bf16 ----------------------------------------------------------------------------------------------
 
-TEST_CASE("bf16 smoke: every stage trains, finite and falling, within 0.05 of 01 bf16", "[03][e2e][bf16]") {
+// A reduce-scatter's other order can move a master weight across a bf16 rounding boundary: the
+// runs agree by the bf16 bounds (test_util.h).
+TEST_CASE("bf16: every stage reproduces 01 bf16 by the bf16 bounds", "[03][e2e][bf16]") {
   const std::string a = "--dtype bf16 --steps 10 --batch 8";
   const Run& ref = single(a);
   for (int stage : {1, 2, 3}) {
     const Run& z = zero(stage, 2, a);
-    std::vector<double> l = z.log.losses(), r = ref.log.losses();
+    std::vector<double> l = z.log.losses();
     INFO("stage " << stage);
     REQUIRE(l.size() == 10);
-    for (size_t i = 0; i < l.size(); i++) {
-      CHECK(std::isfinite(l[i]));
-      CHECK(std::fabs(l[i] - r[i]) < 0.05);
-    }
+    tst::check_bf16_equivalent(z, ref, 8 * 32);
     CHECK(l.back() < l.front() - 0.3);
     // Mixed precision here keeps fp32 gradients: bf16 weights 2Ψ, fp32 grads 4Ψ, and fp32
     // master + m + v 12Ψ/N; ZeRO-3 gathers bf16 weights, every stage reduce-scatters fp32.
