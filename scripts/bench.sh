@@ -4,15 +4,17 @@
 # CPUs as an old core and runs sgemm several times slower otherwise.
 set -uo pipefail
 BUILD=${BUILD:-build}
-# Both sides of every comparison run the best instruction set this CPU has: OpenBLAS on the core
-# for it, whatever the environment forced (an environment may pin Haswell on an AVX-512 machine,
-# which would compare 01 on AVX2 with PyTorch's MKL on AVX-512). A forced core is reported, then
+# Both sides of every comparison run their fastest kernels on this CPU, whatever the environment
+# forced (an environment may pin Haswell on an AVX-512 Xeon, which would compare 01 on AVX2 with
+# PyTorch's MKL on AVX-512). 01's sgemm core is the one the programs take by themselves (by
+# instruction set; Haswell's AVX2 kernels on Zen 4, where they outrun the AVX-512 ones: README),
+# and the GEMM-only limit and the kernel rows get the same. A forced core is reported, then
 # overridden; BENCH_KEEP_CORETYPE=1 keeps it.
-best=
-if grep -qw avx512f /proc/cpuinfo; then best=SkylakeX; elif grep -qw avx2 /proc/cpuinfo; then best=Haswell; fi
+best=$(env -u OPENBLAS_CORETYPE "$BUILD/01_single_gpu" --preset tiny --steps 0 --quiet --device cpu </dev/null |
+       sed -n 's/.*sgemm core \([A-Za-z0-9]*\).*/\1/p')
 if [ -n "${OPENBLAS_CORETYPE:-}" ] && [ -n "$best" ] && [ "$OPENBLAS_CORETYPE" != "$best" ]; then
   if [ "${BENCH_KEEP_CORETYPE:-0}" = 1 ]; then best=$OPENBLAS_CORETYPE
-  else echo "the environment forces OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE; this CPU runs $best, which the bench uses"; fi
+  else echo "the environment forces OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE; 01 takes $best on this CPU, which the bench uses"; fi
 fi
 [ -n "$best" ] && export OPENBLAS_CORETYPE=$best
 # Both sides' idle OpenMP threads wait the same way, 01's default (common/threads.h): a short spin,

@@ -14,8 +14,8 @@
 set -uo pipefail
 BUILD=${BUILD:-build}
 ROUNDS=${ROUNDS:-3}
-if grep -qw avx512f /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-SkylakeX}
-elif grep -qw avx2 /proc/cpuinfo; then export OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-Haswell}; fi
+# Every run here is a program, which takes its sgemm core itself (README, Benchmarks), so the
+# calibration and the runs it predicts share one core.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
 echo; echo "== predict, then measure: each run's predicted step time (the step-time model) on 2 ranks of 02–08"

@@ -104,6 +104,40 @@ TEST_CASE("threads: idle OpenMP threads spin briefly, then sleep, unless the env
   CHECK(!last_spincount(a.output).empty());
 }
 
+// The sgemm core a run names on its threads: line, and what /proc/cpuinfo says this CPU is.
+std::string sgemm_core_of(const std::string& out) {
+  std::smatch m;
+  static const std::regex re(R"(sgemm core (\S+)( \([^)]*\))?)");
+  return std::regex_search(out, m, re) ? m.str(0) : "";
+}
+
+TEST_CASE("sgemm core: Zen 4 takes Haswell's kernels, elsewhere OpenBLAS's choice stands; OPENBLAS_CORETYPE wins",
+          "[run][threads]") {
+  std::ifstream f("/proc/cpuinfo");
+  std::string line, vendor, family, flags;
+  auto value = [&] { return line.substr(line.find(':') + 2); };
+  while (std::getline(f, line) && flags.empty()) {
+    if (line.rfind("vendor_id", 0) == 0) vendor = value();
+    else if (line.rfind("cpu family", 0) == 0) family = value();
+    else if (line.rfind("flags", 0) == 0) flags = " " + value() + " ";
+  }
+  const bool zen4 = vendor == "AuthenticAMD" && family == "25" && flags.find(" avx512f ") != std::string::npos;
+  const tst::Result own = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, "-u OPENBLAS_CORETYPE");
+  const std::string core = sgemm_core_of(own.output);
+  INFO(vendor << " family " << family << (zen4 ? " (Zen 4)" : "") << "\n" << own.output);
+  REQUIRE(own.status == 0);
+  if (zen4) {
+    CHECK(core.rfind("sgemm core Haswell", 0) == 0);
+  } else {
+    CHECK(core.find("Zen 4") == std::string::npos);
+    CHECK(core.find("OPENBLAS_CORETYPE") == std::string::npos);
+  }
+  // A core the user names is kept (Sandybridge's AVX kernels run on every x86-64 CPU with AVX).
+  const tst::Result forced = tst::run_bin("01_single_gpu", kTiny + "--steps 0", 1, 120, "OPENBLAS_CORETYPE=Sandybridge");
+  INFO(forced.output);
+  CHECK(sgemm_core_of(forced.output) == "sgemm core Sandybridge (OPENBLAS_CORETYPE)");
+}
+
 TEST_CASE("threads: 1 and 2 threads give bitwise-equal losses and weights", "[run][threads]") {
   // ffn 400 and 384 tokens per step put sgemm's inner dimension past one OpenBLAS block, where a
   // threaded OpenBLAS would round differently.
