@@ -155,32 +155,35 @@ void store_block(const float* acc, int64_t i0, int64_t j0, int64_t M, int64_t N,
 
 constexpr int kRows = 8;  // rows of a register tile: 8 × 2 vectors = 16 accumulators
 
-__attribute__((target("avx512f,avx512bf16"))) void avx512_block(const bf16* ap, const bf16* bp, int64_t Kp, int64_t i0,
-                                                                 int64_t j0, float* acc) {
-  const int64_t pairs = Kp / 2;
-  const bf16* b0 = bp + (j0 / kPanel) * pairs * 2 * kPanel;
-  const bf16* b1 = b0 + pairs * 2 * kPanel;
-  for (int64_t r0 = 0; r0 < kBlock; r0 += kRows) {
-    __m512 s[kRows][2];
-    for (int r = 0; r < kRows; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
-    const int64_t ls = a_stride(Kp);
-    const bf16* arow = ap + (i0 + r0) * ls;
-    for (int64_t q = 0; q < pairs; q++) {
-      const __m512bh x0 = (__m512bh)_mm512_loadu_si512(b0 + q * 2 * kPanel);
-      const __m512bh x1 = (__m512bh)_mm512_loadu_si512(b1 + q * 2 * kPanel);
-      for (int r = 0; r < kRows; r++) {
-        int32_t pair;  // A[i, 2q] and A[i, 2q+1], broadcast to the 16 lanes
-        std::memcpy(&pair, arow + r * ls + 2 * q, sizeof pair);
-        const __m512bh y = (__m512bh)_mm512_set1_epi32(pair);
-        s[r][0] = _mm512_dpbf16_ps(s[r][0], y, x0);
-        s[r][1] = _mm512_dpbf16_ps(s[r][1], y, x1);
-      }
-    }
+// C[kRows, 16·NV] (row stride ldc) = Σ_q A-pair(r, q) · B-pairs(q, v): row r of A at a + r·lda,
+// its values 2q and 2q+1 side by side; B's vector v of pair q (16 columns × their two values) at
+// b + q·ldq + v·ldv. Each C element adds its products in the order of q, two per instruction.
+template <int NV>
+__attribute__((target("avx512f,avx512bf16"))) void pair_tile(int64_t pairs, const bf16* a, int64_t lda, const bf16* b,
+                                                              int64_t ldq, int64_t ldv, float* c, int64_t ldc) {
+  __m512 s[kRows][NV];
+  for (int r = 0; r < kRows; r++)
+    for (int v = 0; v < NV; v++) s[r][v] = _mm512_setzero_ps();
+  for (int64_t q = 0; q < pairs; q++) {
+    __m512bh x[NV];
+    for (int v = 0; v < NV; v++) x[v] = (__m512bh)_mm512_loadu_si512(b + q * ldq + v * ldv);
     for (int r = 0; r < kRows; r++) {
-      _mm512_storeu_ps(acc + (r0 + r) * kBlock, s[r][0]);
-      _mm512_storeu_ps(acc + (r0 + r) * kBlock + kPanel, s[r][1]);
+      int32_t pair;  // A[r, 2q] and A[r, 2q+1], broadcast to the 16 lanes
+      std::memcpy(&pair, a + r * lda + 2 * q, sizeof pair);
+      const __m512bh y = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; v++) s[r][v] = _mm512_dpbf16_ps(s[r][v], y, x[v]);
     }
   }
+  for (int r = 0; r < kRows; r++)
+    for (int v = 0; v < NV; v++) _mm512_storeu_ps(c + r * ldc + v * kPanel, s[r][v]);
+}
+
+// One 32 × 32 block of C from packed A rows and two packed B panels.
+void avx512_block(const bf16* ap, const bf16* bp, int64_t Kp, int64_t i0, int64_t j0, float* acc) {
+  const int64_t pairs = Kp / 2, ls = a_stride(Kp);
+  const bf16* b0 = bp + (j0 / kPanel) * pairs * 2 * kPanel;
+  for (int64_t r0 = 0; r0 < kBlock; r0 += kRows)
+    pair_tile<2>(pairs, ap + (i0 + r0) * ls, ls, b0, 2 * kPanel, pairs * 2 * kPanel, acc + r0 * kBlock, kBlock);
 }
 
 // ----- AMX-BF16: 2 × 2 tiles of 16 × 16 fp32 per block ----------------------------------------
@@ -230,6 +233,16 @@ __attribute__((target("amx-tile,amx-bf16"))) void amx_block(const bf16* ap, cons
 }
 
 }  // namespace
+
+void bf16_pair_products(int64_t M, int64_t N, int64_t pairs, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
+                        float* c, int64_t ldc) {
+  for (int64_t m = 0; m < M; m += kRows) {
+    int64_t n = 0;
+    for (; n + 2 * kPanel <= N; n += 2 * kPanel)
+      pair_tile<2>(pairs, a + m * lda, lda, b + 2 * n, ldb, 2 * kPanel, c + m * ldc + n, ldc);
+    if (n < N) pair_tile<1>(pairs, a + m * lda, lda, b + 2 * n, ldb, 2 * kPanel, c + m * ldc + n, ldc);
+  }
+}
 
 const char* bf16_gemm_name(Bf16Gemm p) {
   switch (p) {

@@ -37,5 +37,13 @@ std::string bf16_gemm_note();
 void bf16_gemm(Bf16Gemm path, bool transA, bool transB, int64_t M, int64_t N, int64_t K, float alpha, const bf16* a,
                int64_t lda, const bf16* b, int64_t ldb, float beta, float* c);
 
+// Attention's score-shaped products (Q Kᵀ, dO Vᵀ) on VDPBF16PS: C[M, N] (fp32, row stride ldc) =
+// Σ_k A[i, k] · B[k, j] over K = 2·pairs, with A row-major bf16 (row stride lda, K zero-padded to
+// even) and B by pairs of k: for each q, the N columns' values 2q and 2q+1 side by side, B[k, j]
+// at b[q·ldb + 2j + k mod 2] (ldb ≥ 2N). M a multiple of 8, N of 16. As bf16_gemm, each product is
+// exact and each C element sums them in fp32 in a fixed order. The CPU must run Avx512Bf16.
+void bf16_pair_products(int64_t M, int64_t N, int64_t pairs, const bf16* a, int64_t lda, const bf16* b, int64_t ldb,
+                        float* c, int64_t ldc);
+
 }  // namespace cpu
 }  // namespace ts

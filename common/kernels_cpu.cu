@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 
 #include "kernels_internal.h"
 
@@ -324,7 +325,7 @@ template <class T>
 void gather_head(float* dst, const T* src, int64_t heads, int64_t b, int64_t h, const AttnShape& a, float mul,
                  bool transpose) {
   const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp();
-  std::fill(dst, dst + Sp * Dp, 0.0f);
+  if (S < Sp || hd < Dp) std::fill(dst, dst + Sp * Dp, 0.0f);  // the padding, where there is any
   for (int64_t s = 0; s < S; s++) {
     const T* row = src + ((b * S + s) * heads + h) * hd;
     for (int64_t d = 0; d < hd; d++) {
@@ -334,6 +335,68 @@ void gather_head(float* dst, const T* src, int64_t heads, int64_t b, int64_t h, 
         dst[s * Dp + d] = ld(row[d]) * mul;
     }
   }
+}
+
+// bf16 operands of the score-shaped products (Q Kᵀ, dO Vᵀ) on a CPU whose bf16 path is AVX512-BF16
+// go to VDPBF16PS as they are (kernels_bf16.h, bf16_pair_products): the products are exact and sum
+// in fp32, so against the widened fp32 tiles only the order of the additions differs, and the
+// instruction does two multiply-adds per lane. The other five products take P or dS, fp32 here.
+template <class T> bool pair_scores() {
+  if constexpr (std::is_same_v<T, bf16>)
+    return bf16_gemm_path() == Bf16Gemm::Avx512Bf16;
+  else
+    return false;
+}
+
+// One head's slice of a bf16 [B, S, heads, hd] tensor, zero-padded, as bf16 rows [Sp, Dp]
+// (by_key false: bf16_pair_products' A) or by pairs of head components, each key's two values side
+// by side: [Dp/2][2 Sp] (by_key true: its B).
+void gather_pairs(bf16* dst, const bf16* src, int64_t heads, int64_t b, int64_t h, const AttnShape& a, bool by_key) {
+  const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp();
+  if (S < Sp || hd < Dp) std::fill(dst, dst + Sp * Dp, bf16{0});
+  for (int64_t s = 0; s < S; s++) {
+    const bf16* row = src + ((b * S + s) * heads + h) * hd;
+    if (!by_key)
+      std::copy(row, row + hd, dst + s * Dp);
+    else
+      for (int64_t d = 0; d < hd; d++) dst[(d / 2) * 2 * Sp + 2 * s + d % 2] = row[d];
+  }
+}
+
+// C[rows, n] = mul · A Bᵀ for query-side rows A (Q or dO) and key-side rows B (K or V) of one
+// head: fp32 register tiles on A [Sp, Dp] (mul already in it) and Bᵀ [Dp, Sp], or VDPBF16PS on
+// gather_pairs' layouts, C scaled by mul after the sum.
+struct ScoreOperands {
+  float* a32 = nullptr;   // A [Sp, Dp], fp32, mul applied as it is gathered
+  float* bt32 = nullptr;  // Bᵀ [Dp, Sp], fp32
+  bf16* a16 = nullptr;    // A [Sp, Dp], bf16 (pair path)
+  bf16* b16 = nullptr;    // B by pairs [Dp/2][2 Sp], bf16 (pair path)
+  float mul = 1.0f;       // on the pair path, applied to C after the sum
+};
+
+// The key side (K or V of kv head h) into o's buffer.
+template <class T>
+void gather_key_side(const ScoreOperands& o, const T* src, int64_t heads, int64_t b, int64_t h, const AttnShape& a) {
+  if constexpr (std::is_same_v<T, bf16>)
+    if (o.b16) return gather_pairs(o.b16, src, heads, b, h, a, true);
+  gather_head(o.bt32, src, heads, b, h, a, 1.0f, true);
+}
+
+// The query side (Q or dO of head h) into o's buffer.
+template <class T>
+void gather_query_side(const ScoreOperands& o, const T* src, int64_t heads, int64_t b, int64_t h, const AttnShape& a) {
+  if constexpr (std::is_same_v<T, bf16>)
+    if (o.a16) return gather_pairs(o.a16, src, heads, b, h, a, false);
+  gather_head(o.a32, src, heads, b, h, a, o.mul, false);
+}
+
+void score_products(const ScoreOperands& o, const AttnShape& a, int64_t i0, int64_t rows, int64_t n, float* c) {
+  const int64_t Sp = a.Sp(), Dp = a.Dp();
+  if (!o.a16) return tiled_gemm(rows, n, Dp, o.a32 + i0 * Dp, Dp, 1, o.bt32, Sp, c, Sp, false);
+  bf16_pair_products(rows, n, Dp / 2, o.a16 + i0 * Dp, Dp, o.b16, 2 * Sp, c, Sp);
+  if (o.mul != 1.0f)
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t j = 0; j < n; j += kLanes) vstore(c + r * Sp + j, vload(c + r * Sp + j) * o.mul);
 }
 
 // The keys a block of query rows needs. Scores are formed only for columns [0, end): end is past
@@ -460,20 +523,23 @@ void attention_forward_cpu(T* out, float* lse, const T* q, const T* k, const T* 
   const int64_t S = a.S, hd = a.hd, Sp = a.Sp(), Dp = a.Dp(), per_thread = 3 * Sp * Dp + kMR * Sp + kMR * Dp;
   const float scale = 1.0f / std::sqrt(float(hd));
   const std::vector<KeyRange> ranges = key_ranges(qpos, kpos, a, kMR);
+  const bool pairs = pair_scores<T>();
   Tensor ws = workspace(per_thread * omp_get_max_threads());
 #pragma omp parallel for schedule(static)
   for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
     const int64_t b = bg / a.KVH, kvh = bg % a.KVH;
     float* Kt = ws.f32() + per_thread * omp_get_thread_num();
     float *V = Kt + Sp * Dp, *Qs = V + Sp * Dp, *sc = Qs + Sp * Dp, *ob = sc + kMR * Sp;
-    gather_head(Kt, k, a.KVH, b, kvh, a, 1.0f, true);
+    ScoreOperands qk{Qs, Kt, nullptr, nullptr, scale};  // Q Kᵀ; the pair path keeps bf16 in the same buffers
+    if (pairs) qk = {nullptr, nullptr, reinterpret_cast<bf16*>(Qs), reinterpret_cast<bf16*>(Kt), scale};
+    gather_key_side(qk, k, a.KVH, b, kvh, a);
     gather_head(V, v, a.KVH, b, kvh, a, 1.0f, false);
     for (int64_t h = kvh * a.group(); h < (kvh + 1) * a.group(); h++) {
-      gather_head(Qs, q, a.H, b, h, a, scale, false);
+      gather_query_side(qk, q, a.H, b, h, a);
       for (int64_t i0 = 0; i0 < S; i0 += kMR) {
         const KeyRange& kr = ranges[i0 / kMR];
         const int64_t rows = std::min<int64_t>(kMR, S - i0);
-        tiled_gemm(kMR, kr.end, Dp, Qs + i0 * Dp, Dp, 1, Kt, Sp, sc, Sp, false);
+        score_products(qk, a, i0, kMR, kr.end, sc);
         mask_scores(sc, Sp, kr, qpos, kpos, i0, rows, S);
         float lse_b[kMR], inv_sum[kMR];
         softmax_block(sc, Sp, kr.end, lse_b, inv_sum);
@@ -500,6 +566,7 @@ void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, co
   const int64_t per_thread = 7 * Sp * Dp + Sp + 2 * kQTile * Sp + kQTile * Dp;
   const float scale = 1.0f / std::sqrt(float(hd));
   const std::vector<KeyRange> ranges = key_ranges(qpos, kpos, a, kQTile);
+  const bool pairs = pair_scores<T>();
   Tensor ws = workspace(per_thread * omp_get_max_threads());
 #pragma omp parallel for schedule(static)
   for (int64_t bg = 0; bg < a.B * a.KVH; bg++) {
@@ -507,14 +574,22 @@ void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, co
     float* K = ws.f32() + per_thread * omp_get_thread_num();
     float *Kt = K + Sp * Dp, *Vt = Kt + Sp * Dp, *dK = Vt + Sp * Dp, *dV = dK + Sp * Dp, *Qs = dV + Sp * Dp;
     float *dO = Qs + Sp * Dp, *Drow = dO + Sp * Dp, *P = Drow + Sp, *dS = P + kQTile * Sp, *dQt = dS + kQTile * Sp;
+    // Q Kᵀ and dO Vᵀ; the pair path keeps bf16 K, Q in Kt's buffer and V, dO in Vt's (half each).
+    ScoreOperands qk{Qs, Kt, nullptr, nullptr, scale}, dov{dO, Vt, nullptr, nullptr, 1.0f};
+    if (pairs) {
+      bf16 *kt = reinterpret_cast<bf16*>(Kt), *vt = reinterpret_cast<bf16*>(Vt);
+      qk = {nullptr, nullptr, kt + Sp * Dp, kt, scale};
+      dov = {nullptr, nullptr, vt + Sp * Dp, vt, 1.0f};
+    }
     gather_head(K, k, a.KVH, b, kvh, a, 1.0f, false);
-    gather_head(Kt, k, a.KVH, b, kvh, a, 1.0f, true);
-    gather_head(Vt, v, a.KVH, b, kvh, a, 1.0f, true);
+    gather_key_side(qk, k, a.KVH, b, kvh, a);
+    gather_key_side(dov, v, a.KVH, b, kvh, a);
     std::fill(dK, dK + 2 * Sp * Dp, 0.0f);  // dK and dV
     for (int64_t h = kvh * a.group(); h < (kvh + 1) * a.group(); h++) {
       const float* lse_h = lse + (b * a.H + h) * S;
-      gather_head(Qs, q, a.H, b, h, a, scale, false);
+      gather_head(Qs, q, a.H, b, h, a, scale, false);  // scale Q and dO as fp32 for dK, dV and D
       gather_head(dO, dout, a.H, b, h, a, 1.0f, false);
+      if (pairs) gather_query_side(qk, q, a.H, b, h, a), gather_query_side(dov, dout, a.H, b, h, a);
       std::fill(Drow, Drow + Sp, 0.0f);
       for (int64_t i = 0; i < S; i++) {  // D_i = rowsum(dO * O), the softmax-backward correction
         const T* o = out + ((b * S + i) * a.H + h) * hd;
@@ -526,11 +601,11 @@ void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, co
       for (int64_t i0 = 0; i0 < S; i0 += kQTile) {
         const KeyRange& kr = ranges[i0 / kQTile];
         const int64_t rows = std::min(kQTile, Sp - i0), n = kr.end;
-        tiled_gemm(rows, n, Dp, Qs + i0 * Dp, Dp, 1, Kt, Sp, P, Sp, false);
+        score_products(qk, a, i0, rows, n, P);
         mask_scores(P, Sp, kr, qpos, kpos, i0, rows, S);
         for (int64_t r = 0; r < rows; r++)  // padded rows get lse -inf: P = 0
           probs_from_lse(P + r * Sp, i0 + r < S ? lse_h[i0 + r] : -std::numeric_limits<float>::infinity(), n);
-        tiled_gemm(rows, n, Dp, dO + i0 * Dp, Dp, 1, Vt, Sp, dS, Sp, false);  // dP
+        score_products(dov, a, i0, rows, n, dS);  // dP
         for (int64_t r = 0; r < rows; r++) {
           const float* p = P + r * Sp;
           float* ds = dS + r * Sp;

@@ -1373,6 +1373,43 @@ TEST_CASE("bf16 GEMM paths equal the widening path: exact on integers, within th
   WARN("bf16 GEMM paths checked: " << ran << " (matmul takes " << cpu::bf16_gemm_name(chosen) << ")");
 }
 
+// Attention's score products on VDPBF16PS (Q Kᵀ, dO Vᵀ for bf16 operands where the bf16 path is
+// AVX512-BF16): against double sums of the same exact products, within γ_K · Σ|a||b| (an fp32 sum of
+// K terms in any order), exact on small integers, with the layouts attention gathers (A rows with a
+// padded stride, B by pairs with ldb > 2N) and the ragged column tail (N = 48: one 32- and one
+// 16-wide tile).
+TEST_CASE("bf16 pair products equal fp32 sums of the exact products: the bound, integers", "[attention][bf16][ref]") {
+  if (!cpu::bf16_gemm_available(cpu::Bf16Gemm::Avx512Bf16)) {
+    WARN("bf16 pair products not checked: this CPU does not run AVX512-BF16 (attention widens bf16 here)");
+    return;
+  }
+  const int64_t M = 24, N = 48, pairs = 20, K = 2 * pairs, lda = K + 8, ldb = 2 * N + 32;
+  for (bool integers : {false, true}) {
+    Vec af = randn(M * lda, 861), bf = randn(pairs * ldb, 862);
+    for (size_t i = 0; integers && i < af.size(); i++) af[i] = float(int(i * 7) % 17 - 8);
+    for (size_t i = 0; integers && i < bf.size(); i++) bf[i] = float(int(i * 5 + 3) % 17 - 8);
+    const Tensor A = make({M * lda}, af, DType::BF16), B = make({pairs * ldb}, bf, DType::BF16);
+    const Vec a = host(A), b = host(B);  // the bf16 values, exactly
+    Vec c(M * N, -1.0f);
+    cpu::bf16_pair_products(M, N, pairs, A.b16(), lda, B.b16(), ldb, c.data(), N);
+    const double u = std::ldexp(1.0, -24), gamma = K * u / (1 - K * u);
+    int64_t outside = 0, inexact = 0;
+    for (int64_t i = 0; i < M; i++)
+      for (int64_t j = 0; j < N; j++) {
+        double exact = 0, abs_sum = 0;
+        for (int64_t k = 0; k < K; k++) {
+          const double p = double(a[i * lda + k]) * b[(k / 2) * ldb + 2 * j + k % 2];
+          exact += p, abs_sum += std::fabs(p);
+        }
+        outside += std::fabs(c[i * N + j] - exact) > gamma * abs_sum;
+        inexact += c[i * N + j] != exact;
+      }
+    INFO((integers ? "integers" : "random") << " operands");
+    CHECK(outside == 0);
+    if (integers) CHECK(inexact == 0);
+  }
+}
+
 TEST_CASE("tuned cross-entropy rows and sum_squares equal the reference", "[cross_entropy][norms][ref]") {
   const int64_t N = 9, V = 257;
   Vec x = randn(N * V, 821, 3.0f);
