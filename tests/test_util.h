@@ -411,8 +411,8 @@ inline const double kBf16UpdateRel = 2 * std::sqrt(0.8 * kBf16GradRel);
 
 // A bf16 run against 01's bf16 run of the same global batch (`tokens` tokens a step), by the bf16
 // bounds. Even dp, whose samples each take 01's path, rounds in other places: a GEMM library may
-// block a sum differently for a smaller micro-batch (OpenBLAS's sgemm under TS_BF16_GEMM=widen
-// does), and one crossed boundary is enough.
+// block a sum differently for a smaller micro-batch (OpenBLAS's Cooperlake sgemm under
+// TS_BF16_GEMM=widen does), and one crossed boundary is enough.
 inline void check_bf16_equivalent(const CachedRun& r, const CachedRun& ref, int tokens) {
   REQUIRE(r.log.steps.size() == ref.log.steps.size());
   const Equivalence e = compare(r, ref);
