@@ -589,7 +589,10 @@ void attention_backward_cpu(T* dq, T* dk, T* dv, const T* dout, const T* out, co
       const float* lse_h = lse + (b * a.H + h) * S;
       gather_head(Qs, q, a.H, b, h, a, scale, false);  // scale Q and dO as fp32 for dK, dV and D
       gather_head(dO, dout, a.H, b, h, a, 1.0f, false);
-      if (pairs) gather_query_side(qk, q, a.H, b, h, a), gather_query_side(dov, dout, a.H, b, h, a);
+      if (pairs) {  // and as bf16 for the two score products
+        gather_query_side(qk, q, a.H, b, h, a);
+        gather_query_side(dov, dout, a.H, b, h, a);
+      }
       std::fill(Drow, Drow + Sp, 0.0f);
       for (int64_t i = 0; i < S; i++) {  // D_i = rowsum(dO * O), the softmax-backward correction
         const T* o = out + ((b * S + i) * a.H + h) * hd;

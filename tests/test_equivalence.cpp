@@ -21,17 +21,9 @@ const Run& run(const std::string& bin, int np, const std::string& args) {
 }
 const Run& single(int batch, int micro) { return run("01_single_gpu", 1, tst::steps_args(6, batch, micro)); }
 
-// How far past its bound the worst measure is: > 1 fails the criterion.
-double worst_ratio(const tst::Equivalence& e) {
-  return std::max({e.loss_rel / tst::equiv::kLossRel, e.norm_rel / tst::equiv::kGradRel,
-                   e.grad_rel / tst::equiv::kGradRel, e.update_rel / tst::equiv::kUpdateRel, e.max_abs / e.cap});
-}
-// The same by the bf16 bounds (tst::check_bf16_equivalent) for 256-token steps.
-double worst_ratio_bf16(const tst::Equivalence& e) {
-  namespace q = tst::equiv;
-  return std::max({e.loss_rel / q::bf16_loss_rel(256), e.norm_rel / q::kBf16GradRel, e.grad_rel / q::kBf16GradRel,
-                   e.update_rel / q::kBf16UpdateRel, e.max_abs / e.cap});
-}
+using tst::worst_ratio;
+// The worst measure over its bf16 bound (256-token steps).
+double worst_ratio_bf16(const tst::Equivalence& e) { return worst_ratio(e, tst::bf16_bounds(256)); }
 
 }  // namespace
 
