@@ -52,7 +52,14 @@ HOST_FLAGS := -O3 $(CPU_ARCH) -fno-math-errno -fopenmp -Wall -Wno-unknown-pragma
 CPPFLAGS := -Icommon $(MPI_INC)
 LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
 
-ifeq ($(CUDA),1)
+ifeq ($(CUDA),emu)
+  # The emulated GPU (common/emu/, notes/emulated_gpu.md): g++ compiles the CUDA sources against
+  # the project's stand-ins for the CUDA runtime, cuBLAS, cuBLASLt and NCCL, found first on the
+  # include path, and --device cuda runs every kernel, GEMM and collective on the CPU.
+  CPPFLAGS += -DTS_CUDA -DTS_CUDA_EMU -Icommon/emu
+  CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
+  LIBS += -lboost_context
+else ifeq ($(CUDA),1)
   GENCODE := $(foreach a,$(CUDA_ARCH),-gencode arch=compute_$(a),code=sm_$(a)) \
              -gencode arch=compute_$(lastword $(CUDA_ARCH)),code=compute_$(lastword $(CUDA_ARCH))
   CPPFLAGS += -DTS_CUDA -I$(CUDA_HOME)/include
@@ -72,7 +79,7 @@ compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
 LD := $(CXX) -fopenmp
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
 
-COMMON_SRC := $(wildcard common/*.cu)
+COMMON_SRC := $(wildcard common/*.cu) $(if $(filter emu,$(CUDA)),$(wildcard common/emu/*.cu))
 COMMON_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(COMMON_SRC))
 TECH_SRC := $(sort $(wildcard 0[1-8]_*.cu))
 TECH_BIN := $(patsubst %.cu,$(BUILD)/%,$(TECH_SRC))
@@ -85,7 +92,7 @@ BENCH_BIN := $(patsubst bench/%.cu,$(BUILD)/bench/%,$(BENCH_SRC))
 # AddressSanitizer and UBSan over CPU-only objects of their own.
 FUZZ_SRC := $(sort $(wildcard fuzz/fuzz_*.cpp))
 FUZZ_BIN := $(patsubst fuzz/%.cpp,$(BUILD)/fuzz/%,$(FUZZ_SRC))
-FUZZ_OBJ := $(patsubst %.cu,$(BUILD)/fuzz/%.o,$(COMMON_SRC))
+FUZZ_OBJ := $(patsubst %.cu,$(BUILD)/fuzz/%.o,$(wildcard common/*.cu))
 FUZZ_CXX := clang++ -std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
             -fopenmp=libgomp -Wall -Wno-unknown-pragmas -Wno-psabi -Wno-unused-private-field -Icommon $(MPI_INC)
 FUZZ_SECONDS ?= 60

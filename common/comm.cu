@@ -94,7 +94,14 @@ void comm_init(int* argc, char*** argv) {
   prepare_process_env(*argv);
   // A rank that never arrives leaves the others in MPI_Init's rendezvous.
   under_timer("MPI_Init (the job's start-up)", [&] {
+#ifdef TS_CUDA_EMU
+    // The emulated GPU's NCCL runs its operations with MPI on its streams' threads, beside this one.
+    int provided = 0;
+    MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+    if (provided < MPI_THREAD_MULTIPLE) fatal("the emulated GPU needs an MPI with MPI_THREAD_MULTIPLE");
+#else
     MPI_CHECK(MPI_Init(argc, argv));
+#endif
     MPI_Comm channel;
     MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &channel));
     flight::open_channel(channel);

@@ -157,6 +157,10 @@ Device parse_device(const std::string& s) {
     if (!cuda_available()) config_error("--device cuda: no GPU is visible");
     return Device::CUDA;
   }
+#ifdef TS_CUDA_EMU
+  // The emulated GPU checks the CUDA code; it is never what a run should pick by itself.
+  if (s == "auto") return Device::CPU;
+#endif
   if (s == "auto") return cuda_available() ? Device::CUDA : Device::CPU;
   config_error("--device must be auto, cpu or cuda (got '%s')", s.c_str());
 }

@@ -23,6 +23,21 @@
 #define TS_HD inline
 #endif
 
+// One launch form that nvcc and the emulated GPU's g++ both read (g++ cannot parse <<<>>>):
+//   TS_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...)
+// and the declaration of a kernel's dynamic shared memory, the one line whose CUDA spelling
+// (`extern __shared__ T name[]`) no macro can stand in for.
+#define TS_STR_(x) #x
+#define TS_STR(x) TS_STR_(x)
+#ifdef TS_CUDA_EMU
+#define TS_LAUNCH(grid, block, smem, stream, ...) \
+  ::emu::make_launch(#__VA_ARGS__, __FILE__ ":" TS_STR(__LINE__), [](auto... a_) { __VA_ARGS__(a_...); }, grid, block, smem, stream)
+#define TS_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(::emu::dynamic_shared())
+#else
+#define TS_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
+#define TS_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
+
 namespace ts {
 
 // ---------------------------------------------------------------------------------------------

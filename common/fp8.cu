@@ -256,7 +256,7 @@ template <class T> __global__ void block_amax_kernel(float* out, const T* x, Gri
 void block_amax(float* out, const Tensor& x, const Grid& g) {
   detail::by_dtype(x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    block_amax_kernel<T><<<blocks_for(g.gr * g.gc * kThreads), kThreads, 0, compute_stream()>>>(out, x.data<T>(), g);
+    TS_LAUNCH(blocks_for(g.gr * g.gc * kThreads), kThreads, 0, compute_stream(), block_amax_kernel<T>)(out, x.data<T>(), g);
     KERNEL_CHECK();
   });
 }
@@ -267,7 +267,7 @@ __global__ void to_scales_kernel(float* s, int64_t n, float maxv, float pow2_mar
 }
 
 void to_scales(float* s, int64_t n, float maxv, float pow2_margin) {
-  to_scales_kernel<<<blocks_for(n), kThreads, 0, compute_stream()>>>(s, n, maxv, pow2_margin);
+  TS_LAUNCH(blocks_for(n), kThreads, 0, compute_stream(), to_scales_kernel)(s, n, maxv, pow2_margin);
   KERNEL_CHECK();
 }
 
@@ -281,7 +281,7 @@ template <class T> __global__ void quantize_kernel(uint8_t* q, const T* x, const
 void quantize(uint8_t* q, const Tensor& x, const float* scales, const Grid& g, bool e5m2) {
   detail::by_dtype(x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    quantize_kernel<T><<<blocks_for(g.rows * g.cols), kThreads, 0, compute_stream()>>>(q, x.data<T>(), scales, g, e5m2);
+    TS_LAUNCH(blocks_for(g.rows * g.cols), kThreads, 0, compute_stream(), quantize_kernel<T>)(q, x.data<T>(), scales, g, e5m2);
     KERNEL_CHECK();
   });
 }
@@ -296,7 +296,7 @@ __global__ void decode_chunk_kernel(float* dst, const uint8_t* q, int64_t R, int
 
 void decode_chunk(float* dst, const uint8_t* q, int64_t R, int64_t C, bool k_is_cols, int64_t k0, int64_t k1,
                   bool e5m2) {
-  decode_chunk_kernel<<<blocks_for((k1 - k0) * (k_is_cols ? R : C)), kThreads, 0, compute_stream()>>>(
+  TS_LAUNCH(blocks_for((k1 - k0) * (k_is_cols ? R : C)), kThreads, 0, compute_stream(), decode_chunk_kernel)(
       dst, q, R, C, k_is_cols, k0, k1 - k0, e5m2);
   KERNEL_CHECK();
 }
@@ -307,7 +307,7 @@ __global__ void scale_add_kernel(float* out, const float* P, OpView A, OpView B,
 }
 
 void scale_add(float* out, const float* P, const OpView& A, const OpView& B, int64_t M, int64_t N, int64_t k0) {
-  scale_add_kernel<<<blocks_for(M * N), kThreads, 0, compute_stream()>>>(out, P, A, B, M, N, k0);
+  TS_LAUNCH(blocks_for(M * N), kThreads, 0, compute_stream(), scale_add_kernel)(out, P, A, B, M, N, k0);
   KERNEL_CHECK();
 }
 
@@ -320,7 +320,7 @@ __global__ void emulate_kernel(float* out, OpView A, OpView B, int64_t M, int64_
 
 void emulate(float* out, const OpView& A, const OpView& B, int64_t M, int64_t N, int64_t K, int64_t kc,
              const Accum& acc) {
-  emulate_kernel<<<blocks_for(M * N), kThreads, 0, compute_stream()>>>(out, A, B, M, N, K, kc, acc);
+  TS_LAUNCH(blocks_for(M * N), kThreads, 0, compute_stream(), emulate_kernel)(out, A, B, M, N, K, kc, acc);
   KERNEL_CHECK();
 }
 
@@ -332,7 +332,7 @@ __global__ void transpose_kernel(uint8_t* dst, const uint8_t* src, int64_t R, in
 }
 
 void transpose_codes(uint8_t* dst, const uint8_t* src, int64_t R, int64_t C) {
-  transpose_kernel<<<blocks_for(R * C), kThreads, 0, compute_stream()>>>(dst, src, R, C);
+  TS_LAUNCH(blocks_for(R * C), kThreads, 0, compute_stream(), transpose_kernel)(dst, src, R, C);
   KERNEL_CHECK();
 }
 

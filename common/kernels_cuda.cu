@@ -143,7 +143,7 @@ void add(const Tensor& y, const Tensor& a, const Tensor& b) {
   int64_t n = y.numel();
   with_dtype(y.dtype, "add", [&](auto t) {
     using T = decltype(t);
-    add_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(y.data<T>(), a.data<T>(), b.data<T>(), n);
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), add_kernel)(y.data<T>(), a.data<T>(), b.data<T>(), n);
     KERNEL_CHECK();
   });
 }
@@ -154,7 +154,7 @@ void scale_inplace(const Tensor& y, float s) {
   int64_t n = y.numel();
   with_dtype(y.dtype, "scale_inplace", [&](auto t) {
     using T = decltype(t);
-    scale_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(y.data<T>(), s, n);
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), scale_kernel)(y.data<T>(), s, n);
     KERNEL_CHECK();
   });
 }
@@ -165,7 +165,7 @@ void convert(const Tensor& dst, const Tensor& src) {
     with_dtype(src.dtype, "convert", [&](auto ts_) {
       using Td = decltype(td);
       using Ts = decltype(ts_);
-      convert_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(dst.data<Td>(), src.data<Ts>(), n);
+      TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), convert_kernel)(dst.data<Td>(), src.data<Ts>(), n);
       KERNEL_CHECK();
     });
   });
@@ -175,7 +175,7 @@ void fill(const Tensor& t, float value) {
   int64_t n = t.numel();
   with_dtype(t.dtype, "fill", [&](auto tag) {
     using T = decltype(tag);
-    fill_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(t.data<T>(), value, n);
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), fill_kernel)(t.data<T>(), value, n);
     KERNEL_CHECK();
   });
 }
@@ -212,7 +212,7 @@ void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& tok
   int64_t N = tokens.numel(), V = table.size(0), D = table.size(1);
   with_dtype(table.dtype, "embedding_forward", [&](auto t) {
     using T = decltype(t);
-    embedding_forward_kernel<<<grid_for(N * D), kBlock, 0, compute_stream()>>>(out.data<T>(), table.data<T>(),
+    TS_LAUNCH(grid_for(N * D), kBlock, 0, compute_stream(), embedding_forward_kernel)(out.data<T>(), table.data<T>(),
                                                                                tokens.i32(), N, V, D, vocab_start);
     KERNEL_CHECK();
   });
@@ -225,7 +225,7 @@ void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& 
   dim3 grid(unsigned((D + kBlock - 1) / kBlock), unsigned(slices));
   with_dtype(dout.dtype, "embedding_backward", [&](auto t) {
     using T = decltype(t);
-    embedding_backward_kernel<<<grid, kBlock, 0, compute_stream()>>>(dtable.f32(), dout.data<T>(), tokens.i32(), N, V,
+    TS_LAUNCH(grid, kBlock, 0, compute_stream(), embedding_backward_kernel)(dtable.f32(), dout.data<T>(), tokens.i32(), N, V,
                                                                      D, vocab_start, rows_per_slice);
     KERNEL_CHECK();
   });
@@ -300,7 +300,7 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
   unsigned blocks = unsigned((N + kBlock / 32 - 1) / (kBlock / 32));
   with_dtype(x.dtype, "rmsnorm_forward", [&](auto t) {
     using T = decltype(t);
-    rmsnorm_forward_kernel<<<blocks, kBlock, 0, compute_stream()>>>(y.data<T>(), rstd.f32(), x.data<T>(), w.f32(), N,
+    TS_LAUNCH(blocks, kBlock, 0, compute_stream(), rmsnorm_forward_kernel)(y.data<T>(), rstd.f32(), x.data<T>(), w.f32(), N,
                                                                      D, eps);
     KERNEL_CHECK();
   });
@@ -317,12 +317,12 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, cons
   with_dtype(x.dtype, "rmsnorm_backward", [&](auto t) {
     using T = decltype(t);
     // dw first: it reads dy, which the caller may let dx overwrite.
-    rmsnorm_backward_dw_partial_kernel<<<dim3(unsigned(chunks), col_blocks), kBlock, 0, compute_stream()>>>(
+    TS_LAUNCH(dim3(unsigned(chunks), col_blocks), kBlock, 0, compute_stream(), rmsnorm_backward_dw_partial_kernel)(
         partial, dy.data<T>(), x.data<T>(), rstd.f32(), N, D);
     KERNEL_CHECK();
-    rmsnorm_backward_dw_combine_kernel<<<col_blocks, kBlock, 0, compute_stream()>>>(dw.f32(), partial, chunks, D);
+    TS_LAUNCH(col_blocks, kBlock, 0, compute_stream(), rmsnorm_backward_dw_combine_kernel)(dw.f32(), partial, chunks, D);
     KERNEL_CHECK();
-    rmsnorm_backward_dx_kernel<<<row_blocks, kBlock, 0, compute_stream()>>>(dx.data<T>(), dy.data<T>(), x.data<T>(),
+    TS_LAUNCH(row_blocks, kBlock, 0, compute_stream(), rmsnorm_backward_dx_kernel)(dx.data<T>(), dy.data<T>(), x.data<T>(),
                                                                              w.f32(), rstd.f32(), N, D);
     KERNEL_CHECK();
   });
@@ -368,7 +368,7 @@ static void rope(const Tensor& x, const Tensor& pos, float theta, float sign) {
   int64_t rows = x.numel() / hd;
   with_dtype(x.dtype, "rope", [&](auto t) {
     using T = decltype(t);
-    rope_kernel<<<grid_for(rows * (hd / 2)), kBlock, 0, compute_stream()>>>(x.data<T>(), pos.i32(), inv, rows, S, H,
+    TS_LAUNCH(grid_for(rows * (hd / 2)), kBlock, 0, compute_stream(), rope_kernel)(x.data<T>(), pos.i32(), inv, rows, S, H,
                                                                             hd, sign);
     KERNEL_CHECK();
   });
@@ -429,7 +429,7 @@ __global__ void __launch_bounds__(kAttnThreads)
     attention_forward_kernel(T* out, float* lse, const T* q, const T* k, const T* v, const int32_t* qpos,
                              const int32_t* kpos, int Sq, int Sk, int H, int KVH, int hd, float scale) {
   constexpr int BR = kAttnWarps * RPW;
-  extern __shared__ float smem[];
+  TS_DYNAMIC_SHARED(float, smem);
   float* Qs = smem;                   // [BR][hd]
   float* Ks = Qs + BR * hd;           // [kTile][hd + 1]
   float* Vs = Ks + kTile * (hd + 1);  // [kTile][hd]
@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                         const T* v, const int32_t* qpos, const int32_t* kpos, int Sq, int Sk, int H, int KVH, int hd,
                         float scale) {
   constexpr int BR = kAttnWarps * RPW;
-  extern __shared__ float smem[];
+  TS_DYNAMIC_SHARED(float, smem);
   float* Qs = smem;                   // [BR][hd]
   float* dOs = Qs + BR * hd;          // [BR][hd]
   float* Ks = dOs + BR * hd;          // [kTile][hd + 1]
@@ -625,7 +625,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                          const T* v, const int32_t* qpos, const int32_t* kpos, int Sq, int Sk, int H, int KVH, int hd,
                          float scale) {
   constexpr int BK = kAttnWarps * RPW;
-  extern __shared__ float smem[];
+  TS_DYNAMIC_SHARED(float, smem);
   float* Ks = smem;                    // [BK][hd]
   float* Vs = Ks + BK * hd;            // [BK][hd]
   float* Qs = Vs + BK * hd;            // [kTile][hd + 1]
@@ -750,7 +750,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   with_dtype(q.dtype, "attention_forward", [&](auto t) {
     using T = decltype(t);
     with_nch(a.hd, [&](auto nch) {
-      attention_forward_kernel<T, decltype(nch)::value, kFwdRowsPerWarp><<<grid, kAttnThreads, smem, compute_stream()>>>(
+      TS_LAUNCH(grid, kAttnThreads, smem, compute_stream(), attention_forward_kernel<T, decltype(nch)::value, kFwdRowsPerWarp>)(
           out.data<T>(), lse.f32(), q.data<T>(), k.data<T>(), v.data<T>(), qpos.i32(), kpos.i32(), a.Sq, a.Sk, a.H,
           a.KVH, a.hd, a.scale);
       KERNEL_CHECK();
@@ -771,7 +771,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   with_dtype(q.dtype, "attention_backward", [&](auto t) {
     using T = decltype(t);
     if (rows > 0) {
-      attention_rowdot_kernel<<<unsigned((rows + kBlock / 32 - 1) / (kBlock / 32)), kBlock, 0, compute_stream()>>>(
+      TS_LAUNCH(unsigned((rows + kBlock / 32 - 1) / (kBlock / 32)), kBlock, 0, compute_stream(), attention_rowdot_kernel)(
           Dsum, dout.data<T>(), out.data<T>(), rows, a.Sq, a.H, a.hd);
       KERNEL_CHECK();
     }
@@ -779,14 +779,14 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
       constexpr int NCH = decltype(nch)::value;
       if (a.Sq > 0) {
         dim3 grid(unsigned((a.Sq + BR - 1) / BR), unsigned(a.H), unsigned(a.B));
-        attention_dq_kernel<T, NCH, kBwdRowsPerWarp><<<grid, kAttnThreads, smem_dq, compute_stream()>>>(
+        TS_LAUNCH(grid, kAttnThreads, smem_dq, compute_stream(), attention_dq_kernel<T, NCH, kBwdRowsPerWarp>)(
             dq.data<T>(), dout.data<T>(), lse.f32(), Dsum, q.data<T>(), k.data<T>(), v.data<T>(), qpos.i32(),
             kpos.i32(), a.Sq, a.Sk, a.H, a.KVH, a.hd, a.scale);
         KERNEL_CHECK();
       }
       if (a.Sk > 0) {
         dim3 grid(unsigned((a.Sk + BR - 1) / BR), unsigned(a.KVH), unsigned(a.B));
-        attention_dkv_kernel<T, NCH, kBwdRowsPerWarp><<<grid, kAttnThreads, smem_dkv, compute_stream()>>>(
+        TS_LAUNCH(grid, kAttnThreads, smem_dkv, compute_stream(), attention_dkv_kernel<T, NCH, kBwdRowsPerWarp>)(
             dk.data<T>(), dv.data<T>(), dout.data<T>(), lse.f32(), Dsum, q.data<T>(), k.data<T>(), v.data<T>(),
             qpos.i32(), kpos.i32(), a.Sq, a.Sk, a.H, a.KVH, a.hd, a.scale);
         KERNEL_CHECK();
@@ -818,7 +818,7 @@ void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part, c
   if (rows == 0) return;
   with_dtype(out.dtype, "attention_merge", [&](auto t) {
     using T = decltype(t);
-    attention_merge_kernel<<<grid_for(rows), kBlock, 0, compute_stream()>>>(
+    TS_LAUNCH(grid_for(rows), kBlock, 0, compute_stream(), attention_merge_kernel)(
         out.data<T>(), lse.f32(), part.data<T>(), part_lse.f32(), rows, out.size(1), out.size(2), out.size(3));
     KERNEL_CHECK();
   });
@@ -837,10 +837,10 @@ void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b) {
   const int64_t n = src.numel(), w = n / (a * b);
   if (n == 0) return;
   if (dtype_size(src.dtype) == 4)
-    swap_leading_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(dst.data<uint32_t>(), src.data<uint32_t>(), n, a,
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), swap_leading_kernel)(dst.data<uint32_t>(), src.data<uint32_t>(), n, a,
                                                                        b, w);
   else
-    swap_leading_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(dst.data<uint16_t>(), src.data<uint16_t>(), n, a,
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), swap_leading_kernel)(dst.data<uint16_t>(), src.data<uint16_t>(), n, a,
                                                                        b, w);
   KERNEL_CHECK();
 }
@@ -871,7 +871,7 @@ void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u) {
   int64_t n = h.numel();
   with_dtype(h.dtype, "swiglu_forward", [&](auto t) {
     using T = decltype(t);
-    swiglu_forward_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(h.data<T>(), g.data<T>(), u.data<T>(), n);
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), swiglu_forward_kernel)(h.data<T>(), g.data<T>(), u.data<T>(), n);
     KERNEL_CHECK();
   });
 }
@@ -880,7 +880,7 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
   int64_t n = dh.numel();
   with_dtype(dh.dtype, "swiglu_backward", [&](auto t) {
     using T = decltype(t);
-    swiglu_backward_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(dg.data<T>(), du.data<T>(), dh.data<T>(),
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), swiglu_backward_kernel)(dg.data<T>(), du.data<T>(), dh.data<T>(),
                                                                          g.data<T>(), u.data<T>(), n);
     KERNEL_CHECK();
   });
@@ -940,7 +940,7 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
   if (N == 0) return;
   with_dtype(logits.dtype, "cross_entropy_forward_backward", [&](auto t) {
     using T = decltype(t);
-    cross_entropy_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(
+    TS_LAUNCH(unsigned(N), kCeThreads, 0, compute_stream(), cross_entropy_kernel)(
         losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(), targets.i32(), V, grad_scale);
     KERNEL_CHECK();
   });
@@ -987,7 +987,7 @@ void vocab_ce_max(const Tensor& max, const Tensor& logits) {
   if (N == 0) return;
   with_dtype(logits.dtype, "vocab_ce_max", [&](auto t) {
     using T = decltype(t);
-    vocab_ce_max_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(max.f32(), logits.data<T>(), V);
+    TS_LAUNCH(unsigned(N), kCeThreads, 0, compute_stream(), vocab_ce_max_kernel)(max.f32(), logits.data<T>(), V);
     KERNEL_CHECK();
   });
 }
@@ -998,7 +998,7 @@ void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max
   if (N == 0) return;
   with_dtype(logits.dtype, "vocab_ce_stats", [&](auto t) {
     using T = decltype(t);
-    vocab_ce_stats_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(
+    TS_LAUNCH(unsigned(N), kCeThreads, 0, compute_stream(), vocab_ce_stats_kernel)(
         stats.f32(), logits.data<T>(), max.f32(), targets.i32(), vocab_start, N, V);
     KERNEL_CHECK();
   });
@@ -1011,7 +1011,7 @@ void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& 
   if (N == 0) return;
   with_dtype(logits.dtype, "vocab_ce_finish", [&](auto t) {
     using T = decltype(t);
-    vocab_ce_finish_kernel<<<unsigned(N), kCeThreads, 0, compute_stream()>>>(
+    TS_LAUNCH(unsigned(N), kCeThreads, 0, compute_stream(), vocab_ce_finish_kernel)(
         losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(), max.f32(), stats.f32(),
         targets.i32(), vocab_start, N, V, grad_scale);
     KERNEL_CHECK();
@@ -1048,7 +1048,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
   // The compute copy of the weights (bf16, or fp32) is written by the same pass; none: float*.
   with_dtype(param_copy.defined() ? param_copy.dtype : DType::F32, "adamw_step", [&](auto t) {
     using Tc = decltype(t);
-    adamw_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), adamw_kernel)(
         param.f32(), grad.f32(), m.f32(), v.f32(), param_copy.defined() ? param_copy.data<Tc>() : nullptr, n, p.lr,
         p.beta1, p.beta2, p.eps, wd, bc1, bc2, grad_scale);
     KERNEL_CHECK();
@@ -1081,9 +1081,9 @@ __global__ void __launch_bounds__(kSumBlocks) sum_squares_final_kernel(double* r
 double sum_squares(const Tensor& x) {
   double* partial = static_cast<double*>(scratch(sizeof(double) * (kSumBlocks + 1)));
   double* result = partial + kSumBlocks;
-  sum_squares_partial_kernel<<<kSumBlocks, kSumThreads, 0, compute_stream()>>>(partial, x.f32(), x.numel());
+  TS_LAUNCH(kSumBlocks, kSumThreads, 0, compute_stream(), sum_squares_partial_kernel)(partial, x.f32(), x.numel());
   KERNEL_CHECK();
-  sum_squares_final_kernel<<<1, kSumBlocks, 0, compute_stream()>>>(result, partial);
+  TS_LAUNCH(1, kSumBlocks, 0, compute_stream(), sum_squares_final_kernel)(result, partial);
   KERNEL_CHECK();
   double host = 0.0;
   CUDA_CHECK(cudaMemcpyAsync(&host, result, sizeof(double), cudaMemcpyDeviceToHost, compute_stream()));
@@ -1100,9 +1100,9 @@ std::vector<double> sum_squares_each(const std::vector<Tensor>& xs) {
   double* results = partial + kSumBlocks;
   for (size_t i = 0; i < k; i++) {
     TS_CHECK(xs[i].device() == Device::CUDA, "sum_squares_each: every tensor must be on CUDA");
-    sum_squares_partial_kernel<<<kSumBlocks, kSumThreads, 0, compute_stream()>>>(partial, xs[i].f32(), xs[i].numel());
+    TS_LAUNCH(kSumBlocks, kSumThreads, 0, compute_stream(), sum_squares_partial_kernel)(partial, xs[i].f32(), xs[i].numel());
     KERNEL_CHECK();
-    sum_squares_final_kernel<<<1, kSumBlocks, 0, compute_stream()>>>(results + i, partial);
+    TS_LAUNCH(1, kSumBlocks, 0, compute_stream(), sum_squares_final_kernel)(results + i, partial);
     KERNEL_CHECK();
   }
   std::vector<double> host(k);
@@ -1130,7 +1130,7 @@ void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t
   int64_t cols = t.dim() == 1 ? n : n / t.size(0);
   with_dtype(t.dtype, "init_normal", [&](auto tag) {
     using T = decltype(tag);
-    init_normal_kernel<<<grid_for(n), kBlock, 0, compute_stream()>>>(t.data<T>(), n, cols, key, std, row0, col0,
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), init_normal_kernel)(t.data<T>(), n, cols, key, std, row0, col0,
                                                                       global_cols);
     KERNEL_CHECK();
   });

@@ -136,7 +136,7 @@ template <class F> static void moe_dtype(DType dt, F&& f) {
 }  // namespace cuda
 #define MOE_LAUNCH(kernel, n, ...)                                                                       \
   do {                                                                                                    \
-    cuda::kernel<<<cuda::moe_grid(n), cuda::kMoeBlock, 0, compute_stream()>>>(__VA_ARGS__);               \
+    TS_LAUNCH(cuda::moe_grid(n), cuda::kMoeBlock, 0, compute_stream(), cuda::kernel)(__VA_ARGS__);               \
     KERNEL_CHECK();                                                                                       \
   } while (0)
 #endif

@@ -6,8 +6,8 @@ missing=()
 # The status is compared as a string, not piped to grep -q: under pipefail the pipe fails when
 # grep exits first and dpkg-query dies of SIGPIPE, and an installed package would count as missing.
 have() { [[ $(dpkg-query -W -f='${Status}' "$1" 2>/dev/null) == *"install ok installed"* ]]; }
-# python3-matplotlib draws the pictures (scripts/plot.py, make demo) for /usr/bin/python3.
-for p in mpich libmpich-dev catch2 libopenblas-dev python3-matplotlib clang libclang-rt-dev; do have "$p" || missing+=("$p"); done
+# libboost-context-dev gives the emulated GPU (make CUDA=emu) its fibers; python3-matplotlib draws the pictures (scripts/plot.py, make demo) for /usr/bin/python3.
+for p in mpich libmpich-dev catch2 libopenblas-dev libboost-context-dev python3-matplotlib clang libclang-rt-dev; do have "$p" || missing+=("$p"); done
 [ ${#missing[@]} -eq 0 ] && exit 0
 cmd="apt-get install -y --no-install-recommends ${missing[*]}"
 if [ "$(id -u)" -eq 0 ]; then

@@ -16,7 +16,13 @@
 #include <vector>
 
 int main(int argc, char** argv) {
+#ifdef TS_CUDA_EMU
+  // The emulated GPU's NCCL calls MPI from its streams' threads (common/emu/nccl.cu).
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+#else
   MPI_Init(&argc, &argv);
+#endif
   int rank = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   std::vector<char*> args(argv, argv + argc);

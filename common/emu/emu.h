@@ -1,0 +1,61 @@
+// emu.h — what the emulated GPU's parts share: streams that run work late and in order, the
+// registry of device memory, and how the emulator reports an error. The CUDA runtime, cuBLAS,
+// cuBLASLt and NCCL stand-ins (runtime.cu, blas.cu, nccl.cu) are built on these; the code under
+// test sees only the vendors' own headers (cuda_runtime.h, cublas_v2.h, cublasLt.h, nccl.h).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "cuda_runtime.h"
+
+namespace emu {
+
+// ----- errors ------------------------------------------------------------------------------------
+// An error the hardware would report (or hang on) is printed as "emulated GPU: ..." on stderr and
+// kept as the last message, which the tests read to check that a seeded defect was named.
+void report(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string last_report();
+void clear_report();
+// A defect found while the stream ran (a kernel's divergent barrier, a bad cuBLAS call the host
+// could not see): the device is left with a sticky error, as after a fault on real hardware. Every
+// later runtime call returns it and nothing more runs.
+void device_fault(cudaError_t e, const char* fmt, ...) __attribute__((format(printf, 2, 3)));
+cudaError_t sticky_error();
+
+// ----- streams -----------------------------------------------------------------------------------
+// Work queued on a stream runs on that stream's own host thread, in issue order, and *late*: only
+// once something could observe it — the host synchronising, querying an event recorded after it,
+// a blocking copy, another stream waiting on such an event, or (for communication, which on the
+// hardware progresses by itself) its own enqueueing. A missing wait therefore reads stale or NaN
+// data instead of happening to work.
+struct Stream;
+Stream* stream(cudaStream_t s);  // the null stream (0) is the device's legacy default stream
+// Queues `work` on s; `what` names it in reports. `eager`: runs as soon as all earlier work on the
+// stream has run, without waiting to be observed (NCCL operations). Returns its sequence number.
+uint64_t enqueue(cudaStream_t s, std::string what, std::function<void()> work, bool eager = false);
+// Asks s to run everything up to sequence number seq, and waits for it when `wait`.
+void demand(Stream* s, uint64_t seq, bool wait);
+bool finished(Stream* s, uint64_t seq);
+uint64_t last_seq(Stream* s);
+// True on a stream's own thread (work may not synchronise with the host from there).
+bool on_stream_thread();
+
+// ----- memory ------------------------------------------------------------------------------------
+// Device memory is host memory the emulator registered; it starts as 0xFF bytes, a NaN in f32 and
+// bf16, so a kernel that reads what nothing wrote produces NaN instead of the zero a fresh page holds.
+constexpr unsigned char kUninitByte = 0xFF;
+// Whether [p, p + bytes) lies inside one live cudaMalloc allocation.
+bool is_device(const void* p, size_t bytes = 1);
+bool is_pinned(const void* p);
+
+// ----- settings (environment) ---------------------------------------------------------------------
+// TS_EMU_GPUS: GPUs on this emulated node (default 8); TS_EMU_MEMORY_GB: each one's memory (80);
+// TS_EMU_ORDER=reverse: every block's threads, and a grid's blocks, run in reverse order.
+int gpus();
+size_t memory_bytes();
+bool reverse_order();
+void set_reverse_order(bool on);  // for tests that run a kernel both ways
+
+}  // namespace emu

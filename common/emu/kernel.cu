@@ -1,0 +1,379 @@
+// kernel.cu — kernels on the emulated GPU: each block's threads as fibers, with the hardware's rules.
+//
+// A grid runs block after block on its stream's host thread. Within a block every CUDA thread is a
+// fiber (Boost.Context: a switch is a few register saves, 5–10× cheaper than ucontext's, which
+// also asks the kernel for the signal mask each time). A fiber runs until it must wait for others —
+// at __syncthreads, __syncwarp or a shuffle — and the scheduler then runs the next one. When every
+// thread waits, the barrier either completes (all live threads at the same barrier) or the kernel
+// is wrong, and the emulator names the kernel, the block, the source lines and the threads.
+//
+// Stricter than the hardware: threads of a block run in an order that TS_EMU_ORDER=reverse turns
+// around (a result that changes is a missing barrier), shared memory starts as 0xFF bytes (NaN),
+// a barrier must be the same source line for every thread, and a shuffle must name only live lanes
+// that reach the same shuffle. Not checked: __launch_bounds__ (g++ cannot see it), static shared
+// memory's size against the 48 KiB limit, timing, occupancy, and anything about registers.
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <boost/context/fiber.hpp>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "emu.h"
+
+extern "C" char __start_ts_emu_shared[] __attribute__((weak));
+extern "C" char __stop_ts_emu_shared[] __attribute__((weak));
+
+namespace emu {
+
+void set_last_error(cudaError_t e);  // runtime.cu
+
+namespace bc = boost::context;
+
+// ----- stacks --------------------------------------------------------------------------------------
+// Fibers need stacks; mapping one per CUDA thread per block would cost more than the kernel, so
+// each host thread keeps a pool, each stack with a guard page below it (an overflow faults).
+constexpr size_t kStack = 128 * 1024;
+
+struct StackPool {
+  std::vector<void*> free_;
+  bc::stack_context allocate() {
+    void* base;
+    if (!free_.empty()) {
+      base = free_.back();
+      free_.pop_back();
+    } else {
+      base = mmap(nullptr, kStack, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+      if (base == MAP_FAILED) throw std::bad_alloc();
+      mprotect(base, size_t(sysconf(_SC_PAGESIZE)), PROT_NONE);
+    }
+    bc::stack_context sc;
+    sc.size = kStack;
+    sc.sp = static_cast<char*>(base) + kStack;
+    return sc;
+  }
+  void deallocate(bc::stack_context& sc) { free_.push_back(static_cast<char*>(sc.sp) - kStack); }
+};
+static thread_local StackPool t_stacks;
+struct PoolRef {  // Boost.Context's StackAllocator, by reference to this thread's pool
+  bc::stack_context allocate() { return t_stacks.allocate(); }
+  void deallocate(bc::stack_context& sc) { t_stacks.deallocate(sc); }
+};
+
+// ----- one block -----------------------------------------------------------------------------------
+
+enum class Wait { None, Block, Warp, Done };
+
+struct Thread {
+  ThreadCtx c;
+  bc::fiber fiber;
+  Wait wait = Wait::None;
+  const char* file = "";
+  int line = 0;
+  // a warp operation: its mask, and for a shuffle the value given and the one received
+  unsigned mask = 0;
+  bool shuffle = false;
+  int lane_mask = 0, width = 32;
+  uint64_t give = 0, got = 0;
+};
+
+struct Block {
+  const char* kernel;
+  const char* site;
+  std::vector<Thread> threads;
+  std::vector<char> dyn_smem;
+  bc::fiber scheduler;  // where a waiting thread returns to
+  Thread* current = nullptr;
+  std::string error;  // a broken rule, found by a thread or by the scheduler
+};
+
+static thread_local Block* t_block = nullptr;
+static ThreadCtx g_host_ctx{};  // threadIdx read outside a kernel: zeros
+
+ThreadCtx& ctx() { return t_block && t_block->current ? t_block->current->c : g_host_ctx; }
+
+static std::string where(const Block& b, const Thread& t) {
+  char buf[256];
+  snprintf(buf, sizeof buf, "kernel %s (launched at %s), block (%u,%u,%u), thread (%u,%u,%u)", b.kernel, b.site,
+           t.c.block_idx.x, t.c.block_idx.y, t.c.block_idx.z, t.c.thread_idx.x, t.c.thread_idx.y, t.c.thread_idx.z);
+  return buf;
+}
+
+// A thread stops here until the scheduler resumes it.
+static void suspend() {
+  Block* b = t_block;
+  b->scheduler = std::move(b->scheduler).resume();
+  t_block = b;
+}
+
+// A broken rule stops the whole block: the thread records it and leaves its fiber by unwinding.
+struct Abandon {};
+[[noreturn]] static void fail_here(const std::string& msg) {
+  if (t_block->error.empty()) t_block->error = msg;
+  throw Abandon{};
+}
+
+void* dynamic_shared() {
+  if (!t_block || !t_block->current) fail_here("dynamic shared memory used outside a kernel");
+  return t_block->dyn_smem.data();
+}
+
+void syncthreads(const char* file, int line) {
+  Thread* t = t_block->current;
+  t->wait = Wait::Block;
+  t->file = file;
+  t->line = line;
+  suspend();
+}
+
+static int lane_of(const Block& b, const Thread& t) {
+  (void)b;
+  return int((t.c.thread_idx.x + t.c.thread_idx.y * t.c.block_dim.x + t.c.thread_idx.z * t.c.block_dim.x * t.c.block_dim.y) % 32);
+}
+
+// The warp's threads (by lane) in b, starting at this thread's warp.
+static std::vector<Thread*> warp_of(Block& b, Thread* t) {
+  size_t idx = size_t(t - b.threads.data());
+  size_t first = idx / 32 * 32;
+  std::vector<Thread*> w(32, nullptr);
+  for (size_t i = first; i < first + 32 && i < b.threads.size(); i++) w[i - first] = &b.threads[i];
+  return w;
+}
+
+// Completes a warp operation when every lane in the mask has arrived at the same one.
+static void try_complete_warp(Block& b, Thread* t) {
+  std::vector<Thread*> w = warp_of(b, t);
+  for (int l = 0; l < 32; l++) {
+    if (!(t->mask >> l & 1u)) continue;
+    Thread* o = w[size_t(l)];
+    char buf[512];
+    if (!o || o->wait == Wait::Done) {
+      snprintf(buf, sizeof buf, "%s: %s at %s:%d names lane %d in mask 0x%08x, but that lane %s", where(b, *t).c_str(),
+               t->shuffle ? "__shfl_xor_sync" : "__syncwarp", t->file, t->line, l, t->mask,
+               o ? "has exited" : "does not exist (the block is smaller)");
+      fail_here(buf);
+    }
+    if (o->wait != Wait::Warp) return;  // not there yet
+    if (o->mask != t->mask || o->shuffle != t->shuffle || o->line != t->line || o->file != t->file ||
+        o->lane_mask != t->lane_mask || o->width != t->width) {
+      snprintf(buf, sizeof buf,
+               "%s: lane %d waits at %s:%d (mask 0x%08x) while lane %d waits at %s:%d (mask 0x%08x): a warp operation "
+               "must be the same one, with the same mask, in every lane it names",
+               where(b, *t).c_str(), lane_of(b, *t), t->file, t->line, t->mask, l, o->file, o->line, o->mask);
+      fail_here(buf);
+    }
+  }
+  for (int l = 0; l < 32; l++) {
+    if (!(t->mask >> l & 1u)) continue;
+    Thread* o = w[size_t(l)];
+    if (o->shuffle) {
+      int src = l ^ o->lane_mask;
+      if (src / o->width != l / o->width) src = l;  // outside its segment: its own value
+      o->got = (t->mask >> src & 1u) ? w[size_t(src)]->give : o->give;
+    }
+    o->wait = Wait::None;
+  }
+}
+
+static void warp_op(const char* file, int line, unsigned mask, bool shuffle, uint64_t bits, int lane_mask, int width) {
+  Block& b = *t_block;
+  Thread* t = b.current;
+  t->file = file;
+  t->line = line;
+  t->mask = mask;
+  t->shuffle = shuffle;
+  t->give = bits;
+  t->lane_mask = lane_mask;
+  t->width = width;
+  if (!(mask >> lane_of(b, *t) & 1u)) {
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s: %s at %s:%d with mask 0x%08x, which does not name the calling lane %d", where(b, *t).c_str(),
+             shuffle ? "__shfl_xor_sync" : "__syncwarp", file, line, mask, lane_of(b, *t));
+    fail_here(buf);
+  }
+  if (width < 1 || width > 32 || (width & (width - 1))) fail_here(where(b, *t) + ": shuffle width must be a power of two up to 32");
+  t->wait = Wait::Warp;
+  try_complete_warp(b, t);
+  if (t->wait == Wait::Warp) suspend();
+}
+
+void syncwarp(const char* file, int line, unsigned mask) { warp_op(file, line, mask, false, 0, 0, 32); }
+uint64_t shfl_xor(const char* file, int line, unsigned mask, uint64_t bits, int lane_mask, int width) {
+  warp_op(file, line, mask, true, bits, lane_mask, width);
+  return t_block->current->got;
+}
+
+// ----- the scheduler -----------------------------------------------------------------------------
+
+static bc::fiber start(Block& b, Thread& t, const std::function<void()>& body) {
+  return bc::fiber(std::allocator_arg, PoolRef{}, [&b, &t, &body](bc::fiber&& sched) {
+    b.scheduler = std::move(sched);
+    t_block = &b;
+    try {
+      body();
+    } catch (const Abandon&) {
+    }
+    t.wait = Wait::Done;
+    return std::move(b.scheduler);
+  });
+}
+
+// Why a warp operation can no longer complete: a lane it names has exited, or waits elsewhere.
+static std::string stuck_warp(Block& b, const Thread& t) {
+  std::vector<Thread*> w = warp_of(b, const_cast<Thread*>(&t));
+  const char* op = t.shuffle ? "__shfl_xor_sync" : "__syncwarp";
+  char buf[768];
+  for (int l = 0; l < 32; l++) {
+    const Thread* o = w[size_t(l)];
+    if (!(t.mask >> l & 1u) || (o && o->wait == Wait::Warp)) continue;
+    if (!o || o->wait == Wait::Done)
+      snprintf(buf, sizeof buf, "%s: %s at %s:%d names lane %d in mask 0x%08x, but that lane %s", where(b, t).c_str(), op,
+               t.file, t.line, l, t.mask, o ? "has exited" : "does not exist (the block is smaller)");
+    else
+      snprintf(buf, sizeof buf, "%s: %s at %s:%d (mask 0x%08x) waits for lane %d, which waits at the __syncthreads at %s:%d",
+               where(b, t).c_str(), op, t.file, t.line, t.mask, l, o->file, o->line);
+    return buf;
+  }
+  snprintf(buf, sizeof buf, "%s waits at %s at %s:%d (mask 0x%08x) for lanes that never arrive", where(b, t).c_str(), op,
+           t.file, t.line, t.mask);
+  return buf;
+}
+
+// Every thread is waiting (or done): complete the block's barrier, or name why it cannot complete.
+static bool release_barrier(Block& b) {
+  const Thread* first = nullptr;
+  for (const Thread& t : b.threads) {
+    if (t.wait == Wait::Done) continue;
+    char buf[768];
+    if (t.wait == Wait::Warp) {
+      b.error = stuck_warp(b, t);
+      return false;
+    }
+    if (!first) {
+      first = &t;
+    } else if (t.line != first->line || t.file != first->file) {
+      snprintf(buf, sizeof buf,
+               "kernel %s (launched at %s), block (%u,%u,%u): divergent __syncthreads: thread (%u,%u,%u) waits at %s:%d, "
+               "thread (%u,%u,%u) at %s:%d; every live thread of a block must reach the same barrier",
+               b.kernel, b.site, t.c.block_idx.x, t.c.block_idx.y, t.c.block_idx.z, first->c.thread_idx.x,
+               first->c.thread_idx.y, first->c.thread_idx.z, first->file, first->line, t.c.thread_idx.x,
+               t.c.thread_idx.y, t.c.thread_idx.z, t.file, t.line);
+      b.error = buf;
+      return false;
+    }
+  }
+  if (!first) return false;  // all done
+  for (Thread& t : b.threads)
+    if (t.wait == Wait::Block) t.wait = Wait::None;
+  return true;
+}
+
+// Runs every ready thread (in the chosen order) until all wait, then releases the barrier; repeats.
+static void run_block(Block& b, const std::function<void()>& body, bool reverse) {
+  const size_t n = b.threads.size();
+  for (size_t k = 0; k < n; k++) b.threads[k].fiber = start(b, b.threads[k], body);
+  for (;;) {
+    bool ran = true;
+    while (ran && b.error.empty()) {
+      ran = false;
+      for (size_t k = 0; k < n && b.error.empty(); k++) {
+        Thread& t = b.threads[reverse ? n - 1 - k : k];
+        if (t.wait != Wait::None) continue;
+        b.current = &t;
+        t_block = &b;
+        t.fiber = std::move(t.fiber).resume();
+        b.current = nullptr;
+        ran = true;
+      }
+    }
+    if (!b.error.empty() || !release_barrier(b)) break;
+  }
+  t_block = nullptr;
+  for (Thread& t : b.threads) t.fiber = bc::fiber();  // unwinds any fiber left waiting
+}
+
+// ----- the launch ---------------------------------------------------------------------------------
+
+static std::mutex g_attr_mu;
+static std::map<const void*, int> g_max_dyn;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
+void set_max_dynamic_shared(const void* fn, int bytes) {
+  std::lock_guard<std::mutex> lk(g_attr_mu);
+  g_max_dyn[fn] = bytes;
+}
+
+// What the hardware refuses at launch (CUDA Programming Guide, "Compute Capabilities", sm_90 column).
+static cudaError_t check_launch(const char* name, const char* site, const void* fn, dim3 g, dim3 bl, size_t smem) {
+  const unsigned long long threads = 1ull * bl.x * bl.y * bl.z;
+  std::string why;
+  char buf[256];
+  if (!g.x || !g.y || !g.z || !bl.x || !bl.y || !bl.z) why = "a grid or block dimension is zero";
+  else if (threads > 1024) snprintf(buf, sizeof buf, "%llu threads per block, over the limit of 1024", threads), why = buf;
+  else if (bl.x > 1024 || bl.y > 1024 || bl.z > 64) why = "a block dimension over its limit (1024, 1024, 64)";
+  else if (g.y > 65535 || g.z > 65535) snprintf(buf, sizeof buf, "grid (%u,%u,%u): y and z may be at most 65535", g.x, g.y, g.z), why = buf;
+  else if (g.x > 0x7fffffffu) why = "grid x over 2^31 - 1";
+  if (!why.empty()) {
+    report("launch of kernel %s at %s refused: %s", name, site, why.c_str());
+    return cudaErrorInvalidConfiguration;
+  }
+  int opt_in = 48 * 1024;
+  {
+    std::lock_guard<std::mutex> lk(g_attr_mu);
+    auto it = g_max_dyn.find(fn);
+    if (it != g_max_dyn.end()) opt_in = std::max(opt_in, it->second);
+  }
+  if (smem > size_t(opt_in)) {
+    report("launch of kernel %s at %s refused: %zu bytes of dynamic shared memory, over %d (above 48 KiB a kernel "
+           "must opt in with cudaFuncSetAttribute(..., cudaFuncAttributeMaxDynamicSharedMemorySize, bytes))",
+           name, site, smem, opt_in);
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+// Kernels run one at a time in the process: static __shared__ arrays are one copy in one section.
+static std::mutex g_kernel_mu;
+
+static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t smem,
+                     const std::function<void()>& body) {
+  std::lock_guard<std::mutex> lk(g_kernel_mu);
+  const bool reverse = reverse_order();
+  const size_t nblocks = size_t(g.x) * g.y * g.z, nthreads = size_t(bl.x) * bl.y * bl.z;
+  Block b;
+  b.kernel = name;
+  b.site = site;
+  b.threads.resize(nthreads);
+  b.dyn_smem.resize(smem + 16);
+  for (size_t k = 0; k < nblocks && sticky_error() == cudaSuccess; k++) {
+    const size_t id = reverse ? nblocks - 1 - k : k;
+    const uint3 bi{unsigned(id % g.x), unsigned(id / g.x % g.y), unsigned(id / g.x / g.y)};
+    for (size_t i = 0; i < nthreads; i++) {
+      Thread& t = b.threads[i];
+      t = Thread{};
+      t.c = ThreadCtx{uint3{unsigned(i % bl.x), unsigned(i / bl.x % bl.y), unsigned(i / bl.x / bl.y)}, bi, bl, g};
+    }
+    std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(kUninitByte));
+    if (__start_ts_emu_shared) memset(__start_ts_emu_shared, kUninitByte, size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
+    b.error.clear();
+    run_block(b, body, reverse);
+    if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());
+  }
+}
+
+cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t s, std::function<void()> body) {
+  if (sticky_error() != cudaSuccess) {
+    set_last_error(sticky_error());
+    return sticky_error();
+  }
+  if (cudaError_t e = check_launch(name, site, fn, grid, block, smem)) {
+    set_last_error(e);
+    return e;
+  }
+  enqueue(s, name, [=, body = std::move(body)] { run_grid(name, site, grid, block, smem, body); });
+  return cudaSuccess;
+}
+
+}  // namespace emu

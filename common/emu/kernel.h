@@ -1,0 +1,115 @@
+// kernel.h — a kernel's view of the emulated GPU: its indices, barriers, warp shuffles, shared
+// memory and the launch. kernel.cu runs each block's threads as fibers (Boost.Context) on one host
+// thread, switching only where a thread must wait for others; the rules the hardware enforces, and
+// some it leaves undefined, are checked there and named with the kernel and the source line.
+#pragma once
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+namespace emu {
+
+// The running thread's coordinates; kernel.cu switches them with the fiber.
+struct ThreadCtx {
+  uint3 thread_idx;
+  uint3 block_idx;
+  dim3 block_dim;
+  dim3 grid_dim;
+};
+ThreadCtx& ctx();
+
+// __syncthreads and __syncwarp at a source line: every live thread of the block (of the mask) must
+// reach the same one. Threads that have exited count as arrived, as on NVIDIA's hardware.
+void syncthreads(const char* file, int line);
+void syncwarp(const char* file, int line, unsigned mask = 0xffffffffu);
+struct SyncwarpAt {  // __syncwarp() and __syncwarp(mask) at a source line
+  const char* file;
+  int line;
+  void operator()(unsigned mask = 0xffffffffu) const { syncwarp(file, line, mask); }
+};
+// The butterfly shuffle on raw bits (at most 8 bytes): every lane named in `mask` must be alive
+// and arrive at the same shuffle; each gets the value of lane (lane ^ lane_mask) of its segment.
+uint64_t shfl_xor(const char* file, int line, unsigned mask, uint64_t bits, int lane_mask, int width);
+// The block's dynamic shared memory (the launch's third argument), 0xFF-filled at block start.
+void* dynamic_shared();
+
+// Enqueues a grid on stream s: `body` runs once per thread. Returns the launch's error (a launch the
+// hardware refuses: too many threads, too large a grid, too much shared memory), which is also
+// the host thread's last error, as cudaGetLastError reports it after a real launch.
+cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid, dim3 block, size_t smem,
+                   cudaStream_t s, std::function<void()> body);
+void set_max_dynamic_shared(const void* fn, int bytes);
+
+// kernel<<<grid, block, smem, stream>>>(args...) for g++. `call` is a generic lambda that calls
+// the kernel, so a template kernel's arguments are deduced from the launch's as nvcc deduces them;
+// the arguments are copied at the launch, as the hardware copies them into parameter space.
+template <class K> struct Launch {
+  const char* name;
+  const char* site;
+  K call;
+  dim3 grid, block;
+  size_t smem;
+  cudaStream_t stream;
+  template <class... A> void operator()(A&&... a) const {
+    std::tuple<std::decay_t<A>...> args(std::forward<A>(a)...);
+    launch(name, site, nullptr, grid, block, smem, stream, [k = call, args] { std::apply(k, args); });
+  }
+};
+template <class K>
+Launch<K> make_launch(const char* name, const char* site, K call, dim3 grid, dim3 block, size_t smem, cudaStream_t s) {
+  return Launch<K>{name, site, call, grid, block, smem, s};
+}
+
+template <class T> T shfl_xor_sync(const char* file, int line, unsigned mask, T v, int lane_mask, int width = 32) {
+  static_assert(sizeof(T) <= 8 && std::is_trivially_copyable<T>::value, "__shfl_xor_sync: at most 8 bytes");
+  uint64_t bits = 0;
+  memcpy(&bits, &v, sizeof(T));
+  bits = shfl_xor(file, line, mask, bits, lane_mask, width);
+  memcpy(&v, &bits, sizeof(T));
+  return v;
+}
+
+}  // namespace emu
+
+template <class... A> cudaError_t cudaFuncSetAttribute(void (*kernel)(A...), cudaFuncAttribute attr, int value) {
+  if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
+  if (value < 0 || value > 227 * 1024) return cudaErrorInvalidValue;
+  emu::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), value);
+  return cudaSuccess;
+}
+
+#define threadIdx (::emu::ctx().thread_idx)
+#define blockIdx (::emu::ctx().block_idx)
+#define blockDim (::emu::ctx().block_dim)
+#define gridDim (::emu::ctx().grid_dim)
+constexpr int warpSize = 32;
+
+#define __syncthreads() ::emu::syncthreads(__FILE__, __LINE__)
+#define __syncwarp(...) ::emu::SyncwarpAt{__FILE__, __LINE__}(__VA_ARGS__)
+#define __shfl_xor_sync(...) ::emu::shfl_xor_sync(__FILE__, __LINE__, __VA_ARGS__)
+
+// Static __shared__ arrays live in one linker section, which kernel.cu fills with 0xFF at the start
+// of every block (kernels run one at a time, so one copy serves every block). Dynamic shared memory
+// is declared with TS_DYNAMIC_SHARED (core.h), the one place where a kernel's source differs.
+#define __shared__ static __attribute__((section("ts_emu_shared")))
+
+// What nvcc's device library provides and g++'s does not.
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+template <class A, class B> inline std::common_type_t<A, B> max(A a, B b) {
+  return a > b ? std::common_type_t<A, B>(a) : std::common_type_t<A, B>(b);
+}
+template <class A, class B> inline std::common_type_t<A, B> min(A a, B b) {
+  return a < b ? std::common_type_t<A, B>(a) : std::common_type_t<A, B>(b);
+}

@@ -1,0 +1,553 @@
+// runtime.cu — the emulated CUDA runtime: devices, memory, streams and events.
+//
+// Streams are where the emulator is strictest. Each stream is a host thread that runs its queue in
+// issue order, but *late*: an operation runs only once something could observe it (the host
+// synchronising or querying an event recorded after it, a blocking copy, another stream waiting on
+// such an event). CUDA promises nothing earlier, so a missing wait or event reads memory that
+// nothing has written yet (0xFF bytes: NaN) instead of happening to work. Copies follow CUDA's
+// rules for pageable host memory (a host-to-device copy takes its source before returning, a
+// device-to-host copy has finished when it returns); cudaMemcpy, on the legacy default stream, does
+// not wait for streams created non-blocking.
+#include <atomic>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "emu.h"
+
+namespace emu {
+
+// ----- errors ------------------------------------------------------------------------------------
+
+static std::mutex g_report_mu;
+static std::string g_last_report;
+static std::atomic<int> g_sticky{cudaSuccess};
+
+static void vreport(const char* fmt, va_list ap) {
+  char buf[2048];
+  vsnprintf(buf, sizeof buf, fmt, ap);
+  std::lock_guard<std::mutex> lk(g_report_mu);
+  g_last_report = buf;
+  if (!getenv("TS_EMU_QUIET")) fprintf(stderr, "emulated GPU: %s\n", buf);
+}
+void report(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vreport(fmt, ap);
+  va_end(ap);
+}
+std::string last_report() {
+  std::lock_guard<std::mutex> lk(g_report_mu);
+  return g_last_report;
+}
+void clear_report() {
+  std::lock_guard<std::mutex> lk(g_report_mu);
+  g_last_report.clear();
+  g_sticky = cudaSuccess;  // tests of seeded defects start the next case on a healthy device
+}
+void device_fault(cudaError_t e, const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  vreport(fmt, ap);
+  va_end(ap);
+  int ok = cudaSuccess;
+  g_sticky.compare_exchange_strong(ok, int(e));
+}
+cudaError_t sticky_error() { return cudaError_t(g_sticky.load()); }
+
+// ----- settings ------------------------------------------------------------------------------------
+
+static long env_long(const char* name, long dflt) {
+  const char* v = getenv(name);
+  return v && *v ? atol(v) : dflt;
+}
+int gpus() { return int(env_long("TS_EMU_GPUS", 8)); }
+size_t memory_bytes() {
+  const char* v = getenv("TS_EMU_MEMORY_GB");
+  return size_t((v && *v ? atof(v) : 80.0) * (1ull << 30));
+}
+static std::atomic<int> g_reverse{-1};
+bool reverse_order() {
+  if (g_reverse < 0) {
+    const char* v = getenv("TS_EMU_ORDER");
+    g_reverse = v && std::string(v) == "reverse";
+  }
+  return g_reverse == 1;
+}
+void set_reverse_order(bool on) { g_reverse = on; }
+
+// ----- streams -----------------------------------------------------------------------------------
+
+struct Op {
+  uint64_t seq;
+  std::string what;
+  std::function<void()> work;
+};
+
+struct Stream {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Op> queue;
+  uint64_t issued = 0;    // sequence number of the last op queued
+  uint64_t done = 0;      // ... of the last op that has run
+  uint64_t demanded = 0;  // everything up to here may run now
+  bool blocking = true;   // created without cudaStreamNonBlocking (the null stream waits for it)
+  int device = 0;         // the device current when it was created: its work may only be queued there
+  bool destroyed = false;
+};
+
+static thread_local bool t_on_stream = false;
+static thread_local int t_device = 0;  // cudaSetDevice's, per host thread as in CUDA
+bool on_stream_thread() { return t_on_stream; }
+
+// Work runs one op at a time and never while holding the stream's lock, so a kernel may take as
+// long as it likes and other threads may queue behind it.
+static void worker(Stream* s) {
+  t_on_stream = true;
+  std::unique_lock<std::mutex> lk(s->mu);
+  for (;;) {
+    s->cv.wait(lk, [&] { return !s->queue.empty() && s->queue.front().seq <= s->demanded; });
+    Op op = std::move(s->queue.front());
+    s->queue.pop_front();
+    lk.unlock();
+    if (sticky_error() == cudaSuccess) op.work();  // after a fault nothing more runs, as on hardware
+    op.work = nullptr;
+    lk.lock();
+    s->done = op.seq;
+    s->cv.notify_all();
+  }
+}
+
+// Streams are never freed: a destroyed stream finishes its queue (CUDA's rule) on a thread that
+// outlives the program's static destructors.
+static Stream* new_stream(bool blocking) {
+  Stream* s = new Stream;
+  s->blocking = blocking;
+  s->device = t_device;
+  std::thread(worker, s).detach();
+  return s;
+}
+
+static std::mutex g_streams_mu;
+static std::vector<Stream*> g_streams;  // every stream ever created, the null stream first
+
+Stream* stream(cudaStream_t h) {
+  if (h) return reinterpret_cast<Stream*>(h);
+  static Stream* null_stream = [] {
+    Stream* s = new_stream(true);
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    g_streams.insert(g_streams.begin(), s);
+    return s;
+  }();
+  return null_stream;
+}
+
+uint64_t last_seq(Stream* s) {
+  std::lock_guard<std::mutex> lk(s->mu);
+  return s->issued;
+}
+bool finished(Stream* s, uint64_t seq) {
+  std::lock_guard<std::mutex> lk(s->mu);
+  return s->done >= seq;
+}
+
+void demand(Stream* s, uint64_t seq, bool wait) {
+  std::unique_lock<std::mutex> lk(s->mu);
+  if (seq > s->demanded) {
+    s->demanded = seq;
+    s->cv.notify_all();
+  }
+  if (wait) s->cv.wait(lk, [&] { return s->done >= seq; });
+}
+
+uint64_t enqueue(cudaStream_t h, std::string what, std::function<void()> work, bool eager) {
+  Stream* s = stream(h);
+  if (h && s->device != t_device)
+    device_fault(cudaErrorInvalidResourceHandle,
+                 "%s queued on a stream of device %d while device %d is current: a stream belongs to the device that "
+                 "was current when it was created (create streams and handles after cudaSetDevice)",
+                 what.c_str(), s->device, t_device);
+  if (!h) {
+    // The legacy default stream: its work begins only after all earlier work on blocking streams.
+    std::vector<std::pair<Stream*, uint64_t>> before;
+    {
+      std::lock_guard<std::mutex> lk(g_streams_mu);
+      for (Stream* o : g_streams)
+        if (o != s && o->blocking) before.push_back({o, last_seq(o)});
+    }
+    if (!before.empty())
+      work = [before, w = std::move(work)] {
+        for (auto& [o, seq] : before) demand(o, seq, true);
+        w();
+      };
+  }
+  std::lock_guard<std::mutex> lk(s->mu);
+  uint64_t seq = ++s->issued;
+  s->queue.push_back(Op{seq, std::move(what), std::move(work)});
+  if (eager) s->demanded = std::max(s->demanded, seq);
+  s->cv.notify_all();
+  return seq;
+}
+
+static void demand_all(bool wait) {
+  std::vector<Stream*> all;
+  {
+    std::lock_guard<std::mutex> lk(g_streams_mu);
+    all = g_streams;
+  }
+  for (Stream* s : all) demand(s, last_seq(s), false);
+  if (wait)
+    for (Stream* s : all) demand(s, last_seq(s), true);
+}
+
+// ----- memory ------------------------------------------------------------------------------------
+
+static std::mutex g_mem_mu;
+static std::map<uintptr_t, size_t> g_device;  // live cudaMalloc blocks: start -> bytes
+static std::set<uintptr_t> g_pinned;
+static size_t g_used = 0;
+
+bool is_device(const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  uintptr_t a = uintptr_t(p);
+  auto it = g_device.upper_bound(a);
+  if (it == g_device.begin()) return false;
+  --it;
+  return a >= it->first && a + bytes <= it->first + it->second;
+}
+bool is_pinned(const void* p) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  return g_pinned.count(uintptr_t(p)) > 0;
+}
+
+}  // namespace emu
+
+// ===== the runtime's calls ==========================================================================
+
+using emu::Stream;
+
+static thread_local cudaError_t t_last = cudaSuccess;  // per host thread, as CUDA keeps it
+using emu::t_device;
+
+// Every call first returns a sticky fault, and records any error as the thread's last error.
+static cudaError_t ret(cudaError_t e) {
+  if (e != cudaSuccess) t_last = e;
+  return e;
+}
+#define EMU_STICKY()                                          \
+  do {                                                        \
+    if (emu::sticky_error() != cudaSuccess) return ret(emu::sticky_error()); \
+  } while (0)
+
+const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorInvalidSymbol: return "cudaErrorInvalidSymbol";
+    case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidMemcpyDirection: return "cudaErrorInvalidMemcpyDirection";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
+    case cudaErrorIllegalInstruction: return "cudaErrorIllegalInstruction";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+  }
+  return "cudaErrorUnknown";
+}
+const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorMemoryAllocation: return "out of memory";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorNoDevice: return "no CUDA-capable device is detected";
+    case cudaErrorInvalidDevice: return "invalid device ordinal";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorLaunchFailure: return "unspecified launch failure (the emulated GPU printed why)";
+    case cudaErrorIllegalInstruction: return "an illegal instruction was encountered";
+    default: return cudaGetErrorName(e);
+  }
+}
+cudaError_t cudaGetLastError() {
+  cudaError_t e = emu::sticky_error() != cudaSuccess ? emu::sticky_error() : t_last;
+  t_last = cudaSuccess;
+  return e;
+}
+cudaError_t cudaPeekAtLastError() { return emu::sticky_error() != cudaSuccess ? emu::sticky_error() : t_last; }
+
+// Used by kernel.cu: a refused launch is the thread's last error.
+namespace emu {
+void set_last_error(cudaError_t e) { ret(e); }
+}  // namespace emu
+
+// ----- devices -------------------------------------------------------------------------------------
+
+cudaError_t cudaGetDeviceCount(int* n) {
+  *n = emu::gpus();
+  return *n > 0 ? cudaSuccess : ret(cudaErrorNoDevice);
+}
+cudaError_t cudaSetDevice(int d) {
+  if (d < 0 || d >= emu::gpus()) return ret(cudaErrorInvalidDevice);
+  t_device = d;
+  return cudaSuccess;
+}
+cudaError_t cudaGetDevice(int* d) {
+  *d = t_device;
+  return cudaSuccess;
+}
+// Distinct bus ids per device index: ranks that pick distinct devices own distinct GPUs (NCCL's
+// path); ranks that pick the same index share one (the staged MPI path).
+cudaError_t cudaDeviceGetPCIBusId(char* bus_id, int len, int d) {
+  if (d < 0 || d >= emu::gpus()) return ret(cudaErrorInvalidDevice);
+  snprintf(bus_id, size_t(len), "0000:%02x:00.0", 0x18 + d);
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int d) {
+  if (d < 0 || d >= emu::gpus()) return ret(cudaErrorInvalidDevice);
+  switch (attr) {
+    case cudaDevAttrMaxThreadsPerBlock: *value = 1024; break;
+    case cudaDevAttrMaxSharedMemoryPerBlock: *value = 48 * 1024; break;
+    case cudaDevAttrWarpSize: *value = 32; break;
+    case cudaDevAttrMultiProcessorCount: *value = 132; break;
+    case cudaDevAttrComputeCapabilityMajor: *value = 9; break;  // an H100's sm_90: FP8 is native
+    case cudaDevAttrComputeCapabilityMinor: *value = 0; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = 227 * 1024; break;
+    default: return ret(cudaErrorInvalidValue);
+  }
+  return cudaSuccess;
+}
+cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  if (d < 0 || d >= emu::gpus()) return ret(cudaErrorInvalidDevice);
+  memset(p, 0, sizeof *p);
+  snprintf(p->name, sizeof p->name, "Emulated GPU (sm_90, on the CPU)");
+  p->totalGlobalMem = emu::memory_bytes();
+  p->sharedMemPerBlock = 48 * 1024;
+  p->sharedMemPerBlockOptin = 227 * 1024;
+  p->warpSize = 32;
+  p->maxThreadsPerBlock = 1024;
+  p->maxThreadsDim[0] = p->maxThreadsDim[1] = 1024;
+  p->maxThreadsDim[2] = 64;
+  p->maxGridSize[0] = 0x7fffffff;
+  p->maxGridSize[1] = p->maxGridSize[2] = 65535;
+  p->major = 9;
+  p->multiProcessorCount = 132;
+  p->pciBusID = 0x18 + d;
+  return cudaSuccess;
+}
+cudaError_t cudaDeviceSynchronize() {
+  emu::demand_all(true);
+  EMU_STICKY();
+  return cudaSuccess;
+}
+cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total_bytes) {
+  std::lock_guard<std::mutex> lk(emu::g_mem_mu);
+  *total_bytes = emu::memory_bytes();
+  *free_bytes = *total_bytes - std::min(*total_bytes, emu::g_used);
+  return cudaSuccess;
+}
+
+// ----- memory --------------------------------------------------------------------------------------
+
+cudaError_t cudaMalloc(void** p, size_t bytes) {
+  EMU_STICKY();
+  *p = nullptr;
+  const size_t n = std::max<size_t>((bytes + 255) / 256 * 256, 256);  // cudaMalloc aligns to 256 bytes
+  {
+    std::lock_guard<std::mutex> lk(emu::g_mem_mu);
+    if (emu::g_used + n > emu::memory_bytes()) return ret(cudaErrorMemoryAllocation);
+    emu::g_used += n;
+  }
+  void* q = aligned_alloc(256, n);
+  if (!q) return ret(cudaErrorMemoryAllocation);
+  memset(q, emu::kUninitByte, n);
+  std::lock_guard<std::mutex> lk(emu::g_mem_mu);
+  emu::g_device[uintptr_t(q)] = n;
+  *p = q;
+  return cudaSuccess;
+}
+// cudaFree waits for the device first, as CUDA's does, so queued work never reads freed memory.
+cudaError_t cudaFree(void* p) {
+  if (!p) return cudaSuccess;
+  emu::demand_all(true);
+  std::lock_guard<std::mutex> lk(emu::g_mem_mu);
+  auto it = emu::g_device.find(uintptr_t(p));
+  if (it == emu::g_device.end()) {
+    emu::report("cudaFree(%p): not the start of a live cudaMalloc allocation", p);
+    return ret(cudaErrorInvalidValue);
+  }
+  emu::g_used -= it->second;
+  emu::g_device.erase(it);
+  free(p);
+  return cudaSuccess;
+}
+cudaError_t cudaMallocHost(void** p, size_t bytes) {
+  *p = aligned_alloc(256, std::max<size_t>((bytes + 255) / 256 * 256, 256));
+  if (!*p) return ret(cudaErrorMemoryAllocation);
+  std::lock_guard<std::mutex> lk(emu::g_mem_mu);
+  emu::g_pinned.insert(uintptr_t(*p));
+  return cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* p) {
+  emu::demand_all(true);
+  std::lock_guard<std::mutex> lk(emu::g_mem_mu);
+  if (!emu::g_pinned.erase(uintptr_t(p))) return ret(cudaErrorInvalidValue);
+  free(p);
+  return cudaSuccess;
+}
+
+// The kind must say where each side really is: cudaMemcpyDefault infers it, as with unified
+// addressing; a wrong kind is an error here (the hardware would fault or copy garbage).
+static cudaError_t check_kind(void* dst, const void* src, size_t bytes, cudaMemcpyKind& kind) {
+  const bool d_dev = emu::is_device(dst, bytes), s_dev = emu::is_device(src, bytes);
+  const cudaMemcpyKind actual = cudaMemcpyKind((d_dev ? 1 : 0) + (s_dev ? 2 : 0) == 0   ? cudaMemcpyHostToHost
+                                               : !s_dev                                ? cudaMemcpyHostToDevice
+                                               : !d_dev                                ? cudaMemcpyDeviceToHost
+                                                                                       : cudaMemcpyDeviceToDevice);
+  if (kind == cudaMemcpyDefault) kind = actual;
+  if (kind != actual) {
+    emu::report("cudaMemcpy of %zu bytes from %p to %p: kind %d, but the source is %s memory and the destination %s",
+                bytes, src, dst, int(kind), s_dev ? "device" : "host", d_dev ? "device" : "host");
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind, cudaStream_t s) {
+  EMU_STICKY();
+  if (bytes == 0) return cudaSuccess;
+  if (cudaError_t e = check_kind(dst, src, bytes, kind)) return ret(e);
+  if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src)) {
+    // Pageable source: CUDA stages it before returning, so the caller may reuse it at once.
+    auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
+    emu::enqueue(s, "cudaMemcpyAsync host to device", [=] { memcpy(dst, staged->data(), bytes); });
+    return cudaSuccess;
+  }
+  uint64_t seq = emu::enqueue(s, "cudaMemcpyAsync", [=] { memcpy(dst, src, bytes); });
+  // Pageable destination: the call returns once the copy is done.
+  if (kind == cudaMemcpyDeviceToHost && !emu::is_pinned(dst)) emu::demand(emu::stream(s), seq, true);
+  EMU_STICKY();
+  return cudaSuccess;
+}
+cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+  EMU_STICKY();
+  if (bytes == 0) return cudaSuccess;
+  if (cudaError_t e = check_kind(dst, src, bytes, kind)) return ret(e);
+  uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { memcpy(dst, src, bytes); });
+  emu::demand(emu::stream(nullptr), seq, true);
+  EMU_STICKY();
+  return cudaSuccess;
+}
+cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
+  EMU_STICKY();
+  if (bytes && !emu::is_device(p, bytes)) {
+    emu::report("cudaMemsetAsync(%p, %zu bytes): not inside one device allocation", p, bytes);
+    return ret(cudaErrorInvalidValue);
+  }
+  emu::enqueue(s, "cudaMemsetAsync", [=] { memset(p, value, bytes); });
+  return cudaSuccess;
+}
+cudaError_t cudaMemset(void* p, int value, size_t bytes) {
+  cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr);
+  if (e) return e;
+  emu::demand(emu::stream(nullptr), emu::last_seq(emu::stream(nullptr)), true);
+  return cudaSuccess;
+}
+
+// ----- streams and events --------------------------------------------------------------------------
+
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned flags) {
+  Stream* st = emu::new_stream(!(flags & cudaStreamNonBlocking));
+  {
+    std::lock_guard<std::mutex> lk(emu::g_streams_mu);
+    emu::g_streams.push_back(st);
+  }
+  *s = reinterpret_cast<cudaStream_t>(st);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, cudaStreamDefault); }
+cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  if (!s) return ret(cudaErrorInvalidResourceHandle);
+  Stream* st = emu::stream(s);
+  emu::demand(st, emu::last_seq(st), false);  // its queued work still runs, as CUDA promises
+  std::lock_guard<std::mutex> lk(st->mu);
+  st->destroyed = true;
+  return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  Stream* st = emu::stream(s);
+  emu::demand(st, emu::last_seq(st), true);
+  EMU_STICKY();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t s) {
+  EMU_STICKY();
+  Stream* st = emu::stream(s);
+  uint64_t seq = emu::last_seq(st);
+  emu::demand(st, seq, false);
+  return emu::finished(st, seq) ? cudaSuccess : cudaErrorNotReady;
+}
+
+// An event is the position (stream, sequence number) of its latest record.
+struct CUevent_st {
+  Stream* stream = nullptr;
+  uint64_t seq = 0;
+  bool destroyed = false;
+};
+
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = new CUevent_st;
+  return cudaSuccess;
+}
+cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, cudaEventDefault); }
+// Work already queued may still refer to the event's position (by value), so it can go now.
+cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  if (!e || e->destroyed) return ret(cudaErrorInvalidResourceHandle);
+  delete e;
+  return cudaSuccess;
+}
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t s) {
+  EMU_STICKY();
+  if (!e) return ret(cudaErrorInvalidResourceHandle);
+  e->stream = emu::stream(s);
+  e->seq = emu::enqueue(s, "cudaEventRecord", [] {});
+  return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) {
+  EMU_STICKY();
+  if (!e) return ret(cudaErrorInvalidResourceHandle);
+  if (!e->stream) return cudaSuccess;  // never recorded: complete, as CUDA says
+  emu::demand(e->stream, e->seq, false);
+  return emu::finished(e->stream, e->seq) ? cudaSuccess : cudaErrorNotReady;
+}
+cudaError_t cudaEventSynchronize(cudaEvent_t e) {
+  if (!e) return ret(cudaErrorInvalidResourceHandle);
+  if (e->stream) emu::demand(e->stream, e->seq, true);
+  EMU_STICKY();
+  return cudaSuccess;
+}
+// The stream waits for the event's record as it stood at this call (a later record does not move it).
+cudaError_t cudaStreamWaitEvent(cudaStream_t s, cudaEvent_t e, unsigned) {
+  EMU_STICKY();
+  if (!e) return ret(cudaErrorInvalidResourceHandle);
+  if (!e->stream) return cudaSuccess;
+  Stream* other = e->stream;
+  uint64_t seq = e->seq;
+  emu::enqueue(s, "cudaStreamWaitEvent", [other, seq] { emu::demand(other, seq, true); });
+  return cudaSuccess;
+}
+cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
+  *ms = 0;  // the emulator keeps no device time
+  return ret(cudaErrorInvalidValue);
+}

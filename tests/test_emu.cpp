@@ -1,0 +1,255 @@
+// ranks: 1
+// The emulated GPU's own checks (common/emu/kernel.cu, runtime.cu): each rule it enforces has a
+// kernel or a call here with the defect seeded, and the case asserts that the emulator refused it
+// and named it — a divergent barrier, a shuffle naming an exited lane, launches the hardware
+// refuses, a stream that reads without waiting for the stream that writes, a barrier that is
+// missing (the block's threads run the other way round and the result changes) — and that correct
+// kernels give the same bits in either order. Only in the emulated build (make CUDA=emu).
+#include <catch2/catch.hpp>
+
+#ifdef TS_CUDA_EMU
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core.h"
+#include "emu.h"
+
+namespace {
+
+// A block-wide sum through shared memory and warp shuffles, as kernels_cuda.cu's block_sum does.
+__global__ void block_sum_kernel(float* out, const float* x, int n) {
+  __shared__ float partial[32];
+  float v = 0;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) v += x[i];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float s = 0;
+    for (unsigned w = 0; w < blockDim.x / 32; w++) s += partial[w];
+    out[blockIdx.x] = s;
+  }
+}
+
+// Seeded: threads of the first warp wait at one barrier, the others at another.
+__global__ void divergent_barrier_kernel(float* out) {
+  if (threadIdx.x < 32) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1;
+}
+
+// Seeded: lanes 16..31 exit, then the rest shuffle with a full mask.
+__global__ void exited_lane_shuffle_kernel(float* out) {
+  if (threadIdx.x % 32 >= 16) return;
+  float v = float(threadIdx.x);
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  out[threadIdx.x] = v;
+}
+
+// Exited threads count as arrived at __syncthreads (as on NVIDIA's hardware): legal.
+__global__ void early_exit_barrier_kernel(float* out) {
+  __shared__ float s[64];
+  if (threadIdx.x >= 32) return;
+  s[threadIdx.x] = float(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = s[31 - threadIdx.x];
+}
+
+// Seeded: reads a neighbour's shared-memory slot with no barrier between write and read.
+__global__ void missing_barrier_kernel(float* out) {
+  __shared__ float s[64];
+  s[threadIdx.x] = float(threadIdx.x);
+  out[threadIdx.x] = s[(threadIdx.x + 1) % 64];
+}
+
+__global__ void write_kernel(float* y, float v, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = v;
+}
+__global__ void copy_kernel(float* y, const float* x, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i];
+}
+__global__ void nothing_kernel(float*) {}
+
+float* device_floats(const std::vector<float>& h) {
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, h.size() * 4) == cudaSuccess);
+  REQUIRE(cudaMemcpy(p, h.data(), h.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
+  return static_cast<float*>(p);
+}
+std::vector<float> host_floats(const float* d, size_t n) {
+  std::vector<float> h(n);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
+  return h;
+}
+// After a seeded fault the device is sticky-broken, as real hardware is; the next case starts afresh.
+struct Fresh {
+  Fresh() {
+    setenv("TS_EMU_QUIET", "1", 1);
+    emu::clear_report();
+    cudaGetLastError();
+  }
+  ~Fresh() {
+    cudaDeviceSynchronize();
+    emu::clear_report();
+    emu::set_reverse_order(false);
+    cudaGetLastError();
+  }
+};
+
+}  // namespace
+
+TEST_CASE("emulated GPU: a block sum through shared memory and shuffles is exact and order-independent", "[emu]") {
+  Fresh fresh;
+  std::vector<float> x(1000);
+  for (size_t i = 0; i < x.size(); i++) x[i] = float(i % 7);  // small integers: every order sums exactly
+  float* dx = device_floats(x);
+  float* dout = device_floats({0, 0});
+  for (bool reverse : {false, true}) {
+    emu::set_reverse_order(reverse);
+    TS_LAUNCH(2, 256, 0, nullptr, block_sum_kernel)(dout, dx, int(x.size()));
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    std::vector<float> out = host_floats(dout, 2);
+    double want = 0;
+    for (float v : x) want += v;
+    CHECK(out[0] == float(want));
+    CHECK(out[1] == float(want));
+  }
+  cudaFree(dx);
+  cudaFree(dout);
+}
+
+TEST_CASE("emulated GPU: cudaMalloc'd memory starts as NaN", "[emu]") {
+  Fresh fresh;
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, 64) == cudaSuccess);
+  std::vector<float> h = host_floats(static_cast<float*>(p), 16);
+  for (float v : h) CHECK(std::isnan(v));
+  cudaFree(p);
+}
+
+TEST_CASE("emulated GPU: a divergent __syncthreads is named with its kernel and lines", "[emu]") {
+  Fresh fresh;
+  float* d = device_floats(std::vector<float>(64, 0));
+  TS_LAUNCH(1, 64, 0, nullptr, divergent_barrier_kernel)(d);
+  CHECK(cudaGetLastError() == cudaSuccess);  // the launch itself is legal
+  CHECK(cudaDeviceSynchronize() == cudaErrorLaunchFailure);
+  const std::string r = emu::last_report();
+  CHECK(r.find("divergent __syncthreads") != std::string::npos);
+  CHECK(r.find("divergent_barrier_kernel") != std::string::npos);
+  CHECK(r.find("test_emu.cpp") != std::string::npos);
+}
+
+TEST_CASE("emulated GPU: a shuffle whose mask names an exited lane is refused", "[emu]") {
+  Fresh fresh;
+  float* d = device_floats(std::vector<float>(32, 0));
+  TS_LAUNCH(1, 32, 0, nullptr, exited_lane_shuffle_kernel)(d);
+  CHECK(cudaDeviceSynchronize() == cudaErrorLaunchFailure);
+  const std::string r = emu::last_report();
+  CHECK(r.find("__shfl_xor_sync") != std::string::npos);
+  CHECK(r.find("has exited") != std::string::npos);
+  CHECK(r.find("exited_lane_shuffle_kernel") != std::string::npos);
+}
+
+TEST_CASE("emulated GPU: exited threads count as arrived at __syncthreads", "[emu]") {
+  Fresh fresh;
+  float* d = device_floats(std::vector<float>(32, 0));
+  TS_LAUNCH(1, 64, 0, nullptr, early_exit_barrier_kernel)(d);
+  std::vector<float> out = host_floats(d, 32);
+  for (int i = 0; i < 32; i++) CHECK(out[size_t(i)] == float(31 - i));
+  cudaFree(d);
+}
+
+TEST_CASE("emulated GPU: a missing barrier shows as a result that changes with the threads' order", "[emu]") {
+  Fresh fresh;
+  float* d = device_floats(std::vector<float>(64, 0));
+  std::vector<float> runs[2];
+  for (int reverse = 0; reverse < 2; reverse++) {
+    emu::set_reverse_order(reverse);
+    TS_LAUNCH(1, 64, 0, nullptr, missing_barrier_kernel)(d);
+    runs[reverse] = host_floats(d, 64);
+  }
+  // Forward, thread 63 reads slot 0 after thread 0 wrote it; reversed, thread 62 reads slot 63
+  // after it was written but thread 0 reads slot 1 before: some slot still holds the 0xFF pattern.
+  bool differs = memcmp(runs[0].data(), runs[1].data(), 64 * 4) != 0;
+  CHECK(differs);
+  int nan_forward = 0, nan_reverse = 0;
+  for (int i = 0; i < 64; i++) nan_forward += std::isnan(runs[0][size_t(i)]), nan_reverse += std::isnan(runs[1][size_t(i)]);
+  CHECK(nan_forward + nan_reverse > 0);
+  cudaFree(d);
+}
+
+TEST_CASE("emulated GPU: launches the hardware refuses are named", "[emu]") {
+  Fresh fresh;
+  float* d = device_floats({0});
+  TS_LAUNCH(1, 1025, 0, nullptr, nothing_kernel)(d);
+  CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+  CHECK(emu::last_report().find("1025 threads per block") != std::string::npos);
+  CHECK(emu::last_report().find("nothing_kernel") != std::string::npos);
+  TS_LAUNCH(dim3(1, 65536), 32, 0, nullptr, nothing_kernel)(d);
+  CHECK(cudaGetLastError() == cudaErrorInvalidConfiguration);
+  CHECK(emu::last_report().find("65535") != std::string::npos);
+  TS_LAUNCH(1, 32, 48 * 1024 + 4, nullptr, nothing_kernel)(d);
+  CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+  CHECK(emu::last_report().find("dynamic shared memory") != std::string::npos);
+  TS_LAUNCH(1, 32, 48 * 1024, nullptr, nothing_kernel)(d);  // at the limit: legal
+  CHECK(cudaGetLastError() == cudaSuccess);
+  cudaFree(d);
+}
+
+TEST_CASE("emulated GPU: a stream that reads without waiting for the writer's event reads NaN", "[emu]") {
+  Fresh fresh;
+  cudaStream_t writer, reader;
+  REQUIRE(cudaStreamCreateWithFlags(&writer, cudaStreamNonBlocking) == cudaSuccess);
+  REQUIRE(cudaStreamCreateWithFlags(&reader, cudaStreamNonBlocking) == cudaSuccess);
+  void *x = nullptr, *y = nullptr;
+  REQUIRE(cudaMalloc(&x, 256 * 4) == cudaSuccess);
+  REQUIRE(cudaMalloc(&y, 256 * 4) == cudaSuccess);
+  std::vector<float> h(256);
+  for (bool wait : {false, true}) {
+    TS_LAUNCH(1, 128, 0, writer, write_kernel)(static_cast<float*>(x), wait ? 2.f : 1.f, 256);
+    if (wait) {
+      cudaEvent_t ev;
+      REQUIRE(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming) == cudaSuccess);
+      REQUIRE(cudaEventRecord(ev, writer) == cudaSuccess);
+      REQUIRE(cudaStreamWaitEvent(reader, ev, 0) == cudaSuccess);
+      REQUIRE(cudaEventDestroy(ev) == cudaSuccess);
+    }
+    TS_LAUNCH(1, 128, 0, reader, copy_kernel)(static_cast<float*>(y), static_cast<const float*>(x), 256);
+    REQUIRE(cudaStreamSynchronize(reader) == cudaSuccess);
+    REQUIRE(cudaMemcpyAsync(h.data(), y, 256 * 4, cudaMemcpyDeviceToHost, reader) == cudaSuccess);
+    if (wait) {
+      for (float v : h) CHECK(v == 2.f);
+    } else {
+      for (float v : h) CHECK(std::isnan(v));  // the write had not run: nothing had asked for it
+    }
+    REQUIRE(cudaStreamSynchronize(writer) == cudaSuccess);
+  }
+  cudaFree(x);
+  cudaFree(y);
+  cudaStreamDestroy(writer);
+  cudaStreamDestroy(reader);
+}
+
+TEST_CASE("emulated GPU: cudaMemcpy with the wrong kind and an over-size allocation are refused", "[emu]") {
+  Fresh fresh;
+  void* d = nullptr;
+  REQUIRE(cudaMalloc(&d, 64) == cudaSuccess);
+  std::vector<float> h(16);
+  CHECK(cudaMemcpy(h.data(), d, 64, cudaMemcpyHostToDevice) == cudaErrorInvalidValue);
+  CHECK(emu::last_report().find("the source is device memory") != std::string::npos);
+  size_t free_b = 0, total_b = 0;
+  REQUIRE(cudaMemGetInfo(&free_b, &total_b) == cudaSuccess);
+  void* big = nullptr;
+  CHECK(cudaMalloc(&big, free_b + (1 << 20)) == cudaErrorMemoryAllocation);
+  CHECK(big == nullptr);
+  cudaGetLastError();
+  cudaFree(d);
+}
+
+#endif

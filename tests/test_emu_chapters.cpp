@@ -1,0 +1,84 @@
+// ranks: 1
+// Every chapter on --device cuda under the emulated GPU against the same run on --device cpu
+// (make CUDA=emu): the CUDA kernels, cuBLAS, cuBLASLt and NCCL calls run for real, in the
+// emulator, and must reproduce the CPU reference by the criterion every technique meets
+// (tests/test_util.h; notes/00 derives why it holds for CUDA against the CPU too: both sides only
+// sum in other orders). Meshes at 2 and 4 ranks with an emulated GPU each (NCCL's path), and at 2
+// ranks sharing one (TS_EMU_GPUS=1: the staged MPI path); fp32, bf16 and FP8 tensorwise.
+#include <catch2/catch.hpp>
+
+#ifdef TS_CUDA_EMU
+#include <string>
+
+#include "test_util.h"
+
+namespace {
+
+const std::string kTiny = "--preset tiny --quiet --lr-schedule constant --steps 3 --batch 8 ";
+const std::string kOwnGpus = "TS_EMU_GPUS=8", kSharedGpu = "TS_EMU_GPUS=1";
+
+struct Case {
+  std::string bin;
+  int np;
+  std::string args;
+  std::string env;  // kOwnGpus or kSharedGpu
+  std::string transport;  // what the CUDA run's communicators must use ("" at one rank)
+};
+
+void check_case(const Case& c) {
+  const tst::CachedRun& cpu = tst::cached_run(c.bin, c.np, kTiny + c.args + " --device cpu", 600, c.env);
+  const tst::CachedRun& gpu = tst::cached_run(c.bin, c.np, kTiny + c.args + " --device cuda", 600, c.env);
+  INFO(c.bin << " np " << c.np << " " << c.args << " " << c.env << "\n" << gpu.output);
+  if (!c.transport.empty()) CHECK(gpu.output.find(c.transport) != std::string::npos);
+  const bool bf16 = c.args.find("--dtype bf16") != std::string::npos;
+  tst::check_equivalent(gpu, cpu, bf16 ? tst::bf16_bounds(8 * 32) : tst::kFp32Bounds);
+}
+
+}  // namespace
+
+TEST_CASE("emulated GPU: 01 on CUDA reproduces 01 on the CPU, fp32 and bf16", "[emu][cuda][01]") {
+  check_case({"01_single_gpu", 1, "", kOwnGpus, ""});
+  check_case({"01_single_gpu", 1, "--dtype bf16", kOwnGpus, ""});
+}
+
+TEST_CASE("emulated GPU: 02 data parallel on NCCL (a GPU per rank) and staged (two ranks on one)", "[emu][cuda][02]") {
+  check_case({"02_data_parallel", 2, "--dp 2", kOwnGpus, "nccl"});
+  check_case({"02_data_parallel", 2, "--dp 2", kSharedGpu, "mpi-staged"});
+  check_case({"02_data_parallel", 4, "--dp 4 --micro-batch 1", kOwnGpus, "nccl"});
+}
+
+TEST_CASE("emulated GPU: 03 ZeRO-1 and ZeRO-3 on NCCL", "[emu][cuda][03]") {
+  check_case({"03_zero", 2, "--dp 2 --zero 1", kOwnGpus, "nccl"});
+  check_case({"03_zero", 2, "--dp 2 --zero 3", kOwnGpus, "nccl"});
+}
+
+TEST_CASE("emulated GPU: 04 tensor parallel with sequence parallel on NCCL", "[emu][cuda][04]") {
+  check_case({"04_tensor_parallel", 2, "--tp 2 --sequence-parallel", kOwnGpus, "nccl"});
+}
+
+TEST_CASE("emulated GPU: 05 pipelines (1F1B, interleaved, ZB-H1) on NCCL", "[emu][cuda][05]") {
+  check_case({"05_pipeline_parallel", 2, "--pp 2 --layers 4 --micro-batch 2 --schedule 1f1b", kOwnGpus, "nccl"});
+  check_case({"05_pipeline_parallel", 2, "--pp 2 --layers 4 --micro-batch 2 --schedule interleaved --virtual-stages 2",
+              kOwnGpus, "nccl"});
+  check_case({"05_pipeline_parallel", 2, "--pp 2 --layers 4 --micro-batch 2 --schedule zb-h1", kOwnGpus, "nccl"});
+}
+
+TEST_CASE("emulated GPU: 06 ring attention (zigzag) and Ulysses on NCCL", "[emu][cuda][06]") {
+  check_case({"06_context_parallel", 2, "--cp 2 --cp-mode ring --zigzag 1", kOwnGpus, "nccl"});
+  check_case({"06_context_parallel", 2, "--cp 2 --cp-mode ulysses", kOwnGpus, "nccl"});
+}
+
+TEST_CASE("emulated GPU: 07 expert parallel on NCCL", "[emu][cuda][07]") {
+  check_case({"07_expert_parallel", 2, "--experts 4 --ffn 64 --top-k 2 --dp 2 --ep 2", kOwnGpus, "nccl"});
+}
+
+TEST_CASE("emulated GPU: 08 ZeRO-3 with prefetch beside TP, and TP beside CP, on NCCL", "[emu][cuda][08]") {
+  check_case({"08_5d_mesh", 4, "--dp 2 --tp 2 --zero 3 --prefetch 1", kOwnGpus, "nccl"});
+  check_case({"08_5d_mesh", 4, "--dp 1 --tp 2 --cp 2", kOwnGpus, "nccl"});
+}
+
+TEST_CASE("emulated GPU: FP8 tensorwise through cuBLASLt reproduces the CPU's FP8", "[emu][cuda][fp8]") {
+  check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe tensorwise", kOwnGpus, ""});
+}
+
+#endif
