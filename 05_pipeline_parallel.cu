@@ -548,7 +548,10 @@ class Pipeline {
  public:
   // tokens: b·s of a micro-batch, the rows of every tensor that travels.
   Pipeline(Model& m, Comm& group, const Plan& plan, int rank, int64_t tokens)
-      : m_(m), pp_(group), pl_(plan), rank_(rank), tokens_(tokens), grouped_(completes_under_rendezvous(plan)) {}
+      : m_(m), pp_(group), pl_(plan), rank_(rank), tokens_(tokens), grouped_(completes_under_rendezvous(plan)) {
+    // A buffered list's messages are matched by their tags (flush()), which NCCL does not have.
+    if (!grouped_) pp_.match_p2p_by_tag();
+  }
   // Where micro-batch mb of a step comes from on a larger mesh (this dp rank's sequences, this
   // cp rank's tokens and positions); by default the global batch's sequences [mb·b, (mb+1)·b).
   std::function<ForwardState(const TokenData& data, long step, int mb)> begin_microbatch;
@@ -638,7 +641,9 @@ class Pipeline {
   // Otherwise (interleaved: one link carries both directions of several chunks in orders that
   // differ at its two ends) a send goes out from a copy (Tag::Comm) without waiting, and only
   // receives block. Every receive's message was sent at an earlier slot of the simulation, whose
-  // order each list keeps, so by induction over the slots every receive completes.
+  // order each list keeps, so by induction over the slots every receive completes. That needs MPI's
+  // semantics (tags, sends that complete unmatched), so such a list's messages travel by MPI even
+  // on an NCCL group (Comm::match_p2p_by_tag).
   void flush(std::vector<Action>& group) {
     if (group.empty()) return;
     TraceScope ts("pp p2p", Lane::Comm);

@@ -2,20 +2,30 @@
 #
 #   make            build every technique into build/ (with CUDA when nvcc is found)
 #   make CUDA=0     the same sources compiled by g++ as C++, CUDA compiled out
+#   make CUDA=emu   the emulated GPU: g++ compiles the CUDA code against common/emu/, and
+#                   --device cuda runs it on the CPU (into build-emu/; notes/emulated_gpu.md)
 #   make test       install missing packages, build (on every core), run every test; last line
-#                   "N passed, M failed"
+#                   "N passed, M failed". Without a visible GPU it builds the emulated GPU
+#                   (CUDA=emu), so every [cuda] case runs there
 #   make demo       build 01 only (in parallel; CPU-only into build/demo-cpu when no GPU is visible),
 #                   train it on the embedded data (about a minute); its plot in build/demo.png
 #   make bench      kernel, collective and training-step benchmarks
 #   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
 #
-# Variables: CUDA=auto|0|1, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos.
+# Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos.
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA ?= auto
+GPU_VISIBLE = $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
 ifeq ($(CUDA),auto)
-  CUDA := $(if $(NVCC),1,0)
+  ifneq ($(filter test,$(MAKECMDGOALS)),)
+    # make test runs every [cuda] case: on the GPU where one is visible, under the emulated GPU
+    # everywhere else (into build-emu/, so its objects never mix with nvcc's in build/).
+    CUDA := $(if $(and $(NVCC),$(GPU_VISIBLE)),1,emu)
+  else
+    CUDA := $(if $(NVCC),1,0)
+  endif
 endif
 ifeq ($(CUDA),1)
   ifeq ($(NVCC),)
@@ -23,7 +33,7 @@ ifeq ($(CUDA),1)
   endif
 endif
 
-BUILD ?= build
+BUILD ?= $(if $(filter emu,$(CUDA)),build-emu,build)
 CUDA_ARCH ?= 80 90
 # The toolkit's root from nvcc's real path (a /usr/bin/nvcc symlink into /usr/local/cuda-12.x
 # resolves there); its libraries in lib64 unless CUDA_LIB names the directory that holds libcublas.
@@ -188,7 +198,7 @@ deps:
 	@scripts/ensure-deps.sh
 
 test: deps
-	@$(MAKE) --no-print-directory -j$(JOBS) all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
+	@$(MAKE) --no-print-directory -j$(JOBS) CUDA=$(CUDA) BUILD=$(BUILD) all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
 	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
 
 NP ?= 1
@@ -197,7 +207,6 @@ NP ?= 1
 # is all it needs (nvcc's device passes would be most of the build); it goes into a directory of
 # its own, so that it never mixes with the CUDA objects of $(BUILD).
 JOBS ?= $(shell nproc 2>/dev/null || echo 2)
-GPU_VISIBLE = $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo 1)
 DEMO_CUDA = $(if $(GPU_VISIBLE),$(CUDA),0)
 DEMO_BUILD = $(if $(filter $(CUDA),$(DEMO_CUDA)),$(BUILD),$(BUILD)/demo-cpu)
 demo: deps
@@ -210,6 +219,6 @@ bench: deps
 	@BUILD=$(BUILD) scripts/bench.sh
 
 clean:
-	rm -rf build build-cpu $(BUILD)
+	rm -rf build build-cpu build-emu $(BUILD)
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

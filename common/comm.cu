@@ -604,6 +604,7 @@ static Work nccl_end(cudaStream_t s, ncclComm_t c, std::string what, std::vector
   return Work(std::move(p));
 }
 #define USE_NCCL(t) ((t).device() == Device::CUDA && nccl_)
+#define USE_NCCL_P2P(t) (USE_NCCL(t) && !p2p_by_tag_)
 #endif
 
 // ----- the collectives: each issued non-blocking; the blocking form waits on it ----------------
@@ -753,7 +754,7 @@ Work Comm::send_async(const Tensor& t, int peer, int tag) {
   maybe_stop(what);
   const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", peer, tag, t.numel(), t.dtype, what)};
 #ifdef TS_CUDA
-  if (USE_NCCL(t)) {
+  if (USE_NCCL_P2P(t)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclSend(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
     return nccl_end(s_, c_, what, {t}, ids);
@@ -776,7 +777,7 @@ Work Comm::recv_async(const Tensor& t, int peer, int tag) {
   maybe_stop(what);
   const std::vector<uint64_t> ids = {flight::p2p(comm_, "recv", peer, tag, t.numel(), t.dtype, what)};
 #ifdef TS_CUDA
-  if (USE_NCCL(t)) {
+  if (USE_NCCL_P2P(t)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclRecv(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
     return nccl_end(s_, c_, what, {t}, ids);
@@ -810,7 +811,7 @@ Work Comm::send_recv_async(const Tensor& send, int dst, const Tensor& recv, int 
   const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", dst, tag, send.numel(), send.dtype, what),
                                        flight::p2p(comm_, "recv", src, tag, recv.numel(), recv.dtype, what)};
 #ifdef TS_CUDA
-  if (USE_NCCL(send)) {
+  if (USE_NCCL_P2P(send)) {
     NCCL_BEGIN();
     NCCL_CHECK(ncclGroupStart());
     NCCL_CHECK(ncclSend(send.raw(), size_t(send.numel()), nccl_type(send.dtype), dst, c_, s_));

@@ -104,6 +104,11 @@ class Comm {
   void broadcast(const Tensor& t, int root);
   // Tags match messages on MPI; NCCL has none and matches a pair's messages in issue order.
   void send(const Tensor& t, int peer, int tag = 0);
+  // For a caller whose two ends post a link's messages in different orders, relying on tags and
+  // on a send completing before its receive is posted: its point-to-point messages then travel by
+  // MPI, staged through the host, even where NCCL carries the group (whose sends wait for their
+  // receive and whose matching ignores tags). Collectives keep NCCL.
+  void match_p2p_by_tag() { p2p_by_tag_ = true; }
   void recv(const Tensor& t, int peer, int tag = 0);
   // Both at once, so a ring of send_recv cannot deadlock.
   void send_recv(const Tensor& send, int dst, const Tensor& recv, int src, int tag = 0);
@@ -147,6 +152,7 @@ class Comm {
   std::map<std::string, OpStats> stats_;
   void* nccl_ = nullptr;    // ncclComm_t when NCCL carries this group's CUDA tensors
   void* stream_ = nullptr;  // cudaStream_t: the group's communication stream
+  bool p2p_by_tag_ = false;  // match_p2p_by_tag()
 };
 
 // MPI_Init unless already initialised, under the watchdog's timer from its first instant (at the

@@ -25,25 +25,10 @@ std::string fp8(const std::string& recipe) {
   return " --dtype fp8 --fp8-recipe " + recipe + (recipe == "blockwise" ? " --fp8-tile 16" : "");
 }
 
-// ----- the FP8 bounds (notes/00_architecture.md, "What equal to 01 means under FP8") -------------
-// u: a format's unit roundoff, half its relative spacing: e4m3 2^-4, e5m2 2^-3. A mesh that
-// reorders a sum moves an operand's codes by at most one step; after a few quantizations in
-// sequence the two runs' rounding errors are independent (δ → sqrt(δ·u) per quantization), so
-// each operand differs as two independent roundings do: RMS sqrt(2/3)·u relative.
-constexpr double kU4 = 1.0 / 16, kU5 = 1.0 / 8;
-// A GEMM output, operands with u_a and u_b: sqrt(2/3)·sqrt(u_a² + u_b²) (as for bf16, test_util.h).
-using tst::equiv::gemm_rel;
-// Weight gradients: dy in e5m2 (tensorwise, delayed) or e4m3 (blockwise), x in e4m3.
-double grad_bound(const std::string& recipe) { return gemm_rel(recipe == "blockwise" ? kU4 : kU5, kU4); }
-// The loss: the forward GEMMs (both operands e4m3) move each token's loss independently, and the
-// step's loss averages 16 × 32 = 512 of them.
-const double kLossBound = gemm_rel(kU4, kU4) / std::sqrt(512.0);
-// Weights: the fp32 criterion's 2·sqrt(0.8·δ) with the gradient bound as δ.
-double update_bound(const std::string& recipe) { return 2 * std::sqrt(0.8 * grad_bound(recipe)); }
-
+// The FP8 bounds (notes/00_architecture.md, "What equal to 01 means under FP8"): tst::fp8_bounds.
 void check_fp8_bounds(const tst::Equivalence& e, const std::string& recipe) {
   INFO(e);
-  tst::check_within(e, {kLossBound, grad_bound(recipe), grad_bound(recipe), update_bound(recipe)});
+  tst::check_within(e, tst::fp8_bounds(recipe, 16 * 32));
 }
 
 // "name x w dy" per linear (TS_FP8_AMAX_LOG's file for one rank).
@@ -59,10 +44,10 @@ std::map<std::string, std::vector<double>> read_amax(const std::string& path) {
 }  // namespace
 
 TEST_CASE("the bounds: the numbers notes/00 quotes", "[fp8]") {
-  CHECK(grad_bound("tensorwise") == Approx(0.1141).epsilon(1e-3));
-  CHECK(grad_bound("blockwise") == Approx(0.0722).epsilon(1e-3));
-  CHECK(kLossBound == Approx(3.19e-3).epsilon(1e-2));
-  CHECK(update_bound("tensorwise") == Approx(0.604).epsilon(1e-2));
+  CHECK(tst::equiv::fp8_grad_rel("tensorwise") == Approx(0.1141).epsilon(1e-3));
+  CHECK(tst::equiv::fp8_grad_rel("blockwise") == Approx(0.0722).epsilon(1e-3));
+  CHECK(tst::equiv::fp8_loss_rel(16 * 32) == Approx(3.19e-3).epsilon(1e-2));
+  CHECK(tst::equiv::fp8_update_rel("tensorwise") == Approx(0.604).epsilon(1e-2));
 }
 
 // The demo (01's defaults: the tiny preset, 50 steps): the loss falls from 5.55 to about 3.48 in
@@ -159,7 +144,7 @@ TEST_CASE("tp 2 scales every tensor by the whole tensor's amax, as 01 does", "[f
         const std::vector<double>& b = got.at(name);
         CHECK(b[1] == a[1]);
         if (name.rfind("model.layers.0.", 0) == 0 && name.find("down_proj") == std::string::npos) CHECK(b[0] == a[0]);
-        for (int r : {0, 2}) CHECK(std::abs(b[size_t(r)] / a[size_t(r)] - 1) <= kU5);
+        for (int r : {0, 2}) CHECK(std::abs(b[size_t(r)] / a[size_t(r)] - 1) <= tst::equiv::kU5);
       }
     }
   }

@@ -437,6 +437,25 @@ inline Bounds bf16_bounds(int tokens) {
   return {equiv::bf16_loss_rel(tokens), equiv::kBf16GradRel, equiv::kBf16GradRel, equiv::kBf16UpdateRel};
 }
 
+// ----- the FP8 bounds (notes/00_architecture.md, "What equal to 01 means under FP8") -------------
+// u: a format's unit roundoff, half its relative spacing: e4m3 2^-4, e5m2 2^-3. A run that
+// reorders a sum moves an operand's codes by at most one step; after a few quantizations in
+// sequence the two runs' rounding errors are independent (δ → sqrt(δ·u) per quantization), so
+// each operand differs as two independent roundings do: RMS sqrt(2/3)·u relative.
+namespace equiv {
+constexpr double kU4 = 1.0 / 16, kU5 = 1.0 / 8;
+// Weight gradients: dy in e5m2 (tensorwise, delayed) or e4m3 (blockwise), x in e4m3.
+inline double fp8_grad_rel(const std::string& recipe) { return gemm_rel(recipe == "blockwise" ? kU4 : kU5, kU4); }
+// The loss: the forward GEMMs (both operands e4m3) move each token's loss independently, and the
+// step's loss averages `tokens` of them.
+inline double fp8_loss_rel(int tokens) { return gemm_rel(kU4, kU4) / std::sqrt(double(tokens)); }
+// Weights: the fp32 criterion's 2·sqrt(0.8·δ) with the gradient bound as δ.
+inline double fp8_update_rel(const std::string& recipe) { return 2 * std::sqrt(0.8 * fp8_grad_rel(recipe)); }
+}  // namespace equiv
+inline Bounds fp8_bounds(const std::string& recipe, int tokens) {
+  return {equiv::fp8_loss_rel(tokens), equiv::fp8_grad_rel(recipe), equiv::fp8_grad_rel(recipe), equiv::fp8_update_rel(recipe)};
+}
+
 // Resumes `bin` (np ranks, `args` + --resume from_ckpt) to the reference's last step and checks
 // that it continues the reference run by the same criterion: the losses of the steps after the
 // checkpoint and the final weights (step 1's gradients belong to the run that wrote from_ckpt).

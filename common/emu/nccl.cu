@@ -541,8 +541,8 @@ std::string behind(const Launch& L) {
   auto it = g_turns.queued.upper_bound(L.ticket);
   if (it == g_turns.queued.end()) return "";
   const size_t n = std::distance(it, g_turns.queued.end());
-  return "; " + std::to_string(n) + " later NCCL operation" + (n > 1 ? "s" : "") +
-         " on this GPU wait behind it, the next: " + it->second->what();
+  return "; " + std::to_string(n) + " later NCCL operation" + (n > 1 ? "s on this GPU wait" : " on this GPU waits") +
+         " behind it, the next: " + it->second->what();
 }
 
 // A launch waiting for its turn reports only when the launch holding the turn has not started (its
@@ -594,12 +594,15 @@ std::string waits_for(const Op& o) {
     snprintf(b, sizeof b, "for its send: a receive whose send is never posted, or %s", orders);
   else {
     const Step& s = o.steps[o.next];
+    size_t step = 0, steps = 0;  // counting the steps that exchange messages
+    for (size_t i = 0; i < o.steps.size(); i++)
+      if (o.steps[i].to >= 0 || o.steps[i].from >= 0) steps++, step += i <= o.next;
     std::string peers;
     if (o.req[0] != MPI_REQUEST_NULL) peers = "a message from rank " + std::to_string(s.from);
     if (o.req[1] != MPI_REQUEST_NULL) peers += (peers.empty() ? "" : " and ") + std::string("rank ") +
                                                std::to_string(s.to) + " to take its message";
     snprintf(b, sizeof b, "at step %zu of %zu for %s: a rank of the communicator that does not make this call, or %s",
-             o.next + 1, o.steps.size(), peers.c_str(), orders);
+             step, steps, peers.c_str(), orders);
   }
   return b;
 }
