@@ -898,7 +898,8 @@ Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& rec
   p->reqs.resize(1);
   MPI_CHECK(MPI_Ialltoallv(hin.raw(), sc, sd, mpi_type(in.dtype), hout.raw(), rc, rd, mpi_type(in.dtype), comm_,
                            &p->reqs[0]));
-  copy_back(out, hout, *p);
+  // Only what arrived goes back: out's tail past the received counts keeps what it held.
+  if (rsum) copy_back(out.view(0, {rsum}), hout.view(0, {rsum}), *p);
   p->keep.insert(p->keep.end(), {out, in});
   return Work(std::move(p));
 }

@@ -22,6 +22,9 @@
 
 #ifdef TS_CUDA
 #include <nccl.h>
+#if defined(TS_CUDA_EMU) && !defined(TS_EMU_NCCL)
+#error "the emulated GPU's build found NVIDIA's nccl.h: common/emu/ must come first on the include path"
+#endif
 #endif
 
 #define MPI_CHECK(x)                                                 \

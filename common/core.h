@@ -15,6 +15,9 @@
 #ifdef TS_CUDA
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
+#if defined(TS_CUDA_EMU) && !(defined(TS_EMU_CUDA_RUNTIME) && defined(TS_EMU_CUBLAS))
+#error "the emulated GPU's build found NVIDIA's headers: common/emu/ must come first on the include path"
+#endif
 #endif
 
 #if defined(__CUDACC__)

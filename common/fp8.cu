@@ -245,7 +245,7 @@ template <class T> __global__ void block_amax_kernel(float* out, const T* x, Gri
     red[threadIdx.x] = m;
     __syncthreads();
     for (int s = kThreads / 2; s > 0; s >>= 1) {
-      if (threadIdx.x < s) red[threadIdx.x] = amax_step(red[threadIdx.x], red[threadIdx.x + s]);
+      if (int(threadIdx.x) < s) red[threadIdx.x] = amax_step(red[threadIdx.x], red[threadIdx.x + s]);
       __syncthreads();
     }
     if (threadIdx.x == 0) out[t] = red[0];

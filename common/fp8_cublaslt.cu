@@ -19,6 +19,9 @@
 
 #ifdef TS_CUDA
 #include <cublasLt.h>
+#if defined(TS_CUDA_EMU) && !defined(TS_EMU_CUBLASLT)
+#error "the emulated GPU's build found NVIDIA's cublasLt.h: common/emu/ must come first on the include path"
+#endif
 
 #include <cstdlib>
 #include <cstring>
@@ -88,6 +91,19 @@ struct LtCall {
   }
 };
 
+// The largest power of two, up to 256, that divides an address: what cuBLASLt may assume of it.
+// Its preference promises 256-byte operands by default, which a weight gradient's view into the
+// flat gradient buffer need not be (a --dim that is no multiple of 64).
+uint32_t alignment_of(const void* p) {
+  uint32_t a = 256;
+  while (a > 1 && uintptr_t(p) % a) a /= 2;
+  return a;
+}
+void promise_alignment(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttributes_t attr, const void* p) {
+  const uint32_t a = alignment_of(p);
+  CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &a, sizeof a));
+}
+
 }  // namespace
 
 bool native_gemm(const Tensor& out, const Quantized& A, bool transA, const Quantized& B, bool transB, int64_t M,
@@ -115,6 +131,10 @@ bool native_gemm(const Tensor& out, const Quantized& A, bool transA, const Quant
   CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&call.pref));
   const size_t ws = kWorkspace;
   CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(call.pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  promise_alignment(call.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, b.raw());  // cuBLAS's A is our b
+  promise_alignment(call.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, a.raw());
+  promise_alignment(call.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, out.raw());
+  promise_alignment(call.pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, out.raw());
   cublasLtMatmulHeuristicResult_t heur;
   int found = 0;
   if (cublasLtMatmulAlgoGetHeuristic(lt_handle(), call.op, call.a, call.b, call.c, call.c, call.pref, 1, &heur,

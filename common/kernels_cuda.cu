@@ -776,7 +776,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
       KERNEL_CHECK();
     }
     with_nch(a.hd, [&](auto nch) {
-      constexpr int NCH = decltype(nch)::value;
+      [[maybe_unused]] constexpr int NCH = decltype(nch)::value;  // read only inside TS_LAUNCH
       if (a.Sq > 0) {
         dim3 grid(unsigned((a.Sq + BR - 1) / BR), unsigned(a.H), unsigned(a.B));
         TS_LAUNCH(grid, kAttnThreads, smem_dq, compute_stream(), attention_dq_kernel<T, NCH, kBwdRowsPerWarp>)(
@@ -836,12 +836,17 @@ __global__ void swap_leading_kernel(E* dst, const E* src, int64_t n, int64_t a, 
 void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b) {
   const int64_t n = src.numel(), w = n / (a * b);
   if (n == 0) return;
-  if (dtype_size(src.dtype) == 4)
-    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), swap_leading_kernel)(dst.data<uint32_t>(), src.data<uint32_t>(), n, a,
-                                                                       b, w);
-  else
-    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), swap_leading_kernel)(dst.data<uint16_t>(), src.data<uint16_t>(), n, a,
-                                                                       b, w);
+  // One word per element, of the element's own size (FP8 codes are one byte).
+  auto run = [&](auto word) {
+    using E = decltype(word);
+    TS_LAUNCH(grid_for(n), kBlock, 0, compute_stream(), swap_leading_kernel)(dst.data<E>(), src.data<E>(), n, a, b, w);
+  };
+  switch (dtype_size(src.dtype)) {
+    case 4: run(uint32_t{}); break;
+    case 2: run(uint16_t{}); break;
+    case 1: run(uint8_t{}); break;
+    default: fatal("swap_leading: no CUDA kernel for %s", dtype_name(src.dtype));
+  }
   KERNEL_CHECK();
 }
 

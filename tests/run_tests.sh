@@ -18,6 +18,13 @@ passed=0; failed=0; not_run=0; failures=()
 # (gpu_probe asks cudaGetDeviceCount, as the binaries do) they are not run, and the driver says how
 # many, rather than counting them as passed.
 if "$BUILD/tests/gpu_probe" >/dev/null 2>&1; then gpu=1; filter=(); else gpu=0; filter=("~[cuda]"); fi
+# In the emulated GPU's build every binary notes what CUDA code it ran (scripts/emu_coverage.sh).
+emu=0
+if "$BUILD/tests/test_emu" --list-test-names-only 2>/dev/null | grep -q .; then
+  emu=1
+  export TS_EMU_COVERAGE=$PWD/$BUILD/emu_coverage.txt
+  [ -z "$ONLY" ] && rm -f "$TS_EMU_COVERAGE"
+fi
 log=$(mktemp); trap 'rm -f "$log"' EXIT
 for src in tests/test_*.cpp; do
   name=$(basename "$src" .cpp)
@@ -29,10 +36,21 @@ for src in tests/test_*.cpp; do
     continue
   fi
   ranks=$(grep -m1 -E '^// ranks:' "$src" | sed 's/^\/\/ ranks://')
-  for np in ${ranks:-1}; do
-    label="$name (np $np)"
+  variants=${ranks:-1}
+  # "// shared GPU: 2 4": in the emulated GPU's build the [cuda] cases run again at those rank
+  # counts with every rank on one emulated GPU (TS_EMU_GPUS=1), the path that stages CUDA tensors
+  # through host memory for MPI.
+  if [ $emu = 1 ]; then
+    for np in $(grep -m1 -E '^// shared GPU:' "$src" | sed 's/^\/\/ shared GPU://'); do variants+=" $np:shared"; done
+  fi
+  for variant in $variants; do
+    np=${variant%%:*}
+    label="$name (np $np)"; run_env=(); args=("${filter[@]}")
+    if [[ $variant == *:shared ]]; then
+      label="$name (np $np, one emulated GPU)"; run_env=(TS_EMU_GPUS=1); args=("[cuda]")
+    fi
     start=$(date +%s)
-    timeout "$TIMEOUT" mpirun -np "$np" "$bin" "${filter[@]}" >"$log" 2>&1
+    timeout "$TIMEOUT" env "${run_env[@]}" mpirun -np "$np" "$bin" "${args[@]}" >"$log" 2>&1
     rc=$?
     secs=$(( $(date +%s) - start ))
     # Catch2 prints one summary per rank; rank 0's comes first.
@@ -46,7 +64,7 @@ for src in tests/test_*.cpp; do
     fi
     # A summary line cut by another write (a rank's stderr forwarded mid-line) still has its
     # count: the test cases the filter selects.
-    [[ "$n" =~ ^[0-9]+$ ]] || n=$("$bin" --list-test-names-only "${filter[@]}" 2>/dev/null | grep -c . || true)
+    [[ "$n" =~ ^[0-9]+$ ]] || n=$("$bin" --list-test-names-only "${args[@]}" 2>/dev/null | grep -c . || true)
     [[ "$n" =~ ^[0-9]+$ ]] || n=1
     if [ $rc -ne 0 ] && [ "$f" -eq 0 ]; then f=1; [ "$n" -ge 1 ] || n=1; fi
     passed=$((passed + n - f)); failed=$((failed + f))
@@ -57,7 +75,7 @@ for src in tests/test_*.cpp; do
       failures+=("$label")
     else
       skipped=""
-      if [ $gpu = 0 ]; then
+      if [ $gpu = 0 ] && [[ $variant != *:shared ]]; then
         k=$("$bin" --list-test-names-only "[cuda]" 2>/dev/null | grep -c . || true)
         if [ "$k" -gt 0 ]; then skipped=", $k CUDA test cases not run (no GPU)"; not_run=$((not_run + k)); fi
       fi
@@ -92,5 +110,7 @@ for check in tests/check_*.sh; do
 done
 [ ${#failures[@]} -gt 0 ] && printf 'failed: %s\n' "${failures[@]}"
 [ $not_run -gt 0 ] && echo "no GPU visible: $not_run CUDA test cases not run (scripts/gpu-check.sh runs them on a GPU machine)"
+[ $emu = 1 ] && [ $gpu = 1 ] && echo "0 CUDA test cases not run: every [cuda] case ran on the emulated GPU"
+[ $emu = 1 ] && [ -z "$ONLY" ] && scripts/emu_coverage.sh "$TS_EMU_COVERAGE"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

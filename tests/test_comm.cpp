@@ -1,4 +1,5 @@
 // ranks: 1 2 4 8
+// shared GPU: 2 4
 // Every collective on every group of several meshes per world size, fp32 and bf16, in place and
 // out of place, blocking and async, against values each rank computes locally; and the byte
 // accounting against the ring formulas.

@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #ifdef TS_CUDA_EMU
+#include <fstream>
 #include <string>
 
 #include "test_util.h"
@@ -33,7 +34,14 @@ void check_case(const Case& c) {
   // The CUDA run rounds its bf16 and FP8 values independently of the CPU's once a reordered fp32
   // sum crosses a rounding boundary: the same situation, and bounds, as a mesh against 01.
   const bool bf16 = c.args.find("--dtype bf16") != std::string::npos, fp8 = c.args.find("--dtype fp8") != std::string::npos;
-  tst::check_equivalent(gpu, cpu, bf16 ? tst::bf16_bounds(8 * 32) : fp8 ? tst::fp8_bounds("tensorwise", 8 * 32) : tst::kFp32Bounds);
+  const std::string recipe = c.args.find("blockwise") != std::string::npos ? "blockwise" : "tensorwise";
+  const tst::Bounds b = bf16 ? tst::bf16_bounds(8 * 32) : fp8 ? tst::fp8_bounds(recipe, 8 * 32) : tst::kFp32Bounds;
+  tst::check_equivalent(gpu, cpu, b);
+  // TS_EMU_REPORT=FILE: each case's worst measure against its bound (notes/00 quotes the largest).
+  if (const char* f = getenv("TS_EMU_REPORT")) {
+    std::ofstream o(f, std::ios::app);
+    o << tst::worst_ratio(tst::compare(gpu, cpu), b) << "  " << c.bin << " np " << c.np << " " << c.args << " " << c.env << "\n";
+  }
 }
 
 }  // namespace
@@ -47,6 +55,7 @@ TEST_CASE("emulated GPU: 02 data parallel on NCCL (a GPU per rank) and staged (t
   check_case({"02_data_parallel", 2, "--dp 2", kOwnGpus, "nccl"});
   check_case({"02_data_parallel", 2, "--dp 2", kSharedGpu, "mpi-staged"});
   check_case({"02_data_parallel", 4, "--dp 4 --micro-batch 1", kOwnGpus, "nccl"});
+  check_case({"02_data_parallel", 2, "--dp 2 --dtype bf16", kOwnGpus, "nccl"});  // NCCL's bf16 sums
 }
 
 TEST_CASE("emulated GPU: 03 ZeRO-1 and ZeRO-3 on NCCL", "[emu][cuda][03]") {
@@ -54,8 +63,10 @@ TEST_CASE("emulated GPU: 03 ZeRO-1 and ZeRO-3 on NCCL", "[emu][cuda][03]") {
   check_case({"03_zero", 2, "--dp 2 --zero 3", kOwnGpus, "nccl"});
 }
 
-TEST_CASE("emulated GPU: 04 tensor parallel with sequence parallel on NCCL", "[emu][cuda][04]") {
+TEST_CASE("emulated GPU: 04 tensor parallel with sequence parallel, on NCCL and staged", "[emu][cuda][04]") {
   check_case({"04_tensor_parallel", 2, "--tp 2 --sequence-parallel", kOwnGpus, "nccl"});
+  check_case({"04_tensor_parallel", 2, "--tp 2 --sequence-parallel", kSharedGpu, "mpi-staged"});
+  check_case({"04_tensor_parallel", 2, "--tp 2 --dtype bf16", kOwnGpus, "nccl"});
 }
 
 TEST_CASE("emulated GPU: 05 pipelines (1F1B, interleaved, ZB-H1) on NCCL", "[emu][cuda][05]") {
@@ -63,6 +74,8 @@ TEST_CASE("emulated GPU: 05 pipelines (1F1B, interleaved, ZB-H1) on NCCL", "[emu
   check_case({"05_pipeline_parallel", 2, "--pp 2 --layers 4 --micro-batch 2 --schedule interleaved --virtual-stages 2",
               kOwnGpus, "nccl"});
   check_case({"05_pipeline_parallel", 2, "--pp 2 --layers 4 --micro-batch 2 --schedule zb-h1", kOwnGpus, "nccl"});
+  check_case({"05_pipeline_parallel", 4, "--pp 4 --layers 8 --micro-batch 2 --schedule interleaved --virtual-stages 2",
+              kOwnGpus, "nccl"});
 }
 
 TEST_CASE("emulated GPU: 06 ring attention (zigzag) and Ulysses on NCCL", "[emu][cuda][06]") {
@@ -74,13 +87,55 @@ TEST_CASE("emulated GPU: 07 expert parallel on NCCL", "[emu][cuda][07]") {
   check_case({"07_expert_parallel", 2, "--experts 4 --ffn 64 --top-k 2 --dp 2 --ep 2", kOwnGpus, "nccl"});
 }
 
-TEST_CASE("emulated GPU: 08 ZeRO-3 with prefetch beside TP, and TP beside CP, on NCCL", "[emu][cuda][08]") {
+TEST_CASE("emulated GPU: 08 ZeRO-3 with prefetch beside TP and CP, on NCCL", "[emu][cuda][08]") {
   check_case({"08_5d_mesh", 4, "--dp 2 --tp 2 --zero 3 --prefetch 1", kOwnGpus, "nccl"});
   check_case({"08_5d_mesh", 4, "--dp 1 --tp 2 --cp 2", kOwnGpus, "nccl"});
+  check_case({"08_5d_mesh", 8, "--dp 2 --tp 2 --cp 2 --zero 3 --prefetch 1", kOwnGpus, "nccl"});
 }
 
-TEST_CASE("emulated GPU: FP8 tensorwise through cuBLASLt reproduces the CPU's FP8", "[emu][cuda][fp8]") {
+TEST_CASE("emulated GPU: FP8 (tensorwise through cuBLASLt, delayed, blockwise) reproduces the CPU's FP8", "[emu][cuda][fp8]") {
   check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe tensorwise", kOwnGpus, ""});
+  // At dim 48 the weight gradients' views into the flat buffer are 64-byte aligned, short of the
+  // 256 bytes cuBLASLt's preference assumes unless told (fp8_cublaslt.cu: promise_alignment).
+  check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe tensorwise --dim 48", kOwnGpus, ""});
+  // Delayed scaling's amax history and blockwise's per-tile scales, on the decode path's kernels.
+  check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe delayed", kOwnGpus, ""});
+  check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe blockwise --fp8-tile 16", kOwnGpus, ""});
 }
 
+#endif
+
+#ifdef TS_CUDA_EMU
+// A missing barrier or a race between a block's threads gives results that depend on the order
+// the threads run in; the emulator can run every block's threads (and a grid's blocks) the other
+// way round, and a correct run gives the same bits both ways.
+TEST_CASE("emulated GPU: 01 on CUDA gives the same bits with every block's threads run in reverse", "[emu][cuda][01]") {
+  for (const std::string dtype : {"fp32", "bf16"}) {
+    INFO(dtype);
+    const std::string args = kTiny + "--dtype " + dtype + " --device cuda";
+    const tst::CachedRun& fwd = tst::cached_run("01_single_gpu", 1, args, 600, kOwnGpus);
+    const tst::CachedRun& rev = tst::cached_run("01_single_gpu", 1, args, 600, kOwnGpus + " TS_EMU_ORDER=reverse");
+    CHECK(fwd.log.losses() == rev.log.losses());
+    CHECK(tst::max_abs_diff_files(fwd.ckpt + "/model.safetensors", rev.ckpt + "/model.safetensors") == 0);
+  }
+}
+
+// The device's memory is a setting (TS_EMU_MEMORY_GB), so both out-of-memory paths run: a run
+// whose prediction does not fit stops before it starts; one whose prediction fits but whose
+// unpredicted workspace does not dies in the allocator, with the breakdown by category.
+TEST_CASE("emulated GPU: out of device memory, predicted and unpredicted", "[emu][cuda][01]") {
+  const std::string args = kTiny + "--device cuda";
+  tst::Result tiny = tst::run_bin("01_single_gpu", args, 1, 120, "TS_EMU_MEMORY_GB=0.001");
+  INFO(tiny.output);
+  CHECK(tiny.status != 0);
+  CHECK(tiny.output.find("this rank's GPU has") != std::string::npos);
+  CHECK(tiny.output.find("cudaMemGetInfo") != std::string::npos);
+  // The tiny preset predicts 4.02 MiB and peaks at 4.30 MiB with its workspace: 4.19 MiB fits
+  // the one and not the other.
+  tst::Result tight = tst::run_bin("01_single_gpu", args, 1, 120, "TS_EMU_MEMORY_GB=0.004");
+  INFO(tight.output);
+  CHECK(tight.status != 0);
+  CHECK(tight.output.find("out of CUDA memory allocating") != std::string::npos);
+  CHECK(tight.output.find("activations") != std::string::npos);
+}
 #endif

@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "core.h"
 #include "emu.h"
 
 namespace {
@@ -71,18 +72,9 @@ template <class T> std::vector<T> to_host(const T* d, size_t n) {
   return h;
 }
 
-// bf16 on the host, written here: the top half of a float, rounded to nearest even.
-float bf2f(uint16_t b) {
-  uint32_t u = uint32_t(b) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-uint16_t f2bf(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return uint16_t((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-}
+// bf16 on the host as the project rounds it (core.h): the top half of a float, nearest even.
+float bf2f(uint16_t b) { return ts::bf16_to_float(ts::bf16{b}); }
+uint16_t f2bf(float f) { return ts::float_to_bf16(f).bits; }
 
 // Reproducible values: a hash of (rank, element), small integers and halves, exact in any sum.
 float small(int r, size_t i) { return float(int((r * 7919 + i * 104729) % 23) - 11) * 0.5f; }
@@ -427,6 +419,30 @@ TEST_CASE("emulated NCCL: seeded, a send whose receive is never posted is named,
   }
   MPI_Barrier(MPI_COMM_WORLD);
   CHECK(ncclCommAbort(c) == ncclSuccess);  // on every rank, as NCCL's user guide asks
+  CHECK(cudaStreamSynchronize(s) == cudaSuccess);
+  cudaFree(d);
+  cudaStreamDestroy(s);
+  check_world_still_works();
+}
+
+TEST_CASE("emulated NCCL: seeded, a receive of another count than its send is named", "[emu]") {
+  // NCCL requires the same count and datatype on both sides; on the hardware the receiver of 8
+  // floats waits forever for the 4 it will never get. The emulator names it at once.
+  ShortTimeout short_timeout;
+  const int me = world_rank();
+  ncclComm_t c = world_comm();
+  cudaStream_t s = new_stream();
+  float* d = to_device(std::vector<float>(8, 1.f));
+  if (me == 0) REQUIRE(ncclSend(d, 4, ncclFloat32, 1, c, s) == ncclSuccess);
+  if (me == 1) REQUIRE(ncclRecv(d, 8, ncclFloat32, 0, c, s) == ncclSuccess);
+  if (me == 1) {
+    CHECK(wait_async_error(c, 30) == ncclInvalidUsage);
+    CHECK(has(emu::last_report(), "ncclRecv (8 x float32) from peer 0 on communicator"));
+    CHECK(has(emu::last_report(), "peer 0 sent 16 bytes where 32 were expected"));
+    CHECK(cudaStreamQuery(s) == cudaErrorNotReady);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  CHECK(ncclCommAbort(c) == ncclSuccess);
   CHECK(cudaStreamSynchronize(s) == cudaSuccess);
   cudaFree(d);
   cudaStreamDestroy(s);

@@ -12,6 +12,7 @@
 // results are reproducible: they do not depend on the host compiler or on how many threads run.
 #include "cublasLt.h"
 #include "cublas_v2.h"
+#include "core.h"  // bf16 as the project rounds it
 #include "emu.h"
 
 #include <cmath>
@@ -98,23 +99,10 @@ const char* type_name(cudaDataType t) {
 }
 bool is_fp8(cudaDataType t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2; }
 
-float bf16_to_float(uint16_t h) {
-  const uint32_t u = uint32_t(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-// bf16 is the top half of a float. Rounding to nearest, ties to even, as the hardware's
-// cvt.rn.bf16.f32 and the project's float_to_bf16 (core.h) do: add just under half of the dropped
-// part's unit, plus the kept part's lowest bit (so a tie rounds towards the even value), then
-// truncate. A NaN is kept a quiet NaN, which the addition could otherwise carry into infinity.
-uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return uint16_t((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return uint16_t(u >> 16);
-}
+// bf16 as the project rounds it everywhere (core.h): nearest, ties to even, NaN kept quiet, as
+// the hardware's cvt.rn.bf16.f32 does.
+float bf16_to_float(uint16_t h) { return ts::bf16_to_float(ts::bf16{h}); }
+uint16_t float_to_bf16(float f) { return ts::float_to_bf16(f).bits; }
 
 // The OCP 8-bit floats (OCP "8-bit Floating Point Specification (OFP8)", the formats cuBLASLt
 // calls CUDA_R_8F_E4M3 and CUDA_R_8F_E5M2): a sign bit, E exponent bits with bias 2^(E-1) - 1 and
@@ -289,6 +277,7 @@ bool check_host_scalar(const char* fn, const char* name, const void* p) {
 // ===== cuBLAS ==========================================================================================
 
 cublasStatus_t cublasCreate(cublasHandle_t* handle) {
+  emu::cover("cublas cublasCreate");
   if (!handle) return CUBLAS_STATUS_INVALID_VALUE;
   *handle = nullptr;
   if (emu::sticky_error() != cudaSuccess) {
@@ -308,6 +297,7 @@ static bool check_handle(const char* fn, const void* handle) {
 
 // "cublasDestroy(): ... will implicitly call cudaDeviceSynchronize()".
 cublasStatus_t cublasDestroy(cublasHandle_t handle) {
+  emu::cover("cublas cublasDestroy");
   if (!check_handle("cublasDestroy", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   cudaDeviceSynchronize();
   destroy_object(handle);
@@ -315,17 +305,20 @@ cublasStatus_t cublasDestroy(cublasHandle_t handle) {
 }
 
 cublasStatus_t cublasSetStream(cublasHandle_t handle, cudaStream_t stream) {
+  emu::cover("cublas cublasSetStream");
   if (!check_handle("cublasSetStream", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   handle->stream = stream;
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasGetStream(cublasHandle_t handle, cudaStream_t* stream) {
+  emu::cover("cublas cublasGetStream");
   if (!check_handle("cublasGetStream", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   if (!stream) return CUBLAS_STATUS_INVALID_VALUE;
   *stream = handle->stream;
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasSetAtomicsMode(cublasHandle_t handle, cublasAtomicsMode_t mode) {
+  emu::cover("cublas cublasSetAtomicsMode");
   if (!check_handle("cublasSetAtomicsMode", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   if (mode != CUBLAS_ATOMICS_NOT_ALLOWED && mode != CUBLAS_ATOMICS_ALLOWED) {
     emu::report("cublasSetAtomicsMode: mode %d is not a cublasAtomicsMode_t", int(mode));
@@ -335,6 +328,7 @@ cublasStatus_t cublasSetAtomicsMode(cublasHandle_t handle, cublasAtomicsMode_t m
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasGetAtomicsMode(cublasHandle_t handle, cublasAtomicsMode_t* mode) {
+  emu::cover("cublas cublasGetAtomicsMode");
   if (!check_handle("cublasGetAtomicsMode", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   if (!mode) return CUBLAS_STATUS_INVALID_VALUE;
   *mode = handle->atomics;
@@ -352,6 +346,7 @@ const char* op_name(int op) {
 // a combination the table lacks ("the combination of the parameters Atype, Btype and Ctype ... is
 // not supported"), or NOT_SUPPORTED for a listed one the emulator does not implement, saying so.
 cublasStatus_t gemm_types(cudaDataType a, cudaDataType b, cudaDataType c, cublasComputeType_t compute) {
+  emu::cover("cublas gemm_types");
   auto is = [compute](cublasComputeType_t x, cublasComputeType_t pedantic) {
     return compute == x || compute == pedantic;
   };
@@ -382,6 +377,7 @@ cublasStatus_t gemm_types(cudaDataType a, cudaDataType b, cudaDataType c, cublas
 // unknown algorithm, null alpha or beta.
 cublasStatus_t gemm_arguments(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, int lda, int ldb,
                               int ldc, const void* alpha, const void* beta, cublasGemmAlgo_t algo) {
+  emu::cover("cublas gemm_arguments");
   const char* fn = "cublasGemmEx";
   auto bad = [&](const char* what, long long v, long long least) {
     emu::report("%s: %s = %lld, below %lld", fn, what, v, least);
@@ -436,6 +432,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
                             int k, const void* alpha, const void* A, cudaDataType Atype, int lda, const void* B,
                             cudaDataType Btype, int ldb, const void* beta, void* C, cudaDataType Ctype, int ldc,
                             cublasComputeType_t computeType, cublasGemmAlgo_t algo) {
+  emu::cover("cublas cublasGemmEx");
   const char* fn = "cublasGemmEx";
   if (!check_handle(fn, handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   cublasStatus_t st = gemm_arguments(transa, transb, m, n, k, lda, ldb, ldc, alpha, beta, algo);
@@ -466,6 +463,7 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa, cub
 // ===== cuBLASLt ========================================================================================
 
 cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
+  emu::cover("cublas cublasLtCreate");
   if (!handle) return CUBLAS_STATUS_INVALID_VALUE;
   *handle = nullptr;
   if (emu::sticky_error() != cudaSuccess) {
@@ -476,6 +474,7 @@ cublasStatus_t cublasLtCreate(cublasLtHandle_t* handle) {
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtDestroy(cublasLtHandle_t handle) {
+  emu::cover("cublas cublasLtDestroy");
   if (!check_handle("cublasLtDestroy", handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   destroy_object(handle);
   return CUBLAS_STATUS_SUCCESS;
@@ -490,6 +489,7 @@ static bool check_object(const char* fn, const char* name, const void* x) {
 
 cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComputeType_t computeType,
                                         cudaDataType_t scaleType) {
+  emu::cover("cublas cublasLtMatmulDescCreate");
   if (!desc) return CUBLAS_STATUS_INVALID_VALUE;
   *desc = create_object<cublasLtMatmulDescOpaque_t>();
   (*desc)->compute = computeType;
@@ -497,6 +497,7 @@ cublasStatus_t cublasLtMatmulDescCreate(cublasLtMatmulDesc_t* desc, cublasComput
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulDescDestroy(cublasLtMatmulDesc_t desc) {
+  emu::cover("cublas cublasLtMatmulDescDestroy");
   if (!check_object("cublasLtMatmulDescDestroy", "desc", desc)) return CUBLAS_STATUS_INVALID_VALUE;
   destroy_object(desc);
   return CUBLAS_STATUS_SUCCESS;
@@ -514,6 +515,7 @@ template <class T> cublasStatus_t set_field(const char* fn, int attr, T& field, 
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t not_implemented(const char* fn, int attr) {
+  emu::cover("cublas not_implemented");
   emu::report("%s: attribute %d is not implemented by the emulated cuBLASLt", fn, attr);
   return CUBLAS_STATUS_NOT_SUPPORTED;
 }
@@ -521,6 +523,7 @@ cublasStatus_t not_implemented(const char* fn, int attr) {
 
 cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr,
                                               const void* buf, size_t sizeInBytes) {
+  emu::cover("cublas cublasLtMatmulDescSetAttribute");
   const char* fn = "cublasLtMatmulDescSetAttribute";
   if (!check_object(fn, "desc", desc)) return CUBLAS_STATUS_INVALID_VALUE;
   switch (attr) {
@@ -540,23 +543,27 @@ cublasStatus_t cublasLtMatmulDescSetAttribute(cublasLtMatmulDesc_t desc, cublasL
 
 cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDataType type, uint64_t rows,
                                           uint64_t cols, int64_t ld) {
+  emu::cover("cublas cublasLtMatrixLayoutCreate");
   if (!layout) return CUBLAS_STATUS_INVALID_VALUE;
   *layout = create_object<cublasLtMatrixLayoutOpaque_t>();
   **layout = {type, rows, cols, ld};
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
+  emu::cover("cublas cublasLtMatrixLayoutDestroy");
   if (!check_object("cublasLtMatrixLayoutDestroy", "layout", layout)) return CUBLAS_STATUS_INVALID_VALUE;
   destroy_object(layout);
   return CUBLAS_STATUS_SUCCESS;
 }
 
 cublasStatus_t cublasLtMatmulPreferenceCreate(cublasLtMatmulPreference_t* pref) {
+  emu::cover("cublas cublasLtMatmulPreferenceCreate");
   if (!pref) return CUBLAS_STATUS_INVALID_VALUE;
   *pref = create_object<cublasLtMatmulPreferenceOpaque_t>();
   return CUBLAS_STATUS_SUCCESS;
 }
 cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) {
+  emu::cover("cublas cublasLtMatmulPreferenceDestroy");
   if (!check_object("cublasLtMatmulPreferenceDestroy", "pref", pref)) return CUBLAS_STATUS_INVALID_VALUE;
   destroy_object(pref);
   return CUBLAS_STATUS_SUCCESS;
@@ -564,6 +571,7 @@ cublasStatus_t cublasLtMatmulPreferenceDestroy(cublasLtMatmulPreference_t pref) 
 cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t pref,
                                                     cublasLtMatmulPreferenceAttributes_t attr, const void* buf,
                                                     size_t sizeInBytes) {
+  emu::cover("cublas cublasLtMatmulPreferenceSetAttribute");
   const char* fn = "cublasLtMatmulPreferenceSetAttribute";
   if (!check_object(fn, "pref", pref)) return CUBLAS_STATUS_INVALID_VALUE;
   switch (attr) {
@@ -589,6 +597,7 @@ struct LtProblem {
 };
 cublasStatus_t lt_problem(const char* fn, cublasLtMatmulDesc_t op, cublasLtMatrixLayout_t A, cublasLtMatrixLayout_t B,
                           cublasLtMatrixLayout_t C, cublasLtMatrixLayout_t D, LtProblem* pb) {
+  emu::cover("cublas lt_problem");
   if (!check_object(fn, "the matmul descriptor", op) || !check_object(fn, "Adesc", A) ||
       !check_object(fn, "Bdesc", B) || !check_object(fn, "Cdesc", C) || !check_object(fn, "Ddesc", D))
     return CUBLAS_STATUS_INVALID_VALUE;
@@ -677,6 +686,7 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t handle, cublasLtM
                                               cublasLtMatmulPreference_t preference, int requestedAlgoCount,
                                               cublasLtMatmulHeuristicResult_t heuristicResultsArray[],
                                               int* returnAlgoCount) {
+  emu::cover("cublas cublasLtMatmulAlgoGetHeuristic");
   const char* fn = "cublasLtMatmulAlgoGetHeuristic";
   if (returnAlgoCount) *returnAlgoCount = 0;
   if (!check_handle(fn, handle)) return CUBLAS_STATUS_NOT_INITIALIZED;
@@ -746,6 +756,7 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t lightHandle, cublasLtMatmulDesc_t
                               const void* beta, const void* C, cublasLtMatrixLayout_t Cdesc, void* D,
                               cublasLtMatrixLayout_t Ddesc, const cublasLtMatmulAlgo_t* algo, void* workspace,
                               size_t workspaceSizeInBytes, cudaStream_t stream) {
+  emu::cover("cublas cublasLtMatmul");
   const char* fn = "cublasLtMatmul";
   if (!check_handle(fn, lightHandle)) return CUBLAS_STATUS_NOT_INITIALIZED;
   LtProblem pb;

@@ -7,6 +7,7 @@
 // for nothing else: any other request gets no algorithm from the heuristic, with emu::report saying
 // which rule it broke, so the caller's fallback runs as it would where the real library refuses.
 #pragma once
+#define TS_EMU_CUBLASLT 1  // the project's stand-in, not NVIDIA's header (core.h checks)
 #include <cstddef>
 #include <cstdint>
 

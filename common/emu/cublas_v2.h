@@ -6,6 +6,7 @@
 // would run on regardless, or fault later, the emulator returns the documented error status and
 // says why (emu::report), and it never accepts what the real one refuses.
 #pragma once
+#define TS_EMU_CUBLAS 1  // the project's stand-in, not NVIDIA's header (core.h checks)
 #include <cstdint>
 
 #include "cuda_runtime.h"

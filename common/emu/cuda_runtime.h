@@ -5,6 +5,7 @@
 // device-side vocabulary of a kernel (threadIdx, __syncthreads, __shfl_xor_sync, __shared__),
 // which kernel.h implements with fibers. Only what the project calls is here.
 #pragma once
+#define TS_EMU_CUDA_RUNTIME 1  // the project's stand-in, not NVIDIA's header (core.h checks)
 #include <algorithm>
 #include <cmath>
 #include <cstddef>

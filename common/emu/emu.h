@@ -50,6 +50,11 @@ constexpr unsigned char kUninitByte = 0xFF;
 bool is_device(const void* p, size_t bytes = 1);
 bool is_pinned(const void* p);
 
+// ----- coverage ----------------------------------------------------------------------------------
+// What ran: "kernel NAME SITE", "cublas CALL", "nccl CALL". With TS_EMU_COVERAGE=FILE each
+// process appends its set to FILE at exit (tests/run_tests.sh sums them over the test suite).
+void cover(const std::string& what);
+
 // ----- settings (environment) ---------------------------------------------------------------------
 // TS_EMU_GPUS: GPUs on this emulated node (default 8); TS_EMU_MEMORY_GB: each one's memory (80);
 // TS_EMU_ORDER=reverse: every block's threads, and a grid's blocks, run in reverse order.

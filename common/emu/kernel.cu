@@ -372,7 +372,10 @@ cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid
     set_last_error(e);
     return e;
   }
-  enqueue(s, name, [=, body = std::move(body)] { run_grid(name, site, grid, block, smem, body); });
+  enqueue(s, name, [=, body = std::move(body)] {
+    cover(std::string("kernel ") + name + " " + site);
+    run_grid(name, site, grid, block, smem, body);
+  });
   return cudaSuccess;
 }
 

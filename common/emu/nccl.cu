@@ -18,7 +18,8 @@
 // What it checks, beyond the hardware (the emulator is stricter, never looser):
 //   * Buffers must be device memory (cudaMalloc), arguments in range, in-place forms exactly the
 //     ones NCCL defines; a message of another size than its receive expects is named.
-//   * Nothing waits forever: an operation still waiting after TS_EMU_NCCL_TIMEOUT seconds (30) is
+//   * ncclMax and ncclMin keep a NaN, where NCCL's fmaxf/fminf would drop it and hide it.
+//   * Nothing waits forever: an operation still waiting after TS_EMU_NCCL_TIMEOUT seconds (240) is
 //     reported, naming the call, the communicator and what it waits for, and its communicator gets
 //     an asynchronous error (ncclCommGetAsyncError). It then keeps waiting, as a stuck NCCL kernel
 //     does, until ncclCommAbort releases it.
@@ -49,6 +50,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core.h"  // bf16 as the project rounds it
 #include "emu.h"
 
 // ----- communicators -------------------------------------------------------------------------------
@@ -116,12 +118,14 @@ double now_s() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-// TS_EMU_NCCL_TIMEOUT: seconds an operation may wait before the emulator calls it stuck (default 30).
+// TS_EMU_NCCL_TIMEOUT: seconds an operation may wait before the emulator calls it stuck (default
+// 240: long enough for an emulated peer that is only slow, and under the project's own watchdog
+// (--timeout, 300 s), so that the emulator's diagnosis is the one printed).
 // Read on the launching thread at every launch, so a test can lower it before seeding a defect.
 double timeout_s() {
   const char* e = getenv("TS_EMU_NCCL_TIMEOUT");
   double t = e ? atof(e) : 0;
-  return t > 0 ? t : 30;
+  return t > 0 ? t : 240;
 }
 
 int world_rank() {
@@ -168,9 +172,7 @@ const char* op_name(ncclRedOp_t op) {
 // NCCL reduces in the element type itself: a bf16 sum converts both operands to float, adds, and
 // rounds to nearest even before the next hop (reduce_kernel.h's FuncSum on __nv_bfloat16).
 
-struct Bf16 {
-  uint16_t bits;
-};
+using Bf16 = ts::bf16;  // bf16 as the project rounds it everywhere (core.h): nearest, ties to even
 
 template <class T> struct Elem {  // integers, float, double: computed in their own type
   using M = T;
@@ -179,19 +181,8 @@ template <class T> struct Elem {  // integers, float, double: computed in their 
 };
 template <> struct Elem<Bf16> {
   using M = float;
-  static float get(Bf16 x) {
-    uint32_t u = uint32_t(x.bits) << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-  }
-  static Bf16 put(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if (std::isnan(f)) return Bf16{uint16_t((u >> 16) | 0x40)};  // stays a (quiet) NaN
-    u += 0x7fff + ((u >> 16) & 1);  // round to nearest, ties to even
-    return Bf16{uint16_t(u >> 16)};
-  }
+  static float get(Bf16 x) { return ts::bf16_to_float(x); }
+  static Bf16 put(float f) { return ts::float_to_bf16(f); }
 };
 
 // Integers wrap on overflow as the GPU's do (computed unsigned, where wrapping is defined).
@@ -246,7 +237,8 @@ void reduce_t(void* dst, const void* acc, const void* x, size_t n, ncclRedOp_t o
     if (premul) v = E::get(E::put(v * scale));
     if (a) v = apply(op, E::get(a[i]), v);
     if constexpr (std::is_integral<M>::value) {
-      if (postdiv) v = std::is_signed<M>::value ? M((long long)v / nranks) : M((unsigned long long)v / unsigned(nranks));
+      if (postdiv && std::is_signed<M>::value) v = M((long long)v / nranks);
+      if (postdiv && !std::is_signed<M>::value) v = M((unsigned long long)v / unsigned(nranks));
     }
     out[i] = E::put(v);
   }
@@ -346,7 +338,9 @@ void plan_ring_reduce_scatter(Op& o, const char* src, const std::vector<size_t>&
   o.scratch.resize(most * es);
   Op* p = &o;
   const int k0 = (r + N - 1) % N;
-  o.steps.push_back(local([=] { reduce(p->type, p->carry.data(), nullptr, src + off[k0] * es, cnt[k0], p->op, N, false); }));
+  o.steps.push_back(local([=] {  // the first hop sends this rank's own contribution
+    reduce(p->type, p->carry.data(), nullptr, src + off[k0] * es, cnt[k0], p->op, N, false);
+  }));
   for (int s = 0; s + 1 < N; s++) {
     const int ks = ((r - 1 - s) % N + N) % N, kr = ((r - 2 - s) % N + N) % N;
     const bool last = s + 2 == N;
@@ -598,9 +592,9 @@ std::string waits_for(const Op& o) {
     for (size_t i = 0; i < o.steps.size(); i++)
       if (o.steps[i].to >= 0 || o.steps[i].from >= 0) steps++, step += i <= o.next;
     std::string peers;
-    if (o.req[0] != MPI_REQUEST_NULL) peers = "a message from rank " + std::to_string(s.from);
-    if (o.req[1] != MPI_REQUEST_NULL) peers += (peers.empty() ? "" : " and ") + std::string("rank ") +
-                                               std::to_string(s.to) + " to take its message";
+    if (o.req[0] != MPI_REQUEST_NULL) peers = "its message from rank " + std::to_string(s.from);
+    if (o.req[1] != MPI_REQUEST_NULL)
+      peers += (peers.empty() ? "" : " and ") + std::string("rank ") + std::to_string(s.to) + " to receive its own";
     snprintf(b, sizeof b, "at step %zu of %zu for %s: a rank of the communicator that does not make this call, or %s",
              step, steps, peers.c_str(), orders);
   }
@@ -670,7 +664,7 @@ void progress(const Launch& L) {
     }
     if (all_done) return;
     if (!told && now_s() - t0 > L.timeout) report_stuck(L, now_s() - t0), told = true;
-    idle = moved ? 0 : idle + 1;
+    idle = moved ? 0 : std::min(idle + 1, 1000);
     pause(idle);
   }
 }
@@ -964,6 +958,7 @@ ncclResult_t check_init(ncclComm_t* comm, int nranks, const IdContents& id, int 
 // ----- the API: communicators ----------------------------------------------------------------------
 
 const char* ncclGetErrorString(ncclResult_t r) {
+  emu::cover("nccl ncclGetErrorString");
   switch (r) {  // NCCL's own strings
     case ncclSuccess: return "no error";
     case ncclUnhandledCudaError: return "unhandled cuda error";
@@ -978,6 +973,7 @@ const char* ncclGetErrorString(ncclResult_t r) {
 }
 
 ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
+  emu::cover("nccl ncclGetUniqueId");
   if (!uniqueId) return ncclInvalidArgument;
   if (!mpi_usable()) {
     emu::report("ncclGetUniqueId: the emulated NCCL runs over MPI, which is not initialised (or already finalised)");
@@ -993,6 +989,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
 }
 
 ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId, int rank) {
+  emu::cover("nccl ncclCommInitRank");
   IdContents id;
   memcpy(&id, commId.internal, sizeof id);
   TRY(check_init(comm, nranks, id, rank));
@@ -1014,6 +1011,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId,
 }
 
 ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newcomm, ncclConfig_t* config) {
+  emu::cover("nccl ncclCommSplit");
   std::shared_ptr<ncclComm> c;
   TRY(check_comm("ncclCommSplit", comm, &c));
   if (!newcomm || (color < 0 && color != NCCL_SPLIT_NOCOLOR) || (config && config->magic != NCCL_API_MAGIC)) {
@@ -1030,6 +1028,7 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t* newc
 }
 
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
+  emu::cover("nccl ncclCommGetAsyncError");
   std::shared_ptr<ncclComm> c = live(comm);
   if (!c || !asyncError) return ncclInvalidArgument;
   *asyncError = ncclResult_t(c->async_error.load());  // never ncclInProgress: initialisation is blocking
@@ -1077,10 +1076,12 @@ bool drain(ncclComm& c) {
 
 // Local: frees this rank's side once its operations have finished.
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  emu::cover("nccl ncclCommDestroy");
   if (!comm) return ncclSuccess;
   std::shared_ptr<ncclComm> c = live(comm);
   if (!c) {
-    emu::report("ncclCommDestroy: %p is not a live communicator (destroyed or aborted twice?)", static_cast<void*>(comm));
+    emu::report("ncclCommDestroy: %p is not a live communicator (destroyed or aborted twice?)",
+                static_cast<void*>(comm));
     return ncclInvalidArgument;
   }
   if (!drain(*c)) {
@@ -1093,6 +1094,7 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
 }
 
 ncclResult_t ncclCommAbort(ncclComm_t comm) {
+  emu::cover("nccl ncclCommAbort");
   if (!comm) return ncclSuccess;
   std::shared_ptr<ncclComm> c = live(comm);
   if (!c) {
@@ -1106,12 +1108,14 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
 // ----- the API: groups -----------------------------------------------------------------------------
 
 ncclResult_t ncclGroupStart() {
+  emu::cover("nccl ncclGroupStart");
   t_group.depth++;
   return ncclSuccess;
 }
 
 // The outermost ncclGroupEnd launches the group's operations as one.
 ncclResult_t ncclGroupEnd() {
+  emu::cover("nccl ncclGroupEnd");
   if (t_group.depth == 0) {
     emu::report("ncclGroupEnd without a matching ncclGroupStart");
     return ncclInvalidUsage;
@@ -1128,6 +1132,7 @@ ncclResult_t ncclGroupEnd() {
 
 ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype,
                            ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  emu::cover("nccl ncclAllReduce");
   const char* call = "ncclAllReduce";
   std::shared_ptr<ncclComm> c;
   TRY(check_comm(call, comm, &c));
@@ -1145,6 +1150,7 @@ ncclResult_t ncclAllReduce(const void* sendbuff, void* recvbuff, size_t count, n
 // recvbuff == sendbuff + rank * recvcount.
 ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recvcount, ncclDataType_t datatype,
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
+  emu::cover("nccl ncclReduceScatter");
   const char* call = "ncclReduceScatter";
   std::shared_ptr<ncclComm> c;
   TRY(check_comm(call, comm, &c));
@@ -1163,6 +1169,7 @@ ncclResult_t ncclReduceScatter(const void* sendbuff, void* recvbuff, size_t recv
 // sendbuff == recvbuff + rank * sendcount.
 ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcount, ncclDataType_t datatype,
                            ncclComm_t comm, cudaStream_t stream) {
+  emu::cover("nccl ncclAllGather");
   const char* call = "ncclAllGather";
   std::shared_ptr<ncclComm> c;
   TRY(check_comm(call, comm, &c));
@@ -1179,6 +1186,7 @@ ncclResult_t ncclAllGather(const void* sendbuff, void* recvbuff, size_t sendcoun
 // sendbuff is read on the root only; in place when sendbuff == recvbuff.
 ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, ncclDataType_t datatype, int root,
                            ncclComm_t comm, cudaStream_t stream) {
+  emu::cover("nccl ncclBroadcast");
   const char* call = "ncclBroadcast";
   std::shared_ptr<ncclComm> c;
   TRY(check_comm(call, comm, &c));
@@ -1196,6 +1204,7 @@ ncclResult_t ncclBroadcast(const void* sendbuff, void* recvbuff, size_t count, n
 
 ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  emu::cover("nccl ncclSend");
   const char* call = "ncclSend";
   std::shared_ptr<ncclComm> c;
   TRY(check_comm(call, comm, &c));
@@ -1207,6 +1216,7 @@ ncclResult_t ncclSend(const void* sendbuff, size_t count, ncclDataType_t datatyp
 
 ncclResult_t ncclRecv(void* recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream) {
+  emu::cover("nccl ncclRecv");
   const char* call = "ncclRecv";
   std::shared_ptr<ncclComm> c;
   TRY(check_comm(call, comm, &c));

@@ -5,6 +5,7 @@
 // real NCCL compiles unchanged; common/emu/nccl.cu implements it over MPI, one MPI rank per
 // emulated GPU, and checks NCCL's rules on the way (see that file's header for what it catches).
 #pragma once
+#define TS_EMU_NCCL 1  // the project's stand-in, not NVIDIA's header (core.h checks)
 #include <limits.h>
 #include <stddef.h>
 #include <stdint.h>

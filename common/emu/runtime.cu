@@ -62,6 +62,31 @@ void device_fault(cudaError_t e, const char* fmt, ...) {
 }
 cudaError_t sticky_error() { return cudaError_t(g_sticky.load()); }
 
+// ----- coverage ------------------------------------------------------------------------------------
+
+static std::mutex g_cover_mu;
+static std::set<std::string>* g_covered = nullptr;
+
+static void write_coverage() {
+  const char* path = getenv("TS_EMU_COVERAGE");
+  if (!path || !*path || !g_covered) return;
+  std::lock_guard<std::mutex> lk(g_cover_mu);
+  std::string all;
+  for (const std::string& w : *g_covered) all += w + "\n";
+  if (FILE* f = fopen(path, "a")) {  // one write per process: appends from other ranks stay whole lines
+    fwrite(all.data(), 1, all.size(), f);
+    fclose(f);
+  }
+}
+void cover(const std::string& what) {
+  std::lock_guard<std::mutex> lk(g_cover_mu);
+  if (!g_covered) {
+    g_covered = new std::set<std::string>;
+    atexit(write_coverage);
+  }
+  g_covered->insert(what);
+}
+
 // ----- settings ------------------------------------------------------------------------------------
 
 static long env_long(const char* name, long dflt) {
