@@ -15,6 +15,8 @@
 
 #include "core.h"
 #include "emu.h"
+#include "rng.h"
+#include "tensor_core.h"
 
 namespace {
 
@@ -74,6 +76,53 @@ __global__ void copy_kernel(float* y, const float* x, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i];
 }
 __global__ void nothing_kernel(float*) {}
+
+// One warp multiplies a 16 × 16 bf16 A (row-major) by a 16 × 8 bf16 B (stored column by column)
+// and adds a 16 × 8 fp32 C, building its fragments as the PTX ISA's tables say (written here
+// independently of the emulator): lane l, g = l / 4, t = l % 4. `via_ldmatrix`: A's fragments come
+// from shared memory by ldmatrix.x4 instead (lane l points at row l % 8 + 8·(l / 8 % 2), column
+// 8·(l / 16) of the tile), and `loaded` receives both versions for comparison. `seed_defect`:
+// the lane swaps two of A's registers, the kind of fragment-index slip the emulator must expose.
+__global__ void mma_tile_kernel(float* D, uint32_t* loaded, const uint16_t* A, const uint16_t* B, const float* C,
+                                int via_ldmatrix, int seed_defect) {
+  TS_DYNAMIC_SHARED(uint16_t, tile);
+  const int l = int(threadIdx.x), g = l / 4, t = l % 4;
+  auto pair = [](uint16_t lo, uint16_t hi) { return uint32_t(lo) | uint32_t(hi) << 16; };
+  uint32_t a[4], b[2];
+  float c[4], d[4];
+  for (int r = 0; r < 4; r++) {
+    const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
+    a[r] = pair(A[row * 16 + col], A[row * 16 + col + 1]);
+  }
+  for (int r = 0; r < 2; r++) b[r] = pair(B[g * 16 + 2 * t + 8 * r], B[g * 16 + 2 * t + 8 * r + 1]);
+  for (int i = 0; i < 4; i++) c[i] = C[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2];
+  if (via_ldmatrix) {
+    for (int i = l; i < 256; i += 32) tile[i] = A[i];
+    __syncwarp();
+    uint32_t r[4];
+    TS_LDMATRIX_X4(r, tile + (l % 8 + 8 * (l / 8 % 2)) * 16 + 8 * (l / 16));
+    for (int i = 0; i < 4; i++) loaded[l * 8 + i] = a[i], loaded[l * 8 + 4 + i] = r[i], a[i] = r[i];
+  }
+  if (seed_defect) std::swap(a[1], a[2]);
+  TS_MMA_M16N8K16_BF16(d, a, b, c);
+  for (int i = 0; i < 4; i++) D[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = d[i];
+}
+
+// Seeded: ldmatrix given an address in global memory.
+__global__ void ldmatrix_global_kernel(uint32_t* out, const uint16_t* A) {
+  uint32_t r[4];
+  TS_LDMATRIX_X4(r, A + (threadIdx.x % 16) * 16);
+  out[threadIdx.x] = r[0];
+}
+
+// Seeded: half the warp exits before the mma.
+__global__ void mma_half_warp_kernel(float* D) {
+  if (threadIdx.x >= 16) return;
+  uint32_t a[4] = {}, b[2] = {};
+  float c[4] = {}, d[4];
+  TS_MMA_M16N8K16_BF16(d, a, b, c);
+  D[threadIdx.x] = d[0];
+}
 
 float* device_floats(const std::vector<float>& h) {
   void* p = nullptr;
@@ -250,6 +299,77 @@ TEST_CASE("emulated GPU: cudaMemcpy with the wrong kind and an over-size allocat
   CHECK(big == nullptr);
   cudaGetLastError();
   cudaFree(d);
+}
+
+template <class T> T* device_copy(const std::vector<T>& h) {
+  void* p = nullptr;
+  REQUIRE(cudaMalloc(&p, h.size() * sizeof(T)) == cudaSuccess);
+  REQUIRE(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  return static_cast<T*>(p);
+}
+template <class T> std::vector<T> host_copy(const T* d, size_t n) {
+  std::vector<T> h(n);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  REQUIRE(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
+  return h;
+}
+
+TEST_CASE("emulated GPU: mma.sync m16n8k16 and ldmatrix.x4 put each element where the PTX ISA says", "[emu]") {
+  Fresh fresh;
+  std::vector<uint16_t> A(256), B(128);
+  std::vector<float> C(128);
+  for (size_t i = 0; i < A.size(); i++) A[i] = ts::float_to_bf16(ts::rng_normal(1, i)).bits;
+  for (size_t i = 0; i < B.size(); i++) B[i] = ts::float_to_bf16(ts::rng_normal(2, i)).bits;
+  for (size_t i = 0; i < C.size(); i++) C[i] = ts::rng_normal(3, i);
+  // The plain product in double: D[m][n] = C[m][n] + Σ_k A[m][k]·B[k][n], B stored column by column.
+  std::vector<double> want(128);
+  double scale = 0;
+  for (int m = 0; m < 16; m++)
+    for (int n = 0; n < 8; n++) {
+      double acc = C[size_t(m * 8 + n)];
+      for (int k = 0; k < 16; k++)
+        acc += double(ts::bf16_to_float(ts::bf16{A[size_t(m * 16 + k)]})) * double(ts::bf16_to_float(ts::bf16{B[size_t(n * 16 + k)]}));
+      want[size_t(m * 8 + n)] = acc;
+      scale = std::max(scale, std::fabs(acc));
+    }
+  uint16_t *dA = device_copy(A), *dB = device_copy(B);
+  float *dC = device_copy(C), *dD = device_copy(std::vector<float>(128, 0));
+  uint32_t* dL = device_copy(std::vector<uint32_t>(256, 0));
+  for (int via : {0, 1})
+    for (int defect : {0, 1}) {
+      INFO("via ldmatrix " << via << ", seeded defect " << defect);
+      TS_LAUNCH(1, 32, 512, nullptr, mma_tile_kernel)(dD, dL, dA, dB, dC, via, defect);
+      REQUIRE(cudaGetLastError() == cudaSuccess);
+      const std::vector<float> D = host_copy(dD, 128);
+      double err = 0;
+      for (size_t i = 0; i < 128; i++) err = std::max(err, std::fabs(double(D[i]) - want[i]));
+      // 16 exact products summed in fp32: within 16 roundings of the largest partial sum.
+      if (!defect) CHECK(err <= 16 * 0x1p-24 * 4 * scale);
+      else CHECK(err > 1e-2 * scale);  // a swapped register multiplies the wrong columns
+      if (via) {
+        const std::vector<uint32_t> L = host_copy(dL, 256);
+        for (int l = 0; l < 32; l++)
+          for (int r = 0; r < 4; r++) CHECK(L[size_t(l * 8 + r)] == L[size_t(l * 8 + 4 + r)]);
+      }
+    }
+  cudaFree(dA), cudaFree(dB), cudaFree(dC), cudaFree(dD), cudaFree(dL);
+}
+
+TEST_CASE("emulated GPU: ldmatrix outside shared memory and an mma half the warp skips are named", "[emu]") {
+  Fresh fresh;
+  uint16_t* dA = device_copy(std::vector<uint16_t>(256, 0));
+  uint32_t* dO = device_copy(std::vector<uint32_t>(32, 0));
+  TS_LAUNCH(1, 32, 0, nullptr, ldmatrix_global_kernel)(dO, dA);
+  CHECK(cudaDeviceSynchronize() == cudaErrorLaunchFailure);
+  CHECK(emu::last_report().find("not in the block's shared memory") != std::string::npos);
+  CHECK(emu::last_report().find("ldmatrix_global_kernel") != std::string::npos);
+  emu::clear_report();
+  float* dD = device_floats(std::vector<float>(32, 0));
+  TS_LAUNCH(1, 32, 0, nullptr, mma_half_warp_kernel)(dD);
+  CHECK(cudaDeviceSynchronize() == cudaErrorLaunchFailure);
+  CHECK(emu::last_report().find("mma.sync.m16n8k16") != std::string::npos);
+  CHECK(emu::last_report().find("has exited") != std::string::npos);
+  emu::clear_report();
 }
 
 #endif

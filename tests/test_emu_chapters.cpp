@@ -101,6 +101,9 @@ TEST_CASE("emulated GPU: FP8 (tensorwise through cuBLASLt, delayed, blockwise) r
   // Delayed scaling's amax history and blockwise's per-tile scales, on the decode path's kernels.
   check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe delayed", kOwnGpus, ""});
   check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe blockwise --fp8-tile 16", kOwnGpus, ""});
+  // Hopper's narrow FP8 accumulator, modelled by the same scalar loop on both devices.
+  check_case({"01_single_gpu", 1, "--dtype fp8 --fp8-recipe tensorwise --fp8-accum-bits 14 --fp8-promote-every 128",
+              kOwnGpus, ""});
 }
 
 #endif

@@ -66,6 +66,16 @@ struct PoolRef {  // Boost.Context's StackAllocator, by reference to this thread
 // ----- one block -----------------------------------------------------------------------------------
 
 enum class Wait { None, Block, Warp, Done };
+enum class WarpKind { Sync, Shuffle, Mma, Ldmatrix };
+static const char* kind_name(WarpKind k) {
+  switch (k) {
+    case WarpKind::Sync: return "__syncwarp";
+    case WarpKind::Shuffle: return "__shfl_xor_sync";
+    case WarpKind::Mma: return "mma.sync.m16n8k16";
+    case WarpKind::Ldmatrix: return "ldmatrix.x4";
+  }
+  return "?";
+}
 
 struct Thread {
   ThreadCtx c;
@@ -73,11 +83,13 @@ struct Thread {
   Wait wait = Wait::None;
   const char* file = "";
   int line = 0;
-  // a warp operation: its mask, and for a shuffle the value given and the one received
+  // a warp operation: its kind and mask, what the lane gives and what it gets back (a shuffle's
+  // value; a matrix fragment's registers; ldmatrix's row address)
+  WarpKind kind = WarpKind::Sync;
   unsigned mask = 0;
-  bool shuffle = false;
   int lane_mask = 0, width = 32;
   uint64_t give = 0, got = 0;
+  uint32_t frag_in[10] = {}, frag_out[4] = {};
 };
 
 struct Block {
@@ -143,6 +155,68 @@ static std::vector<Thread*> warp_of(Block& b, Thread* t) {
   return w;
 }
 
+// ----- tensor cores ------------------------------------------------------------------------------
+// The fragments are where the PTX ISA puts them ("Matrix Fragments for mma.m16n8k16 with floating
+// point type"; "ldmatrix"): lane l, with group g = l / 4 and t = l % 4 in its group, holds
+//   A (16 × 16 bf16, row-major) in 4 registers of 2: register r has row g + 8·(r % 2), columns
+//     2t + 8·(r / 2) and the next one (the lower half the lower column);
+//   B (16 × 8 bf16, column-major) in 2 registers: register r has rows 2t + 8·r and the next, column g;
+//   C and D (16 × 8 fp32) in 4 floats: value i has row g + 8·(i / 2), column 2t + i % 2.
+// A lane that reads a wrong register therefore multiplies the wrong numbers here, as on the GPU.
+static float bf16_lo(uint32_t r) { return __uint_as_float(r << 16); }
+static float bf16_hi(uint32_t r) { return __uint_as_float(r & 0xffff0000u); }
+
+static void mma_m16n8k16(std::vector<Thread*>& w) {
+  float A[16][16], B[16][8], C[16][8];
+  for (int l = 0; l < 32; l++) {
+    const uint32_t* in = w[size_t(l)]->frag_in;
+    const int g = l / 4, t = l % 4;
+    for (int r = 0; r < 4; r++) {
+      A[g + 8 * (r % 2)][2 * t + 8 * (r / 2)] = bf16_lo(in[r]);
+      A[g + 8 * (r % 2)][2 * t + 8 * (r / 2) + 1] = bf16_hi(in[r]);
+    }
+    for (int r = 0; r < 2; r++) {
+      B[2 * t + 8 * r][g] = bf16_lo(in[4 + r]);
+      B[2 * t + 8 * r + 1][g] = bf16_hi(in[4 + r]);
+    }
+    for (int i = 0; i < 4; i++) C[g + 8 * (i / 2)][2 * t + i % 2] = __uint_as_float(in[6 + i]);
+  }
+  // Products of bf16 values are exact in fp32; the sum runs k ascending with one rounding per
+  // term (the tensor core's own order and width are not documented; see notes/emulated_gpu.md).
+  for (int l = 0; l < 32; l++) {
+    const int g = l / 4, t = l % 4;
+    for (int i = 0; i < 4; i++) {
+      const int m = g + 8 * (i / 2), n = 2 * t + i % 2;
+      float acc = C[m][n];
+      for (int k = 0; k < 16; k++) acc = fmaf(A[m][k], B[k][n], acc);
+      w[size_t(l)]->frag_out[i] = __float_as_uint(acc);
+    }
+  }
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8j..8j+7 give the rows of matrix j (16-byte
+// aligned, in shared memory); lane l gets, in register j, row l / 4 of matrix j at columns
+// 2·(l % 4) and the next.
+static bool in_shared(const Block& b, const char* p) {
+  const char* d = b.dyn_smem.data();
+  if (p >= d && p + 16 <= d + b.dyn_smem.size()) return true;
+  return __start_ts_emu_shared && p >= __start_ts_emu_shared && p + 16 <= __stop_ts_emu_shared;
+}
+static void ldmatrix_x4(std::vector<Thread*>& w) {
+  Block& b = *t_block;
+  for (int l = 0; l < 32; l++) {
+    const char* row = reinterpret_cast<const char*>(uintptr_t(w[size_t(l)]->give));
+    if (uintptr_t(row) % 16 || !in_shared(b, row))
+      fail_here(where(b, *w[size_t(l)]) + ": ldmatrix row address " + std::to_string(uintptr_t(row)) +
+                (uintptr_t(row) % 16 ? " is not 16-byte aligned" : " is not in the block's shared memory"));
+  }
+  for (int l = 0; l < 32; l++)
+    for (int j = 0; j < 4; j++) {
+      const char* row = reinterpret_cast<const char*>(uintptr_t(w[size_t(j * 8 + l / 4)]->give));
+      memcpy(&w[size_t(l)]->frag_out[j], row + 4 * (l % 4), 4);
+    }
+}
+
 // Completes a warp operation when every lane in the mask has arrived at the same one.
 static void try_complete_warp(Block& b, Thread* t) {
   std::vector<Thread*> w = warp_of(b, t);
@@ -152,12 +226,12 @@ static void try_complete_warp(Block& b, Thread* t) {
     char buf[512];
     if (!o || o->wait == Wait::Done) {
       snprintf(buf, sizeof buf, "%s: %s at %s:%d names lane %d in mask 0x%08x, but that lane %s", where(b, *t).c_str(),
-               t->shuffle ? "__shfl_xor_sync" : "__syncwarp", t->file, t->line, l, t->mask,
+               kind_name(t->kind), t->file, t->line, l, t->mask,
                o ? "has exited" : "does not exist (the block is smaller)");
       fail_here(buf);
     }
     if (o->wait != Wait::Warp) return;  // not there yet
-    if (o->mask != t->mask || o->shuffle != t->shuffle || o->line != t->line || o->file != t->file ||
+    if (o->mask != t->mask || o->kind != t->kind || o->line != t->line || o->file != t->file ||
         o->lane_mask != t->lane_mask || o->width != t->width) {
       snprintf(buf, sizeof buf,
                "%s: lane %d waits at %s:%d (mask 0x%08x) while lane %d waits at %s:%d (mask 0x%08x): a warp operation "
@@ -166,10 +240,12 @@ static void try_complete_warp(Block& b, Thread* t) {
       fail_here(buf);
     }
   }
+  if (t->kind == WarpKind::Mma) mma_m16n8k16(w);
+  if (t->kind == WarpKind::Ldmatrix) ldmatrix_x4(w);
   for (int l = 0; l < 32; l++) {
     if (!(t->mask >> l & 1u)) continue;
     Thread* o = w[size_t(l)];
-    if (o->shuffle) {
+    if (o->kind == WarpKind::Shuffle) {
       int src = l ^ o->lane_mask;
       if (src / o->width != l / o->width) src = l;  // outside its segment: its own value
       o->got = (t->mask >> src & 1u) ? w[size_t(src)]->give : o->give;
@@ -178,20 +254,20 @@ static void try_complete_warp(Block& b, Thread* t) {
   }
 }
 
-static void warp_op(const char* file, int line, unsigned mask, bool shuffle, uint64_t bits, int lane_mask, int width) {
+static void warp_op(const char* file, int line, unsigned mask, WarpKind kind, uint64_t bits, int lane_mask, int width) {
   Block& b = *t_block;
   Thread* t = b.current;
   t->file = file;
   t->line = line;
   t->mask = mask;
-  t->shuffle = shuffle;
+  t->kind = kind;
   t->give = bits;
   t->lane_mask = lane_mask;
   t->width = width;
   if (!(mask >> lane_of(b, *t) & 1u)) {
     char buf[512];
     snprintf(buf, sizeof buf, "%s: %s at %s:%d with mask 0x%08x, which does not name the calling lane %d", where(b, *t).c_str(),
-             shuffle ? "__shfl_xor_sync" : "__syncwarp", file, line, mask, lane_of(b, *t));
+             kind_name(kind), file, line, mask, lane_of(b, *t));
     fail_here(buf);
   }
   if (width < 1 || width > 32 || (width & (width - 1))) fail_here(where(b, *t) + ": shuffle width must be a power of two up to 32");
@@ -200,10 +276,24 @@ static void warp_op(const char* file, int line, unsigned mask, bool shuffle, uin
   if (t->wait == Wait::Warp) suspend();
 }
 
-void syncwarp(const char* file, int line, unsigned mask) { warp_op(file, line, mask, false, 0, 0, 32); }
+void syncwarp(const char* file, int line, unsigned mask) { warp_op(file, line, mask, WarpKind::Sync, 0, 0, 32); }
 uint64_t shfl_xor(const char* file, int line, unsigned mask, uint64_t bits, int lane_mask, int width) {
-  warp_op(file, line, mask, true, bits, lane_mask, width);
+  warp_op(file, line, mask, WarpKind::Shuffle, bits, lane_mask, width);
   return t_block->current->got;
+}
+
+// The .aligned tensor-core instructions: every lane of the warp executes the same one.
+void mma_m16n8k16_bf16(const char* file, int line, float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
+  Thread* t = t_block->current;
+  memcpy(t->frag_in, a, 16);
+  memcpy(t->frag_in + 4, b, 8);
+  memcpy(t->frag_in + 6, c, 16);
+  warp_op(file, line, 0xffffffffu, WarpKind::Mma, 0, 0, 32);
+  memcpy(d, t_block->current->frag_out, 16);
+}
+void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row) {
+  warp_op(file, line, 0xffffffffu, WarpKind::Ldmatrix, uint64_t(uintptr_t(row)), 0, 32);
+  memcpy(r, t_block->current->frag_out, 16);
 }
 
 // ----- the scheduler -----------------------------------------------------------------------------
@@ -224,7 +314,7 @@ static bc::fiber start(Block& b, Thread& t, const std::function<void()>& body) {
 // Why a warp operation can no longer complete: a lane it names has exited, or waits elsewhere.
 static std::string stuck_warp(Block& b, const Thread& t) {
   std::vector<Thread*> w = warp_of(b, const_cast<Thread*>(&t));
-  const char* op = t.shuffle ? "__shfl_xor_sync" : "__syncwarp";
+  const char* op = kind_name(t.kind);
   char buf[768];
   for (int l = 0; l < 32; l++) {
     const Thread* o = w[size_t(l)];
