@@ -15,6 +15,7 @@
 
 #include "core.h"
 #include "emu.h"
+#include "emu_util.h"
 #include "rng.h"
 #include "tensor_core.h"
 
@@ -124,18 +125,13 @@ __global__ void mma_half_warp_kernel(float* D) {
   D[threadIdx.x] = d[0];
 }
 
-float* device_floats(const std::vector<float>& h) {
-  void* p = nullptr;
-  REQUIRE(cudaMalloc(&p, h.size() * 4) == cudaSuccess);
-  REQUIRE(cudaMemcpy(p, h.data(), h.size() * 4, cudaMemcpyHostToDevice) == cudaSuccess);
-  return static_cast<float*>(p);
-}
-std::vector<float> host_floats(const float* d, size_t n) {
-  std::vector<float> h(n);
+float* device_floats(const std::vector<float>& h) { return tst::to_device(h); }
+// Kernel results, once the device has run everything queued.
+template <class T> std::vector<T> host_copy(const T* d, size_t n) {
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-  REQUIRE(cudaMemcpy(h.data(), d, n * 4, cudaMemcpyDeviceToHost) == cudaSuccess);
-  return h;
+  return tst::to_host(d, n);
 }
+std::vector<float> host_floats(const float* d, size_t n) { return host_copy(d, n); }
 // After a seeded fault the device is sticky-broken, as real hardware is; the next case starts afresh.
 struct Fresh {
   Fresh() {
@@ -301,18 +297,6 @@ TEST_CASE("emulated GPU: cudaMemcpy with the wrong kind and an over-size allocat
   cudaFree(d);
 }
 
-template <class T> T* device_copy(const std::vector<T>& h) {
-  void* p = nullptr;
-  REQUIRE(cudaMalloc(&p, h.size() * sizeof(T)) == cudaSuccess);
-  REQUIRE(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-  return static_cast<T*>(p);
-}
-template <class T> std::vector<T> host_copy(const T* d, size_t n) {
-  std::vector<T> h(n);
-  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
-  REQUIRE(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
-  return h;
-}
 
 TEST_CASE("emulated GPU: mma.sync m16n8k16 and ldmatrix.x4 put each element where the PTX ISA says", "[emu]") {
   Fresh fresh;
@@ -332,9 +316,9 @@ TEST_CASE("emulated GPU: mma.sync m16n8k16 and ldmatrix.x4 put each element wher
       want[size_t(m * 8 + n)] = acc;
       scale = std::max(scale, std::fabs(acc));
     }
-  uint16_t *dA = device_copy(A), *dB = device_copy(B);
-  float *dC = device_copy(C), *dD = device_copy(std::vector<float>(128, 0));
-  uint32_t* dL = device_copy(std::vector<uint32_t>(256, 0));
+  uint16_t *dA = tst::to_device(A), *dB = tst::to_device(B);
+  float *dC = tst::to_device(C), *dD = tst::to_device(std::vector<float>(128, 0));
+  uint32_t* dL = tst::to_device(std::vector<uint32_t>(256, 0));
   for (int via : {0, 1})
     for (int defect : {0, 1}) {
       INFO("via ldmatrix " << via << ", seeded defect " << defect);
@@ -357,8 +341,8 @@ TEST_CASE("emulated GPU: mma.sync m16n8k16 and ldmatrix.x4 put each element wher
 
 TEST_CASE("emulated GPU: ldmatrix outside shared memory and an mma half the warp skips are named", "[emu]") {
   Fresh fresh;
-  uint16_t* dA = device_copy(std::vector<uint16_t>(256, 0));
-  uint32_t* dO = device_copy(std::vector<uint32_t>(32, 0));
+  uint16_t* dA = tst::to_device(std::vector<uint16_t>(256, 0));
+  uint32_t* dO = tst::to_device(std::vector<uint32_t>(32, 0));
   TS_LAUNCH(1, 32, 0, nullptr, ldmatrix_global_kernel)(dO, dA);
   CHECK(cudaDeviceSynchronize() == cudaErrorLaunchFailure);
   CHECK(emu::last_report().find("not in the block's shared memory") != std::string::npos);

@@ -27,6 +27,7 @@
 
 #include "core.h"
 #include "emu.h"
+#include "emu_util.h"
 
 namespace {
 
@@ -60,17 +61,8 @@ cudaStream_t new_stream() {
   return s;
 }
 
-template <class T> T* to_device(const std::vector<T>& h) {
-  void* p = nullptr;
-  REQUIRE(cudaMalloc(&p, h.size() * sizeof(T)) == cudaSuccess);
-  REQUIRE(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
-  return static_cast<T*>(p);
-}
-template <class T> std::vector<T> to_host(const T* d, size_t n) {
-  std::vector<T> h(n);
-  REQUIRE(cudaMemcpy(h.data(), d, n * sizeof(T), cudaMemcpyDeviceToHost) == cudaSuccess);
-  return h;
-}
+using tst::to_device;
+using tst::to_host;
 
 // bf16 on the host as the project rounds it (core.h): the top half of a float, nearest even.
 float bf2f(uint16_t b) { return ts::bf16_to_float(ts::bf16{b}); }
