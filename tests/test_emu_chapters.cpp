@@ -112,12 +112,25 @@ TEST_CASE("emulated GPU: FP8 (tensorwise through cuBLASLt, delayed, blockwise) r
 // A missing barrier or a race between a block's threads gives results that depend on the order
 // the threads run in; the emulator can run every block's threads (and a grid's blocks) the other
 // way round, and a correct run gives the same bits both ways.
-TEST_CASE("emulated GPU: 01 on CUDA gives the same bits with every block's threads run in reverse", "[emu][cuda][01]") {
-  for (const std::string dtype : {"fp32", "bf16"}) {
-    INFO(dtype);
-    const std::string args = kTiny + "--dtype " + dtype + " --device cuda";
-    const tst::CachedRun& fwd = tst::cached_run("01_single_gpu", 1, args, 600, kOwnGpus);
-    const tst::CachedRun& rev = tst::cached_run("01_single_gpu", 1, args, 600, kOwnGpus + " TS_EMU_ORDER=reverse");
+// Every kernel the chapters launch runs here: 01's in fp32, bf16 and FP8 (quantization, amax),
+// 04's vocabulary-parallel cross-entropy, 06's attention merge and Ulysses packing, 07's router,
+// gather and combine.
+TEST_CASE("emulated GPU: the chapters on CUDA give the same bits with every block's threads run in reverse",
+          "[emu][cuda]") {
+  const std::vector<Case> cases = {
+      {"01_single_gpu", 1, "--dtype fp32", kOwnGpus, ""},
+      {"01_single_gpu", 1, "--dtype bf16", kOwnGpus, ""},
+      {"01_single_gpu", 1, "--dtype fp8 --fp8-recipe blockwise --fp8-tile 16", kOwnGpus, ""},
+      {"04_tensor_parallel", 2, "--tp 2 --sequence-parallel", kOwnGpus, ""},
+      {"06_context_parallel", 2, "--cp 2 --cp-mode ring --zigzag 1", kOwnGpus, ""},
+      {"06_context_parallel", 2, "--cp 2 --cp-mode ulysses", kOwnGpus, ""},
+      {"07_expert_parallel", 2, "--experts 4 --ffn 64 --top-k 2 --dp 2 --ep 2", kOwnGpus, ""},
+  };
+  for (const Case& c : cases) {
+    INFO(c.bin << " " << c.args);
+    const std::string args = kTiny + c.args + " --device cuda";
+    const tst::CachedRun& fwd = tst::cached_run(c.bin, c.np, args, 600, c.env);
+    const tst::CachedRun& rev = tst::cached_run(c.bin, c.np, args, 600, c.env + " TS_EMU_ORDER=reverse");
     CHECK(fwd.log.losses() == rev.log.losses());
     CHECK(tst::max_abs_diff_files(fwd.ckpt + "/model.safetensors", rev.ckpt + "/model.safetensors") == 0);
   }
