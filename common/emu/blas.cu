@@ -13,6 +13,7 @@
 #include "cublasLt.h"
 #include "cublas_v2.h"
 #include "core.h"  // bf16 as the project rounds it
+#include "fp8.h"   // and its FP8 codes
 #include "emu.h"
 
 #include <cmath>
@@ -104,33 +105,15 @@ bool is_fp8(cudaDataType t) { return t == CUDA_R_8F_E4M3 || t == CUDA_R_8F_E5M2;
 float bf16_to_float(uint16_t h) { return ts::bf16_to_float(ts::bf16{h}); }
 uint16_t float_to_bf16(float f) { return ts::float_to_bf16(f).bits; }
 
-// The OCP 8-bit floats (OCP "8-bit Floating Point Specification (OFP8)", the formats cuBLASLt
-// calls CUDA_R_8F_E4M3 and CUDA_R_8F_E5M2): a sign bit, E exponent bits with bias 2^(E-1) - 1 and
-// M mantissa bits; an exponent field of 0 holds the subnormals m · 2^(1 - bias - M). E5M2 keeps
-// IEEE's specials (exponent all ones: infinity when the mantissa is 0, else NaN). E4M3 gives them
-// up for range: only S.1111.111 is NaN, and S.1111.110 = ±448 is an ordinary value.
-float fp8_value(uint8_t code, bool e5m2) {
-  const int M = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7, top = e5m2 ? 31 : 15;
-  const int exponent = (code & 0x7f) >> M, mantissa = code & ((1 << M) - 1);
-  float magnitude;
-  if (e5m2 && exponent == top)
-    magnitude = mantissa ? NAN : INFINITY;
-  else if (!e5m2 && exponent == top && mantissa == 7)
-    magnitude = NAN;
-  else if (exponent == 0)
-    magnitude = std::ldexp(float(mantissa), 1 - bias - M);
-  else
-    magnitude = std::ldexp(float((1 << M) + mantissa), exponent - bias - M);
-  return (code & 0x80) ? -magnitude : magnitude;
-}
-// All 256 values of a format, decoded once (every one is exact in fp32).
-std::vector<float> fp8_values(bool e5m2) {
+// The OCP 8-bit floats cuBLASLt calls CUDA_R_8F_E4M3 and CUDA_R_8F_E5M2, decoded as the project
+// decodes them everywhere (fp8.h): all 256 values of each format once, every one exact in fp32.
+std::vector<float> fp8_values(float (*decode)(uint8_t)) {
   std::vector<float> t(256);
-  for (int c = 0; c < 256; ++c) t[size_t(c)] = fp8_value(uint8_t(c), e5m2);
+  for (int c = 0; c < 256; ++c) t[size_t(c)] = decode(uint8_t(c));
   return t;
 }
 const float* fp8_table(bool e5m2) {
-  static const std::vector<float> e4m3 = fp8_values(false), e5m2_values = fp8_values(true);
+  static const std::vector<float> e4m3 = fp8_values(ts::fp8::decode_e4m3), e5m2_values = fp8_values(ts::fp8::decode_e5m2);
   return e5m2 ? e5m2_values.data() : e4m3.data();
 }
 

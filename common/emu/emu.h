@@ -53,6 +53,7 @@ bool is_pinned(const void* p);
 // ----- coverage ----------------------------------------------------------------------------------
 // What ran: "kernel NAME SITE", "cublas CALL", "nccl CALL". With TS_EMU_COVERAGE=FILE each
 // process appends its set to FILE at exit (tests/run_tests.sh sums them over the test suite).
+bool covering();  // TS_EMU_COVERAGE is set: callers build their strings only then
 void cover(const std::string& what);
 
 // ----- settings (environment) ---------------------------------------------------------------------

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "core.h"  // bf16 as the project decodes it
 #include "emu.h"
 
 extern "C" char __start_ts_emu_shared[] __attribute__((weak));
@@ -163,8 +164,8 @@ static std::vector<Thread*> warp_of(Block& b, Thread* t) {
 //   B (16 × 8 bf16, column-major) in 2 registers: register r has rows 2t + 8·r and the next, column g;
 //   C and D (16 × 8 fp32) in 4 floats: value i has row g + 8·(i / 2), column 2t + i % 2.
 // A lane that reads a wrong register therefore multiplies the wrong numbers here, as on the GPU.
-static float bf16_lo(uint32_t r) { return __uint_as_float(r << 16); }
-static float bf16_hi(uint32_t r) { return __uint_as_float(r & 0xffff0000u); }
+static float bf16_lo(uint32_t r) { return ts::bf16_to_float(ts::bf16{uint16_t(r)}); }
+static float bf16_hi(uint32_t r) { return ts::bf16_to_float(ts::bf16{uint16_t(r >> 16)}); }
 
 static void mma_m16n8k16(std::vector<Thread*>& w) {
   float A[16][16], B[16][8], C[16][8];
@@ -463,7 +464,7 @@ cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid
     return e;
   }
   enqueue(s, name, [=, body = std::move(body)] {
-    cover(std::string("kernel ") + name + " " + site);
+    if (covering()) cover(std::string("kernel ") + name + " " + site);
     run_grid(name, site, grid, block, smem, body);
   });
   return cudaSuccess;

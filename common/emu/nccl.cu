@@ -128,12 +128,6 @@ double timeout_s() {
   return t > 0 ? t : 240;
 }
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
 bool mpi_usable() {
   int init = 0, fin = 0;
   MPI_Initialized(&init);
@@ -873,7 +867,7 @@ bool next_hello(int serial, Hello* h, double deadline) {
 // The maker's side: the other members' hellos, checked, then the list (or -1s) sent to each.
 ncclResult_t collect_members(const IdContents& id, int nranks, int rank, double timeout, std::vector<int>* members) {
   members->assign(nranks, -1);
-  (*members)[rank] = world_rank();
+  (*members)[rank] = ts::world_rank();
   std::vector<Hello> got;
   std::string problem;
   const double deadline = now_s() + timeout;
@@ -981,7 +975,7 @@ ncclResult_t ncclGetUniqueId(ncclUniqueId* uniqueId) {
   }
   IdContents id;
   memcpy(id.magic, kMagic, sizeof kMagic);
-  id.maker = world_rank();
+  id.maker = ts::world_rank();
   id.serial = ++g_serial;
   memset(uniqueId, 0, sizeof *uniqueId);
   memcpy(uniqueId->internal, &id, sizeof id);
@@ -995,7 +989,7 @@ ncclResult_t ncclCommInitRank(ncclComm_t* comm, int nranks, ncclUniqueId commId,
   TRY(check_init(comm, nranks, id, rank));
   std::vector<int> members;
   const double timeout = timeout_s();
-  if (world_rank() == id.maker)
+  if (ts::world_rank() == id.maker)
     TRY(collect_members(id, nranks, rank, timeout, &members));
   else
     TRY(join_members(id, nranks, rank, timeout, &members));
