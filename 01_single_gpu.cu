@@ -13,15 +13,15 @@
 #include <cmath>
 #include <vector>
 
-#include "checkpoint.h"
-#include "comm.h"
-#include "data.h"
-#include "fp8_linear.h"
-#include "model.h"
-#include "moe.h"
-#include "rng.h"
-#include "run.h"
-#include "train.h"
+#include "tensor/rng.h"
+#include "formats/data.h"
+#include "comm/comm.h"
+#include "model/model.h"
+#include "model/moe.h"
+#include "training/checkpoint.h"
+#include "training/fp8_linear.h"
+#include "training/run.h"
+#include "training/train.h"
 
 using namespace ts;
 

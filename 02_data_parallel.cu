@@ -15,16 +15,16 @@
 #include <algorithm>
 #include <cmath>
 
-#include "checkpoint.h"
-#include "comm.h"
-#include "data.h"
-#include "mesh.h"
-#include "fp8_linear.h"
-#include "model.h"
-#include "run.h"
-#include "step_time.h"
-#include "trace.h"
-#include "train.h"
+#include "formats/data.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
+#include "comm/trace.h"
+#include "model/model.h"
+#include "training/checkpoint.h"
+#include "training/fp8_linear.h"
+#include "training/run.h"
+#include "training/step_time.h"
+#include "training/train.h"
 
 namespace dp {
 using namespace ts;
@@ -159,7 +159,7 @@ inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_rep
 inline double allreduce_bytes(int64_t psi, int dp) { return 2.0 * (dp - 1) / dp * 4.0 * double(psi); }
 inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allreduce_bytes(param_count(rc.model), dp); }
 
-// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // All-reduce calls per step, for their latency: naive one per tensor (9 per layer), bucketed one
 // per bucket of the `grad_bytes` of fp32 gradients.

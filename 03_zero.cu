@@ -22,16 +22,16 @@
 #include <cmath>
 #include <map>
 
-#include "checkpoint.h"
-#include "comm.h"
-#include "data.h"
-#include "mesh.h"
-#include "fp8_linear.h"
-#include "model.h"
-#include "run.h"
-#include "step_time.h"
-#include "trace.h"
-#include "train.h"
+#include "formats/data.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
+#include "comm/trace.h"
+#include "model/model.h"
+#include "training/checkpoint.h"
+#include "training/fp8_linear.h"
+#include "training/run.h"
+#include "training/step_time.h"
+#include "training/train.h"
 
 namespace zero {
 using namespace ts;
@@ -321,7 +321,7 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, const Zer
   return c;
 }
 
-// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // Collective calls per step, for their latency, per unit: ZeRO-1 one reduce-scatter and one
 // all-gather; ZeRO-2 a reduce-scatter per micro-batch and one all-gather; ZeRO-3 per micro-batch a

@@ -45,19 +45,20 @@
 #include <cstring>
 #include <map>
 
-#include "checkpoint.h"
-#include "comm.h"
-#include "data.h"
-#include "kernels_internal.h"
-#include "mesh.h"
-#include "fp8_linear.h"
-#include "model.h"
-#include "run.h"
-#include "step_time.h"
-#include "trace.h"
-#include "train.h"
+#include "kernels/kernels_internal.h"
+#include "kernels/profile.h"
+#include "formats/data.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
+#include "comm/trace.h"
+#include "model/model.h"
+#include "training/checkpoint.h"
+#include "training/fp8_linear.h"
+#include "training/run.h"
+#include "training/step_time.h"
+#include "training/train.h"
 #ifdef TS_CUDA
-#include "kernels_cuda.h"  // the CUDA twins of the cross-entropy steps below
+#include "kernels/kernels_cuda.h"  // the CUDA twins of the cross-entropy steps below
 #endif
 
 namespace tp {
@@ -115,8 +116,8 @@ class TensorParallel : public TpOps {
 //                       [N, Vl] (T, may alias logits; undefined: losses only) =
 //                       (exp(x_v - M) / S - [v = t]) * grad_scale.
 // With one rank (vocab_start 0, no collectives) this is ts::cross_entropy_forward_backward: on
-// the CPU the steps are its row passes (common/kernels_internal.h), split where the collectives
-// go; on a GPU they run the CUDA twins in common/kernels_cuda.cu.
+// the CPU the steps are its row passes (common/kernels/kernels_internal.h), split where the collectives
+// go; on a GPU they run the CUDA twins in common/kernels/kernels_cuda.cu.
 template <class T> void vocab_ce_max_cpu(float* mx, const T* logits, int64_t N, int64_t V) {
   detail::for_rows_f32(logits, N, V, [&](int64_t n, float* x) { mx[n] = detail::row_max(x, V); });
 }
@@ -255,7 +256,7 @@ inline void reduce_norm_grads(Model& m, Comm& group, int unit = -1) {
 // [out, in], so a column-parallel linear holds a block of rows (Split::Rows) and a row-parallel
 // one a block of columns (Split::Cols); the vocabulary tables split their rows. Anything not named
 // (the RMSNorm weights) is whole on every rank; the MoE block sets its own (whole over tp, held by
-// one ep rank: common/model.cu add_experts).
+// one ep rank: common/model/model.cu add_experts).
 inline Split split_of(const std::string& hf_name) {
   static const std::pair<const char*, Split> table[] = {
       {"model.embed_tokens.weight", Split::Rows},  // vocabulary-parallel embedding: V/tp rows
@@ -344,7 +345,7 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, b
   return c;
 }
 
-// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // Collective calls per step, for their latency: per layer 2 forward (g after attention and after
 // the MLP) and 2 backward (their f), each an all-gather + reduce-scatter pair under SP.

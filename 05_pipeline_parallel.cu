@@ -31,17 +31,17 @@
 #include <tuple>
 #include <vector>
 
-#include "checkpoint.h"
-#include "comm.h"
-#include "data.h"
-#include "mesh.h"
-#include "fp8_linear.h"
-#include "model.h"
-#include "run.h"
-#include "step_time.h"
-#include "threads.h"
-#include "trace.h"
-#include "train.h"
+#include "formats/data.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
+#include "comm/threads.h"
+#include "comm/trace.h"
+#include "model/model.h"
+#include "training/checkpoint.h"
+#include "training/fp8_linear.h"
+#include "training/run.h"
+#include "training/step_time.h"
+#include "training/train.h"
 
 namespace pp {
 using namespace ts;
@@ -474,7 +474,7 @@ inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int 
   return (acts + grads) * K;
 }
 
-// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // p2p calls per step: an activation and a gradient per micro-batch and chunk.
 inline double p2p_calls(double micro_batches, int V) { return 2 * micro_batches * V; }

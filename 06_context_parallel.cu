@@ -29,19 +29,20 @@
 #include <vector>
 
 #include "02_data_parallel.cu"  // dp::GradReducer: the gradients are all-reduced over cp
-#include "checkpoint.h"
-#include "comm.h"
-#include "data.h"
-#include "kernels_internal.h"
-#include "mesh.h"
-#include "fp8_linear.h"
-#include "model.h"
-#include "run.h"
-#include "step_time.h"
-#include "trace.h"
-#include "train.h"
+#include "kernels/kernels_internal.h"
+#include "kernels/profile.h"
+#include "formats/data.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
+#include "comm/trace.h"
+#include "model/model.h"
+#include "training/checkpoint.h"
+#include "training/fp8_linear.h"
+#include "training/run.h"
+#include "training/step_time.h"
+#include "training/train.h"
 #ifdef TS_CUDA
-#include "kernels_cuda.h"  // the CUDA twins of attention_merge and swap_leading
+#include "kernels/kernels_cuda.h"  // the CUDA twins of attention_merge and swap_leading
 #endif
 
 namespace cp {
@@ -157,7 +158,7 @@ class Rotation {
 // part (T) and part_lse fp32 of the same shapes. A row with no visible key in a block has lse −inf
 // and weight 0; a row with none in either stays lse −inf with out unchanged (never NaN).
 // On the CPU one row (b, s, h) per iteration, the weights taken relative to the larger lse (so
-// neither exp overflows); on a GPU the CUDA twin in common/kernels_cuda.cu.
+// neither exp overflows); on a GPU the CUDA twin in common/kernels/kernels_cuda.cu.
 template <class T>
 void attention_merge_cpu(T* out, float* lse, const T* part, const float* plse, int64_t B, int64_t S, int64_t H,
                          int64_t hd) {
@@ -289,7 +290,7 @@ class RingAttention : public AttentionCore {
 
 // The packing around Ulysses' all-to-alls (sequence shards <-> head shards): dst = src with the two
 // leading indices of [a, b, w] swapped, dst[j, i, :] = src[i, j, :], any dtype, w = numel / (a·b).
-// On the CPU one memcpy per w-run; on a GPU the CUDA twin in common/kernels_cuda.cu.
+// On the CPU one memcpy per w-run; on a GPU the CUDA twin in common/kernels/kernels_cuda.cu.
 inline void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b) {
   TS_PROFILE_OP("swap_leading", dst);
   const char* op = "swap_leading";
@@ -472,7 +473,7 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, int C, co
   return c;
 }
 
-// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // Collective calls per step: cp−1 ring steps per layer forward and as many backward (Ulysses'
 // all-to-alls priced alike).

@@ -11,7 +11,7 @@
 //             in global token order (the order 01 uses);
 //   combine   a second all-to-all returns the outputs to the tokens' ranks, which weight and sum.
 // Where the rest of the chapter lives: this file moves rows; what decides them is 01's MoE block,
-// unchanged (common/moe.cu, declared with its formulas in common/moe.h):
+// unchanged (common/model/moe.cu, declared with its formulas in common/model/moe.h):
 //   routing   moe_router_forward: fp32 softmax over the E router logits, top-k (ties to the lower
 //             index), the k weights renormalised to sum to 1 (Mixtral's router);
 //   grouping  make_routing_plan: each expert's rows in token order, and the counts sent first;
@@ -32,16 +32,16 @@
 #include <map>
 
 #include "02_data_parallel.cu"
-#include "checkpoint.h"
-#include "comm.h"
-#include "mesh.h"
-#include "fp8_linear.h"
-#include "model.h"
-#include "run.h"
-#include "moe.h"
-#include "step_time.h"
-#include "trace.h"
-#include "train.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
+#include "comm/trace.h"
+#include "model/model.h"
+#include "model/moe.h"
+#include "training/checkpoint.h"
+#include "training/fp8_linear.h"
+#include "training/run.h"
+#include "training/step_time.h"
+#include "training/train.h"
 
 namespace ep {
 using namespace ts;
@@ -245,7 +245,7 @@ inline double predict_balanced_bytes(const RunConfig& rc, int dp, int ep) {
   return mbs * m.layers * (rows * m.dim * dtype_size(rc.dtype) + counts);
 }
 
-// ----- predict: step time (the pieces in common/step_time.h) ------------------------------------------
+// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // All-to-all calls per step: per layer a dispatch and a combine forward, and both again backward.
 inline double all_to_all_calls(double micro_batches, double layers) { return micro_batches * layers * 4; }

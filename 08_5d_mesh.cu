@@ -1,7 +1,7 @@
 // 08_5d_mesh.cu — the techniques on one mesh, composed from their own files.
 //
 // The playbook's closing chapters, runnable: world = dp × pp × cp × tp ranks (TP innermost, then
-// CP, PP, DP, as in common/mesh.h). This file re-implements nothing: every piece below is the
+// CP, PP, DP, as in common/comm/mesh.h). This file re-implements nothing: every piece below is the
 // technique file's own —
 //   02_data_parallel.cu    dp::GradReducer             gradients all-reduced over dp, bucketed
 //   03_zero.cu             zero::Zero                  ZeRO-1/2/3 over dp, per-unit shards

@@ -3,7 +3,7 @@
 // The playbook's first exercise, as code: for every mesh a cluster allows, memory from the very
 // functions each run of 08 checks against its allocator (mesh5d::predict_memory, which calls 02–07's
 // formulas), and time from the bytes each run measures (mesh5d::predict_comm) priced by the
-// step-time model of common/step_time.h, term by term with each chapter's own rule for what it
+// step-time model of common/training/step_time.h, term by term with each chapter's own rule for what it
 // hides (step_terms: 02's buckets, 03's stages, 04's f/g, 05's bubble, 06's ring, 07's all-to-all).
 // This file adds the cluster (GPUs per node, the nodes each group spans), the search over meshes,
 // the ranking and its explanations.
@@ -43,7 +43,7 @@ inline int group_nodes(const Plan& p, Axis a, int per_node) {
 
 // ----- a candidate --------------------------------------------------------------------------------------
 
-// A mesh's step terms (common/step_time.h), its memory, and what they give per GPU.
+// A mesh's step terms (common/training/step_time.h), its memory, and what they give per GPU.
 struct Candidate : StepTerms {
   Plan plan;
   int micro_batch = 1;

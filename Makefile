@@ -84,12 +84,14 @@ endif
 # calls included), which g++ compiles with the same macros in a fraction of nvcc's time (nvcc
 # passes every file through each architecture's device compiler).
 HOST_CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
-DEVICE_SRC := $(shell grep -l '__global__' common/*.cu 0[1-8]_*.cu bench/*.cu 2>/dev/null)
+DEVICE_SRC := $(shell grep -l '__global__' common/*/*.cu 0[1-8]_*.cu bench/*.cu 2>/dev/null)
 compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
 LD := $(CXX) -fopenmp
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
 
-COMMON_SRC := $(wildcard common/*.cu) $(if $(filter emu,$(CUDA)),$(wildcard common/emu/*.cu))
+# common/ in its layers (notes/00_architecture.md, "A reader's map"); the emulated device only in its build.
+LAYER_SRC := $(filter-out common/emu/%,$(wildcard common/*/*.cu))
+COMMON_SRC := $(LAYER_SRC) $(if $(filter emu,$(CUDA)),$(wildcard common/emu/*.cu))
 COMMON_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(COMMON_SRC))
 TECH_SRC := $(sort $(wildcard 0[1-8]_*.cu))
 TECH_BIN := $(patsubst %.cu,$(BUILD)/%,$(TECH_SRC))
@@ -102,7 +104,7 @@ BENCH_BIN := $(patsubst bench/%.cu,$(BUILD)/bench/%,$(BENCH_SRC))
 # AddressSanitizer and UBSan over CPU-only objects of their own.
 FUZZ_SRC := $(sort $(wildcard fuzz/fuzz_*.cpp))
 FUZZ_BIN := $(patsubst fuzz/%.cpp,$(BUILD)/fuzz/%,$(FUZZ_SRC))
-FUZZ_OBJ := $(patsubst %.cu,$(BUILD)/fuzz/%.o,$(wildcard common/*.cu))
+FUZZ_OBJ := $(patsubst %.cu,$(BUILD)/fuzz/%.o,$(LAYER_SRC))
 FUZZ_CXX := clang++ -std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize-recover=undefined \
             -fopenmp=libgomp -Wall -Wno-unknown-pragmas -Wno-psabi -Wno-unused-private-field -Icommon $(MPI_INC)
 FUZZ_SECONDS ?= 60

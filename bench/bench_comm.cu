@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "comm.h"
-#include "flight_recorder.h"
-#include "mesh.h"
+#include "comm/comm.h"
+#include "comm/flight_recorder.h"
+#include "comm/mesh.h"
 
 using namespace ts;
 

@@ -39,7 +39,7 @@
 #include <string>
 #include <vector>
 
-#include "model.h"
+#include "model/model.h"
 
 using namespace ts;
 

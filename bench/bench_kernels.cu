@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "core.h"
-#include "kernels.h"
-#include "rng.h"
+#include "tensor/core.h"
+#include "tensor/rng.h"
+#include "kernels/kernels.h"
 
 using namespace ts;
 

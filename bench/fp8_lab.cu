@@ -20,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "fp8.h"
-#include "rng.h"
+#include "tensor/rng.h"
+#include "kernels/fp8.h"
 
 using namespace ts;
 

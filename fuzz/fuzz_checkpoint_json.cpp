@@ -2,7 +2,7 @@
 // crash; an accepted trainer.json has a step whose token count fits 64 bits.
 #include <cstdlib>
 
-#include "checkpoint.h"
+#include "training/checkpoint.h"
 #include "fuzz_util.h"
 
 static fz::Counts counts{"fuzz_checkpoint_json"};

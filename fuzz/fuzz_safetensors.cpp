@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "fuzz_util.h"
-#include "safetensors.h"
+#include "formats/safetensors.h"
 
 static fz::Counts counts{"fuzz_safetensors"};
 

@@ -2,9 +2,9 @@
 // or a FormatError naming the file, never a crash.
 #include <cstdlib>
 
-#include "data.h"
+#include "formats/data.h"
 #include "fuzz_util.h"
-#include "json.h"
+#include "formats/json.h"
 
 static fz::Counts counts{"fuzz_shard"};
 

@@ -8,7 +8,7 @@
 #include <fstream>
 #include <string>
 
-#include "json.h"
+#include "formats/json.h"
 
 namespace fz {
 

@@ -17,7 +17,7 @@ if [ -n "${OPENBLAS_CORETYPE:-}" ] && [ -n "$best" ] && [ "$OPENBLAS_CORETYPE" !
   else echo "the environment forces OPENBLAS_CORETYPE=$OPENBLAS_CORETYPE; 01 takes $best on this CPU, which the bench uses"; fi
 fi
 [ -n "$best" ] && export OPENBLAS_CORETYPE=$best
-# Both sides' idle OpenMP threads wait the same way, 01's default (common/threads.h): a short spin,
+# Both sides' idle OpenMP threads wait the same way, 01's default (common/comm/threads.h): a short spin,
 # then sleep (PyTorch's bundled libgomp reads the same variables). Set either to compare others.
 if [ -z "${OMP_WAIT_POLICY:-}${GOMP_SPINCOUNT:-}" ]; then export OMP_WAIT_POLICY=passive GOMP_SPINCOUNT=10000; fi
 echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-auto} OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-unset} GOMP_SPINCOUNT=${GOMP_SPINCOUNT:-unset}"
@@ -66,7 +66,7 @@ else
   echo "PyTorch 2.x: not found in $venv; scripts/torch-venv.sh installs it there (CPU-only, about 2 GB;"
   echo "TORCH_VENV=DIR for another place). The rows below run without it."
 fi
-# The kernels 01's bf16 matmuls run (common/kernels_bf16.h: amx, avx512-bf16 or widen).
+# The kernels 01's bf16 matmuls run (common/kernels/kernels_bf16.h: amx, avx512-bf16 or widen).
 echo "01: $(OMP_NUM_THREADS=1 "$BUILD/01_single_gpu" --preset tiny --steps 1 --dtype bf16 --quiet --device cpu \
              </dev/null | sed -n 's/^threads: .*; \(sgemm core .*\)/\1/p')"
 declare -A ours theirs limit solo pair  # tokens/s by "threads,round" (fp32) and "threads bf16,round"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # make bench, its last part: predict, then measure. Every run of 02–08 prints the step time the
-# step-time model (common/step_time.h) predicts for it next to the one it measures; this script
+# step-time model (common/training/step_time.h) predicts for it next to the one it measures; this script
 # calibrates the model on this machine and collects both for 2-rank meshes of 02–08.
 #
 # Calibrate on what a rank does without communicating: a training step of 01 (its FLOPs per token ×

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cov=${1:?usage: scripts/emu_coverage.sh COVERAGE_FILE}
 [ -s "$cov" ] || { echo "emulated GPU coverage: $cov is empty: nothing ran on the emulated GPU"; exit 1; }
-src=$(ls common/*.cu 0[1-8]_*.cu)
+src=$(ls common/*/*.cu 0[1-8]_*.cu | grep -v '^common/emu/')
 # Kernels: every __global__ function's name (the qualifiers may run over two lines).
 defined=$(perl -0ne 'while (/__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s*)?(\w+)\s*\(/g) { print "$1\n" }' $src | sort -u)
 ran=$(sed -n 's/^kernel \([A-Za-z_:0-9]*\).*/\1/p' "$cov" | sed 's/.*:://' | sort -u)

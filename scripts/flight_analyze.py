@@ -4,7 +4,7 @@ wrong across the ranks. The first line is the verdict: the earliest collective t
 member joined (and which ranks are missing), the earliest message one side never posted, or the
 first call whose op, size or dtype differs between ranks; the details follow.
 
-Matching (see common/flight_recorder.h): the n-th collective on a communicator is one call on every
+Matching (see common/comm/flight_recorder.h): the n-th collective on a communicator is one call on every
 member; the n-th message from rank a to rank b with tag t on a communicator is one message at both
 ends. A communicator is known by its name, its world ranks and how many like it came before.
 

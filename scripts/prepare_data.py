@@ -8,7 +8,7 @@ Every byte is one token (vocabulary 256, what --preset tiny and small use), so n
 tokenizer and 01's --sample prints what the model writes. The files are read in order and joined;
 the last --val-fraction of the bytes becomes the validation shard, which training never reads.
 
-The format is what common/data.cu loads: a header of 256 little-endian int32 (magic 20240520,
+The format is what common/formats/data.cu loads: a header of 256 little-endian int32 (magic 20240520,
 version 1, the token count; int 3 = 1 marks the tokens as bytes, llm.c leaves it 0), then the
 tokens as little-endian uint16. Standard library only: runs under any python3.
 """
@@ -17,7 +17,7 @@ import os
 import struct
 import sys
 
-MAGIC, VERSION = 20240520, 1  # kShardMagic, kShardVersion in common/data.h
+MAGIC, VERSION = 20240520, 1  # kShardMagic, kShardVersion in common/formats/data.h
 HEADER_INTS = 256             # kShardHeaderInts
 KIND_INT, BYTES = 3, 1        # kShardKindInt, kShardBytes
 

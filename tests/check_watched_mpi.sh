@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every blocking MPI call of the programs goes through the watched wrappers of common/comm.cu
+# Every blocking MPI call of the programs goes through the watched wrappers of common/comm/comm.cu
 # (watched_allreduce, watched_blocking, the Comm collectives, ...), so a rank that stalls inside
 # one ends the job within --timeout instead of hanging it. This check fails on a raw blocking MPI
 # call anywhere else in the programs' sources: the technique files, common/ and bench/. (The
@@ -12,14 +12,14 @@ cd "$(dirname "$0")/.."
 # MPI_Initialized/MPI_Finalized queries are local.)
 blocking='MPI_(Allreduce|Reduce|Bcast|Barrier|Gatherv?|Allgatherv?|Scatterv?|Alltoall[vw]?|Reduce_scatter(_block)?|Scan|Exscan|Comm_split(_type)?|Comm_dup|Comm_create(_group)?|Intercomm_create|Send|Ssend|Bsend|Rsend|Recv|Sendrecv(_replace)?|Wait(all|any|some)?|Probe|Init(_thread)?|Finalize)[[:space:]]*\('
 # Allowed, each for its reason:
-#   common/comm.cu           the wrappers themselves
+#   common/comm/comm.cu           the wrappers themselves
 #   bench/bench_kernels.cu   one process with no peers: its MPI_Init/MPI_Finalize cannot wait for anyone
-allowed='^(common/comm\.cu|bench/bench_kernels\.cu):'
-files=$(ls 0[1-8]_*.cu common/*.cu common/*.h bench/*.cu)
+allowed='^(common/comm/comm\.cu|bench/bench_kernels\.cu):'
+files=$(ls 0[1-8]_*.cu common/*/*.cu common/*/*.h bench/*.cu | grep -v '^common/emu/')
 hits=$(grep -nE "$blocking" $files | grep -vE "$allowed")
 if [ -n "$hits" ]; then
-  echo "raw blocking MPI calls outside common/comm.cu (use its watched wrappers):"
+  echo "raw blocking MPI calls outside common/comm/comm.cu (use its watched wrappers):"
   echo "$hits"
   exit 1
 fi
-echo "no raw blocking MPI call outside common/comm.cu in $(echo "$files" | wc -l) files"
+echo "no raw blocking MPI call outside common/comm/comm.cu in $(echo "$files" | wc -l) files"

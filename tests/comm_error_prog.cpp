@@ -8,8 +8,8 @@
 #include <cstdlib>
 #include <string>
 
-#include "comm.h"
-#include "mesh.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
 
 using namespace ts;
 

@@ -3,7 +3,7 @@
 // driver and the GPU check ask it, so "GPU present" has one meaning everywhere.
 #include <cstdio>
 
-#include "core.h"
+#include "tensor/core.h"
 
 int main() {
   if (!ts::cuda_available()) {

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "../06_context_parallel.cu"  // cp::attention_merge, cp::swap_leading
-#include "core.h"
-#include "kernels.h"
-#include "rng.h"
+#include "tensor/core.h"
+#include "tensor/rng.h"
+#include "kernels/kernels.h"
 
 using namespace ts;
 using Vec = std::vector<float>;

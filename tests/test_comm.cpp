@@ -8,8 +8,8 @@
 #include <cmath>
 #include <functional>
 
-#include "comm.h"
-#include "mesh.h"
+#include "comm/comm.h"
+#include "comm/mesh.h"
 
 using namespace ts;
 

@@ -10,9 +10,9 @@
 #include <fstream>
 #include <numeric>
 
-#include "data.h"
+#include "formats/data.h"
 #include "test_util.h"
-#include "json.h"
+#include "formats/json.h"
 
 using namespace ts;
 using tst::TempDir;

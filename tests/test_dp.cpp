@@ -11,9 +11,9 @@
 #include <map>
 #include <set>
 
-#include "model.h"
+#include "model/model.h"
 #include "test_util.h"
-#include "train.h"
+#include "training/train.h"
 
 namespace {
 

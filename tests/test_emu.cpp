@@ -13,11 +13,11 @@
 #include <string>
 #include <vector>
 
-#include "core.h"
+#include "tensor/core.h"
 #include "emu.h"
 #include "emu_util.h"
-#include "rng.h"
-#include "tensor_core.h"
+#include "tensor/rng.h"
+#include "kernels/tensor_core.h"
 
 namespace {
 

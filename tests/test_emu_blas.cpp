@@ -20,7 +20,7 @@
 #include <string>
 #include <vector>
 
-#include "core.h"
+#include "tensor/core.h"
 #include "emu.h"
 
 namespace {

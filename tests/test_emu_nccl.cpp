@@ -25,7 +25,7 @@
 #include <string>
 #include <vector>
 
-#include "core.h"
+#include "tensor/core.h"
 #include "emu.h"
 #include "emu_util.h"
 

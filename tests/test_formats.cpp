@@ -10,10 +10,10 @@
 #include <fstream>
 #include <random>
 
-#include "core.h"
+#include "tensor/core.h"
 #include "test_util.h"
-#include "json.h"
-#include "safetensors.h"
+#include "formats/json.h"
+#include "formats/safetensors.h"
 
 using namespace ts;
 using tst::TempDir;

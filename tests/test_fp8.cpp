@@ -18,10 +18,10 @@
 #include <string>
 #include <vector>
 
-#include "core.h"
-#include "fp8.h"
-#include "kernels.h"
-#include "rng.h"
+#include "tensor/core.h"
+#include "tensor/rng.h"
+#include "kernels/fp8.h"
+#include "kernels/kernels.h"
 
 using namespace ts;
 using Vec = std::vector<float>;

@@ -17,11 +17,11 @@
 #include <vector>
 
 #include "../04_tensor_parallel.cu"  // tp::vocab_ce_*: the vocabulary-parallel cross-entropy
-#include "core.h"
-#include "kernels.h"
-#include "kernels_bf16.h"
-#include "kernels_ref.h"
-#include "rng.h"
+#include "tensor/core.h"
+#include "tensor/rng.h"
+#include "kernels/kernels.h"
+#include "kernels/kernels_bf16.h"
+#include "kernels/kernels_ref.h"
 
 using namespace ts;
 using Vec = std::vector<float>;

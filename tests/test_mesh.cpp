@@ -5,7 +5,7 @@
 
 #include <algorithm>
 
-#include "mesh.h"
+#include "comm/mesh.h"
 
 using namespace ts;
 

@@ -1,5 +1,5 @@
 // ranks: 1
-// The mixture-of-experts block (common/moe.h) against a naive double-precision model written here:
+// The mixture-of-experts block (common/model/moe.h) against a naive double-precision model written here:
 // router (softmax, top-k with ties to the lower index, renormalised weights), capacity per
 // sequence with the earliest tokens first, the experts, the combine and the auxiliary
 // load-balancing loss; forward outputs, and gradients against central differences of the
@@ -12,11 +12,11 @@
 #include <string>
 #include <vector>
 
-#include "core.h"
-#include "kernels.h"
-#include "model.h"
-#include "moe.h"
-#include "rng.h"
+#include "tensor/core.h"
+#include "tensor/rng.h"
+#include "kernels/kernels.h"
+#include "model/model.h"
+#include "model/moe.h"
 #include "test_util.h"
 
 using namespace ts;

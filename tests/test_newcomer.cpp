@@ -3,10 +3,10 @@
 // big for the machine, the checkpoint's config.json, and the numbers each line reports.
 #include <catch2/catch.hpp>
 
-#include "json.h"
-#include "model.h"
+#include "formats/json.h"
+#include "model/model.h"
 #include "test_util.h"
-#include "train.h"
+#include "training/train.h"
 
 namespace {
 

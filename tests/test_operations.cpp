@@ -15,7 +15,7 @@
 #include <map>
 #include <thread>
 
-#include "checkpoint.h"
+#include "training/checkpoint.h"
 #include "test_util.h"
 
 using namespace ts;

@@ -1,5 +1,5 @@
 // ranks: 1
-// The step-time model (common/step_time.h) and the planner (08_plan.h), piece by piece against
+// The step-time model (common/training/step_time.h) and the planner (08_plan.h), piece by piece against
 // hand calculations; its ranking's tie-breaks; and what `08_5d_mesh --plan` prints: the batch it
 // assumed, the memory it applies, the warnings, the axes an alternative differs in, the cost to train.
 #include <catch2/catch.hpp>

@@ -14,7 +14,7 @@
 #include <functional>
 #include <thread>
 
-#include "checkpoint.h"
+#include "training/checkpoint.h"
 #include "test_util.h"
 
 using namespace ts;

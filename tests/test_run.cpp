@@ -6,7 +6,7 @@
 
 #include <regex>
 
-#include "checkpoint.h"
+#include "training/checkpoint.h"
 #include "test_util.h"
 
 namespace {

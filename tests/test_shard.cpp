@@ -13,8 +13,8 @@
 #include <map>
 
 #include "../04_tensor_parallel.cu"  // tp::shard_spec, tp::split_of
-#include "checkpoint.h"
-#include "model.h"
+#include "model/model.h"
+#include "training/checkpoint.h"
 #include "test_util.h"
 
 using namespace ts;

@@ -9,11 +9,11 @@
 #include <cmath>
 #include <numeric>
 
-#include "checkpoint.h"
-#include "model.h"
-#include "safetensors.h"
+#include "formats/safetensors.h"
+#include "model/model.h"
+#include "training/checkpoint.h"
 #include "test_util.h"
-#include "train.h"
+#include "training/train.h"
 
 using namespace ts;
 
@@ -238,7 +238,7 @@ TEST_CASE("an interrupted save leaves the previous checkpoint loadable", "[01][e
   CHECK(l.size() == 2);
 }
 
-// TS_BF16_GEMM names the bf16 matmul path (common/kernels_bf16.h); a name it does not know is refused
+// TS_BF16_GEMM names the bf16 matmul path (common/kernels/kernels_bf16.h); a name it does not know is refused
 // before any step, on every rank. (A known path this CPU cannot run is refused the same way,
 // with its own message: which paths a machine lacks differs, so that case is not pinned here.)
 TEST_CASE("bad input: TS_BF16_GEMM must name a bf16 GEMM path", "[01][errors][bf16]") {

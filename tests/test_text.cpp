@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "data.h"
+#include "formats/data.h"
 #include "test_util.h"
 
 namespace {

@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "json.h"
-#include "rng.h"
-#include "safetensors.h"
+#include "tensor/rng.h"
+#include "formats/json.h"
+#include "formats/safetensors.h"
 
 namespace tst {
 

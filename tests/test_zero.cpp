@@ -8,7 +8,7 @@
 #include <cmath>
 #include <map>
 
-#include "model.h"
+#include "model/model.h"
 #include "test_util.h"
 
 namespace {

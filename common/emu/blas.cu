@@ -12,8 +12,8 @@
 // results are reproducible: they do not depend on the host compiler or on how many threads run.
 #include "cublasLt.h"
 #include "cublas_v2.h"
-#include "core.h"  // bf16 as the project rounds it
-#include "fp8.h"   // and its FP8 codes
+#include "tensor/core.h"  // bf16 as the project rounds it
+#include "kernels/fp8.h"   // and its FP8 codes
 #include "emu.h"
 
 #include <cmath>

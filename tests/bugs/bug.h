@@ -6,7 +6,7 @@
 
 #include <cstdio>
 
-#include "core.h"
+#include "tensor/core.h"
 
 namespace bug {
 

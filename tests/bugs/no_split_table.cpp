@@ -4,7 +4,7 @@
 // Model constructor that 04's main calls. The run must end on a fatal naming the missing table,
 // on every rank, before any step (tests/test_tp.cpp, "bad input").
 #include "bug.h"
-#include "model.h"
+#include "model/model.h"
 
 // The constructor's C1 symbol takes `this` first; ModelLayout is not trivially copyable, so both
 // declarations pass it by invisible reference, as the constructor does.

@@ -3,7 +3,7 @@
 // must show the sizes differing (tests/test_reliability.cpp, "flight recorder"). Wraps the
 // Comm::all_reduce_async that 02's bucketed gradient reduction calls.
 #include "bug.h"
-#include "comm.h"
+#include "comm/comm.h"
 
 ts::Work real_all_reduce_async(ts::Comm* self, const ts::Tensor& t, ts::ReduceOp op)
     __asm__("__real__ZN2ts4Comm16all_reduce_asyncERKNS_6TensorENS_8ReduceOpE");

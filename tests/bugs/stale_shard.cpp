@@ -2,8 +2,8 @@
 // every step's all-gather the other ranks keep reading its initial weights. Wraps AdamW::step,
 // which ZeRO's optimizer_step calls once per unit's chunk.
 #include "bug.h"
-#include "model.h"
-#include "train.h"
+#include "model/model.h"
+#include "training/train.h"
 
 using ts::Tensor;
 

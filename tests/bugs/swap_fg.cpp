@@ -6,7 +6,7 @@
 #include <memory>
 
 #include "bug.h"
-#include "model.h"
+#include "model/model.h"
 
 using ts::Tensor;
 

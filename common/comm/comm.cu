@@ -1,0 +1,941 @@
+// comm.cu — collectives over MPI (CPU tensors; CUDA tensors staged through host memory) and NCCL
+// (CUDA tensors when every rank owns a GPU), with byte accounting and the watchdog.
+#include "comm/comm.h"
+#include "comm/flight_recorder.h"
+#include "comm/threads.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <functional>
+
+namespace ts {
+
+// ----- set-up ----------------------------------------------------------------------------------
+
+// Read by the timer thread below as well as by the waiting thread.
+static std::atomic<double> g_timeout{300};
+void set_comm_timeout(double seconds) {
+  TS_CHECK(seconds > 0, "--timeout must be positive (got %g)", seconds);
+  g_timeout = seconds;
+}
+double comm_timeout() { return g_timeout; }
+
+// The watchdog's verdict, the same from a wait loop and from the timer thread.
+[[noreturn]] static void watchdog_abort(double waited, const std::string& what) {
+  const std::string at = current_step() >= 0 ? " at step " + std::to_string(current_step()) : "";
+  fatal("watchdog: rank %d waited %.1f s for %s%s; aborting every rank", world_rank(), waited, what.c_str(), at.c_str());
+}
+
+// ----- blocking calls under a timer thread -----------------------------------------------------
+// Every collective below is issued non-blocking and waited for in a loop that checks the
+// deadline. A few calls have no non-blocking form (MPI_Init, MPI_Comm_split, MPI_Finalize,
+// NCCL's rendezvous): while one runs, its label and start time sit here, and a timer thread that
+// wakes every 50 ms ends the job once it has run past the timeout. Plain C state, so the thread
+// may outlive main's static destructors.
+static pthread_mutex_t g_blocking_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_blocking_what[512];  // "" while no blocking call runs
+static double g_blocking_since = 0;
+
+static double steady_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+static void* blocking_timer(void*) {
+  for (;;) {
+    usleep(50 * 1000);
+    pthread_mutex_lock(&g_blocking_mu);
+    const std::string what = g_blocking_what;
+    const double waited = what.empty() ? 0 : steady_seconds() - g_blocking_since;
+    pthread_mutex_unlock(&g_blocking_mu);
+    if (waited > g_timeout) watchdog_abort(waited, what);
+  }
+  return nullptr;
+}
+
+static void set_blocking(const std::string& what) {
+  static pthread_once_t started = PTHREAD_ONCE_INIT;
+  pthread_once(&started, [] {
+    pthread_t t;
+    if (pthread_create(&t, nullptr, blocking_timer, nullptr) == 0) pthread_detach(t);
+  });
+  pthread_mutex_lock(&g_blocking_mu);
+  snprintf(g_blocking_what, sizeof g_blocking_what, "%s", what.c_str());
+  g_blocking_since = steady_seconds();
+  pthread_mutex_unlock(&g_blocking_mu);
+}
+
+// Runs `call` with the timer armed for `what`.
+static void under_timer(const std::string& what, const std::function<void()>& call) {
+  set_blocking(what);
+  call();
+  set_blocking("");
+}
+
+// fatal() on a job of several ranks: every live rank's flight record, then the abort. MPI may be
+// used only from the thread that initialised it (the timer thread's watchdog writes its own alone).
+static pthread_t g_main_thread;
+static void dump_on_fatal(const char* message) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  if (world > 1) flight::dump_everywhere(message, pthread_equal(pthread_self(), g_main_thread) != 0);
+}
+
+void comm_init(int* argc, char*** argv) {
+  int init = 0;
+  MPI_Initialized(&init);
+  if (init) return;
+  prepare_process_env(*argv);
+  // A rank that never arrives leaves the others in MPI_Init's rendezvous.
+  under_timer("MPI_Init (the job's start-up)", [&] {
+#ifdef TS_CUDA_EMU
+    // The emulated GPU's NCCL runs its operations with MPI on its streams' threads, beside this one.
+    int provided = 0;
+    MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided));
+    if (provided < MPI_THREAD_MULTIPLE) fatal("the emulated GPU needs an MPI with MPI_THREAD_MULTIPLE");
+#else
+    MPI_CHECK(MPI_Init(argc, argv));
+#endif
+    MPI_Comm channel;
+    MPI_CHECK(MPI_Comm_dup(MPI_COMM_WORLD, &channel));
+    flight::open_channel(channel);
+  });
+  g_main_thread = pthread_self();
+  set_fatal_hook(dump_on_fatal);
+  set_finalize_hook(comm_finalize);
+}
+
+// Every Comm not yet destroyed, in creation order. Tearing down an NCCL communicator waits for
+// its peers, so every rank releases them in the same order: the reverse of creation, which
+// make_mesh makes identical on every rank.
+static std::vector<Comm*> g_live;
+
+void comm_finalize() {
+  int init = 0, fin = 0;
+  MPI_Initialized(&init);
+  MPI_Finalized(&fin);
+  if (!init || fin) return;
+  // NCCL's teardown and MPI_Finalize both wait for the other ranks.
+  under_timer("MPI_Finalize (the job's end)", [] {
+    for (auto it = g_live.rbegin(); it != g_live.rend(); ++it) (*it)->release();
+    flight::shutdown();
+    MPI_Finalize();
+  });
+}
+
+// ----- bf16 on MPI: MPI has no bf16 type, so reductions are user-defined ops on 16-bit words ----
+
+void bf16_sum_into(bf16* inout, const bf16* in, int64_t n) {
+  for (int64_t i = 0; i < n; i++) inout[i] = float_to_bf16(bf16_to_float(inout[i]) + bf16_to_float(in[i]));
+}
+static void bf16_sum_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  bf16_sum_into(static_cast<bf16*>(inout), static_cast<const bf16*>(in), *len);
+}
+static void bf16_max_op(void* in, void* inout, int* len, MPI_Datatype*) {
+  bf16* io = static_cast<bf16*>(inout);
+  const bf16* x = static_cast<const bf16*>(in);
+  for (int i = 0; i < *len; i++)
+    if (bf16_to_float(x[i]) > bf16_to_float(io[i])) io[i] = x[i];
+}
+
+static MPI_Datatype mpi_type(DType t) {
+  switch (t) {
+    case DType::F32: return MPI_FLOAT;
+    case DType::BF16: return MPI_UINT16_T;
+    case DType::I32: return MPI_INT;
+    case DType::F8E4M3:
+    case DType::F8E5M2: return MPI_UINT8_T;  // codes travel as bytes (no reduction is defined on them)
+  }
+  return MPI_BYTE;
+}
+
+// Avg is a Sum on the wire, divided by N when the transfer completes.
+static MPI_Op mpi_op(DType t, ReduceOp op) {
+  if (t == DType::BF16) {
+    static MPI_Op sum = MPI_OP_NULL, max = MPI_OP_NULL;
+    if (sum == MPI_OP_NULL) {
+      MPI_CHECK(MPI_Op_create(bf16_sum_op, 1, &sum));
+      MPI_CHECK(MPI_Op_create(bf16_max_op, 1, &max));
+    }
+    return op == ReduceOp::Max ? max : sum;
+  }
+  return op == ReduceOp::Max ? MPI_MAX : MPI_SUM;
+}
+
+static int mpi_count(int64_t n) {
+  TS_CHECK(n >= 0 && n <= INT_MAX, "message of %lld elements exceeds MPI's int count", (long long)n);
+  return int(n);
+}
+
+static void divide_host(const Tensor& h, int n) {
+  float s = 1.f / float(n);
+  if (h.dtype == DType::F32) {
+    for (int64_t i = 0; i < h.numel(); i++) h.f32()[i] *= s;
+  } else {
+    for (int64_t i = 0; i < h.numel(); i++) h.b16()[i] = float_to_bf16(bf16_to_float(h.b16()[i]) * s);
+  }
+}
+
+#ifdef TS_CUDA
+static ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::F32: return ncclFloat32;
+    case DType::BF16: return ncclBfloat16;
+    case DType::I32: return ncclInt32;
+    case DType::F8E4M3:
+    case DType::F8E5M2: return ncclUint8;  // codes travel as bytes
+  }
+  return ncclFloat32;
+}
+static ncclRedOp_t nccl_op(ReduceOp op) {
+  return op == ReduceOp::Sum ? ncclSum : op == ReduceOp::Avg ? ncclAvg : ncclMax;
+}
+#endif
+
+// ----- in-flight transfers and the watchdog ----------------------------------------------------
+
+struct Work::Pending {
+  std::string what;                         // names the op for the watchdog
+  std::vector<Tensor> keep;                 // memory the transfer uses stays alive until it ends
+  std::vector<std::function<void()>> then;  // on completion: Avg's division, copies back to the GPU
+  std::vector<uint64_t> flight;             // its flight-recorder entries
+  virtual ~Pending() = default;
+  virtual bool test() = 0;  // progresses the transfer once; true when it has completed
+  virtual void abort() {}
+  // Completes the wait on the device instead of the host: true when later work on the compute
+  // stream is now ordered after the transfer (NCCL), so the host need not block.
+  virtual bool hand_to_stream() { return false; }
+};
+
+struct MpiPending : Work::Pending {
+  std::vector<MPI_Request> reqs;
+  std::vector<int> arrays;  // Alltoallv's counts and displacements: MPI reads them until completion
+  bool test() override {
+    int flag = 0;
+    MPI_CHECK(MPI_Testall(int(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE));
+    return flag != 0;
+  }
+};
+
+#ifdef TS_CUDA
+struct NcclPending : Work::Pending {
+  cudaEvent_t done = nullptr;  // recorded on the group's stream after the NCCL call
+  ncclComm_t comm = nullptr;
+  ~NcclPending() override {
+    if (done) cudaEventDestroy(done);
+  }
+  bool test() override {
+    cudaError_t e = cudaEventQuery(done);
+    if (e == cudaSuccess) return true;
+    if (e != cudaErrorNotReady) CUDA_CHECK(e);
+    ncclResult_t r = ncclSuccess;
+    NCCL_CHECK(ncclCommGetAsyncError(comm, &r));
+    if (r != ncclSuccess && r != ncclInProgress)
+      fatal("NCCL failed in %s: %s", what.c_str(), ncclGetErrorString(r));
+    return false;
+  }
+  // A timed-out NCCL kernel never returns on its own; aborting the communicator releases it.
+  void abort() override { ncclCommAbort(comm); }
+  bool hand_to_stream() override;
+};
+
+// The NCCL operations the compute stream has been told to wait for. The host blocks for the GPU
+// only in sync_compute_stream (core.h), and learns there of a stalled peer: the watch below
+// checks these operations' errors while it waits and, past the timeout, names the oldest one
+// still running and aborts its communicator. Once the stream is idle every one has completed.
+struct InFlight {
+  cudaEvent_t done;
+  ncclComm_t comm;
+  std::string what;
+  std::vector<uint64_t> flight;  // its flight-recorder entries, completed with the event
+};
+static std::vector<InFlight> g_in_flight;
+
+static void watch_in_flight(double waited) {
+  for (const InFlight& f : g_in_flight) {
+    ncclResult_t r = ncclSuccess;
+    NCCL_CHECK(ncclCommGetAsyncError(f.comm, &r));
+    if (r != ncclSuccess && r != ncclInProgress) fatal("NCCL failed in %s: %s", f.what.c_str(), ncclGetErrorString(r));
+  }
+  if (waited <= g_timeout) return;
+  std::string what = "work queued on the GPU";
+  for (const InFlight& f : g_in_flight)
+    if (cudaEventQuery(f.done) == cudaErrorNotReady) {
+      what = f.what;
+      break;
+    }
+  for (const InFlight& f : g_in_flight) ncclCommAbort(f.comm);
+  const std::string at = current_step() >= 0 ? " at step " + std::to_string(current_step()) : "";
+  fatal("watchdog: rank %d waited %.1f s for the GPU, still in %s%s; aborting every rank", world_rank(), waited,
+        what.c_str(), at.c_str());
+}
+
+static void forget_in_flight() {
+  for (const InFlight& f : g_in_flight) {
+    for (uint64_t id : f.flight) flight::completed(id);
+    cudaEventDestroy(f.done);
+  }
+  g_in_flight.clear();
+}
+
+// One communicator's operations, when it is released: each has ended once its event has.
+static void forget_in_flight(ncclComm_t comm) {
+  auto mine = [comm](const InFlight& f) { return f.comm == comm; };
+  for (const InFlight& f : g_in_flight)
+    if (mine(f)) {
+      cudaEventSynchronize(f.done);
+      for (uint64_t id : f.flight) flight::completed(id);
+      cudaEventDestroy(f.done);
+    }
+  g_in_flight.erase(std::remove_if(g_in_flight.begin(), g_in_flight.end(), mine), g_in_flight.end());
+}
+
+// The compute stream waits for the event; the buffers may go back to the allocator now, because
+// whatever reuses them is queued on the compute stream after this wait.
+bool NcclPending::hand_to_stream() {
+  CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), done, 0));
+  for (uint64_t id : flight) flight::started(id);  // on the GPU now; completed when the stream is idle
+  g_in_flight.push_back({done, comm, what, flight});
+  done = nullptr;
+  return true;
+}
+#endif
+
+static void complete(std::unique_ptr<Work::Pending>& p) {
+  std::unique_ptr<Work::Pending> q = std::move(p);
+  for (uint64_t id : q->flight) flight::completed(id);
+  for (auto& f : q->then) f();
+}
+
+Work::Work() = default;
+Work::Work(std::unique_ptr<Pending> p) : p_(std::move(p)) {}
+Work::Work(Work&& o) noexcept = default;
+Work& Work::operator=(Work&& o) noexcept {
+  if (this != &o) {
+    wait();
+    p_ = std::move(o.p_);
+  }
+  return *this;
+}
+Work::~Work() { wait(); }
+
+bool Work::done() {
+  if (!p_) return true;
+  if (!p_->test()) return false;
+  complete(p_);
+  return true;
+}
+
+void Work::wait() {
+  if (!p_) return;
+  if (p_->then.empty() && p_->hand_to_stream()) {
+    p_.reset();
+    return;
+  }
+  for (uint64_t id : p_->flight) flight::started(id);
+  auto t0 = std::chrono::steady_clock::now();
+  while (!p_->test()) {
+    flight::poll();  // another rank's request to dump, or SIGUSR1
+    double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (waited > g_timeout) {
+      p_->abort();
+      watchdog_abort(waited, p_->what);
+    }
+    // Yield while the wait is short: with more ranks than cores the peer needs this core to
+    // progress. Sleep once it is long, so a waiting rank stops competing for the CPU.
+    if (waited < 0.02)
+      sched_yield();
+    else
+      usleep(200);
+  }
+  complete(p_);
+}
+
+// ----- host operations under the watchdog ------------------------------------------------------
+
+static std::string group_name(MPI_Comm comm) {
+  if (comm == MPI_COMM_WORLD) return "world";
+  char name[MPI_MAX_OBJECT_NAME];
+  int n = 0;
+  MPI_CHECK(MPI_Comm_get_name(comm, name, &n));
+  return n > 0 ? std::string(name, size_t(n)) : "unnamed";
+}
+
+// Test hooks: TS_STOP_IN=TEXT stops the last rank (SIGSTOP, as a stalled node would) as it enters
+// the first watched operation whose label contains TEXT, so the tests can prove the others see
+// it; TS_KILL_IN=TEXT kills it there (SIGKILL, as a lost node would).
+static void maybe_stop(const std::string& what) {
+  static const char* stop = getenv("TS_STOP_IN");
+  static const char* kill = getenv("TS_KILL_IN");
+  if (!stop && !kill) return;  // every collective passes here: nothing to ask MPI in a normal run
+  int world = 1;
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
+  if (world_rank() != world - 1) return;
+  for (const char** text : {&stop, &kill})
+    if (*text && **text && what.find(*text) != std::string::npos) {
+      *text = nullptr;
+      const bool stopping = text == &stop;
+      fprintf(stderr, "%s: rank %d %s in %s\n", stopping ? "TS_STOP_IN" : "TS_KILL_IN", world - 1,
+              stopping ? "stops" : "is killed", what.c_str());
+      fflush(stderr);
+      raise(stopping ? SIGSTOP : SIGKILL);
+    }
+}
+
+// "<what> on group 'dp' (2 ranks)": the watchdog's name for an operation on `comm`.
+static std::string on_group(MPI_Comm comm, const std::string& what) {
+  int n = 1;
+  MPI_CHECK(MPI_Comm_size(comm, &n));
+  return what + " on group '" + group_name(comm) + "' (" + std::to_string(n) + " ranks)";
+}
+
+// `op`, `count` and `type` are what the flight recorder notes of the call.
+static void watched(MPI_Comm comm, const std::string& what, const char* op, int64_t count, MPI_Datatype type, int root,
+                    const std::function<void(MPI_Request*)>& start) {
+  auto p = std::make_unique<MpiPending>();
+  p->what = on_group(comm, what);
+  maybe_stop(p->what);
+  p->flight.push_back(flight::collective_raw(comm, op, count, type, root, p->what));
+  p->reqs.resize(1);
+  start(&p->reqs[0]);
+  Work(std::move(p)).wait();
+}
+
+void watched_allreduce(const void* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                       const std::string& what) {
+  watched(comm, what, "all_reduce", count, type, -1,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Iallreduce(in, out, count, type, op, comm, r)); });
+}
+
+void watched_bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what) {
+  watched(comm, what, "broadcast", count, type, root,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Ibcast(buf, count, type, root, comm, r)); });
+}
+
+void watched_barrier(MPI_Comm comm, const std::string& what) {
+  watched(comm, what, "barrier", 0, MPI_DATATYPE_NULL, -1, [&](MPI_Request* r) { MPI_CHECK(MPI_Ibarrier(comm, r)); });
+}
+
+void watched_allgather(const void* in, int count, MPI_Datatype type, void* out, MPI_Comm comm, const std::string& what) {
+  watched(comm, what, "all_gather", count, type, -1,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Iallgather(in, count, type, out, count, type, comm, r)); });
+}
+
+void watched_gather(const void* in, int count, MPI_Datatype type, void* out, int root, MPI_Comm comm,
+                    const std::string& what) {
+  watched(comm, what, "gather", count, type, root,
+          [&](MPI_Request* r) { MPI_CHECK(MPI_Igather(in, count, type, out, count, type, root, comm, r)); });
+}
+
+void watched_gatherv(const void* in, int count, MPI_Datatype type, void* out, const int* counts, const int* displs,
+                     int root, MPI_Comm comm, const std::string& what) {
+  watched(comm, what, "gatherv", count, type, root, [&](MPI_Request* r) {
+    MPI_CHECK(MPI_Igatherv(in, count, type, out, counts, displs, type, root, comm, r));
+  });
+}
+
+void watched_blocking(MPI_Comm comm, const std::string& what, const std::function<void()>& call) {
+  const std::string label = on_group(comm, what);
+  maybe_stop(label);
+  const uint64_t id = flight::collective_raw(comm, "blocking", 0, MPI_DATATYPE_NULL, -1, label);
+  flight::started(id);
+  under_timer(label, call);
+  flight::completed(id);
+}
+
+MPI_Comm watched_split(MPI_Comm parent, int color, int key, const std::string& what) {
+  MPI_Comm c = MPI_COMM_NULL;
+  watched_blocking(parent, "MPI_Comm_split (" + what + ")", [&] { MPI_CHECK(MPI_Comm_split(parent, color, key, &c)); });
+  return c;
+}
+
+MPI_Comm node_comm(const std::string& what) {
+  MPI_Comm node = MPI_COMM_NULL;
+  watched_blocking(MPI_COMM_WORLD, "MPI_Comm_split_type (" + what + ": the ranks on this node)", [&] {
+    MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node));
+  });
+  return node;
+}
+
+std::string first_error(const std::string& err, MPI_Comm comm, const std::string& what) {
+  int rank = 0, n = 1;
+  MPI_CHECK(MPI_Comm_rank(comm, &rank));
+  MPI_CHECK(MPI_Comm_size(comm, &n));
+  int mine = err.empty() ? n : rank, first = n;
+  watched_allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, comm, "all_reduce (" + what + ": any rank's error)");
+  if (first == n) return "";
+  std::string msg = err;
+  int len = int(msg.size());
+  watched_bcast(&len, 1, MPI_INT, first, comm, "broadcast (" + what + ": the error's length)");
+  msg.resize(size_t(len));
+  watched_bcast(&msg[0], len, MPI_CHAR, first, comm, "broadcast (" + what + ": the error)");
+  return "rank " + std::to_string(first) + ": " + msg;
+}
+
+// ----- staging: the host memory MPI works on ---------------------------------------------------
+
+// What MPI reads: the tensor itself on the CPU; a host copy of a CUDA tensor.
+static Tensor host_in(const Tensor& t, Work::Pending& p) {
+  if (t.device() == Device::CPU) return t;
+  Tensor h = Tensor::empty(t.shape, t.dtype, Device::CPU, Tag::Comm);
+  copy(h, t);
+  p.keep.push_back(h);
+  return h;
+}
+
+// What MPI writes: the tensor itself on the CPU (unless `separate`); otherwise a host buffer
+// copied into the tensor when the transfer completes (after any division queued before it).
+static Tensor host_out(const Tensor& t, Work::Pending& p, bool separate = false) {
+  if (t.device() == Device::CPU && !separate) return t;
+  Tensor h = Tensor::empty(t.shape, t.dtype, Device::CPU, Tag::Comm);
+  p.keep.push_back(h);
+  return h;
+}
+static void copy_back(const Tensor& t, const Tensor& h, Work::Pending& p) {
+  if (t.raw() != h.raw()) p.then.push_back([t, h] { copy(t, h); });
+}
+
+static bool overlap(const Tensor& a, const Tensor& b) {
+  if (a.buf != b.buf) return false;
+  const char* a0 = static_cast<const char*>(a.raw());
+  const char* b0 = static_cast<const char*>(b.raw());
+  return a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+static bool is_chunk(const Tensor& part, const Tensor& whole, int r) {
+  return part.buf == whole.buf && part.raw() == static_cast<char*>(whole.raw()) + size_t(r) * part.nbytes();
+}
+
+static void check_pair(const char* op, const Tensor& out, const Tensor& in) {
+  TS_CHECK(out.dtype == in.dtype && out.device() == in.device(), "%s: out %s and in %s differ in dtype or device",
+           op, out.str().c_str(), in.str().c_str());
+}
+
+static void check_reduce(const char* op, DType t, ReduceOp r) {
+  TS_CHECK(!(t == DType::I32 && r == ReduceOp::Avg), "%s: Avg of an i32 tensor is not defined", op);
+}
+
+// ----- Comm ------------------------------------------------------------------------------------
+
+Comm::Comm(std::string name, MPI_Comm comm, void* nccl) : name_(std::move(name)), comm_(comm), nccl_(nccl) {
+  MPI_CHECK(MPI_Comm_rank(comm_, &rank_));
+  MPI_CHECK(MPI_Comm_size(comm_, &size_));
+  // Errors come back to MPI_CHECK (file:line and MPI's message) instead of MPI's silent abort.
+  MPI_CHECK(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN));
+  // The watched host operations name the group from the communicator alone.
+  MPI_CHECK(MPI_Comm_set_name(comm_, name_.c_str()));
+  flight::register_group(comm_, name_);
+#ifdef TS_CUDA
+  if (nccl_) {
+    cudaStream_t s;
+    CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    stream_ = s;
+    set_stream_watch({watch_in_flight, [] { forget_in_flight(); }});
+  }
+#endif
+  g_live.push_back(this);
+}
+
+Comm::~Comm() {
+  release();
+  g_live.erase(std::find(g_live.begin(), g_live.end(), this));
+}
+
+void Comm::release() {
+#ifdef TS_CUDA
+  if (nccl_) forget_in_flight(static_cast<ncclComm_t>(nccl_));  // the watch must not ask a freed communicator
+  if (nccl_) ncclCommDestroy(static_cast<ncclComm_t>(nccl_));
+  if (stream_) cudaStreamDestroy(static_cast<cudaStream_t>(stream_));
+  nccl_ = stream_ = nullptr;
+#endif
+  int fin = 0;
+  MPI_Finalized(&fin);
+  if (comm_ != MPI_COMM_NULL) flight::forget_group(comm_);  // MPI may hand the handle out again
+  if (!fin && comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);  // leaves comm_ = MPI_COMM_NULL
+}
+
+const char* Comm::transport(Device dev) const {
+  if (dev == Device::CPU) return "mpi";
+  return nccl_ ? "nccl" : "mpi-staged";
+}
+
+void Comm::count(const char* op, double payload, double wire) {
+  OpStats& s = stats_[op];
+  s.calls++;
+  s.payload_bytes += payload;
+  s.wire_bytes += size_ > 1 ? wire : 0;  // a group of one moves nothing
+}
+
+std::string Comm::label(const char* op, int tag, long seq) const {
+  char b[256];
+  if (tag >= 0)
+    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, tag %d)", op, seq, name_.c_str(), size_, tag);
+  else
+    snprintf(b, sizeof b, "%s #%ld on group '%s' (%d ranks, collective: no tag)", op, seq, name_.c_str(), size_);
+  return b;
+}
+
+#ifdef TS_CUDA
+// NCCL runs on the group's own stream: it starts after the work queued on the compute stream so
+// far, and its completion event is what Work polls.
+#define NCCL_BEGIN()                                                            \
+  cudaStream_t s_ = static_cast<cudaStream_t>(stream_);                         \
+  ncclComm_t c_ = static_cast<ncclComm_t>(nccl_);                               \
+  {                                                                             \
+    cudaEvent_t ready;                                                          \
+    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));       \
+    CUDA_CHECK(cudaEventRecord(ready, compute_stream()));                       \
+    CUDA_CHECK(cudaStreamWaitEvent(s_, ready, 0));                              \
+    CUDA_CHECK(cudaEventDestroy(ready));                                        \
+  }
+static Work nccl_end(cudaStream_t s, ncclComm_t c, std::string what, std::vector<Tensor> keep,
+                     std::vector<uint64_t> ids) {
+  auto p = std::make_unique<NcclPending>();
+  p->flight = std::move(ids);
+  p->what = std::move(what);
+  p->keep = std::move(keep);
+  p->comm = c;
+  CUDA_CHECK(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(p->done, s));
+  return Work(std::move(p));
+}
+#define USE_NCCL(t) ((t).device() == Device::CUDA && nccl_)
+#define USE_NCCL_P2P(t) (USE_NCCL(t) && !p2p_by_tag_)
+#endif
+
+// ----- the collectives: each issued non-blocking; the blocking form waits on it ----------------
+
+Work Comm::all_reduce_async(const Tensor& t, ReduceOp op) { return all_reduce_async(t, t, op); }
+
+Work Comm::all_reduce_async(const Tensor& out, const Tensor& in, ReduceOp op) {
+  check_pair("all_reduce", out, in);
+  check_reduce("all_reduce", in.dtype, op);
+  TS_CHECK(out.numel() == in.numel(), "all_reduce: out %s, in %s", out.str().c_str(), in.str().c_str());
+  TS_CHECK(out.raw() == in.raw() || !overlap(out, in), "all_reduce: out and in partly overlap");
+  double K = double(in.nbytes()), N = size_;
+  count("all_reduce", K, 2 * (N - 1) / N * K);  // ring: reduce-scatter, then all-gather
+  if (size_ == 1) {
+    if (out.raw() != in.raw()) copy(out, in);
+    return Work();
+  }
+  const std::string what = label("all_reduce", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_reduce", in.numel(), in.dtype, -1, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclAllReduce(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
+    return nccl_end(s_, c_, what, {out, in}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
+  const void* send = hin.raw() == hout.raw() ? MPI_IN_PLACE : hin.raw();
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Iallreduce(send, hout.raw(), mpi_count(in.numel()), mpi_type(in.dtype), mpi_op(in.dtype, op),
+                           comm_, &p->reqs[0]));
+  if (op == ReduceOp::Avg) p->then.push_back([hout, n = size_] { divide_host(hout, n); });
+  copy_back(out, hout, *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp op) {
+  check_pair("reduce_scatter", out, in);
+  check_reduce("reduce_scatter", in.dtype, op);
+  TS_CHECK(in.numel() == size_ * out.numel(), "reduce_scatter: in %s must be %d x out %s", in.str().c_str(), size_,
+           out.str().c_str());
+  bool in_place = is_chunk(out, in, rank_);
+  TS_CHECK(in_place || !overlap(out, in), "reduce_scatter: out overlaps in other than as chunk %d", rank_);
+  double K = double(in.nbytes()), N = size_;
+  count("reduce_scatter", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
+  if (size_ == 1) {
+    if (!in_place) copy(out, in);
+    return Work();
+  }
+  const std::string what = label("reduce_scatter", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "reduce_scatter", in.numel(), in.dtype, -1, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclReduceScatter(in.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
+    return nccl_end(s_, c_, what, {out, in}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  // MPI's in-place reduce-scatter leaves the result at the start of the buffer, not at chunk r:
+  // an in-place call on the CPU receives into a separate buffer instead.
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p, in_place);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ireduce_scatter_block(hin.raw(), hout.raw(), mpi_count(out.numel()), mpi_type(in.dtype),
+                                      mpi_op(in.dtype, op), comm_, &p->reqs[0]));
+  if (op == ReduceOp::Avg) p->then.push_back([hout, n = size_] { divide_host(hout, n); });
+  copy_back(out, hout, *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::all_gather_async(const Tensor& out, const Tensor& in) {
+  check_pair("all_gather", out, in);
+  TS_CHECK(out.numel() == size_ * in.numel(), "all_gather: out %s must be %d x in %s", out.str().c_str(), size_,
+           in.str().c_str());
+  bool in_place = is_chunk(in, out, rank_);
+  TS_CHECK(in_place || !overlap(out, in), "all_gather: in overlaps out other than as chunk %d", rank_);
+  double K = double(out.nbytes()), N = size_;
+  count("all_gather", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
+  if (size_ == 1) {
+    if (!in_place) copy(out, in);
+    return Work();
+  }
+  const std::string what = label("all_gather", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_gather", out.numel(), out.dtype, -1, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclAllGather(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), c_, s_));
+    return nccl_end(s_, c_, what, {out, in}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
+  const void* send = is_chunk(hin, hout, rank_) ? MPI_IN_PLACE : hin.raw();
+  int n = mpi_count(in.numel());
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Iallgather(send, n, mpi_type(in.dtype), hout.raw(), n, mpi_type(in.dtype), comm_, &p->reqs[0]));
+  copy_back(out, hout, *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::broadcast_async(const Tensor& t, int root) {
+  TS_CHECK(root >= 0 && root < size_, "broadcast: root %d outside group '%s' of %d", root, name_.c_str(), size_);
+  // Pipelined ring from the root: every rank forwards K except the last one in the chain.
+  double K = double(t.nbytes());
+  bool last = (rank_ - root + size_) % size_ == size_ - 1;
+  count("broadcast", K, last ? 0 : K);
+  if (size_ == 1) return Work();
+  const std::string what = label("broadcast", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "broadcast", t.numel(), t.dtype, root, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL(t)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype), root, c_, s_));
+    return nccl_end(s_, c_, what, {t}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  Tensor h = rank_ == root ? host_in(t, *p) : host_out(t, *p);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ibcast(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), root, comm_, &p->reqs[0]));
+  if (rank_ != root) copy_back(t, h, *p);
+  p->keep.push_back(t);
+  return Work(std::move(p));
+}
+
+Work Comm::send_async(const Tensor& t, int peer, int tag) {
+  TS_CHECK(peer >= 0 && peer < size_, "send: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
+  count("send", double(t.nbytes()), peer == rank_ ? 0 : double(t.nbytes()));
+  const std::string what = label("send", tag, flight::next_message(comm_, rank_, peer, tag));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", peer, tag, t.numel(), t.dtype, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL_P2P(t)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclSend(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
+    return nccl_end(s_, c_, what, {t}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  Tensor h = host_in(t, *p);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Isend(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
+  p->keep.push_back(t);
+  return Work(std::move(p));
+}
+
+Work Comm::recv_async(const Tensor& t, int peer, int tag) {
+  TS_CHECK(peer >= 0 && peer < size_, "recv: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
+  count("recv", double(t.nbytes()), 0);  // the sender counts the wire bytes
+  const std::string what = label("recv", tag, flight::next_message(comm_, peer, rank_, tag));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::p2p(comm_, "recv", peer, tag, t.numel(), t.dtype, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL_P2P(t)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclRecv(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
+    return nccl_end(s_, c_, what, {t}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  Tensor h = host_out(t, *p);
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Irecv(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
+  copy_back(t, h, *p);
+  p->keep.push_back(t);
+  return Work(std::move(p));
+}
+
+Work Comm::send_recv_async(const Tensor& send, int dst, const Tensor& recv, int src, int tag) {
+  TS_CHECK(dst >= 0 && dst < size_ && src >= 0 && src < size_, "send_recv: dst %d / src %d outside group '%s' of %d",
+           dst, src, name_.c_str(), size_);
+  TS_CHECK(send.dtype == recv.dtype && send.device() == recv.device() && !overlap(send, recv),
+           "send_recv: send %s and recv %s must match in dtype and device and not overlap", send.str().c_str(),
+           recv.str().c_str());
+  count("send", double(send.nbytes()), dst == rank_ ? 0 : double(send.nbytes()));
+  count("recv", double(recv.nbytes()), 0);
+  if (size_ == 1) {
+    copy(recv, send);
+    return Work();
+  }
+  const std::string what = label("send_recv", tag, flight::next_message(comm_, rank_, dst, tag));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", dst, tag, send.numel(), send.dtype, what),
+                                       flight::p2p(comm_, "recv", src, tag, recv.numel(), recv.dtype, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL_P2P(send)) {
+    NCCL_BEGIN();
+    NCCL_CHECK(ncclGroupStart());
+    NCCL_CHECK(ncclSend(send.raw(), size_t(send.numel()), nccl_type(send.dtype), dst, c_, s_));
+    NCCL_CHECK(ncclRecv(recv.raw(), size_t(recv.numel()), nccl_type(recv.dtype), src, c_, s_));
+    NCCL_CHECK(ncclGroupEnd());
+    return nccl_end(s_, c_, what, {send, recv}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  Tensor hs = host_in(send, *p), hr = host_out(recv, *p);
+  p->reqs.resize(2);
+  MPI_CHECK(MPI_Irecv(hr.raw(), mpi_count(recv.numel()), mpi_type(recv.dtype), src, tag, comm_, &p->reqs[0]));
+  MPI_CHECK(MPI_Isend(hs.raw(), mpi_count(send.numel()), mpi_type(send.dtype), dst, tag, comm_, &p->reqs[1]));
+  copy_back(recv, hr, *p);
+  p->keep.insert(p->keep.end(), {send, recv});
+  return Work(std::move(p));
+}
+
+Work Comm::all_to_all_async(const Tensor& out, const Tensor& in) {
+  check_pair("all_to_all", out, in);
+  TS_CHECK(out.numel() == in.numel() && in.numel() % size_ == 0 && !overlap(out, in),
+           "all_to_all: out %s and in %s must be equal, separate and split into %d chunks", out.str().c_str(),
+           in.str().c_str(), size_);
+  std::vector<int64_t> counts(size_, in.numel() / size_);
+  return all_to_all_v_async(out, counts, in, counts);
+}
+
+Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& recv_counts, const Tensor& in,
+                              const std::vector<int64_t>& send_counts) {
+  check_pair("all_to_all", out, in);
+  TS_CHECK(int(recv_counts.size()) == size_ && int(send_counts.size()) == size_,
+           "all_to_all_v: need %d send and recv counts", size_);
+  TS_CHECK(!overlap(out, in), "all_to_all: out and in overlap");
+  std::vector<int64_t> sdispl(size_), rdispl(size_);
+  int64_t ssum = 0, rsum = 0;
+  for (int p = 0; p < size_; p++) {
+    TS_CHECK(send_counts[p] >= 0 && recv_counts[p] >= 0, "all_to_all_v: negative count for peer %d", p);
+    sdispl[p] = ssum, ssum += send_counts[p];
+    rdispl[p] = rsum, rsum += recv_counts[p];
+  }
+  TS_CHECK(ssum <= in.numel() && rsum <= out.numel(), "all_to_all_v: counts (send %lld, recv %lld) exceed in %s / out %s",
+           (long long)ssum, (long long)rsum, in.str().c_str(), out.str().c_str());
+  // Everything this rank holds leaves except its own chunk: (N-1)/N K for equal chunks.
+  double es = double(dtype_size(in.dtype));
+  count("all_to_all", ssum * es, (ssum - send_counts[rank_]) * es);
+  if (size_ == 1) {
+    if (ssum) copy(out.view(0, {ssum}), in.view(0, {ssum}));
+    return Work();
+  }
+  const std::string what = label("all_to_all", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_to_all", ssum, in.dtype, -1, what)};
+#ifdef TS_CUDA
+  if (USE_NCCL(in)) {
+    // NCCL has no all-to-all: one grouped send and receive per peer.
+    NCCL_BEGIN();
+    size_t e = dtype_size(in.dtype);
+    NCCL_CHECK(ncclGroupStart());
+    for (int p = 0; p < size_; p++) {
+      if (send_counts[p])
+        NCCL_CHECK(ncclSend(static_cast<char*>(in.raw()) + sdispl[p] * e, size_t(send_counts[p]), nccl_type(in.dtype),
+                            p, c_, s_));
+      if (recv_counts[p])
+        NCCL_CHECK(ncclRecv(static_cast<char*>(out.raw()) + rdispl[p] * e, size_t(recv_counts[p]),
+                            nccl_type(in.dtype), p, c_, s_));
+    }
+    NCCL_CHECK(ncclGroupEnd());
+    return nccl_end(s_, c_, what, {out, in}, ids);
+  }
+#endif
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
+  p->arrays.resize(4 * size_);
+  int* sc = p->arrays.data();
+  int *sd = sc + size_, *rc = sd + size_, *rd = rc + size_;
+  for (int q = 0; q < size_; q++) {
+    sc[q] = mpi_count(send_counts[q]), sd[q] = mpi_count(sdispl[q]);
+    rc[q] = mpi_count(recv_counts[q]), rd[q] = mpi_count(rdispl[q]);
+  }
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ialltoallv(hin.raw(), sc, sd, mpi_type(in.dtype), hout.raw(), rc, rd, mpi_type(in.dtype), comm_,
+                           &p->reqs[0]));
+  // Only what arrived goes back: out's tail past the received counts keeps what it held.
+  if (rsum) copy_back(out.view(0, {rsum}), hout.view(0, {rsum}), *p);
+  p->keep.insert(p->keep.end(), {out, in});
+  return Work(std::move(p));
+}
+
+Work Comm::barrier_async() {
+  count("barrier", 0, 0);
+  if (size_ == 1) return Work();
+  const std::string what = label("barrier", -1, flight::next_collective(comm_));
+  maybe_stop(what);
+  const std::vector<uint64_t> ids = {flight::collective_raw(comm_, "barrier", 0, MPI_DATATYPE_NULL, -1, what)};
+  auto p = std::make_unique<MpiPending>();
+  p->what = what;
+  p->flight = ids;
+  p->reqs.resize(1);
+  MPI_CHECK(MPI_Ibarrier(comm_, &p->reqs[0]));
+  return Work(std::move(p));
+}
+
+void Comm::all_reduce(const Tensor& t, ReduceOp op) { all_reduce_async(t, t, op).wait(); }
+void Comm::all_reduce(const Tensor& out, const Tensor& in, ReduceOp op) { all_reduce_async(out, in, op).wait(); }
+void Comm::reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op) {
+  reduce_scatter_async(out, in, op).wait();
+}
+void Comm::all_gather(const Tensor& out, const Tensor& in) { all_gather_async(out, in).wait(); }
+void Comm::broadcast(const Tensor& t, int root) { broadcast_async(t, root).wait(); }
+void Comm::send(const Tensor& t, int peer, int tag) { send_async(t, peer, tag).wait(); }
+void Comm::recv(const Tensor& t, int peer, int tag) { recv_async(t, peer, tag).wait(); }
+void Comm::send_recv(const Tensor& send, int dst, const Tensor& recv, int src, int tag) {
+  send_recv_async(send, dst, recv, src, tag).wait();
+}
+void Comm::all_to_all(const Tensor& out, const Tensor& in) { all_to_all_async(out, in).wait(); }
+void Comm::all_to_all_v(const Tensor& out, const std::vector<int64_t>& recv_counts, const Tensor& in,
+                        const std::vector<int64_t>& send_counts) {
+  all_to_all_v_async(out, recv_counts, in, send_counts).wait();
+}
+void Comm::barrier() { barrier_async().wait(); }
+
+}  // namespace ts

@@ -1,0 +1,201 @@
+// comm.h — process groups and their collectives (the playbook's "communication primitives").
+//
+// One Comm per process group. Every collective is issued non-blocking and completed by a wait
+// loop with a deadline (the watchdog), so a collective that never matches ends the job with a
+// message instead of hanging it. Transport per tensor device:
+//   CPU tensors                          MPI, directly on the tensor's memory
+//   CUDA tensors, every rank owns a GPU  NCCL on the group's communication stream
+//   CUDA tensors, ranks share a GPU      MPI, staged through a host buffer (Tag::Comm)
+// Every call is counted per op: calls, payload bytes and the bytes this rank puts on the wire
+// under the ring algorithms of the playbook (see notes/collectives.md for the formulas).
+#pragma once
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tensor/core.h"
+
+#ifdef TS_CUDA
+#include <nccl.h>
+#if defined(TS_CUDA_EMU) && !defined(TS_EMU_NCCL)
+#error "the emulated GPU's build found NVIDIA's nccl.h: common/emu/ must come first on the include path"
+#endif
+#endif
+
+#define MPI_CHECK(x)                                                 \
+  do {                                                               \
+    int e_ = (x);                                                    \
+    if (e_ != MPI_SUCCESS) {                                         \
+      char s_[MPI_MAX_ERROR_STRING];                                 \
+      int n_ = 0;                                                    \
+      MPI_Error_string(e_, s_, &n_);                                 \
+      fatal("MPI error %s: %s", #x, s_);                             \
+    }                                                                \
+  } while (0)
+
+#ifdef TS_CUDA
+#define NCCL_CHECK(x)                                                                \
+  do {                                                                               \
+    ncclResult_t r_ = (x);                                                           \
+    if (r_ != ncclSuccess) fatal("NCCL error %s: %s", #x, ncclGetErrorString(r_));   \
+  } while (0)
+#endif
+
+namespace ts {
+
+enum class ReduceOp { Sum, Avg, Max };  // Avg = Sum, then x (1/N)
+
+// Per group and op. payload_bytes: what the caller handed over (all_reduce K, reduce_scatter its
+// full input, all_gather its full output, send/recv the message). wire_bytes: what this rank
+// sends under the ring algorithm, e.g. all-reduce 2(N-1)/N K.
+struct OpStats {
+  long calls = 0;
+  double payload_bytes = 0;
+  double wire_bytes = 0;
+};
+
+// The wait handle of an async collective. Movable; wait() twice is fine; destroying a Work that
+// was never waited waits (so tensors are never freed under an in-flight transfer).
+class Work {
+ public:
+  struct Pending;  // transport-specific in-flight state (comm.cu)
+  Work();
+  explicit Work(std::unique_ptr<Pending> p);
+  Work(Work&& o) noexcept;
+  Work& operator=(Work&& o) noexcept;
+  ~Work();
+  // MPI: blocks under the watchdog's deadline. NCCL: makes the compute stream wait for the
+  // transfer and returns at once: whatever is queued next runs after it, and the host waits only
+  // when it reads a result (sync_compute_stream, watched by the same deadline).
+  void wait();
+  bool done();  // polls once; true (and finished) when complete
+
+ private:
+  std::unique_ptr<Pending> p_;
+};
+
+class Comm {
+ public:
+  // Takes ownership of `comm` (this group's ranks) and of `nccl` (its ncclComm_t, or null when
+  // CUDA tensors go through MPI); both are freed with the Comm.
+  Comm(std::string name, MPI_Comm comm, void* nccl = nullptr);
+  ~Comm();
+  Comm(const Comm&) = delete;
+  Comm& operator=(const Comm&) = delete;
+
+  const std::string& name() const { return name_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  MPI_Comm mpi() const { return comm_; }
+  // "mpi", "mpi-staged" or "nccl": the transport a tensor on `dev` travels by.
+  const char* transport(Device dev) const;
+  void* nccl() const { return nccl_; }  // the ncclComm_t, or null
+
+  void all_reduce(const Tensor& t, ReduceOp op = ReduceOp::Sum);  // in place
+  void all_reduce(const Tensor& out, const Tensor& in, ReduceOp op = ReduceOp::Sum);
+  // in.numel() == size()*out.numel(); rank r gets the reduction of chunk r. out may be chunk r
+  // of in (in place).
+  void reduce_scatter(const Tensor& out, const Tensor& in, ReduceOp op = ReduceOp::Sum);
+  // out.numel() == size()*in.numel(); chunk r of out comes from rank r. in may be chunk
+  // rank() of out (in place).
+  void all_gather(const Tensor& out, const Tensor& in);
+  void broadcast(const Tensor& t, int root);
+  // Tags match messages on MPI; NCCL has none and matches a pair's messages in issue order.
+  void send(const Tensor& t, int peer, int tag = 0);
+  // For a caller whose two ends post a link's messages in different orders, relying on tags and
+  // on a send completing before its receive is posted: its point-to-point messages then travel by
+  // MPI, staged through the host, even where NCCL carries the group (whose sends wait for their
+  // receive and whose matching ignores tags). Collectives keep NCCL.
+  void match_p2p_by_tag() { p2p_by_tag_ = true; }
+  void recv(const Tensor& t, int peer, int tag = 0);
+  // Both at once, so a ring of send_recv cannot deadlock.
+  void send_recv(const Tensor& send, int dst, const Tensor& recv, int src, int tag = 0);
+  // Chunk p of in goes to rank p; chunk p of out comes from rank p. Equal chunks.
+  void all_to_all(const Tensor& out, const Tensor& in);
+  // Element counts per peer, chunks contiguous in peer order (MoE token dispatch).
+  void all_to_all_v(const Tensor& out, const std::vector<int64_t>& recv_counts, const Tensor& in,
+                    const std::vector<int64_t>& send_counts);
+  void barrier();
+
+  Work all_reduce_async(const Tensor& t, ReduceOp op = ReduceOp::Sum);
+  Work all_reduce_async(const Tensor& out, const Tensor& in, ReduceOp op = ReduceOp::Sum);
+  Work reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp op = ReduceOp::Sum);
+  Work all_gather_async(const Tensor& out, const Tensor& in);
+  Work broadcast_async(const Tensor& t, int root);
+  Work send_async(const Tensor& t, int peer, int tag = 0);
+  Work recv_async(const Tensor& t, int peer, int tag = 0);
+  Work send_recv_async(const Tensor& send, int dst, const Tensor& recv, int src, int tag = 0);
+  Work all_to_all_async(const Tensor& out, const Tensor& in);
+  Work all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& recv_counts, const Tensor& in,
+                          const std::vector<int64_t>& send_counts);
+  Work barrier_async();
+
+  const std::map<std::string, OpStats>& stats() const { return stats_; }
+  void reset_stats() { stats_.clear(); }
+  void set_stats(std::map<std::string, OpStats> s) { stats_ = std::move(s); }  // uncount what ran since stats()
+
+ private:
+  void count(const char* op, double payload, double wire);
+  // "all_reduce #12 on group 'dp' ...": the watchdog's name for a call, numbered as the flight
+  // recorder numbers it (the n-th collective on the group; the n-th message of a pair and tag).
+  std::string label(const char* op, int tag, long seq) const;
+  // Frees the NCCL communicator, the stream and the MPI communicator now; the Comm is unusable
+  // afterwards. The destructor calls it, and so does comm_finalize() for every live Comm.
+  void release();
+  friend void comm_finalize();
+
+  std::string name_;
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+  std::map<std::string, OpStats> stats_;
+  void* nccl_ = nullptr;    // ncclComm_t when NCCL carries this group's CUDA tensors
+  void* stream_ = nullptr;  // cudaStream_t: the group's communication stream
+  bool p2p_by_tag_ = false;  // match_p2p_by_tag()
+};
+
+// MPI_Init unless already initialised, under the watchdog's timer from its first instant (at the
+// default --timeout: the flags are read after it).
+void comm_init(int* argc, char*** argv);
+// Releases every live Comm (newest first), then MPI_Finalize unless already finalised: NCCL's
+// teardown waits for its peers, so it must run while every rank is still alive, and a Mesh held
+// by main outlives this call.
+void comm_finalize();
+// The watchdog: a wait longer than this many seconds aborts every rank (--timeout).
+void set_comm_timeout(double seconds);
+double comm_timeout();
+
+// Blocking operations on host values outside the counted collectives (the step's loss and
+// gradient norm, a checkpoint's barriers and agreements) wait under the same watchdog: `what`
+// names the operation, and the watchdog's message adds the group (the Comm's name) and the step.
+void watched_allreduce(const void* in, void* out, int count, MPI_Datatype type, MPI_Op op, MPI_Comm comm,
+                       const std::string& what);
+void watched_bcast(void* buf, int count, MPI_Datatype type, int root, MPI_Comm comm, const std::string& what);
+void watched_barrier(MPI_Comm comm, const std::string& what);
+void watched_allgather(const void* in, int count, MPI_Datatype type, void* out, MPI_Comm comm, const std::string& what);
+void watched_gather(const void* in, int count, MPI_Datatype type, void* out, int root, MPI_Comm comm,
+                    const std::string& what);
+void watched_gatherv(const void* in, int count, MPI_Datatype type, void* out, const int* counts, const int* displs,
+                     int root, MPI_Comm comm, const std::string& what);
+// A blocking call MPI (or NCCL) has no non-blocking form of: a communicator split, the rendezvous
+// of NCCL's communicators, MPI_Init and MPI_Finalize. A timer thread watches it with the same
+// deadline and ends the job the same way, naming `what` on `comm`'s group.
+void watched_blocking(MPI_Comm comm, const std::string& what, const std::function<void()>& call);
+// MPI_Comm_split of `parent`, watched (the mesh's groups).
+MPI_Comm watched_split(MPI_Comm parent, int color, int key, const std::string& what);
+// The ranks of this job on this rank's node (MPI_Comm_split_type, watched); the caller frees it.
+MPI_Comm node_comm(const std::string& what);
+// Collective over `comm`: "rank r: <its err>" for the lowest rank whose `err` is not empty, on
+// every rank, or "" when every err is empty. An error one rank finds is then reported by every
+// rank alike (config_error), instead of that rank leaving while the others wait for it.
+std::string first_error(const std::string& err, MPI_Comm comm, const std::string& what);
+
+// The bf16 reduction MPI uses: each element summed in fp32 and rounded to nearest even, so the
+// result depends on the reduction order like NCCL's does. Exposed for tests.
+void bf16_sum_into(bf16* inout, const bf16* in, int64_t n);
+
+}  // namespace ts

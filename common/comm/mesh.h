@@ -1,0 +1,70 @@
+// mesh.h — the device mesh: world = dp × pp × cp × tp ranks, TP innermost.
+//
+//   rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank
+//
+// TP is innermost because it communicates every layer and wants the fastest links (neighbouring
+// ranks share a node); DP is outermost because it communicates once per step. Expert
+// parallelism carves its groups out of dp × cp: the dp·cp ranks that share (pp, tp) are numbered
+// j = dp_rank·cp + cp_rank and cut into consecutive blocks of ep; each block is one EP group
+// (experts sharded over it), ep_rank = j mod ep. The ranks of a dp×cp group with the same ep_rank
+// hold the same experts and reduce their gradients together (the ep_dp group).
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "comm/comm.h"
+
+namespace ts {
+
+struct MeshConfig {
+  int dp = 1, pp = 1, cp = 1, tp = 1, ep = 1;
+};
+
+// The groups of a rank. DP_CP is where dense gradients are reduced (CP ranks hold different
+// tokens of the same weights); EP_DP is where expert gradients are.
+enum class Axis { World, DP, PP, CP, TP, EP, DP_CP, EP_DP };
+constexpr int kNumAxes = 8;
+const char* axis_name(Axis a);  // "world", "dp", "pp", "cp", "tp", "ep", "dp_cp", "ep_dp"
+
+struct MeshCoords {
+  int dp = 0, pp = 0, cp = 0, tp = 0, ep = 0;
+};
+MeshCoords mesh_coords(const MeshConfig& c, int rank);
+int mesh_rank(const MeshConfig& c, int dp, int pp, int cp, int tp);
+// World ranks of `rank`'s group along `a`, in group-rank order.
+std::vector<int> mesh_group(const MeshConfig& c, int rank, Axis a);
+// Why `c` cannot run on `world` ranks, or "" when it can.
+std::string mesh_config_problem(const MeshConfig& c, int world);
+
+struct Mesh {
+  MeshConfig cfg;
+  int rank = 0, world = 1;
+  int dp_rank = 0, pp_rank = 0, cp_rank = 0, tp_rank = 0, ep_rank = 0;
+  // CUDA tensors use NCCL when no two ranks share a GPU (host and PCI bus id compared), else MPI
+  // staged through host memory; CPU tensors always use MPI. Each Comm reports its choice with
+  // transport().
+  Device device = Device::CPU;
+  std::shared_ptr<Comm> groups[kNumAxes];
+
+  Comm& group(Axis a) { return *groups[int(a)]; }
+  Comm& world_comm() { return group(Axis::World); }
+  Comm& dp() { return group(Axis::DP); }
+  Comm& pp() { return group(Axis::PP); }
+  Comm& cp() { return group(Axis::CP); }
+  Comm& tp() { return group(Axis::TP); }
+  Comm& ep() { return group(Axis::EP); }
+  Comm& dp_cp() { return group(Axis::DP_CP); }
+  Comm& ep_dp() { return group(Axis::EP_DP); }
+};
+
+// Validates first (every rank identically, before any collective: config_error, one message from
+// rank 0, every rank exits non-zero), then builds every group. Initialises MPI if needed; on
+// CUDA it also selects this rank's GPU (local rank modulo the GPUs visible). TS_NCCL=0 in the
+// environment forces the staged MPI path even when NCCL could run.
+Mesh make_mesh(const MeshConfig& cfg, Device dev);
+// Rank 0 prints the rank-to-group table: every rank's coordinates and the ranks of each of its
+// groups that has more than one, "rank 3: dp=0 pp=1 cp=0 tp=1 ep=0 | pp {1,3} tp {2,3}".
+void print_mesh(const Mesh& m);
+
+}  // namespace ts

@@ -1,0 +1,469 @@
+// moe.cu — the mixture-of-experts block: router, routing plan, gather/combine, experts, aux loss.
+#include "model/moe.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "comm/comm.h"
+#include "comm/trace.h"
+
+namespace ts {
+
+// ===== kernels: CPU reference ====================================================================
+
+static void moe_check(bool ok, const char* op, const char* what) { TS_CHECK(ok, "%s: %s", op, what); }
+
+template <class T> static void gather_cpu(T* out, const T* x, const int32_t* rows, const float* scale, int64_t M,
+                                          int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t a = 0; a < M; a++) {
+    const float s = scale ? scale[a] : 1.f;
+    const T* in = x + int64_t(rows[a]) * D;
+    for (int64_t d = 0; d < D; d++) out[a * D + d] = st<T>(s * ld(in[d]));
+  }
+}
+
+template <class T> static void combine_cpu(T* y, const T* x, const int32_t* src, const float* w, int64_t N, int K,
+                                           int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < N; t++)
+    for (int64_t d = 0; d < D; d++) {
+      float acc = 0.f;
+      for (int k = 0; k < K; k++) {
+        const int32_t r = src[t * K + k];
+        if (r >= 0) acc += (w ? w[t * K + k] : 1.f) * ld(x[int64_t(r) * D + d]);
+      }
+      y[t * D + d] = st<T>(acc);
+    }
+}
+
+template <class T> static void combine_bw_cpu(float* dw, const T* dy, const T* x, const int32_t* src, int64_t N, int K,
+                                              int64_t D) {
+#pragma omp parallel for schedule(static)
+  for (int64_t a = 0; a < N * K; a++) {
+    double acc = 0;
+    if (src[a] >= 0)
+      for (int64_t d = 0; d < D; d++) acc += double(ld(dy[(a / K) * D + d])) * ld(x[int64_t(src[a]) * D + d]);
+    dw[a] = float(acc);
+  }
+}
+
+// One row of the router, shared by both backends' loops (plain arithmetic, double).
+TS_HD void router_row(float* p, int32_t* idx, float* w, const float* z, int E, int K) {
+  double mx = z[0], sum = 0;
+  for (int j = 1; j < E; j++) mx = z[j] > mx ? z[j] : mx;
+  for (int j = 0; j < E; j++) sum += exp(double(z[j]) - mx);
+  for (int j = 0; j < E; j++) p[j] = float(exp(double(z[j]) - mx) / sum);
+  double s = 0;
+  for (int k = 0; k < K; k++) {  // selection: strictly larger wins, so ties go to the lower index
+    int best = -1;
+    for (int j = 0; j < E; j++) {
+      bool taken = false;
+      for (int q = 0; q < k; q++) taken |= idx[q] == j;
+      if (!taken && (best < 0 || p[j] > p[best])) best = j;
+    }
+    idx[k] = best;
+    s += p[best];
+  }
+  for (int k = 0; k < K; k++) w[k] = float(p[idx[k]] / s);
+}
+
+// dp_j = daux_j + Σ_k [i_k = j] (dw_k − Σ dw·w)/s; dz_j = p_j (dp_j − Σ_i p_i dp_i), no scratch.
+TS_HD void router_row_backward(float* dz, const float* dw, const float* p, const int32_t* idx,
+                                      const float* daux, int E, int K) {
+  double s = 0, gw = 0;
+  for (int k = 0; k < K; k++) s += p[idx[k]];
+  for (int k = 0; k < K; k++) gw += double(dw[k]) * (p[idx[k]] / s);
+  double pd = 0;
+  for (int j = 0; j < E; j++) pd += double(p[j]) * (daux ? daux[j] : 0.0);
+  for (int k = 0; k < K; k++) pd += double(p[idx[k]]) * (dw[k] - gw) / s;
+  for (int j = 0; j < E; j++) {
+    double dp = daux ? daux[j] : 0.0;
+    for (int k = 0; k < K; k++)
+      if (idx[k] == j) dp += (dw[k] - gw) / s;
+    dz[j] = float(p[j] * (dp - pd));
+  }
+}
+
+#ifdef TS_CUDA
+namespace cuda {
+constexpr int kMoeBlock = 256;
+static unsigned moe_grid(int64_t n) { return unsigned(std::max<int64_t>(1, std::min<int64_t>(16384, (n + 255) / 256))); }
+
+__global__ void router_forward_kernel(float* p, int32_t* idx, float* w, const float* z, int64_t N, int E, int K) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x)
+    router_row(p + n * E, idx + n * K, w + n * K, z + n * E, E, K);
+}
+__global__ void router_backward_kernel(float* dz, const float* dw, const float* p, const int32_t* idx,
+                                       const float* daux, int64_t N, int E, int K, int64_t S) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x)
+    router_row_backward(dz + n * E, dw + n * K, p + n * E, idx + n * K, daux ? daux + (n / S) * E : nullptr, E, K);
+}
+template <class T> __global__ void gather_kernel(T* out, const T* x, const int32_t* rows, const float* scale, int64_t M,
+                                                 int64_t D) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < M * D; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t a = i / D, d = i % D;
+    out[i] = st<T>((scale ? scale[a] : 1.f) * ld(x[int64_t(rows[a]) * D + d]));
+  }
+}
+template <class T> __global__ void combine_kernel(T* y, const T* x, const int32_t* src, const float* w, int64_t N,
+                                                  int K, int64_t D) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < N * D; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / D, d = i % D;
+    float acc = 0.f;
+    for (int k = 0; k < K; k++) {
+      const int32_t r = src[t * K + k];
+      if (r >= 0) acc += (w ? w[t * K + k] : 1.f) * ld(x[int64_t(r) * D + d]);
+    }
+    y[i] = st<T>(acc);
+  }
+}
+template <class T> __global__ void combine_bw_kernel(float* dw, const T* dy, const T* x, const int32_t* src, int64_t N,
+                                                     int K, int64_t D) {
+  for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < N * K; a += int64_t(gridDim.x) * blockDim.x) {
+    double acc = 0;
+    if (src[a] >= 0)
+      for (int64_t d = 0; d < D; d++) acc += double(ld(dy[(a / K) * D + d])) * ld(x[int64_t(src[a]) * D + d]);
+    dw[a] = float(acc);
+  }
+}
+template <class F> static void moe_dtype(DType dt, F&& f) {
+  if (dt == DType::F32) f(float{});
+  else f(bf16{});
+}
+}  // namespace cuda
+#define MOE_LAUNCH(kernel, n, ...)                                                                       \
+  do {                                                                                                    \
+    TS_LAUNCH(cuda::moe_grid(n), cuda::kMoeBlock, 0, compute_stream(), cuda::kernel)(__VA_ARGS__);               \
+    KERNEL_CHECK();                                                                                       \
+  } while (0)
+#endif
+
+static bool on_cuda(const Tensor& t) { return t.device() == Device::CUDA; }
+template <class T> static const T* opt_ptr(const Tensor& t) { return t.defined() ? t.data<T>() : nullptr; }
+
+// ===== public ops ================================================================================
+
+void moe_router_forward(const Tensor& probs, const Tensor& idx, const Tensor& w, const Tensor& logits) {
+  const char* op = "moe_router_forward";
+  const int64_t N = logits.size(0);
+  const int E = int(logits.size(1)), K = int(idx.size(1));
+  moe_check(logits.dtype == DType::F32 && probs.dtype == DType::F32 && w.dtype == DType::F32 &&
+                idx.dtype == DType::I32, op, "logits, probs, w fp32 and idx int32");
+  moe_check(probs.shape == logits.shape && idx.size(0) == N && w.shape == idx.shape && K <= E, op, "shapes");
+  if (on_cuda(logits)) {
+#ifdef TS_CUDA
+    MOE_LAUNCH(router_forward_kernel, N, probs.f32(), idx.i32(), w.f32(), logits.f32(), N, E, K);
+#endif
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++)
+    router_row(probs.f32() + n * E, idx.i32() + n * K, w.f32() + n * K, logits.f32() + n * E, E, K);
+}
+
+void moe_router_backward(const Tensor& dlogits, const Tensor& dw, const Tensor& probs, const Tensor& idx,
+                         const Tensor& daux, int64_t S) {
+  const char* op = "moe_router_backward";
+  const int64_t N = probs.size(0);
+  const int E = int(probs.size(1)), K = int(idx.size(1));
+  moe_check(dlogits.shape == probs.shape && dw.shape == idx.shape && N % S == 0, op, "shapes");
+  moe_check(!daux.defined() || daux.numel() == N / S * E, op, "daux must be [B, E]");
+  if (on_cuda(probs)) {
+#ifdef TS_CUDA
+    MOE_LAUNCH(router_backward_kernel, N, dlogits.f32(), dw.f32(), probs.f32(), idx.i32(), opt_ptr<float>(daux), N, E,
+               K, S);
+#endif
+    return;
+  }
+  const float* da = opt_ptr<float>(daux);
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++)
+    router_row_backward(dlogits.f32() + n * E, dw.f32() + n * K, probs.f32() + n * E, idx.i32() + n * K,
+                        da ? da + (n / S) * E : nullptr, E, K);
+}
+
+void moe_gather(const Tensor& out, const Tensor& x, const Tensor& rows, const Tensor& scale) {
+  const int64_t M = out.size(0), D = out.size(1);
+  moe_check(out.dtype == x.dtype && x.size(1) == D && rows.numel() == M && rows.dtype == DType::I32, "moe_gather",
+            "out [M, D], x [N, D] of one dtype, rows int32 [M]");
+  moe_check(!scale.defined() || scale.numel() == M, "moe_gather", "scale must be [M]");
+  if (on_cuda(out)) {
+#ifdef TS_CUDA
+    cuda::moe_dtype(x.dtype, [&](auto t) {
+      using T = decltype(t);
+      MOE_LAUNCH(gather_kernel<T>, M * D, out.data<T>(), x.data<T>(), rows.i32(), opt_ptr<float>(scale), M, D);
+    });
+#endif
+    return;
+  }
+  if (x.dtype == DType::F32) gather_cpu(out.f32(), x.f32(), rows.i32(), opt_ptr<float>(scale), M, D);
+  else gather_cpu(out.b16(), x.b16(), rows.i32(), opt_ptr<float>(scale), M, D);
+}
+
+void moe_combine(const Tensor& y, const Tensor& x, const Tensor& src, const Tensor& w) {
+  const int64_t N = y.size(0), D = y.size(1);
+  const int K = int(src.size(1));
+  moe_check(y.dtype == x.dtype && x.size(1) == D && src.size(0) == N && src.dtype == DType::I32, "moe_combine",
+            "y [N, D], x [M, D] of one dtype, src int32 [N, K]");
+  moe_check(!w.defined() || w.shape == src.shape, "moe_combine", "w must be [N, K]");
+  if (on_cuda(y)) {
+#ifdef TS_CUDA
+    cuda::moe_dtype(x.dtype, [&](auto t) {
+      using T = decltype(t);
+      MOE_LAUNCH(combine_kernel<T>, N * D, y.data<T>(), x.data<T>(), src.i32(), opt_ptr<float>(w), N, K, D);
+    });
+#endif
+    return;
+  }
+  if (x.dtype == DType::F32) combine_cpu(y.f32(), x.f32(), src.i32(), opt_ptr<float>(w), N, K, D);
+  else combine_cpu(y.b16(), x.b16(), src.i32(), opt_ptr<float>(w), N, K, D);
+}
+
+void moe_combine_backward_weights(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& src) {
+  const int64_t N = dy.size(0), D = dy.size(1);
+  const int K = int(src.size(1));
+  moe_check(dw.shape == src.shape && dw.dtype == DType::F32 && x.dtype == dy.dtype && x.size(1) == D,
+            "moe_combine_backward_weights", "dw fp32 [N, K], dy [N, D], x [M, D]");
+  if (on_cuda(dy)) {
+#ifdef TS_CUDA
+    cuda::moe_dtype(x.dtype, [&](auto t) {
+      using T = decltype(t);
+      MOE_LAUNCH(combine_bw_kernel<T>, N * K, dw.f32(), dy.data<T>(), x.data<T>(), src.i32(), N, K, D);
+    });
+#endif
+    return;
+  }
+  if (x.dtype == DType::F32) combine_bw_cpu(dw.f32(), dy.f32(), x.f32(), src.i32(), N, K, D);
+  else combine_bw_cpu(dw.f32(), dy.b16(), x.b16(), src.i32(), N, K, D);
+}
+
+// ===== routing plan ==============================================================================
+
+int64_t expert_capacity(const ModelConfig& c, int S) {
+  if (c.capacity_factor <= 0) return -1;
+  return int64_t(std::floor(double(c.capacity_factor) * S * c.top_k / c.experts));
+}
+
+// Sequence by sequence, token by token, slot by slot: an expert that already holds `cap` rows of
+// this sequence drops the assignment (GShard's capacity, Switch's "earliest tokens first").
+RoutingPlan make_routing_plan(const std::vector<int32_t>& idx, const std::vector<float>& w, int B, int S, int E,
+                              int K, int64_t cap) {
+  RoutingPlan p;
+  const int64_t N = int64_t(B) * S;
+  p.src.assign(size_t(N * K), -1);
+  p.kept.assign(size_t(E), 0);
+  p.seq_counts.assign(size_t(B) * E, 0);
+  std::vector<std::vector<int64_t>> lists(static_cast<size_t>(E));
+  for (int b = 0; b < B; b++) {
+    std::vector<int64_t> taken(size_t(E), 0);
+    for (int64_t a = int64_t(b) * S * K; a < int64_t(b + 1) * S * K; a++) {
+      const int e = idx[size_t(a)];
+      p.seq_counts[size_t(b) * E + e]++;
+      if (cap >= 0 && taken[size_t(e)] >= cap) {
+        p.dropped++;
+        continue;
+      }
+      taken[size_t(e)]++;
+      lists[size_t(e)].push_back(a);
+    }
+  }
+  for (int e = 0; e < E; e++) {
+    for (int64_t a : lists[size_t(e)]) {
+      p.src[size_t(a)] = int32_t(p.perm.size());
+      p.perm.push_back(int32_t(a / K));
+      p.wa.push_back(w[size_t(a)]);
+    }
+    p.kept[size_t(e)] = int64_t(lists[size_t(e)].size());
+  }
+  return p;
+}
+
+// ===== the block =================================================================================
+
+bool is_expert_param(const ParamEntry& e) { return e.name.find(".block_sparse_moe.experts.") != std::string::npos; }
+std::string moe_gate_name(int l) { return "model.layers." + std::to_string(l) + ".block_sparse_moe.gate.weight"; }
+std::string moe_expert_name(int l, int j, const char* w) {
+  return "model.layers." + std::to_string(l) + ".block_sparse_moe.experts." + std::to_string(j) + "." + w + ".weight";
+}
+
+MoeBlock::MoeBlock(const Model& m) {
+  for (int l = 0; l < m.cfg.layers; l++) {
+    gate_.push_back(m.entry(moe_gate_name(l)));
+    std::vector<Expert> ex;
+    for (int j = 0; j < m.cfg.experts; j++)
+      ex.push_back({m.entry(moe_expert_name(l, j, "w1")), m.entry(moe_expert_name(l, j, "w3")),
+                    m.entry(moe_expert_name(l, j, "w2"))});
+    exp_.push_back(ex);
+  }
+  stats.reset(m.cfg.layers, m.cfg.experts);
+}
+
+static Tensor device_f32(const std::vector<float>& v, Device dev, Tag tag) {
+  Tensor t = Tensor::empty({int64_t(v.size())}, DType::F32, dev, tag);
+  from_host_f32(t, v.data());
+  return t;
+}
+static std::vector<int32_t> host_i32(const Tensor& t) {
+  if (t.device() == Device::CPU) return std::vector<int32_t>(t.i32(), t.i32() + t.numel());
+  Tensor h = Tensor::empty(t.shape, DType::I32, Device::CPU, Tag::Workspace);
+  copy(h, t);
+  return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
+}
+
+// aux_b = E · Σ_e f_e · P_e per sequence (Switch eq. 4), f from the choices, P the mean probability.
+static std::vector<float> aux_per_sequence(const std::vector<float>& probs, const RoutingPlan& p, int B, int S, int E,
+                                           int K) {
+  std::vector<float> aux(static_cast<size_t>(B));
+  for (int b = 0; b < B; b++) {
+    double a = 0;
+    for (int e = 0; e < E; e++) {
+      double P = 0;
+      for (int t = b * S; t < (b + 1) * S; t++) P += probs[size_t(t) * E + e];
+      a += double(p.seq_counts[size_t(b) * E + e]) / (double(S) * K) * (P / S);
+    }
+    aux[size_t(b)] = float(E * a);
+  }
+  return aux;
+}
+
+void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) {
+  const ModelConfig& c = m.cfg;
+  const int64_t N = h.size(0), D = c.dim;
+  const int S = c.seq, E = c.experts, K = c.top_k, B = int(N / S);
+  TS_CHECK(N % S == 0, "moe: %lld tokens are not whole sequences of %d", (long long)N, S);
+  Tensor logits = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Workspace);
+  linear_forward(logits, h, m.weight(gate_[size_t(l)]));
+  a.mlp_state.assign(kNumSlots, Tensor());
+  Tensor probs = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Activations);
+  Tensor idx = Tensor::empty({N, K}, DType::I32, m.dev, Tag::Activations);
+  Tensor w = Tensor::empty({N, K}, DType::F32, m.dev, Tag::Workspace);
+  moe_router_forward(probs, idx, w, logits);
+  const std::vector<float> hp = to_host_f32(probs);
+  const RoutingPlan p = make_routing_plan(host_i32(idx), to_host_f32(w), B, S, E, K, expert_capacity(c, S));
+  const std::vector<float> aux = aux_per_sequence(hp, p, B, S, E, K);
+  a.aux_loss = 0;
+  for (float v : aux) a.aux_loss += double(c.aux_loss_coef) * v;
+  std::vector<int32_t> counts(p.seq_counts.begin(), p.seq_counts.end());
+  counts.insert(counts.end(), p.kept.begin(), p.kept.end());
+  counts.push_back(int32_t(p.dropped));
+  const int64_t M = int64_t(p.perm.size());
+  std::vector<Tensor>& s = a.mlp_state;
+  s[kProbs] = probs;
+  s[kIdx] = idx;
+  s[kSrc] = from_host_i32(p.src, m.dev, Tag::Activations).reshape({N, K});
+  s[kPerm] = from_host_i32(p.perm, m.dev, Tag::Activations);
+  s[kWa] = device_f32(p.wa, m.dev, Tag::Activations);
+  s[kHostCounts] = from_host_i32(counts, Device::CPU, Tag::Workspace);
+  s[kHostAux] = device_f32(aux, Device::CPU, Tag::Workspace);
+  Tensor x = Tensor::empty({M, D}, m.dtype, m.dev, keeps_input_ ? Tag::Activations : Tag::Workspace);
+  moe_gather(x, h, s[kPerm], Tensor());
+  s[kOut] = experts_forward(m, l, x, p.kept, a);
+  moe_combine(y, s[kOut], s[kSrc], w);
+}
+
+Tensor MoeBlock::experts_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) {
+  a.mlp_state[kIn] = x;
+  Tensor out = Tensor::empty(x.shape, m.dtype, m.dev, Tag::Activations);
+  run_experts(m, l, 0, counts, x, out, a);
+  return out;
+}
+
+void MoeBlock::experts_backward(Model& m, int l, const Tensor& dx, const Tensor& dout,
+                                const std::vector<int64_t>& counts, LayerActs& a) {
+  run_experts_backward(m, l, 0, counts, a.mlp_state[kIn], dout, dx, a);
+}
+
+// Each expert is a SwiGLU MLP over its own consecutive rows: down(silu(w1 x) * w3 x).
+void MoeBlock::run_experts(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
+                           const Tensor& out, LayerActs& a) {
+  const int64_t R = x.size(0), F = m.cfg.ffn;
+  auto act = [&] { return Tensor::empty({R, F}, m.dtype, m.dev, Tag::Activations); };
+  a.g = act();
+  a.u = act();
+  a.act = act();
+  if (R == 0) return;
+  int64_t off = 0;
+  for (size_t i = 0; i < counts.size(); off += counts[i], i++) {
+    if (counts[i] == 0) continue;
+    const Expert& ex = exp_[size_t(l)][size_t(e0) + i];
+    linear_forward(a.g.rows(off, counts[i]), x.rows(off, counts[i]), m.weight(ex.w1));
+    linear_forward(a.u.rows(off, counts[i]), x.rows(off, counts[i]), m.weight(ex.w3));
+  }
+  swiglu_forward(a.act, a.g, a.u);
+  off = 0;
+  for (size_t i = 0; i < counts.size(); off += counts[i], i++)
+    if (counts[i] > 0)
+      linear_forward(out.rows(off, counts[i]), a.act.rows(off, counts[i]), m.weight(exp_[size_t(l)][size_t(e0) + i].w2));
+}
+
+void MoeBlock::run_experts_backward(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
+                                    const Tensor& dout, const Tensor& dx, LayerActs& a) {
+  const int64_t R = x.size(0), F = m.cfg.ffn;
+  if (R == 0) return;
+  if (!a.act.defined()) {  // selective recompute: the product is rebuilt, no matmul needed
+    a.act = Tensor::empty({R, F}, m.dtype, m.dev, Tag::Activations);
+    swiglu_forward(a.act, a.g, a.u);
+  }
+  auto work = [&] { return Tensor::empty({R, F}, m.dtype, m.dev, Tag::Workspace); };
+  Tensor dact = work(), dg = work(), du = work();
+  int64_t off = 0;
+  for (size_t i = 0; i < counts.size(); off += counts[i], i++) {
+    if (counts[i] == 0) continue;
+    const Expert& ex = exp_[size_t(l)][size_t(e0) + i];
+    m.linear_backward(dact.rows(off, counts[i]), m.grad(ex.w2), dout.rows(off, counts[i]), a.act.rows(off, counts[i]),
+                      m.weight(ex.w2));
+  }
+  swiglu_backward(dg, du, dact, a.g, a.u);
+  off = 0;
+  for (size_t i = 0; i < counts.size(); off += counts[i], i++) {
+    if (counts[i] == 0) continue;
+    const Expert& ex = exp_[size_t(l)][size_t(e0) + i];
+    const Tensor xs = x.rows(off, counts[i]), dxs = dx.rows(off, counts[i]);
+    m.linear_backward(dxs, m.grad(ex.w1), dg.rows(off, counts[i]), xs, m.weight(ex.w1));
+    m.linear_backward(dxs, m.grad(ex.w3), du.rows(off, counts[i]), xs, m.weight(ex.w3), /*accumulate_dx=*/true);
+  }
+}
+
+// Backward of y = Σ_k w_k · expert(h): the experts' rows get w · dy, the weights get dy · out,
+// h gets the experts' input gradients summed back per token plus the router's.
+void MoeBlock::backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) {
+  const ModelConfig& c = m.cfg;
+  const int64_t N = h.size(0), D = c.dim;
+  const int S = c.seq, E = c.experts, K = c.top_k, B = int(N / S);
+  std::vector<Tensor>& s = a.mlp_state;
+  const Tensor& out = s[kOut];
+  const int32_t* hc = s[kHostCounts].i32();
+  const std::vector<int64_t> kept(hc + size_t(B) * E, hc + size_t(B) * E + E);
+  auto work = [&](int64_t rows) { return Tensor::empty({rows, D}, m.dtype, m.dev, Tag::Workspace); };
+  Tensor dout = work(out.size(0)), dx = work(out.size(0));
+  moe_gather(dout, dy, s[kPerm], s[kWa]);
+  Tensor dw = Tensor::empty({N, K}, DType::F32, m.dev, Tag::Workspace);
+  moe_combine_backward_weights(dw, dy, out, s[kSrc]);
+  experts_backward(m, l, dx, dout, kept, a);
+  moe_combine(dh, dx, s[kSrc], Tensor());
+  // The aux term of the loss is α · aux_b / B_global = α · aux_b · loss_scale · T per sequence;
+  // d aux_b / d p_{t,e} = E · f_e / T (f, a count, carries no gradient): daux = α·loss_scale·E·f_e.
+  std::vector<float> daux(size_t(B) * E);
+  for (size_t i = 0; i < daux.size(); i++)
+    daux[i] = float(double(c.aux_loss_coef) * m.loss_scale * E * hc[i] / (double(S) * K));
+  Tensor dlogits = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Workspace);
+  moe_router_backward(dlogits, dw, s[kProbs], s[kIdx], device_f32(daux, m.dev, Tag::Workspace), S);
+  Tensor dl = dlogits;
+  if (m.dtype != DType::F32) {
+    dl = Tensor::empty({N, E}, m.dtype, m.dev, Tag::Workspace);
+    convert(dl, dlogits);
+  }
+  m.linear_backward(dh, m.grad(gate_[size_t(l)]), dl, h, m.weight(gate_[size_t(l)]), /*accumulate_dx=*/true);
+  // Statistics here, not in forward: a full-recompute layer runs its forward twice, backward once.
+  for (int b = 0; b < B; b++)
+    for (int e = 0; e < E; e++) stats.counts[size_t(l) * E + e] += hc[size_t(b) * E + e];
+  stats.assignments += N * K;
+  stats.dropped += hc[size_t(B) * E + E];
+  for (int64_t b = 0; b < B; b++) stats.aux_sum += s[kHostAux].f32()[b];
+  if (l == 0) stats.sequences += B;
+}
+
+}  // namespace ts

@@ -1,0 +1,116 @@
+// moe.h — the mixture-of-experts MLP block (Mixtral's sparse MoE), its kernels, and its
+// routing statistics.
+//
+//   h -> router (fp32 logits, softmax over E experts, top-k, the k weights renormalised)
+//     -> each token's rows gathered per expert (expert 0's tokens first, each in token order)
+//     -> E SwiGLU experts, each over its own rows -> y[t] = Σ_k w[t,k] · expert_{i(t,k)}(h[t])
+//
+// The block is an MlpBlock (model.h): --experts 0 keeps the dense SwiGLU MLP and every result
+// of a dense model bit for bit. Capacity (--capacity-factor c > 0): each expert takes at most
+// floor(c·T·K/E) tokens of each sequence, the earliest first (the sequence is the capacity group,
+// so what is dropped does not depend on how the batch is split); a dropped assignment adds
+// nothing and the token keeps its residual. The auxiliary load-balancing loss (Switch
+// Transformer, eq. 4; Mixtral) per sequence b and layer: aux = E · Σ_e f_e · P_e, f_e the
+// fraction of the sequence's T·K routing choices that picked e (before capacity), P_e the mean
+// router probability of e over its T tokens; the training loss adds α · mean_b Σ_layers aux.
+// Expert parallelism (07) replaces experts_forward/experts_backward: the routing, the gather and
+// the combine stay here.
+#pragma once
+#include <string>
+#include <vector>
+
+#include "model/model.h"
+
+namespace ts {
+
+// ----- kernels (CPU reference here, CUDA twin in the same file; no float atomics) ---------------
+// logits [N, E] fp32 -> probs [N, E] fp32 = softmax (in double); idx [N, K] int32 = the k
+// largest probabilities, descending, ties to the lower expert index; w [N, K] fp32 = those
+// probabilities divided by their sum.
+void moe_router_forward(const Tensor& probs, const Tensor& idx, const Tensor& w, const Tensor& logits);
+// dlogits [N, E] fp32 (overwritten) from dw [N, K] fp32 (d loss / d renormalised weights) and
+// daux [B, E] fp32 (d loss / d probs of every token of sequence b: the aux loss's gradient;
+// undefined: none), S tokens per sequence. With s = Σ_k p_{i_k} and w_k = p_{i_k}/s:
+//   dp_j = [j = i_k] (dw_k − Σ_k' dw_k' w_k') / s + daux[b, j];  dz_j = p_j (dp_j − Σ_i p_i dp_i).
+void moe_router_backward(const Tensor& dlogits, const Tensor& dw, const Tensor& probs, const Tensor& idx,
+                         const Tensor& daux, int64_t S);
+// out [M, D] (T): out[a] = scale[a] · x[rows[a]] (scale undefined: 1); rows int32 [M].
+void moe_gather(const Tensor& out, const Tensor& x, const Tensor& rows, const Tensor& scale);
+// y [N, D] (T, overwritten): y[t] = Σ_k w[t,k] · x[src[t,k]] in slot order, skipping src = −1
+// (w undefined: 1). The scatter-add of expert rows back to tokens, written as a gather: each
+// output row is owned by one thread, so no atomics.
+void moe_combine(const Tensor& y, const Tensor& x, const Tensor& src, const Tensor& w);
+// dw [N, K] fp32 (overwritten): dw[t,k] = dy[t] · x[src[t,k]] (0 where src = −1), in double.
+void moe_combine_backward_weights(const Tensor& dw, const Tensor& dy, const Tensor& x, const Tensor& src);
+
+// ----- the routing plan (host side: small, and the counts are what all-to-all needs first) ------
+// From the top-k choices of B sequences of S tokens: the expert-grouped order of the kept
+// assignments (perm: their tokens, wa: their weights), src[t,k] (the row of assignment (t,k) in
+// that order, −1 if dropped), the kept rows per expert, the choices per sequence and expert (for
+// the aux loss), and the number dropped. cap = rows per expert and sequence (< 0: no limit).
+struct RoutingPlan {
+  std::vector<int32_t> perm, src;
+  std::vector<float> wa;
+  std::vector<int64_t> kept;        // [E]
+  std::vector<int64_t> seq_counts;  // [B, E] choices before capacity
+  int64_t dropped = 0;
+};
+RoutingPlan make_routing_plan(const std::vector<int32_t>& idx, const std::vector<float>& w, int B, int S, int E,
+                              int K, int64_t cap);
+// floor(c·S·K/E) rows per expert and sequence; −1 (no limit) when c is 0.
+int64_t expert_capacity(const ModelConfig& c, int S);
+
+// ----- routing statistics of a step -------------------------------------------------------------
+struct MoeStats {
+  std::vector<int64_t> counts;  // [L, E] routing choices (before capacity) summed over the step's tokens
+  int64_t assignments = 0, dropped = 0;
+  double aux_sum = 0;           // Σ over sequences and layers of aux (unweighted)
+  int64_t sequences = 0;        // sequences seen (each counted once per step)
+  void reset(int L, int E) { *this = MoeStats(); counts.assign(size_t(L) * E, 0); }
+};
+
+bool is_expert_param(const ParamEntry& e);  // "...block_sparse_moe.experts.{j}..."
+// HF Mixtral names of layer l: the router and expert j's w1 (gate), w3 (up), w2 (down).
+std::string moe_gate_name(int l);
+std::string moe_expert_name(int l, int j, const char* w);
+
+class MoeBlock : public MlpBlock {
+ public:
+  explicit MoeBlock(const Model& m);
+  void forward(Model& m, int layer, const Tensor& y, const Tensor& h, LayerActs& a) override;
+  void backward(Model& m, int layer, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) override;
+  void drop_recomputable(LayerActs& a) override { a.act = Tensor(); }
+  bool split_over_tp() const override { return false; }  // router and experts whole on every tp rank
+
+  // The experts over the expert-grouped rows x [M, D] (counts[e] rows of global expert e, in
+  // order): returns their outputs [M, D] (Tag::Activations). Local here; 07 dispatches.
+  virtual Tensor experts_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a);
+  // dx [M, D] (overwritten) from dout [M, D]; expert weight gradients accumulate.
+  virtual void experts_backward(Model& m, int l, const Tensor& dx, const Tensor& dout,
+                                const std::vector<int64_t>& counts, LayerActs& a);
+
+  // Runs n consecutive experts e0.. over rows x (counts[i] rows of expert e0 + i): saves g, u,
+  // act in `a`, writes out [rows, D]. The piece 01 and 07 share.
+  void run_experts(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x, const Tensor& out,
+                   LayerActs& a);
+  void run_experts_backward(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
+                            const Tensor& dout, const Tensor& dx, LayerActs& a);
+
+  MoeStats stats;  // accumulated by backward (which runs once per micro-batch, recompute or not)
+  // LayerActs::mlp_state: device tensors saved for backward (router probabilities and choices,
+  // the plan, the experts' outputs and inputs), then two host tensors of bookkeeping (choices per
+  // sequence and expert, rows per expert, dropped; aux per sequence). 07 appends its own.
+  enum Slot { kProbs, kIdx, kSrc, kPerm, kWa, kOut, kIn, kHostCounts, kHostAux, kNumSlots };
+
+ protected:
+  bool keeps_input_ = true;  // the local experts keep their grouped input rows (07 keeps what it received)
+  struct Expert {
+    int w1, w3, w2;  // gate, up, down
+  };
+  std::vector<int> gate_;                  // [L] router entries
+  std::vector<std::vector<Expert>> exp_;   // [L][E]
+};
+
+// The step's routing statistics summed over `token_groups` (the ranks holding different tokens)
+// and reset for the next step: the per-step log's extra fields and its line.
+}  // namespace ts

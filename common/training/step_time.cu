@@ -1,0 +1,323 @@
+// step_time.cu — the hardware tables, the calibration and the pieces of step_time.h.
+#include "training/step_time.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+namespace ts {
+
+// Latency: the order of NCCL-tests' small-message times on such clusters (not calibrated here).
+const Network& h100_network() {
+  static const Network n{{1, 2, 4, 8, 16, 32, 64},
+                         {436.0, 361.7, 160.1, 99.6, 84.7, 64.9, 32.9},
+                         {249.8, 184.6, 119.0, 69.0, 55.0, 28.0, 11.0},
+                         {249.7, 181.6, 115.8, 68.6, 54.5, 27.9, 11.1},
+                         50,  // 8 × 400 Gb/s NICs per node of 8 GPUs
+                         20e-6,
+                         40e-6};
+  return n;
+}
+
+// The A100's network: the H100 table scaled by NVLink 3 / NVLink 4 (600 / 900 GB/s) inside a node
+// and by 200 / 400 Gb/s NICs across nodes (an assumption: no measurement of our own).
+Network scaled(const Network& n, double intra, double inter) {
+  Network s = n;
+  for (auto* v : {&s.all_reduce, &s.all_gather, &s.reduce_scatter})
+    for (size_t i = 0; i < v->size(); i++) (*v)[i] *= i == 0 ? intra : inter;
+  s.p2p_inter_gbs *= inter;
+  return s;
+}
+
+const Gpu* find_gpu(const std::string& name) {
+  static const std::vector<Gpu> kGpus = {
+      {"h100", 80, 989, 3350, kH100Achievable, h100_network()},
+      {"h200", 141, 989, 4800, kH100Achievable, h100_network()},
+      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)}};
+  for (const Gpu& g : kGpus)
+    if (name == g.name) return &g;
+  return nullptr;
+}
+
+// The rate one rank reaches on a whole training step of 01 (F × tokens/s, so the non-matmul work
+// is in it and the achievable fraction is 1), and the bus bandwidths and small-message latency of
+// bench_comm at 2 ranks. One "node": every rank on this machine.
+//   {"gflops": 21.3, "memory_gib": 7.7, "all_reduce_gbs": 0.9, "all_gather_gbs": 0.6,
+//    "reduce_scatter_gbs": 0.5, "latency_s": 2e-05}
+static Json read_json_file(const char* flag, const std::string& path, const char* hint) {
+  std::ifstream f(path);
+  if (!f) config_error("%s: cannot read %s%s", flag, path.c_str(), hint);
+  const std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  try {
+    return Json::parse(text);
+  } catch (const FormatError& e) {
+    config_error("%s %s: %s", flag, path.c_str(), e.what());
+  }
+}
+static double positive(const Json& j, const std::string& key) {
+  const double v = j.as_double();
+  if (!(v > 0)) throw FormatError(key + " must be > 0");
+  return v;
+}
+static double positive_at(const Json& j, const char* key) { return positive(j.at(key), key); }
+
+// The bus bandwidths and latencies of a calibration or --network file (the same keys).
+static Network parse_network(const Json& j, const std::string& source) {
+  Network n;
+  if (j.contains("nodes"))
+    for (const Json& v : j.at("nodes").as_array()) n.nodes.push_back(positive(v, "nodes"));
+  else
+    n.nodes = {1};
+  if (n.nodes[0] != 1) throw FormatError("nodes must start at 1");
+  for (size_t i = 1; i < n.nodes.size(); i++)
+    if (n.nodes[i] <= n.nodes[i - 1]) throw FormatError("nodes must increase");
+  for (auto [key, v] : {std::pair{"all_reduce_gbs", &n.all_reduce}, {"all_gather_gbs", &n.all_gather},
+                        {"reduce_scatter_gbs", &n.reduce_scatter}}) {
+    const Json& x = j.at(key);
+    if (x.is_array())
+      for (const Json& e : x.as_array()) v->push_back(positive(e, key));
+    else
+      v->push_back(positive(x, key));
+    if (v->size() != n.nodes.size())
+      throw FormatError(std::string(key) + " has " + std::to_string(v->size()) + " values for " +
+                        std::to_string(n.nodes.size()) + " node counts");
+  }
+  n.latency_intra_s = positive_at(j, "latency_s");
+  n.latency_inter_s = j.contains("latency_inter_s") ? positive_at(j, "latency_inter_s") : n.latency_intra_s;
+  n.p2p_inter_gbs = j.contains("p2p_inter_gbs") ? positive_at(j, "p2p_inter_gbs") : n.all_gather.back();
+  n.source = source;
+  return n;
+}
+
+Gpu local_gpu(const std::string& path) {
+  const Json j = read_json_file("--calibration", path, " (make bench writes it; or pass --calibration FILE)");
+  try {
+    // Memory bandwidth is not measured: the roofline is left out (the step rate already holds it).
+    return {"local", positive_at(j, "memory_gib"), positive_at(j, "gflops") / 1e3, 1e9, 1.0,
+            parse_network(j, "measured here by make bench")};
+  } catch (const FormatError& e) {
+    config_error("--calibration %s: %s", path.c_str(), e.what());
+  }
+}
+
+Network read_network(const std::string& path) {
+  const Json j = read_json_file("--network", path, "");
+  try {
+    return parse_network(j, path);
+  } catch (const FormatError& e) {
+    config_error("--network %s: %s", path.c_str(), e.what());
+  }
+}
+
+std::string beyond_table(const Network& n, int nodes) {
+  const double last = n.nodes.back();
+  if (nodes <= last) return "";
+  char b[600];
+  snprintf(b, sizeof b,
+           "assumed beyond the measured %g nodes (%s), for groups spanning up to %d: the last values held, all-reduce "
+           "%.1f, all-gather %.1f, reduce-scatter %.1f GB/s (a ring's bus bandwidth does not depend on its ranks in the "
+           "α–β model; how a larger fabric falls short of that is not known here); a cluster's own: --network FILE",
+           last, n.source.c_str(), nodes, n.all_reduce.back(), n.all_gather.back(), n.reduce_scatter.back());
+  return b;
+}
+
+std::string default_calibration_path() {
+  std::error_code e;
+  const std::filesystem::path exe = std::filesystem::read_symlink("/proc/self/exe", e);
+  return ((e ? std::filesystem::path("build") : exe.parent_path()) / "calibration.json").string();
+}
+
+static constexpr const char* kCalibrationHelp =
+    "this machine as make bench measured it (the file it writes; default: calibration.json beside the binary): "
+    "the rates the run's predicted step time uses";
+
+Calibration read_calibration(Args& a) {
+  Calibration c;
+  // The default is recorded as "" (trainer.json keeps every flag): a run repeated from its
+  // checkpoint on another machine, or from another build folder, looks beside its own binary.
+  const std::string previous = a.group("operations");
+  const std::string named = a.get_str("--calibration", "", kCalibrationHelp);
+  a.group(previous);
+  const bool given = !named.empty();
+  c.path = given ? named : default_calibration_path();
+  if (given || std::filesystem::exists(c.path)) {
+    c.gpu = local_gpu(c.path);
+    c.found = true;
+  }
+  return c;
+}
+
+// The table, linear in log2(nodes) between its points; past its last point the last value holds
+// (an assumption, printed by beyond_table: in the α–β model a ring's bus bandwidth does not depend
+// on the number of ranks, so the fall the table shows is its own fabric at its own sizes; carried
+// on ∝ 1/nodes it would put a 2048-node all-reduce at 1 GB/s, a fiftieth of one NIC).
+double bus_bandwidth(const Network& n, Collective op, int nodes) {
+  if (op == Collective::P2P) return nodes > 1 ? n.p2p_inter_gbs : n.all_gather[0];
+  const std::vector<double>& bw = op == Collective::AllReduce ? n.all_reduce
+                                  : op == Collective::AllGather ? n.all_gather
+                                                                : n.reduce_scatter;
+  const size_t last = n.nodes.size() - 1;
+  if (nodes >= n.nodes[last]) return bw[last];
+  size_t i = 0;
+  while (i + 1 < last && n.nodes[i + 1] <= nodes) i++;
+  const double f = (std::log2(double(nodes)) - std::log2(n.nodes[i])) / (std::log2(n.nodes[i + 1]) - std::log2(n.nodes[i]));
+  return bw[i] + std::max(0.0, f) * (bw[i + 1] - bw[i]);
+}
+
+// A latency per call plus bytes over bandwidth (Hockney 1994, as NCCL-tests' "time ≈ overhead +
+// size / bw").
+double collective_seconds(const Network& n, Collective op, double wire_bytes, double calls, int nodes) {
+  if (wire_bytes <= 0) return 0;
+  return calls * (nodes > 1 ? n.latency_inter_s : n.latency_intra_s) + wire_bytes / (bus_bandwidth(n, op, nodes) * 1e9);
+}
+
+Collective collective_of(const std::string& op) {
+  return op == "all_reduce" ? Collective::AllReduce
+         : op == "all_gather" ? Collective::AllGather
+         : op == "reduce_scatter" ? Collective::ReduceScatter
+                                  : Collective::P2P;
+}
+
+double group_seconds(const Network& n, const std::map<std::string, double>& ops, double calls, int nodes,
+                     const char* only) {
+  if (ops.empty()) return 0;
+  double t = 0;
+  for (auto& [op, bytes] : ops)
+    if (!only || op == only) t += collective_seconds(n, collective_of(op), bytes, calls / double(ops.size()), nodes);
+  return t;
+}
+
+// The roofline (Williams, Waterman & Patterson 2009): a matmul of m×k by k×n runs at
+// min(achievable peak, arithmetic intensity × memory bandwidth).
+double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes) {
+  const double intensity = 2 * m * k * n / (elem_bytes * (m * k + k * n + m * n));  // FLOPs per byte moved
+  return std::min(g.achievable, intensity * g.hbm_gbs / (g.peak_tflops * 1e3));
+}
+
+// The layer's matmuls (q,k,v; o; gate,up; down), weighted by their FLOPs. SP gathers a tp group's
+// tokens before each matmul, so the rows are the micro-batch's tokens on this cp rank.
+double layer_efficiency(const Gpu& g, const ModelConfig& m, double tokens, int tp, double elem_bytes) {
+  const double h = m.dim, kv = double(m.kv_heads) * (m.dim / m.heads), f = m.ffn;
+  const double shapes[][2] = {{h, (h + 2 * kv) / tp}, {h / tp, h}, {h, 2 * f / tp}, {f / tp, h}};
+  double flops = 0, seconds = 0;
+  for (const auto& s : shapes) {
+    const double w = tokens * s[0] * s[1];
+    flops += w;
+    seconds += w / matmul_efficiency(g, tokens, s[0], s[1], elem_bytes);
+  }
+  return flops / seconds;
+}
+
+// Full recompute runs all of the forward again (8N instead of 6N per token, Korthikanti et al.
+// 2022); selective the attention core (its 4·s·h of the 12·s·h FLOPs per layer and token that run
+// forward).
+double recompute_factor(const ModelConfig& m, Recompute r) {
+  const double F = flops_per_token(m), attn_forward = 4.0 * m.layers * m.dim * double(m.seq);
+  return r == Recompute::Full ? 1 + (F / 3) / F : r == Recompute::Selective ? 1 + attn_forward / F : 1.0;
+}
+
+// Bucket by bucket as gradients become ready (PyTorch DDP, Li et al. 2020; the playbook's "overlap
+// with backward").
+double reduction_exposed(double t_reduce, double t_window, double last_bucket_share) {
+  return std::max(t_reduce - t_window, t_reduce * std::min(1.0, last_bucket_share));
+}
+
+double attention_share(const ModelConfig& m) { return 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m); }
+
+StepTerms compute_terms(const Gpu& g, const RunConfig& rc, int tp, int cp, int pp, int gpus) {
+  const ModelConfig& m = rc.model;
+  StepTerms s;
+  s.pipeline = pp > 1;
+  s.efficiency = layer_efficiency(g, m, double(rc.micro_batch) * m.seq / cp, tp, dtype_size(rc.dtype));
+  const double tokens = double(rc.batch) * m.seq;
+  s.t_compute = flops_per_token(m) * tokens * recompute_factor(m, rc.recompute) / gpus /
+                (g.peak_tflops * 1e12 * s.efficiency);
+  return s;
+}
+
+void print_assumptions(RunLog& log, const Gpu& g) {
+  if (g.name == "local") {
+    log.line("assumed (measured here by make bench): a training step's FLOPs at %.1f GFLOP/s per rank; bus bandwidth "
+             "all-reduce %.2f, all-gather %.2f, reduce-scatter %.2f GB/s; %.0f µs per call", 1e3 * g.peak_tflops,
+             g.net.all_reduce[0], g.net.all_gather[0], g.net.reduce_scatter[0], 1e6 * g.net.latency_intra_s);
+    return;
+  }
+  log.line("assumed: matmuls at up to %.0f%% of %.0f TFLOP/s (roofline at %.0f GB/s); bus bandwidth by nodes spanned, "
+           "%s (all-reduce %.0f GB/s in a node, %.1f across %g nodes); %.0f/%.0f µs per call in/across nodes",
+           100 * g.achievable, g.peak_tflops, g.hbm_gbs, g.net.source.c_str(), g.net.all_reduce[0], g.net.all_reduce.back(),
+           g.net.nodes.back(), 1e6 * g.net.latency_intra_s, 1e6 * g.net.latency_inter_s);
+}
+
+// "measured 12.3 ms (median of …)" and the summary's measured fields.
+static std::string measured_text(const StepTimes& t, Json& j) {
+  j["measured_s"] = t.median_s;
+  j["warmup_s"] = t.warmup_s;
+  j["measured_steps"] = double(t.measured);
+  char measured[200];
+  if (t.measured > 0)
+    snprintf(measured, sizeof measured, "measured %.1f ms (median of the %zu steps after the warm-up step %ld, which took %.1f ms)",
+             1e3 * t.median_s, t.measured, t.first_step, 1e3 * t.warmup_s);
+  else
+    snprintf(measured, sizeof measured, "measured %.1f ms (the warm-up step alone: run more --steps)", 1e3 * t.median_s);
+  return measured;
+}
+
+// "compute 1.2 + tp 0.3 + …": the terms that are not zero, in ms.
+static std::string terms_text(const StepTerms& c, const std::string& dense) {
+  std::string terms;
+  auto term = [&](const char* fmt, double a, double b = 0) {
+    char s[96];
+    snprintf(s, sizeof s, fmt, 1e3 * a, 1e3 * b);
+    terms += (terms.empty() ? "" : " + ") + std::string(s);
+  };
+  term("compute %.1f", c.t_compute);
+  if (c.t_tp > 0) term("tp %.1f", c.t_tp);
+  if (c.t_cp > 0) term("cp %.1f exposed (of %.1f)", c.t_cp_exposed, c.t_cp);
+  if (c.t_dp > 0) term((dense + " %.1f exposed (of %.1f)").c_str(), c.t_dp_exposed, c.t_dp);
+  if (c.pipeline) term("bubble %.1f", c.t_bubble);
+  if (c.t_pp > 0) term("pp p2p %.1f", c.t_pp);
+  if (c.t_ep > 0) term("ep all-to-all %.1f", c.t_ep);
+  return terms;
+}
+
+// Every run that prints it is a test of the model: a miss names the term that missed.
+Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, Device dev, const std::string& dense,
+                      const std::function<StepTerms(const Gpu&)>& predict, const StepTimes& t) {
+  Json j = Json::object();
+  const double tokens = double(rc.batch) * rc.model.seq;
+  const std::string measured = measured_text(t, j);
+  const std::string why = !cal.found ? "no calibration of this machine at " + cal.path +
+                                           " (make bench writes it; or pass --calibration FILE)"
+                          : dev != Device::CPU ? "make bench calibrates the CPU (01 --device cpu); this run is on " +
+                                                     std::string(device_name(dev))
+                                               : "";
+  if (!why.empty()) {
+    log.line("step time: %s; not predicted: %s", measured.c_str(), why.c_str());
+    return j;
+  }
+  const StepTerms c = predict(cal.gpu);
+  log.line("step time: predicted %.1f ms = %s ms; %s; measured/predicted %.2f", 1e3 * c.step,
+           terms_text(c, dense).c_str(), measured.c_str(), t.median_s / c.step);
+  log.line("  %.0f tokens/s predicted, %.0f measured: the step-time model (common/training/step_time.h) with %s",
+           tokens / c.step, tokens / t.median_s, cal.path.c_str());
+  print_assumptions(log, cal.gpu);
+  j["calibration"] = cal.path;
+  const std::pair<const char*, double> terms_json[] = {
+      {"predicted_s", c.step},        {"compute_s", c.t_compute},       {"tp_s", c.t_tp},
+      {"cp_s", c.t_cp},               {"cp_exposed_s", c.t_cp_exposed}, {"dp_s", c.t_dp},
+      {"dp_exposed_s", c.t_dp_exposed}, {"bubble_s", c.t_bubble},       {"pp_s", c.t_pp},
+      {"ep_s", c.t_ep},               {"predicted_tokens_per_s", tokens / c.step},
+      {"measured_tokens_per_s", tokens / t.median_s}};
+  for (const auto& [key, v] : terms_json) j[key] = v;
+  return j;
+}
+
+void predict_step_time(Loop& loop, RunLog& log, const RunConfig& rc, const Calibration& cal, Device dev,
+                       const std::string& dense, std::function<StepTerms(const Gpu&)> predict) {
+  loop.step_time = [&log, rc, cal, dev, dense, predict](const StepTimes& t) {
+    return step_time_report(log, rc, cal, dev, dense, predict, t);
+  };
+}
+
+}  // namespace ts

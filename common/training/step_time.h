@@ -1,0 +1,150 @@
+// step_time.h — the step-time model every run prints its measured step time against.
+//
+// A step of any mesh is a sum of named terms (notes/08 derives each one):
+//
+//   step = compute + bubble + tp + cp exposed + dp exposed + pp p2p + ep
+//
+//   compute      FLOPs / (peak × the efficiency a roofline allows the rank's matmul shapes)
+//   collectives  wire bytes / the bus bandwidth NCCL reaches for that collective over that many
+//                nodes (the playbook's measurements, NCCL-tests' busbw convention) + a latency per call
+//   exposed      what each technique cannot hide: its own rule, in its own chapter (02's buckets
+//                behind backward, 03's per-unit gathers, 06's ring behind attention, 05's bubble)
+//
+// This file holds the hardware (the GPU table, this machine's calibration) and the pieces every
+// chapter prices its collectives and compute with; each chapter 02–07 composes its own prediction
+// from them (its `predict_step_time`), and 08's planner composes the same chapter functions for
+// every mesh of a cluster.
+#ifndef TS_STEP_TIME_H
+#define TS_STEP_TIME_H
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "training/train.h"
+
+namespace ts {
+
+// ----- the hardware ----------------------------------------------------------------------------------
+
+enum class Collective { AllReduce, AllGather, ReduceScatter, P2P };
+
+// What a collective of NCCL reaches, by the number of nodes its group spans. Bus bandwidth is
+// NCCL-tests' convention (doc/PERFORMANCE.md): busbw = algbw · 2(n−1)/n for all-reduce and
+// algbw · (n−1)/n for all-gather and reduce-scatter, so that the time of a collective is exactly
+// the wire bytes per rank (what each chapter's predict_comm counts) over busbw, whatever n is.
+struct Network {
+  std::vector<double> nodes, all_reduce, all_gather, reduce_scatter;  // GB/s at each node count
+  double p2p_inter_gbs;    // one GPU's share of the network: a send between nodes
+  double latency_intra_s;  // per call, inside a node
+  double latency_inter_s;  // per call, across nodes
+  std::string source = "the playbook's measurement";  // where the numbers come from, for the plan's assumptions
+};
+
+// The Ultra-Scale Playbook's measurement (pipeline-parallelism chapter, "communication bandwidth
+// by number of nodes", 256 MB messages, medians) on its cluster of 8-H100 nodes.
+const Network& h100_network();
+
+// A GPU: memory, dense peak, memory bandwidth (the roofline's slope), the fraction of peak its
+// matmuls reach at large shapes, and the network of the cluster it sits in.
+struct Gpu {
+  std::string name;
+  double mem_gib, peak_tflops, hbm_gbs, achievable;
+  Network net;
+};
+
+// The fraction of the bf16 peak that large matmuls reach end to end, calibrated on the playbook's
+// three single-node runs (notes/08): MFU × (1 + bubble) of 44.3%, 46.7% and 45.2%.
+constexpr double kH100Achievable = 0.47;
+
+// `n` with its in-node bandwidths scaled by `intra` and its cross-node ones by `inter`.
+Network scaled(const Network& n, double intra, double inter);
+// h100, h200, a100; nullptr for another name.
+const Gpu* find_gpu(const std::string& name);
+// This machine, as `make bench` measured it (scripts/bench.sh writes the file).
+Gpu local_gpu(const std::string& path);
+// A cluster's own bus bandwidths (--network FILE), in the calibration's keys: all_reduce_gbs,
+// all_gather_gbs, reduce_scatter_gbs and latency_s, each a number (one node) or, with "nodes":
+// [1, 2, 4, …], an array of one value per node count; optional latency_inter_s and p2p_inter_gbs.
+Network read_network(const std::string& path);
+// The line a plan prints when a group spans more nodes than the table measured: the value assumed
+// there and why ("" when every group is inside the table).
+std::string beyond_table(const Network& n, int nodes);
+
+// The calibration a run prices itself with: --calibration FILE, else calibration.json in the
+// folder of the running binary, where make bench writes it (BUILD/calibration.json). A file named
+// by the flag must exist; the default may be absent (found = false: nothing to predict with).
+struct Calibration {
+  std::string path;
+  Gpu gpu;
+  bool found = false;
+};
+std::string default_calibration_path();
+// Declares --calibration and reads the file, before any collective: a bad file is a config_error
+// on every rank.
+Calibration read_calibration(Args& a);
+
+// ----- the pieces -------------------------------------------------------------------------------------
+
+// Backward's share of a step's compute (4 of the 6 FLOPs per parameter and token): what a
+// gradient reduction can hide behind.
+constexpr double kBackwardShare = 2.0 / 3;
+
+// Bus bandwidth of `op` over a group spanning `nodes` nodes (GB/s).
+double bus_bandwidth(const Network& n, Collective op, int nodes);
+// Seconds for `calls` collectives moving `wire_bytes` per rank in all (the α–β model).
+double collective_seconds(const Network& n, Collective op, double wire_bytes, double calls, int nodes);
+// "all_reduce" → AllReduce, …; send, recv and all_to_all are priced as one rank's sends.
+Collective collective_of(const std::string& op);
+// One group's collectives of a step: each op of `ops` (name → wire bytes per rank, a chapter's
+// predict_comm) at `calls` calls per step shared evenly between its ops; `only` prices one op.
+double group_seconds(const Network& n, const std::map<std::string, double>& ops, double calls, int nodes,
+                     const char* only = nullptr);
+
+// The roofline fraction of the peak for one m×k by k×n matmul.
+double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes);
+// The FLOP-weighted efficiency of one rank's layer matmuls at `tokens` rows after tp's splits.
+double layer_efficiency(const Gpu& g, const ModelConfig& m, double tokens, int tp, double elem_bytes);
+// The forward work recomputation adds: 4/3 under full, the attention core under selective.
+double recompute_factor(const ModelConfig& m, Recompute r);
+// Of a reduction overlapped with a backward window: what the window cannot hide, and at least the
+// last bucket (ready only when backward ends).
+double reduction_exposed(double t_reduce, double t_window, double last_bucket_share);
+// Attention's share of a token's FLOPs: 12·L·h·s of 6N + 12·L·h·s (what cp's ring hides behind).
+double attention_share(const ModelConfig& m);
+
+// The terms of one step (seconds), as the chapters and the planner compose them.
+struct StepTerms {
+  double efficiency = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0,
+         bubble = 0, t_bubble = 0, t_pp = 0, t_ep = 0, step = 0;
+  bool pipeline = false;  // pp > 1: the bubble is a term (printed even where it is 0)
+  double exposed() const { return t_tp + t_cp_exposed + t_dp_exposed + t_pp + t_ep; }
+  // step = compute + bubble + what the collectives leave exposed.
+  void total() { step = t_compute + t_bubble + exposed(); }
+  // The window a gradient reduction can hide behind: backward; the last micro-batch's share of
+  // it. Under a pipeline the same: each stage's reductions leave as its last micro-batch's
+  // backward completes their units, and stage 0's last backward ends the step (the stages after
+  // it finish theirs earlier, with the cooldown to spare).
+  double backward() const { return kBackwardShare * t_compute; }
+  double last_backward(double micro_batches) const { return backward() / std::max(1.0, micro_batches); }
+};
+// The compute term of a step of `rc` on `gpus` ranks whose matmuls are split tp ways, whose
+// sequences cp ways and whose layers over pp stages: efficiency, t_compute and pipeline set.
+StepTerms compute_terms(const Gpu& g, const RunConfig& rc, int tp, int cp, int pp, int gpus);
+
+// ----- every run: its own step time, predicted ---------------------------------------------------------
+
+// The assumptions a prediction rests on, in one line.
+void print_assumptions(RunLog& log, const Gpu& g);
+// The step-time line: the prediction term by term next to the measurement (or why nothing is
+// predicted: no calibration, or a device make bench does not calibrate). `dense` names the dense
+// group's term ("dp", "dp_cp ZeRO-1").
+Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, Device dev, const std::string& dense,
+                      const std::function<StepTerms(const Gpu&)>& predict, const StepTimes& t);
+// Arms the loop's step-time line with a chapter's prediction.
+void predict_step_time(Loop& loop, RunLog& log, const RunConfig& rc, const Calibration& cal, Device dev,
+                       const std::string& dense, std::function<StepTerms(const Gpu&)> predict);
+
+}  // namespace ts
+#endif  // TS_STEP_TIME_H
