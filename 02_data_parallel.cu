@@ -21,7 +21,7 @@
 #include "comm/trace.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
-#include "training/fp8_linear.h"
+#include "training/start.h"
 #include "training/run.h"
 #include "training/step_time.h"
 #include "training/train.h"
@@ -267,45 +267,38 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
   };
 }
 
-int main(int argc, char** argv) {
+// The chapter's flags: the degree, naive or bucketed, and the bucket size.
+struct DpFlags {
   std::string mode;
   double bucket_mb = 0;
-  Calibration calibration;
-  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = read_calibration(args);
-    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
-    mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
-    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)", dp::bucket_mb_range());
-  });
-  RunConfig& rc = prog.rc;
-  const MeshConfig& mc = prog.mc;
-  RunLog& log = prog.log();
-  if (mode != "naive" && mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", mode.c_str());
-  if (prog.dry_run([&] { print_plan(log, rc, mc.dp); })) return 0;
-  prog.open();  // validates world == dp before any collective
-  Mesh& mesh = prog.mesh;
-  print_plan(log, rc, mc.dp);
-  check_memory_fits(dp::predict_memory(rc), prog.dev);
-  log.line("dp %d, %s, %d sequences per rank per step", mc.dp, mode.c_str(), rc.batch / mc.dp);
+  bool bucketed() const { return mode == "bucketed"; }
+};
+static DpFlags read_dp_flags(Args& args, MeshConfig& mc) {
+  DpFlags f;
+  mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
+  f.mode = args.get_str("--dp-mode", "bucketed", "naive | bucketed");
+  f.bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB (bucketed mode)", dp::bucket_mb_range());
+  if (f.mode != "naive" && f.mode != "bucketed") config_error("--dp-mode must be naive or bucketed (got '%s')", f.mode.c_str());
+  return f;
+}
 
-  Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
-  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
+int main(int argc, char** argv) {
+  DpFlags f;
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_dp_flags(a, mc); });
+  RunConfig& rc = run.rc;
+  const int dp = run.mc.dp;
+  if (!run.start([&] { print_plan(run.log(), rc, dp); }, [&] { return dp::predict_memory(rc); })) return 0;
+  run.log().line("dp %d, %s, %d sequences per rank per step", dp, f.mode.c_str(), rc.batch / dp);
+  Model& model = run.build_model();
   AdamW opt(model, 0, model.table.total, rc.master_weights);
-  // Every rank initialises (or loads) the same full weights: no broadcast needed.
-  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
-  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
-  GradReducer dp(model, mesh.dp(), mode == "bucketed", bucket_mb);
-  if (mode == "bucketed") log.line("%zu gradient buckets of up to %.3g MiB", dp.num_buckets(), bucket_mb);
-
+  run.init(model, opt);  // every rank initialises (or loads) the same full weights: no broadcast
+  GradReducer reducer(model, run.mesh.dp(), f.bucketed(), f.bucket_mb);
+  if (f.bucketed()) run.log().line("%zu gradient buckets of up to %.3g MiB", reducer.num_buckets(), f.bucket_mb);
   Loop loop;
   loop.predicted = dp::predict_memory(rc);
-  loop.step = [&](long step) { return train_step(model, opt, dp, prog.data, rc, mesh, step, log); };
-  add_reports(loop, log, rc, mesh, model, opt, dp, prog);
-  predict_step_time(loop, log, rc, calibration, prog.dev, "dp", [&rc, &mc, mode, bucket_mb](const Gpu& g) {
-    return dp::predict_step_time(g, rc, mc.dp, mode == "bucketed", bucket_mb);
-  });
-  train_loop(rc, prog.dev, log, prog.data, first, loop);
-  return 0;
+  loop.step = [&](long step) { return train_step(model, opt, reducer, run.data, rc, run.mesh, step, run.log()); };
+  add_reports(loop, run.log(), rc, run.mesh, model, opt, reducer, run);
+  return run.train(loop, [&](const Gpu& g) { return dp::predict_step_time(g, rc, dp, f.bucketed(), f.bucket_mb); }, "dp");
 }
 #endif  // TS_PROGRAM == 2
 #endif  // TS_02_DATA_PARALLEL_CU

@@ -28,7 +28,7 @@
 #include "comm/trace.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
-#include "training/fp8_linear.h"
+#include "training/start.h"
 #include "training/run.h"
 #include "training/step_time.h"
 #include "training/train.h"
@@ -440,44 +440,41 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
   loop.comm = [&](long steps_run) { return comm_report(log, mesh.dp(), steps_run, predict_comm(rc, plan)); };
 }
 
-int main(int argc, char** argv) {
-  int stage = 1;
-  bool prefetch = true;
-  Calibration calibration;
-  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = read_calibration(args);
-    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
-    stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
-    prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
-    if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
-  });
-  RunConfig& rc = prog.rc;
-  const MeshConfig& mc = prog.mc;
-  RunLog& log = prog.log();
-  ZeroPlan plan{stage, mc.dp, rc.batch / mc.dp / rc.micro_batch, prefetch, Model::make_table(rc.model, mc.dp)};
-  if (prog.dry_run([&] { print_plan(log, rc, plan); })) return 0;
-  prog.open();  // validates world == dp before any collective
-  Mesh& mesh = prog.mesh;
-  print_plan(log, rc, plan);
-  check_memory_fits(predict_memory(rc, plan), prog.dev);
+// The chapter's flags: the degree, the stage and ZeRO-3's prefetch; the plan they make.
+static ZeroPlan read_zero_flags(Args& args, MeshConfig& mc) {
+  mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
+  const int stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
+  const bool prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
+  if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
+  return ZeroPlan{stage, mc.dp, 0, prefetch, {}};
+}
 
+// What each rank holds under the stage: the weights unless ZeRO-3, the gradients unless ZeRO-2
+// or 3, in a table whose shards split evenly over the dp ranks.
+static ModelLayout zero_layout(const ZeroPlan& plan) {
   ModelLayout layout;
-  layout.align = mc.dp;
-  layout.hold_params = stage < 3;
-  layout.hold_grads = stage < 2;
-  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
-  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
-  Zero zero(model, mesh.dp(), stage, prefetch, rc);
-  const long first = init_shards(model, zero, rc, mesh);
+  layout.align = plan.n;
+  layout.hold_params = plan.stage < 3;
+  layout.hold_grads = plan.stage < 2;
+  return layout;
+}
 
+int main(int argc, char** argv) {
+  ZeroPlan plan;
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { plan = read_zero_flags(a, mc); });
+  RunConfig& rc = run.rc;
+  plan.micro_batches = rc.batch / plan.n / rc.micro_batch;  // the batch is split once every flag is read
+  plan.table = Model::make_table(rc.model, plan.n);
+  if (!run.start([&] { print_plan(run.log(), rc, plan); }, [&] { return predict_memory(rc, plan); })) return 0;
+  Model& model = run.build_model(zero_layout(plan));
+  Zero zero(model, run.mesh.dp(), plan.stage, plan.prefetch, rc);
+  run.resumed(init_shards(model, zero, rc, run.mesh));
   Loop loop;
   loop.predicted = predict_memory(rc, plan);
-  loop.step = [&](long step) { return train_step(model, zero, prog.data, rc, mesh, step, log); };
-  add_reports(loop, log, rc, mesh, model, zero, plan, prog);
-  predict_step_time(loop, log, rc, calibration, prog.dev, "dp ZeRO-" + std::to_string(stage),
-                    [&rc, &plan](const Gpu& g) { return zero::predict_step_time(g, rc, plan); });
-  train_loop(rc, prog.dev, log, prog.data, first, loop);
-  return 0;
+  loop.step = [&](long step) { return train_step(model, zero, run.data, rc, run.mesh, step, run.log()); };
+  add_reports(loop, run.log(), rc, run.mesh, model, zero, plan, run);
+  return run.train(loop, [&](const Gpu& g) { return zero::predict_step_time(g, rc, plan); },
+                   "dp ZeRO-" + std::to_string(plan.stage));
 }
 #endif  // TS_PROGRAM == 3
 #endif  // TS_03_ZERO_CU

@@ -53,7 +53,7 @@
 #include "comm/trace.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
-#include "training/fp8_linear.h"
+#include "training/start.h"
 #include "training/run.h"
 #include "training/step_time.h"
 #include "training/train.h"
@@ -414,43 +414,29 @@ static void save(const RunConfig& rc, Model& model, AdamW& opt, int tp, bool sp,
   save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}}, step, m);
 }
 
+// The chapter's flags: the degree, and whether sequence parallelism splits the norms' tokens.
+static bool read_tp_flags(Args& args, MeshConfig& mc) {
+  mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)", degree_range());
+  return args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
+}
+
 int main(int argc, char** argv) {
   bool sp = false;
-  Calibration calibration;
-  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = read_calibration(args);
-    mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)", degree_range());
-    sp = args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
-  });
-  RunConfig& rc = prog.rc;
-  const MeshConfig& mc = prog.mc;
-  RunLog& log = prog.log();
-  tp::validate(rc, mc.tp, sp);
-  if (prog.dry_run([&] { tp::print_plan(log, rc, mc.tp, sp); })) return 0;
-  prog.open();  // validates world == tp before any collective
-  Mesh& mesh = prog.mesh;
-  tp::print_plan(log, rc, mc.tp, sp);
-  check_memory_fits(tp::predict_memory(rc, mc.tp, sp), prog.dev);
-
-  ModelLayout layout;
-  layout.shard = tp::shard_spec(mc.tp, mesh.tp_rank);
-  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
-  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
-  tp::install(model, mesh.tp(), sp);
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { sp = read_tp_flags(a, mc); });
+  RunConfig& rc = run.rc;
+  const int tp = run.mc.tp;
+  tp::validate(rc, tp, sp);
+  if (!run.start([&] { tp::print_plan(run.log(), rc, tp, sp); }, [&] { return tp::predict_memory(rc, tp, sp); })) return 0;
+  Model& model = run.build_model({tp::shard_spec(tp, run.mesh.tp_rank)});  // this rank's column/row blocks
+  tp::install(model, run.mesh.tp(), sp);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
-  // Each rank initialises (or loads) exactly its blocks of the full model: no broadcast.
-  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
-  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
-
+  run.init(model, opt);  // each rank initialises (or loads) exactly its blocks of the full model
   Loop loop;
-  loop.predicted = tp::predict_memory(rc, mc.tp, sp);
-  loop.step = [&](long step) { return train_step(model, opt, prog.data, rc, mesh, sp, step); };
-  loop.save = [&](long step) { save(rc, model, opt, mc.tp, sp, step); };
-  loop.comm = [&](long steps_run) { return comm_report(log, mesh.tp(), steps_run, tp::predict_comm(rc, mc.tp, sp)); };
-  predict_step_time(loop, log, rc, calibration, prog.dev, "dp",
-                    [&rc, &mc, sp](const Gpu& g) { return tp::predict_step_time(g, rc, mc.tp, sp); });
-  train_loop(rc, prog.dev, log, prog.data, first, loop);
-  return 0;
+  loop.predicted = tp::predict_memory(rc, tp, sp);
+  loop.step = [&](long step) { return train_step(model, opt, run.data, rc, run.mesh, sp, step); };
+  loop.save = [&](long step) { save(rc, model, opt, tp, sp, step); };
+  loop.comm = [&](long n) { return comm_report(run.log(), run.mesh.tp(), n, tp::predict_comm(rc, tp, sp)); };
+  return run.train(loop, [&](const Gpu& g) { return tp::predict_step_time(g, rc, tp, sp); });
 }
 #endif  // TS_PROGRAM == 4
 #endif  // TS_04_TENSOR_PARALLEL_CU

@@ -38,7 +38,7 @@
 #include "comm/trace.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
-#include "training/fp8_linear.h"
+#include "training/start.h"
 #include "training/run.h"
 #include "training/step_time.h"
 #include "training/train.h"
@@ -806,44 +806,35 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
   loop.extra = [&, steps_run](Json& s) { s["pp"] = stage_report(log, mesh, rc, plan, pipe, *steps_run); };
 }
 
+// The chapter's flags: the degree, the schedule, the chunks per rank, the layers per stage.
+static PipeFlags read_pipe_flags(Args& args, MeshConfig& mc) {
+  PipeFlags f;
+  f.p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
+  f.schedule = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
+  f.V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
+  f.split = args.get_str("--stage-layers", "", "layers per virtual stage a,b,… (default: even, or the ends lighter)");
+  f.chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
+  return f;
+}
+
 int main(int argc, char** argv) {
   PipeFlags f;
-  Calibration calibration;
-  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = read_calibration(args);
-    f.p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
-    f.schedule = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
-    f.V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
-    f.split = args.get_str("--stage-layers", "", "layers per virtual stage a,b,… (default: even, or the ends lighter)");
-    f.chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
-  });
-  RunConfig& rc = prog.rc;
-  RunLog& log = prog.log();
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_pipe_flags(a, mc); });
+  RunConfig& rc = run.rc;
   const pp::Plan plan = make_plan(rc, f);
-  if (prog.dry_run([&] { pp::print_plan(log, rc, plan, f.chart); })) return 0;
-  prog.open();  // validates world == pp before any collective
-  Mesh& mesh = prog.mesh;
-  pp::print_plan(log, rc, plan, f.chart);
-  check_memory_fits(pp::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
-
-  ModelLayout layout;
-  layout.shard = pp::shard_spec(plan, mesh.pp_rank);
-  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
-  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
+  if (!run.start([&] { pp::print_plan(run.log(), rc, plan, f.chart); },
+                 [&] { return pp::predict_memory(rc, plan, run.mesh.pp_rank); }))
+    return 0;
+  Model& model = run.build_model({pp::shard_spec(plan, run.mesh.pp_rank)});  // this stage's layers
   AdamW opt(model, 0, model.table.total, rc.master_weights);
-  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
-  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
-  pp::Pipeline pipe(model, mesh.pp(), plan, mesh.pp_rank, int64_t(rc.micro_batch) * rc.model.seq);
-
+  run.init(model, opt);
+  pp::Pipeline pipe(model, run.mesh.pp(), plan, run.mesh.pp_rank, int64_t(rc.micro_batch) * rc.model.seq);
   Loop loop;
-  loop.predicted = pp::predict_memory(rc, plan, 0);
+  loop.predicted = pp::predict_memory(rc, plan, 0);  // stage 0's, the one the memory table reports
   loop.predicted.comm_also_holds(pp::comm_holds(plan));
-  loop.step = [&](long step) { return train_step(model, opt, pipe, prog.data, rc, mesh, step); };
-  add_reports(loop, log, rc, mesh, model, opt, pipe, plan);
-  predict_step_time(loop, log, rc, calibration, prog.dev, "dp",
-                    [&rc, &plan](const Gpu& g) { return pp::predict_step_time(g, rc, plan); });
-  train_loop(rc, prog.dev, log, prog.data, first, loop);
-  return 0;
+  loop.step = [&](long step) { return train_step(model, opt, pipe, run.data, rc, run.mesh, step); };
+  add_reports(loop, run.log(), rc, run.mesh, model, opt, pipe, plan);
+  return run.train(loop, [&](const Gpu& g) { return pp::predict_step_time(g, rc, plan); });
 }
 #endif  // TS_PROGRAM == 5
 #endif  // TS_05_PIPELINE_PARALLEL_CU

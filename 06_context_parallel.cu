@@ -37,7 +37,7 @@
 #include "comm/trace.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
-#include "training/fp8_linear.h"
+#include "training/start.h"
 #include "training/run.h"
 #include "training/step_time.h"
 #include "training/train.h"
@@ -601,16 +601,6 @@ static Json work_report(RunLog& log, Mesh& mesh, const cp::AttentionWork& w, lon
 }
 
 // --cp-mode and --zigzag, checked.
-static cp::Options parse_options(const RunConfig& rc, const std::string& mode, int zigzag, int C) {
-  if (mode != "ring" && mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", mode.c_str());
-  if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
-  // Ulysses trades the sequence split for a head split over the cp ranks: at cp 1 it is ring's
-  // single rank under another name, and the run would report a technique it never used.
-  if (mode == "ulysses" && C == 1) config_error("--cp-mode ulysses needs --cp 2 or more (got --cp 1)");
-  const cp::Options o{mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
-  cp::validate(rc, C, o);
-  return o;
-}
 
 // The loop's predictions, checkpoint and reports: memory at T/cp tokens per rank; rank 0 writes
 // the whole model (replicas are identical); the cp group's bytes against predict_comm and the
@@ -638,45 +628,43 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
   loop.extra = [&, first](Json& s) { s["attention_work"] = work_report(log, mesh, work(), rc.steps - first, rc, opt_cp); };
 }
 
-int main(int argc, char** argv) {
-  std::string mode;
-  int zigzag = 1;
+// The chapter's flags: the degree, ring or Ulysses, the zigzag layout, the dp_cp bucket size.
+struct CpFlags {
+  cp::Options options;
   double bucket_mb = 25;
-  Calibration calibration;
-  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = read_calibration(args);
-    mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)", degree_range());
-    mode = args.get_str("--cp-mode", "ring", "ring | ulysses");
-    zigzag = args.get_int("--zigzag", 1, "1: rank i holds chunks i and 2cp-1-i of 2cp (balanced); 0: contiguous");
-    bucket_mb = args.get_double("--bucket-mb", 25, "gradient all-reduce bucket size in MiB", dp::bucket_mb_range());
-  });
-  RunConfig& rc = prog.rc;
-  const MeshConfig& mc = prog.mc;
-  RunLog& log = prog.log();
-  const cp::Options opt_cp = parse_options(rc, mode, zigzag, mc.cp);
-  if (prog.dry_run([&] { cp::print_plan(log, rc, mc.cp, opt_cp); })) return 0;
-  prog.open();  // validates world == cp before any collective
-  Mesh& mesh = prog.mesh;
-  cp::print_plan(log, rc, mc.cp, opt_cp);
-  check_memory_fits(cp::predict_memory(rc, mc.cp), prog.dev);
-  Model model(rc.model, prog.dev, rc.dtype, rc.recompute);
-  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
-  const std::function<cp::AttentionWork()> work = cp::install(model, mesh.cp(), opt_cp);
-  const std::vector<int32_t> mine = cp::positions(rc.model.seq, mc.cp, mesh.cp_rank, opt_cp.zigzag);
+};
+static CpFlags read_cp_flags(Args& args, MeshConfig& mc) {
+  mc.cp = args.get_int("--cp", 1, "context-parallel degree (= number of ranks)", degree_range());
+  const std::string mode = args.get_str("--cp-mode", "ring", "ring | ulysses");
+  const int zigzag = args.get_int("--zigzag", 1, "1: rank i holds chunks i and 2cp-1-i of 2cp (balanced); 0: contiguous");
+  const double bucket_mb = args.get_double("--bucket-mb", 25, "gradient all-reduce bucket size in MiB", dp::bucket_mb_range());
+  if (mode != "ring" && mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", mode.c_str());
+  if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
+  // Ulysses trades the sequence split for a head split over the cp ranks: at cp 1 it is ring's
+  // single rank under another name, and the run would report a technique it never used.
+  if (mode == "ulysses" && mc.cp == 1) config_error("--cp-mode ulysses needs --cp 2 or more (got --cp 1)");
+  return {{mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1}, bucket_mb};
+}
+
+int main(int argc, char** argv) {
+  CpFlags f;
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_cp_flags(a, mc); });
+  RunConfig& rc = run.rc;
+  const int C = run.mc.cp;
+  const cp::Options& opt_cp = f.options;
+  cp::validate(rc, C, opt_cp);
+  if (!run.start([&] { cp::print_plan(run.log(), rc, C, opt_cp); }, [&] { return cp::predict_memory(rc, C); })) return 0;
+  Model& model = run.build_model();
+  const std::function<cp::AttentionWork()> work = cp::install(model, run.mesh.cp(), opt_cp);
+  const std::vector<int32_t> mine = cp::positions(rc.model.seq, C, run.mesh.cp_rank, opt_cp.zigzag);
   const Tensor pos = cp::device_ints(mine, model.dev);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
-  // Every rank initialises (or loads) the same full weights: no broadcast.
-  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
-  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
-  dp::GradReducer reducer(model, mesh.dp_cp(), /*bucketed=*/true, bucket_mb);
+  const long first = run.init(model, opt);  // every rank initialises (or loads) the same full weights
+  dp::GradReducer reducer(model, run.mesh.dp_cp(), /*bucketed=*/true, f.bucket_mb);
   Loop loop;
-  loop.step = [&](long step) { return train_step(model, opt, reducer, prog.data, rc, mesh, mine, pos, step); };
-  add_reports(loop, log, rc, mesh, model, opt, opt_cp, work, first);
-  predict_step_time(loop, log, rc, calibration, prog.dev, "dp_cp", [&rc, &mc, opt_cp, bucket_mb](const Gpu& g) {
-    return cp::predict_step_time(g, rc, mc.cp, opt_cp, bucket_mb);
-  });
-  train_loop(rc, prog.dev, log, prog.data, first, loop);
-  return 0;
+  loop.step = [&](long step) { return train_step(model, opt, reducer, run.data, rc, run.mesh, mine, pos, step); };
+  add_reports(loop, run.log(), rc, run.mesh, model, opt, opt_cp, work, first);
+  return run.train(loop, [&](const Gpu& g) { return cp::predict_step_time(g, rc, C, opt_cp, f.bucket_mb); }, "dp_cp");
 }
 #endif  // TS_PROGRAM == 6
 #endif  // TS_06_CONTEXT_PARALLEL_CU

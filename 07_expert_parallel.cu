@@ -38,7 +38,7 @@
 #include "model/model.h"
 #include "model/moe.h"
 #include "training/checkpoint.h"
-#include "training/fp8_linear.h"
+#include "training/start.h"
 #include "training/run.h"
 #include "training/step_time.h"
 #include "training/train.h"
@@ -311,18 +311,41 @@ static const char* kDoc =
 // Like 02: this rank's contiguous slice of the global batch in micro-batches, only the last one
 // reducing. The gradient norm counts the dense tensors once (ep rank 0) and each expert on its
 // owner, summed over the ep group (every ep group holds the same reduced values).
-static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& dense, dp::GradReducer& experts,
-                             const TokenData& data, const RunConfig& rc, Mesh& mesh, long step) {
+// Two gradient reductions: the dense tensors' over every dp rank, each expert's over the ranks
+// that hold a copy of it (ep_dp), one bucketed reducer each over its ranges of the flat buffer.
+struct Reducers {
+  using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+  Reducers(Model& m, Mesh& mesh, double bucket_mb)
+      : ranges(split(m.table)),
+        dense(m, mesh.dp(), true, bucket_mb, ranges.first),
+        experts(m, mesh.ep_dp(), true, bucket_mb, ranges.second) {}
+  void set_sync(bool sync) {
+    dense.set_sync(sync);
+    experts.set_sync(sync);
+  }
+  void finish() {
+    dense.finish();
+    experts.finish();
+  }
+  static std::pair<Ranges, Ranges> split(const ParamTable& t) {
+    std::pair<Ranges, Ranges> r;
+    ep::split_ranges(t, r.first, r.second);
+    return r;
+  }
+  const std::pair<Ranges, Ranges> ranges;  // dense, experts (before the reducers that use them)
+  dp::GradReducer dense, experts;
+};
+
+static StepResult train_step(Model& model, AdamW& opt, Reducers& reducers, const TokenData& data, const RunConfig& rc,
+                             Mesh& mesh, long step) {
   const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
   ts::zero(model.grads);
   for (int s0 = 0; s0 < local; s0 += mb) {
-    dense.set_sync(s0 + mb == local);
-    experts.set_sync(s0 + mb == local);
+    reducers.set_sync(s0 + mb == local);
     MicroBatch b = make_microbatch(data, step, rc.batch, T, mesh.dp_rank * local + s0, mb, model.dev);
     model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
   }
-  dense.finish();
-  experts.finish();
+  reducers.finish();
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.ep().mpi()});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   StepResult r{global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
@@ -361,45 +384,31 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
   };
 }
 
+// The chapter's flags: the dp degree, the ep degree within it, the bucket size; returns the last.
+static double read_ep_flags(Args& args, MeshConfig& mc) {
+  mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
+  mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks",
+                       degree_range());
+  return args.get_double("--bucket-mb", 25, "gradient bucket size in MiB", dp::bucket_mb_range());
+}
+
 int main(int argc, char** argv) {
   double bucket_mb = 0;
-  Calibration calibration;
-  Program prog(argc, argv, kDoc, [&](Args& args, RunConfig&, MeshConfig& mc) {
-    calibration = read_calibration(args);
-    mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
-    mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks",
-                         degree_range());
-    bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB", dp::bucket_mb_range());
-  });
-  RunConfig& rc = prog.rc;
-  const MeshConfig& mc = prog.mc;
-  RunLog& log = prog.log();
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { bucket_mb = read_ep_flags(a, mc); });
+  RunConfig& rc = run.rc;
+  const MeshConfig& mc = run.mc;
   ep::validate(rc, mc);
-  if (prog.dry_run([&] { ep::print_plan(log, rc, mc.dp, mc.ep); })) return 0;
-  prog.open();  // validates world == dp before any collective
-  Mesh& mesh = prog.mesh;
-  ep::print_plan(log, rc, mc.dp, mc.ep);
-  check_memory_fits(ep::predict_memory(rc, mc.ep), prog.dev);
-  const ModelLayout layout{ep::shard_spec(mc.ep, mesh.ep_rank)};  // this rank's experts, every dense weight
-  Model model(rc.model, prog.dev, rc.dtype, rc.recompute, layout);
-  fp8::install(model, rc, prog.mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
-  ep::ExpertParallelMoe& moe = ep::install(model, mesh.ep());
+  if (!run.start([&] { ep::print_plan(run.log(), rc, mc.dp, mc.ep); }, [&] { return ep::predict_memory(rc, mc.ep); }))
+    return 0;
+  Model& model = run.build_model({ep::shard_spec(mc.ep, run.mesh.ep_rank)});  // its experts, every dense weight
+  ep::ExpertParallelMoe& moe = ep::install(model, run.mesh.ep());
   AdamW opt(model, 0, model.table.total, rc.master_weights);
-  // Each rank initialises (or loads) its experts and the dense weights: no broadcast.
-  const long first = init_or_resume(model, opt, rc, 0, model.table.total, model.params);
-  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
-  std::vector<std::pair<int64_t, int64_t>> dense_r, expert_r;
-  ep::split_ranges(model.table, dense_r, expert_r);
-  dp::GradReducer dense(model, mesh.dp(), true, bucket_mb, dense_r);
-  dp::GradReducer experts(model, mesh.ep_dp(), true, bucket_mb, expert_r);
+  run.init(model, opt);  // each rank initialises (or loads) its experts and the dense weights
+  Reducers reducers(model, run.mesh, bucket_mb);
   Loop loop;
-  loop.step = [&](long step) { return train_step(model, opt, dense, experts, prog.data, rc, mesh, step); };
-  add_reports(loop, log, rc, mesh, model, opt, moe);
-  predict_step_time(loop, log, rc, calibration, prog.dev, "dp", [&rc, &mc, bucket_mb](const Gpu& g) {
-    return ep::predict_step_time(g, rc, mc.dp, mc.ep, bucket_mb);
-  });
-  train_loop(rc, prog.dev, log, prog.data, first, loop);
-  return 0;
+  loop.step = [&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step); };
+  add_reports(loop, run.log(), rc, run.mesh, model, opt, moe);
+  return run.train(loop, [&](const Gpu& g) { return ep::predict_step_time(g, rc, mc.dp, mc.ep, bucket_mb); }, "dp");
 }
 #endif  // TS_PROGRAM == 7
 #endif  // TS_07_EXPERT_PARALLEL_CU

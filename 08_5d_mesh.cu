@@ -35,6 +35,7 @@
 #include "05_pipeline_parallel.cu"
 #include "06_context_parallel.cu"
 #include "07_expert_parallel.cu"
+#include "training/fp8_linear.h"  // fp8::install on the composed model
 
 namespace mesh5d {
 using namespace ts;
@@ -599,39 +600,41 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const mesh
   };
 }
 
+// The chapter's flags: the planner's (--plan and its cluster and job), the mesh's, and with
+// --plan what the flags fix of the mesh to be searched.
+static void read_flags(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
+  declare_planner_flags(a, o);
+  declare_mesh_flags(a, mc, o);
+  if (o.planning) set_up_plan(a, rc, mc, o);
+}
+
+// Which rank holds which piece (the chapter's picture, for this run: once the mesh is open), then
+// the plan's predictions.
+static void print_run_plan(RunLog& log, const RunConfig& rc, const Options& o, const Mesh& mesh) {
+  if (!rc.dry_run && (mesh.world <= 16 || o.show_mesh)) print_mesh(mesh);
+  else if (!rc.dry_run) log.line("(%d ranks: --show-mesh prints the rank-to-group table)", mesh.world);
+  mesh5d::print_plan(log, rc, o.plan);
+}
+
 int main(int argc, char** argv) {
   Options o;
-  Program prog(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
-    declare_planner_flags(a, o);
-    declare_mesh_flags(a, mc, o);
-    if (o.planning) set_up_plan(a, rc, mc, o);
-  });
-  RunConfig& rc = prog.rc;
-  mesh5d::Plan& plan = o.plan;
-  plan.mesh = prog.mc;
-  RunLog& log = prog.log();
-  if (o.planning) return plan_only(log, rc, o);
-  mesh5d::validate(rc, plan);
-  if (prog.dry_run([&] { mesh5d::print_plan(log, rc, plan); })) return 0;
-  prog.open();  // validates world == dp·pp·cp·tp before any collective
-  Mesh& mesh = prog.mesh;
-  // Which rank holds which piece: the chapter's picture, for this run.
-  if (mesh.world <= 16 || o.show_mesh) print_mesh(mesh);
-  else log.line("(%d ranks: --show-mesh prints the rank-to-group table)", mesh.world);
-  mesh5d::print_plan(log, rc, plan);
-  check_memory_fits(mesh5d::predict_memory(rc, plan, mesh.pp_rank), prog.dev);
-
-  mesh5d::Composed run(rc, plan, mesh);
-  fp8::install(run.model(), rc, mesh, log);  // --dtype fp8: the dense linears' GEMMs on FP8 operands
-  const long first = run.init_or_resume();
-  if (first > 0) log.line("resumed from %s at step %ld", rc.resume_dir.c_str(), first);
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) { read_flags(a, rc, mc, o); },
+                  /*priced=*/false);  // 08 reads --calibration with its planner's flags
+  RunConfig& rc = run.rc;
+  o.plan.mesh = run.mc;
+  if (o.planning) return plan_only(run.log(), rc, o);
+  mesh5d::validate(rc, o.plan);
+  auto memory = [&] { return mesh5d::predict_memory(rc, o.plan, run.mesh.pp_rank); };  // this rank's stage
+  if (!run.start([&] { print_run_plan(run.log(), rc, o, run.mesh); }, memory)) return 0;
+  mesh5d::Composed composed(rc, o.plan, run.mesh);
+  fp8::install(composed.model(), rc, run.mesh, run.log());  // --dtype fp8: the dense linears' GEMMs on FP8 operands
+  run.resumed(composed.init_or_resume());
   Loop loop;
-  loop.predicted = mesh5d::predict_memory(rc, plan);  // rank 0's (pipeline stage 0), the one the table reports
-  loop.step = [&](long step) { return run.step(prog.data, step); };
-  add_reports(loop, log, rc, plan, run);
-  mesh5d::predict_step_time(loop, log, rc, plan, o.calibration, prog.dev);
-  train_loop(rc, prog.dev, log, prog.data, first, loop);
-  return 0;
+  loop.predicted = mesh5d::predict_memory(rc, o.plan);  // rank 0's (pipeline stage 0), the one the table reports
+  loop.step = [&](long step) { return composed.step(run.data, step); };
+  add_reports(loop, run.log(), rc, o.plan, composed);
+  mesh5d::predict_step_time(loop, run.log(), rc, o.plan, o.calibration, run.dev);
+  return run.train(loop);
 }
 #endif  // TS_PROGRAM == 8
 #endif  // TS_08_5D_MESH_CU
