@@ -45,8 +45,7 @@
 #include <cstring>
 #include <map>
 
-#include "kernels/kernels_internal.h"
-#include "kernels/profile.h"
+#include "kernels/kernels.h"
 #include "formats/data.h"
 #include "comm/comm.h"
 #include "comm/mesh.h"
@@ -57,9 +56,6 @@
 #include "training/run.h"
 #include "training/step_time.h"
 #include "training/train.h"
-#ifdef TS_CUDA
-#include "kernels/kernels_cuda.h"  // the CUDA twins of the cross-entropy steps below
-#endif
 
 namespace tp {
 using namespace ts;
@@ -105,111 +101,20 @@ class TensorParallel : public TpOps {
 
 // ----- the vocabulary-parallel cross-entropy ---------------------------------------------------------
 
-// The three steps of Megatron's VocabParallelCrossEntropy. The LM head is split by vocabulary:
-// this rank holds logits [N, Vl] (T, fp32 or bf16) x_v for the vocabulary rows V_r = [vocab_start,
-// vocab_start + Vl) of every token, targets int32 [N] are global ids t, and the caller's
-// collectives over the tp group run between the steps:
-//   1. vocab_ce_max:    max [N] fp32, m_r = max_{v in V_r} x_v.          all-reduce MAX -> M
-//   2. vocab_ce_stats:  stats [2, N] fp32, S_r = sum_{v in V_r} exp(x_v - M) and
-//                       z_r = x_t if t is in V_r, else 0.               all-reduce SUM -> (S, z)
-//   3. vocab_ce_finish: losses [N] fp32 = log S + M - z, the same on every rank; dlogits
-//                       [N, Vl] (T, may alias logits; undefined: losses only) =
-//                       (exp(x_v - M) / S - [v = t]) * grad_scale.
-// With one rank (vocab_start 0, no collectives) this is ts::cross_entropy_forward_backward: on
-// the CPU the steps are its row passes (common/kernels/kernels_internal.h), split where the collectives
-// go; on a GPU they run the CUDA twins in common/kernels/kernels_cuda.cu.
-template <class T> void vocab_ce_max_cpu(float* mx, const T* logits, int64_t N, int64_t V) {
-  detail::for_rows_f32(logits, N, V, [&](int64_t n, float* x) { mx[n] = detail::row_max(x, V); });
-}
-
-template <class T>
-void vocab_ce_stats_cpu(float* stats, const T* logits, const float* mx, const int32_t* tgt, int64_t vs, int64_t N,
-                        int64_t V) {
-  detail::for_rows_f32(logits, N, V, [&](int64_t n, float* x) {
-    const int64_t t = tgt[n] - vs;
-    stats[N + n] = t >= 0 && t < V ? x[t] : 0.0f;  // exact through the sum: every other rank adds 0
-    stats[n] = float(detail::exp_sum(x, x, mx[n], V));
-  });
-}
-
-template <class T>
-void vocab_ce_finish_cpu(float* losses, T* dl, const T* logits, const float* mx, const float* stats,
-                         const int32_t* tgt, int64_t vs, float grad_scale, int64_t N, int64_t V) {
-  detail::for_rows_f32(logits, N, V, [&](int64_t n, float* x) {
-    losses[n] = detail::ce_loss(mx[n], stats[n], stats[N + n]);
-    if (!dl) return;
-    detail::exp_shifted(x, x, mx[n], V);
-    detail::ce_grad_row(dl + n * V, x, float(1.0 / double(stats[n])), tgt[n] - vs, grad_scale, V);
-  });
-}
-
-// The arguments the steps share: logits [N, Vl] (T) and max [N] fp32, then for steps 2 and 3
-// (stats defined) stats [2, N] fp32 and targets int32 [N]. Returns N and sets Vl.
-inline int64_t check_vocab_ce(const char* op, const Tensor& logits, const Tensor& max, const Tensor& stats,
-                              const Tensor& targets, int64_t& Vl) {
-  detail::check_float(op, "logits", logits);
-  TS_CHECK(logits.dim() >= 1, "%s: logits must be [N, Vl], got %s", op, logits.str().c_str());
-  Vl = logits.size(-1);
-  const int64_t N = detail::rows_of(op, "logits", logits, Vl);
-  detail::check_numel(op, "max", max, N, DType::F32);
-  if (!stats.defined()) return N;
-  detail::check_dtype(op, "stats", stats, DType::F32);
-  detail::check_shape(op, "stats", stats, {2, N});
-  detail::check_numel(op, "targets", targets, N, DType::I32);
-  return N;
-}
-
-inline void vocab_ce_max(const Tensor& max, const Tensor& logits) {
-  TS_PROFILE_OP("vocab_ce_max", max);
-  const char* op = "vocab_ce_max";
-  int64_t V;
-  const int64_t N = check_vocab_ce(op, logits, max, Tensor(), Tensor(), V);
-#ifdef TS_CUDA
-  if (detail::common_device(op, {&max, &logits}) == Device::CUDA) return cuda::vocab_ce_max(max, logits);
-#endif
-  detail::by_dtype(logits.dtype, [&](auto t) { vocab_ce_max_cpu(max.f32(), logits.data<decltype(t)>(), N, V); });
-}
-
-inline void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
-                           int64_t vocab_start) {
-  TS_PROFILE_OP("vocab_ce_stats", stats);
-  const char* op = "vocab_ce_stats";
-  int64_t V;
-  const int64_t N = check_vocab_ce(op, logits, max, stats, targets, V);
-#ifdef TS_CUDA
-  if (detail::common_device(op, {&stats, &logits, &max, &targets}) == Device::CUDA)
-    return cuda::vocab_ce_stats(stats, logits, max, targets, vocab_start);
-#endif
-  for (int64_t n = 0; n < N; n++)  // no rank would own it: its logit would silently read as 0
-    TS_CHECK(targets.i32()[n] >= 0, "%s: target %d of row %lld is negative", op, targets.i32()[n], (long long)n);
-  detail::by_dtype(logits.dtype, [&](auto t) {
-    vocab_ce_stats_cpu(stats.f32(), logits.data<decltype(t)>(), max.f32(), targets.i32(), vocab_start, N, V);
-  });
-}
-
-inline void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
-                            const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale) {
-  TS_PROFILE_OP("vocab_ce_finish", losses);
-  const char* op = "vocab_ce_finish";
-  int64_t V;
-  const int64_t N = check_vocab_ce(op, logits, max, stats, targets, V);
-  detail::check_numel(op, "losses", losses, N, DType::F32);
-  if (dlogits.defined()) detail::check_like(op, "dlogits", dlogits, logits, "logits");
-#ifdef TS_CUDA
-  if (detail::common_device(op, {&losses, &dlogits, &logits, &max, &stats, &targets}) == Device::CUDA)
-    return cuda::vocab_ce_finish(losses, dlogits, logits, max, stats, targets, vocab_start, grad_scale);
-#endif
-  detail::by_dtype(logits.dtype, [&](auto t) {
-    using T = decltype(t);
-    vocab_ce_finish_cpu(losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(), max.f32(),
-                        stats.f32(), targets.i32(), vocab_start, grad_scale, N, V);
-  });
-}
-
-// Rank r holds the logits of vocabulary rows [vocab_start, vocab_start + V/tp) for every token.
-// Softmax needs the row max and the sum of exponentials over the whole vocabulary, and the loss
-// the target's logit, which one rank holds: one MAX all-reduce of N floats and one SUM
-// all-reduce of 2N floats (sum of exp, target logit), and no rank ever holds [N, V].
+// Megatron's VocabParallelCrossEntropy. The LM head is split by vocabulary: rank r holds the
+// logits x_v [N, V/tp] of the vocabulary rows V_r = [vocab_start, vocab_start + V/tp) for every
+// token, and each token's target t (a global id) lies in one rank's rows. Softmax needs the row
+// max and the sum of exponentials over the whole vocabulary, and the loss the target's logit. So
+// the fused cross-entropy's row passes run in three steps (kernels.h's vocab_ce_*), with one MAX
+// all-reduce of N floats and one SUM all-reduce of 2N floats between them, and no rank ever holds
+// [N, V]:
+//   1. vocab_ce_max     m_r = max_{v in V_r} x_v                     all-reduce MAX -> M = max_r m_r
+//   2. vocab_ce_stats   S_r = sum_{v in V_r} exp(x_v - M),
+//                       z_r = x_t if t is in V_r, else 0            all-reduce SUM -> S, z = x_t
+//   3. vocab_ce_finish  loss = log S + M - z, the same on every rank, and the gradient of the
+//                       local logits, dx_v = (exp(x_v - M) / S - [v = t]) · grad_scale, which
+//                       needs nothing more from the other ranks.
+// With one rank (vocab_start 0, no collectives) this is cross_entropy_forward_backward.
 class VocabParallelCrossEntropy : public LossFn {
  public:
   explicit VocabParallelCrossEntropy(Comm& group) : tp_(group) {}
@@ -217,7 +122,7 @@ class VocabParallelCrossEntropy : public LossFn {
                         int64_t vocab_start, float grad_scale) override {
     const int64_t N = logits.size(0);
     Tensor max = Tensor::empty({N}, DType::F32, logits.device(), Tag::Workspace);
-    Tensor stats = Tensor::empty({2, N}, DType::F32, logits.device(), Tag::Workspace);
+    Tensor stats = Tensor::empty({2, N}, DType::F32, logits.device(), Tag::Workspace);  // rows: S, z
     vocab_ce_max(max, logits);
     {
       TraceScope s("tp all_reduce (max logit)", Lane::Comm);

@@ -2,12 +2,14 @@
 //
 // The playbook's pipeline chapter, runnable. The decoder layers are cut into p·V contiguous
 // virtual stages (L/(p·V) layers each, or an uneven split); virtual stage k = c·p + s is chunk c
-// of rank s (Megatron's round-robin assignment: with V = 1 rank s holds one contiguous run). The embedding goes with
-// virtual stage 0 (rank 0), the final norm, LM head and loss with virtual stage p·V − 1 (rank
-// p − 1). The m = batch/micro-batch micro-batches of a step flow through the stages:
+// of rank s (Megatron's round-robin assignment: with V = 1 rank s holds one contiguous run). The
+// embedding goes with virtual stage 0 (rank 0), the final norm, LM head and loss with virtual
+// stage p·V − 1 (rank p − 1). The m = batch/micro-batch micro-batches of a step flow through the
+// stages; the idle time this leaves each rank is the bubble:
 //   afab         all forwards, then all backwards (GPipe, Huang et al. 2019);
-//   1f1b         p − s − 1 warm-up forwards, then one forward one backward, then the cool-down
-//                (PipeDream-1F1B, Narayanan et al.): at most p − s micro-batches in flight;
+//   1f1b         p − s − 1 warm-up forwards, then the steady state of one forward one backward,
+//                then the cool-down's backwards (PipeDream-1F1B, Narayanan et al.): at most
+//                p − s micro-batches in flight;
 //   interleaved  1F1B over V chunks per rank (Megatron's order; m a multiple of p);
 //   zb-h1        each backward split into B (input gradient, on the critical path) and W (weight
 //                gradient), W moved into the bubbles (Qi et al. 2023, "Zero Bubble Pipeline
@@ -23,6 +25,7 @@
 #ifndef TS_05_PIPELINE_PARALLEL_CU
 #define TS_05_PIPELINE_PARALLEL_CU
 #include <algorithm>
+#include <cctype>
 #include <cstdlib>
 #include <map>
 #include <memory>
@@ -69,32 +72,33 @@ struct Action {
 };
 inline bool is_compute(Op o) { return o == Op::F || o == Op::B || o == Op::W; }
 
-struct Timed {
-  Action a;
-  int start, dur;
+// A compute action placed on the simulated clock: it runs in slots [start, start + slots).
+struct TimedAction {
+  Action action;
+  int start, slots;
 };
 
-// The whole schedule: per rank the compute actions with their simulated slots and the full list
-// with the p2p actions in place. A virtual stage of n layers costs F = n, B = 2n (or B = n and
-// W = n when split) in units of the smallest stage's layer count's divisor (1 each when even).
+// The whole schedule: per rank the compute actions with their simulated slots (the timeline)
+// and the full list with the p2p actions in place. A slot is the time one layer's forward takes
+// (g layers' when every stage's layer count is a multiple of g: see stage_costs).
 struct Plan {
   int p = 1, m = 1, V = 1;
   Schedule schedule = Schedule::OneFOneB;
   std::vector<int> layers;  // per virtual stage k: its decoder layers (the split)
-  std::vector<std::vector<Timed>> timeline;
+  std::vector<std::vector<TimedAction>> timeline;
   std::vector<std::vector<Action>> actions;
-  int makespan = 0;
+  int makespan = 0;       // the slot at which the last action of any rank finishes
   bool complete = false;  // the simulation ran every action (false: the order deadlocks)
-  int K() const { return p * V; }
+  int K() const { return p * V; }  // virtual stages in all
   int stage(int rank, int chunk) const { return chunk * p + rank; }
   // A rank's compute slots; the busiest rank's set the pace of the pipeline.
   int busy(int rank) const {
     int b = 0;
-    for (const Timed& t : timeline[size_t(rank)]) b += t.dur;
+    for (const TimedAction& t : timeline[size_t(rank)]) b += t.slots;
     return b;
   }
   int busiest() const {
-    int b = 1;
+    int b = 1;  // at least one slot, so that bubble() never divides by 0
     for (int r = 0; r < p; r++) b = std::max(b, busy(r));
     return b;
   }
@@ -119,9 +123,13 @@ struct Plan {
 // 1F1B, the most micro-batches in flight), then inwards: 126 layers on 16 stages are 7, 8 × 14, 7
 // (Llama 3 405B's pipeline, Megatron's --decoder-first/last-pipeline-num-layers).
 inline std::vector<int> balanced_split(int L, int K) {
-  const int n = (L + K - 1) / K;
-  std::vector<int> s(size_t(K), n);
-  for (int d = K * n - L, i = 0; d > 0; d--, i++) s[size_t(i % 2 ? i / 2 : K - 1 - i / 2)]--;
+  const int most = (L + K - 1) / K;  // ⌈L/K⌉ layers per stage
+  std::vector<int> s(size_t(K), most);
+  // K·⌈L/K⌉ − L layers too many: the i-th comes off stage K−1, 0, K−2, 1, … (from the ends inwards).
+  for (int surplus = K * most - L, i = 0; surplus > 0; surplus--, i++) {
+    const int k = i % 2 ? i / 2 : K - 1 - i / 2;
+    s[size_t(k)]--;
+  }
   return s;
 }
 // --stage-layers a,b,…: one count per virtual stage (k = c·p + s), each >= 1, summing to L.
@@ -165,102 +173,139 @@ inline std::vector<Action> afab_order(int m) {
   return o;
 }
 
-// Megatron's interleaved order over m·V (micro-batch, chunk) units: groups of p micro-batches
-// walk the chunks forward (backward: in reverse); warm-up 2(p − s − 1) + (V − 1)·p units, then
-// one forward one backward. V = 1 with warm-up p − s − 1 is plain 1F1B.
+// Megatron's interleaved order over rank s's m·V (micro-batch, chunk) units: they come in rounds
+// of p micro-batches × V chunks, and within a round the chunks take turns, each for the round's p
+// micro-batches, forwards in chunk order and backwards in reverse. Warm-up: 2(p − s − 1) +
+// (V − 1)·p forwards; steady state: one forward, one backward; cool-down: the backwards left.
+// V = 1 with a warm-up of p − s − 1 forwards is plain 1F1B.
 inline std::vector<Action> one_f_one_b_order(int p, int m, int V, int s) {
-  const int total = m * V;
-  int warm = V == 1 ? p - s - 1 : 2 * (p - s - 1) + (V - 1) * p;
-  warm = std::min(warm, total);
+  const int units = m * V;
+  const int warmup = std::min(units, V == 1 ? p - s - 1 : 2 * (p - s - 1) + (V - 1) * p);
+  // The i-th forward (or backward) unit: round i / (p·V), chunk (i mod p·V) / p of the round,
+  // micro-batch i mod p of the round.
   auto unit = [&](Op op, int i) {
-    const int c = (i % (p * V)) / p, mb = (i / (p * V)) * p + i % p;
-    return Action{op, mb, op == Op::F ? c : V - 1 - c};
+    const int round = i / (p * V), chunk = (i % (p * V)) / p, mb = round * p + i % p;
+    return Action{op, mb, op == Op::F ? chunk : V - 1 - chunk};
   };
   std::vector<Action> o;
-  for (int i = 0; i < warm; i++) o.push_back(unit(Op::F, i));
-  for (int i = 0; i < total - warm; i++) {
-    o.push_back(unit(Op::F, warm + i));
+  for (int i = 0; i < warmup; i++) o.push_back(unit(Op::F, i));  // warm-up
+  for (int i = 0; i < units - warmup; i++) {                      // steady state
+    o.push_back(unit(Op::F, warmup + i));
     o.push_back(unit(Op::B, i));
   }
-  for (int i = total - warm; i < total; i++) o.push_back(unit(Op::B, i));
+  for (int i = units - warmup; i < units; i++) o.push_back(unit(Op::B, i));  // cool-down
   return o;
 }
 
-// The simulator: slot by slot, a free rank starts its next action once its inputs are done.
-// Fixed orders take the next action of their list; ZB-H1 picks greedily: a ready B first (it
-// is on the critical path), else an F while fewer than p − s micro-batches hold activations
-// (F done, W not: 1F1B's bound), else the oldest pending W (it fills what would be a bubble).
+// ----- the simulator ------------------------------------------------------------------------------
+
+// Each virtual stage's cost in slots: its F takes cost_k slots and its B 2·cost_k (the input and
+// the weight gradients, each a matmul the size of the forward's), or, split under ZB-H1, B and W
+// cost_k each. cost_k is stage k's layer count over g, the greatest common divisor of all the
+// counts, so an even split costs one slot per F: the playbook's unit-cost charts.
+inline std::vector<int> stage_costs(const std::vector<int>& layers) {
+  int g = 0;
+  for (int n : layers) g = std::gcd(g, n);
+  std::vector<int> cost;
+  for (int n : layers) cost.push_back(n / std::max(1, g));
+  return cost;
+}
+
+// The simulator plays every rank's compute order on one clock, slot by slot: at each slot an idle
+// rank starts its next action if that action's inputs have finished. F(mb, k) needs F(mb, k − 1);
+// B(mb, k) needs F(mb, k) and B(mb, k + 1); W(mb, k) needs B(mb, k). AFAB, 1F1B and interleaved
+// follow their orders. ZB-H1 follows 1F1B's order of F and B and fits the W's in: when the next F
+// or B cannot start, the rank runs its oldest pending W instead (what would be a bubble), and an F
+// waits, the W's going first, while p micro-batches hold activations (F done, W not: 1F1B's bound
+// at stage 0). A slot in which a rank neither computes nor can start anything is a bubble.
 class Simulator {
  public:
-  Simulator(int p, int m, int V, bool split, std::vector<int> layers) : p_(p), m_(m), V_(V), split_(split) {
-    fF_.assign(size_t(m * p * V), -1);
-    fB_ = fF_;
-    int g = 0;
-    for (int n : layers) g = std::gcd(g, n);
-    for (int n : layers) w_.push_back(n / std::max(1, g));
-  }
+  Simulator(int p, int m, int V, bool split_backward, const std::vector<int>& layers)
+      : p_(p), m_(m), V_(V), split_(split_backward), stage_cost_(stage_costs(layers)),
+        forward_finish_(size_t(m * p * V), -1), backward_finish_(size_t(m * p * V), -1) {}
+
   Plan run(Schedule sched) {
     Plan pl;
     pl.p = p_, pl.m = m_, pl.V = V_, pl.schedule = sched;
-    const int heaviest = *std::max_element(w_.begin(), w_.end());
     pl.timeline.resize(size_t(p_));
     std::vector<std::vector<Action>> order{size_t(p_)};
     for (int s = 0; s < p_; s++) order[s] = sched == Schedule::AFAB ? afab_order(m_) : one_f_one_b_order(p_, m_, V_, s);
-    std::vector<int> free_at(size_t(p_), 0), next(size_t(p_), 0), nF(size_t(p_), 0), nB(size_t(p_), 0), nW(size_t(p_), 0);
-    const int need = m_ * V_ * (split_ ? 3 : 2);
-    const int limit = heaviest * (4 * (3 * m_ * V_ + 3 * p_) + 8);
-    int done = 0;
-    for (int t = 0; t < limit && done < need * p_; t++)
+    // Per rank: the slot it is busy until, its place in its order, and the F, B and W it started.
+    std::vector<int> busy_until(size_t(p_), 0), next(size_t(p_), 0);
+    std::vector<int> forwards(size_t(p_), 0), backwards(size_t(p_), 0), weight_grads(size_t(p_), 0);
+    const int actions_per_rank = m_ * V_ * (split_ ? 3 : 2);  // F and B (and W) per micro-batch and chunk
+    const int in_flight_limit = p_;                          // ZB-H1: most micro-batches with F done, W not
+    const int last_slot = total_work();                       // see total_work: past it, a deadlock
+    int started = 0;
+    for (int t = 0; t < last_slot && started < actions_per_rank * p_; t++)
       for (int s = 0; s < p_; s++) {
-        if (free_at[s] > t) continue;
-        Action a{Op::F, -1, 0};
-        const bool more = next[s] < int(order[s].size());
-        const bool held = split_ && more && order[s][next[s]].op == Op::F && nF[s] - nW[s] >= p_;
-        if (more && !held && ready(order[s][next[s]], s, t)) {
+        if (busy_until[s] > t) continue;
+        Action a{};
+        const bool in_order = next[s] < int(order[s].size());
+        const bool too_many_in_flight =
+            split_ && in_order && order[s][next[s]].op == Op::F && forwards[s] - weight_grads[s] >= in_flight_limit;
+        if (in_order && !too_many_in_flight && inputs_ready(order[s][next[s]], s, t)) {
           a = order[s][next[s]++];
-          (a.op == Op::B ? nB : nF)[s]++;
-        } else if (split_ && nW[s] < nB[s] && by(fB_[idx(nW[s], s)], t)) {
-          a = {Op::W, nW[s]++, 0};
+          (a.op == Op::B ? backwards : forwards)[s]++;
+        } else if (split_ && weight_grads[s] < backwards[s] &&
+                   finished_by(backward_finish_[at(weight_grads[s], s)], t)) {
+          a = {Op::W, weight_grads[s]++, 0};  // ZB-H1 has V = 1: chunk 0, micro-batches in order
+        } else {
+          continue;  // nothing can start: a bubble slot
         }
-        if (a.mb < 0) continue;
-        const int k = a.chunk * p_ + s;
-        const int dur = w_[size_t(k)] * (a.op == Op::B && !split_ ? 2 : 1);
-        if (a.op == Op::F) fF_[idx(a.mb, k)] = t + dur;
-        if (a.op == Op::B) fB_[idx(a.mb, k)] = t + dur;
-        pl.timeline[s].push_back({a, t, dur});
-        pl.makespan = std::max(pl.makespan, t + dur);
-        free_at[s] = t + dur;
-        done++;
+        const int k = pl.stage(s, a.chunk);
+        const int slots = stage_cost_[size_t(k)] * (a.op == Op::B && !split_ ? 2 : 1);
+        if (a.op == Op::F) forward_finish_[at(a.mb, k)] = t + slots;
+        if (a.op == Op::B) backward_finish_[at(a.mb, k)] = t + slots;
+        pl.timeline[s].push_back({a, t, slots});
+        pl.makespan = std::max(pl.makespan, t + slots);
+        busy_until[s] = t + slots;
+        started++;
       }
-    pl.complete = done == need * p_;
+    pl.complete = started == actions_per_rank * p_;
     return pl;
   }
 
  private:
-  int idx(int mb, int k) const { return mb * p_ * V_ + k; }
-  static bool by(int finish, int t) { return finish >= 0 && finish <= t; }
-  bool ready(const Action& a, int s, int t) const {
+  // The slot by which every schedule that can finish has finished: all ranks' work added up,
+  // m·Σ_k 3·cost_k (per micro-batch and virtual stage F + B = 1 + 2, or F + B + W = 1 + 1 + 1,
+  // times the stage's cost). Until the last action finishes some rank computes in every slot: a
+  // slot where every rank is idle and none can start leaves every finish time and count as it
+  // was, so no later slot can start anything either, and the order has deadlocked. So a schedule
+  // that completes has a makespan of at most the sum of its actions' slots, and one still short
+  // of its actions there never completes (Plan::complete false).
+  int total_work() const {
+    int slots = 0;
+    for (int cost : stage_cost_) slots += 3 * cost;
+    return m_ * slots;
+  }
+  int at(int mb, int k) const { return mb * p_ * V_ + k; }  // (micro-batch, virtual stage) in the finish tables
+  static bool finished_by(int finish, int t) { return finish >= 0 && finish <= t; }
+  bool inputs_ready(const Action& a, int s, int t) const {
     const int k = a.chunk * p_ + s, K = p_ * V_;
-    if (a.op == Op::F) return k == 0 || by(fF_[idx(a.mb, k - 1)], t);
-    if (a.op == Op::B) return by(fF_[idx(a.mb, k)], t) && (k == K - 1 || by(fB_[idx(a.mb, k + 1)], t));
-    return by(fB_[idx(a.mb, k)], t);
+    if (a.op == Op::F) return k == 0 || finished_by(forward_finish_[at(a.mb, k - 1)], t);
+    if (a.op == Op::B)
+      return finished_by(forward_finish_[at(a.mb, k)], t) &&
+             (k == K - 1 || finished_by(backward_finish_[at(a.mb, k + 1)], t));
+    return finished_by(backward_finish_[at(a.mb, k)], t);  // W
   }
   int p_, m_, V_;
-  bool split_;
-  std::vector<int> w_;        // per virtual stage: its cost in slots (layers over their gcd)
-  std::vector<int> fF_, fB_;  // finish slot of F / B per (micro-batch, virtual stage); -1 not yet
+  bool split_;                      // ZB-H1: B is the input gradient only, W the weight gradients
+  std::vector<int> stage_cost_;     // per virtual stage: the slots of its F (stage_costs)
+  std::vector<int> forward_finish_, backward_finish_;  // per (micro-batch, virtual stage): the slot its
+                                                       // F / B finishes; -1 before it starts
 };
 
 // The rank that runs virtual stage k, and the p2p actions around each compute action: an F
 // past the first virtual stage receives its input, one before the last sends its output; a B
 // before the last receives its output gradient, one past the first sends its input gradient.
 // Nothing travels between two virtual stages of one rank (p = 1).
-inline int stage_rank(const Plan& pl, int k) { return ((k % pl.p) + pl.p) % pl.p; }
+inline int stage_rank(const Plan& pl, int k) { return k % pl.p; }  // k = c·p + s
 inline void add_p2p(Plan& pl) {
   pl.actions.assign(size_t(pl.p), {});
   for (int s = 0; s < pl.p; s++)
-    for (const Timed& t : pl.timeline[s]) {
-      const Action& a = t.a;
+    for (const TimedAction& t : pl.timeline[s]) {
+      const Action& a = t.action;
       const int k = pl.stage(s, a.chunk);
       const bool from_prev = k > 0 && stage_rank(pl, k - 1) != s, to_next = k < pl.K() - 1 && stage_rank(pl, k + 1) != s;
       std::vector<Action>& l = pl.actions[s];
@@ -274,6 +319,7 @@ inline void add_p2p(Plan& pl) {
 
 // One message between two ranks: (direction, micro-batch, sending virtual stage).
 struct Message {
+  static constexpr int kActivation = 0, kGradient = 1;  // dir: forward, backward
   int dir, mb, from;
   bool operator<(const Message& o) const { return std::tie(dir, mb, from) < std::tie(o.dir, o.mb, o.from); }
   bool operator==(const Message& o) const { return dir == o.dir && mb == o.mb && from == o.from; }
@@ -281,13 +327,20 @@ struct Message {
 inline Message message_of(const Plan& pl, int s, const Action& a) {
   const int k = pl.stage(s, a.chunk);
   switch (a.op) {
-    case Op::SendAct: return {0, a.mb, k};
-    case Op::RecvAct: return {0, a.mb, k - 1};
-    case Op::SendGrad: return {1, a.mb, k};
-    default: return {1, a.mb, k + 1};  // RecvGrad
+    case Op::SendAct: return {Message::kActivation, a.mb, k};
+    case Op::RecvAct: return {Message::kActivation, a.mb, k - 1};
+    case Op::SendGrad: return {Message::kGradient, a.mb, k};
+    default: return {Message::kGradient, a.mb, k + 1};  // RecvGrad
   }
 }
 inline bool is_send(Op o) { return o == Op::SendAct || o == Op::SendGrad; }
+// A message's MPI tag where messages are matched by tag (the executor's buffered sends): its
+// number among the step's 2·K·m messages, (dir·K + from)·m + mb, wrapped at 32768 because MPI
+// guarantees only tags 0 .. 32767 (the standard's least MPI_TAG_UB). Distinct while 2·p·V·m <= 32768.
+constexpr int kMpiTagsGuaranteed = 32768;
+inline int message_tag(const Plan& pl, const Message& msg) {
+  return ((msg.dir * pl.K() + msg.from) * pl.m + msg.mb) % kMpiTagsGuaranteed;
+}
 inline int peer_of(const Plan& pl, int s, const Action& a) {
   const int k = pl.stage(s, a.chunk);
   return stage_rank(pl, a.op == Op::SendAct || a.op == Op::RecvGrad ? k + 1 : k - 1);
@@ -315,7 +368,7 @@ inline bool completes_under_rendezvous(const Plan& pl) {
   const int p = pl.p;
   std::vector<std::vector<std::vector<Action>>> groups{size_t(p)};
   for (int s = 0; s < p; s++) groups[s] = p2p_groups(pl.actions[s]);
-  std::vector<size_t> at(size_t(p), size_t(0));
+  std::vector<size_t> at(size_t(p), size_t(0));  // per rank: the group it has posted
   std::vector<std::map<Message, bool>> done{size_t(p)};
   for (bool progress = true; progress;) {
     progress = false;
@@ -325,12 +378,13 @@ inline bool completes_under_rendezvous(const Plan& pl) {
       for (const Action& a : groups[s][at[s]]) {
         const Message msg = message_of(pl, s, a);
         if (done[s][msg]) continue;
-        const int q = peer_of(pl, s, a);
-        bool matched = false;
-        if (at[q] < groups[q].size())
-          for (const Action& b : groups[q][at[q]])
-            if (is_send(b.op) != is_send(a.op) && message_of(pl, q, b) == msg && peer_of(pl, q, b) == s) matched = true;
-        if (matched) done[s][msg] = done[q][msg] = true;
+        const int peer = peer_of(pl, s, a);
+        bool matched = false;  // the peer's posted group holds the other end of msg
+        if (at[peer] < groups[peer].size())
+          for (const Action& b : groups[peer][at[peer]])
+            if (is_send(b.op) != is_send(a.op) && message_of(pl, peer, b) == msg && peer_of(pl, peer, b) == s)
+              matched = true;
+        if (matched) done[s][msg] = done[peer][msg] = true;
         else all = false;
       }
       if (all) at[s]++, progress = true;
@@ -364,11 +418,11 @@ inline std::vector<std::string> schedule_chart(const Plan& pl) {
   std::vector<std::string> rows;
   for (int s = 0; s < pl.p; s++) {
     std::string op(size_t(pl.makespan), '.'), mb(size_t(pl.makespan), ' ');
-    for (const Timed& t : pl.timeline[s])
-      for (int i = t.start; i < t.start + t.dur; i++) {
-        const char c = "FBW"[int(t.a.op)];
-        op[size_t(i)] = t.a.chunk % 2 ? char(c - 'A' + 'a') : c;
-        mb[size_t(i)] = char('0' + t.a.mb % 10);
+    for (const TimedAction& t : pl.timeline[s])
+      for (int i = t.start; i < t.start + t.slots; i++) {
+        const char c = t.action.op == Op::F ? 'F' : t.action.op == Op::B ? 'B' : 'W';
+        op[size_t(i)] = t.action.chunk % 2 ? char(std::tolower(c)) : c;
+        mb[size_t(i)] = char('0' + t.action.mb % 10);
       }
     rows.push_back("stage " + std::to_string(s) + " |" + op + "|");
     rows.push_back("        |" + mb + "|");
@@ -425,10 +479,15 @@ inline double deferred_bytes_per_token(const ModelConfig& c, DType dt) {
   return ((3 * D + 2 * KV + 2 * F) + (3 * D + F)) * e;
 }
 // The extra a layer's deferred B holds on top of its complete set: the MLP's three snapshots
-// before its saved tensors go, or, later, all seven after g, u, x_mid and 1/rms₂ went.
+// (down D, gate and up F) before its saved tensors go, or, later, all seven snapshots (3D + 2KV +
+// 2F) less what went from the complete set by then: g and u (F each), x_mid (D) and 1/rms₂ (one
+// fp32 per token, as layer_activation_bytes counts the norms' statistics).
 inline double deferred_b_peak_per_token(const ModelConfig& c, DType dt) {
   const double e = dtype_size(dt), D = c.dim, KV = c.kv_dim(), F = c.ffn;
-  return std::max((D + 2 * F) * e, (2 * D + 2 * KV) * e - 4);
+  const double rstd_bytes = sizeof(float);  // 1/rms₂ of one token
+  const double mlp_snapshots = (D + 2 * F) * e;
+  const double all_snapshots_less_freed = (3 * D + 2 * KV + 2 * F) * e - (2 * F + D) * e - rstd_bytes;
+  return std::max(mlp_snapshots, all_snapshots_less_freed);
 }
 
 // Peak saved activations of a rank, by replaying its compute list: a micro-batch chunk holds its
@@ -440,22 +499,28 @@ inline double deferred_b_peak_per_token(const ModelConfig& c, DType dt) {
 inline double predict_stage_activations(const Plan& pl, int rank, const ModelConfig& c, int64_t b, DType dt, Recompute rc,
                                         int tp = 1, bool sp = false) {
   const double tokens = double(b) * c.seq, e = dtype_size(dt) * (sp ? 1.0 / tp : 1.0);
-  const double S = layer_activation_bytes(c, dt, rc, tp, sp), all = layer_activation_bytes(c, dt, Recompute::None, tp, sp);
-  const double Wd = deferred_bytes_per_token(c, dt), X = deferred_b_peak_per_token(c, dt);
+  // Bytes per token: a layer's saved set under the recompute mode, its complete set, its output
+  // (the next layer's input, [b·s, h]), its deferred set between B and W, the extra inside its B.
+  const double saved = layer_activation_bytes(c, dt, rc, tp, sp);
+  const double complete = layer_activation_bytes(c, dt, Recompute::None, tp, sp), output = c.dim * e;
+  const double deferred = deferred_bytes_per_token(c, dt), in_b = deferred_b_peak_per_token(c, dt);
   double peak = 0, held = 0;  // bytes per token held by chunks in flight
-  for (const Timed& t : pl.timeline[rank]) {
-    const bool last = pl.stage(rank, t.a.chunk) == pl.K() - 1;
-    const double n = pl.layers[size_t(pl.stage(rank, t.a.chunk))];
-    if (t.a.op == Op::F) {
-      peak = std::max(peak, held + (n - 1) * S + all + c.dim * e);
-      if (last) peak = std::max(peak, held + n * S + head_activation_bytes(c, dt, tp, sp));
-      held += n * S;
-    } else if (t.a.op == Op::B && pl.schedule == Schedule::ZBH1) {
-      held -= n * S;
-      for (int i = 0; i < int(n); i++) peak = std::max(peak, held + (n - 1 - i) * S + i * Wd + all + X);
-      held += n * Wd;
+  for (const TimedAction& t : pl.timeline[rank]) {
+    const Action& a = t.action;
+    const bool last = pl.stage(rank, a.chunk) == pl.K() - 1;
+    const double n = pl.layers[size_t(pl.stage(rank, a.chunk))];
+    if (a.op == Op::F) {
+      peak = std::max(peak, held + (n - 1) * saved + complete + output);
+      if (last) peak = std::max(peak, held + n * saved + head_activation_bytes(c, dt, tp, sp));
+      held += n * saved;
+    } else if (a.op == Op::B && pl.schedule == Schedule::ZBH1) {
+      held -= n * saved;
+      // Inside the B of the chunk's i-th layer from the top: n − 1 − i layers still saved, i deferred.
+      for (int i = 0; i < int(n); i++)
+        peak = std::max(peak, held + (n - 1 - i) * saved + i * deferred + complete + in_b);
+      held += n * deferred;
     } else {
-      held -= t.a.op == Op::B ? n * S : n * Wd;
+      held -= a.op == Op::B ? n * saved : n * deferred;
     }
   }
   return tokens * peak;
@@ -469,9 +534,11 @@ inline double predict_stage_activations(const Plan& pl, int rank, const ModelCon
 inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int p, int m, int V, int rank,
                                  double token_share = 1.0) {
   if (p == 1) return 0;
-  const double K = double(b) * c.seq * token_share * c.dim * dtype_size(dt);
+  const double tensor_bytes = double(b) * c.seq * token_share * c.dim * dtype_size(dt);  // [b·s, h]
+  // m·V of each, less the last virtual stage's activations and the first's gradients (rank p − 1's
+  // and rank 0's last and first chunks: they have no next or previous stage).
   const double acts = double(m) * V - (rank == p - 1 ? m : 0), grads = double(m) * V - (rank == 0 ? m : 0);
-  return (acts + grads) * K;
+  return (acts + grads) * tensor_bytes;
 }
 
 // ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
@@ -557,7 +624,7 @@ class Pipeline {
   std::function<ForwardState(const TokenData& data, long step, int mb)> begin_microbatch;
   // Called before each compute action: a data-parallel reducer on a larger mesh turns its sync
   // on for the last micro-batch, so each bucket leaves as soon as that micro-batch's backward
-  // has finished its units, during the cooldown, not after the flush.
+  // has finished its units, during the cool-down, not after the flush.
   std::function<void(const Action& a)> before_compute;
 
   // Runs this rank's action list for one step. The last stage's head adds the token losses to
@@ -602,7 +669,7 @@ class Pipeline {
 
   void compute(const Action& a, const TokenData& data, const RunConfig& rc, long step) {
     const int k = pl_.stage(rank_, a.chunk), L = m_.cfg.layers, T = rc.model.seq, b = rc.micro_batch;
-    const auto [ub, ue] = stage_units(pl_.layers, k);
+    const auto [ub, ue] = stage_units(pl_.layers, k);  // units [ub, ue): 0 embedding, 1..L layers, L + 1 head
     if (!st_.count(a.mb)) {
       if (begin_microbatch) {
         st_.emplace(a.mb, begin_microbatch(data, step, a.mb));
@@ -616,7 +683,8 @@ class Pipeline {
     if (a.op == Op::F) {
       TraceScope ts("F" + what);
       Tensor x = k == 0 ? Tensor() : take(acts_, key(a.mb, k));
-      for (int u = ub; u < ue; u++) m_.unit_forward(u, st, x, 1.f / (float(rc.batch) * T));
+      const float grad_scale = 1.f / (float(rc.batch) * T);  // the loss is the mean over the step's tokens
+      for (int u = ub; u < ue; u++) m_.unit_forward(u, st, x, grad_scale);
       if (k == K() - 1) {
         // The head added this micro-batch's token losses to the model's tally, in micro-batch
         // order as 01 adds them.
@@ -628,10 +696,12 @@ class Pipeline {
       const bool defer = pl_.schedule == Schedule::ZBH1;
       TraceScope ts((defer ? "B (input grad)" : "B") + what);
       Tensor dx = take(grads_, key(a.mb, k));
+      // The head (unit L + 1) ran its backward inside its F; the other units go top down.
       for (int u = std::min(ue, L + 1) - 1; u >= ub; u--) m_.unit_backward(u, st, dx, defer);
       if (k > 0) grads_[key(a.mb, k - 1)] = dx;
     } else {
       TraceScope ts("W" + what);
+      // The decoder layers' deferred matmuls; the embedding's backward (unit 0) deferred nothing.
       for (int u = std::min(ue, L + 1) - 1; u >= std::max(ub, 1); u--) m_.unit_backward_weights(u, st);
     }
   }
@@ -653,7 +723,7 @@ class Pipeline {
       const Message msg = message_of(pl_, rank_, a);
       // Grouped lists keep one order per link at both ends (the rendezvous check proves it), so
       // messages match in order under one tag; buffered ones are matched by a tag per message.
-      const int tag = grouped_ ? 0 : ((msg.dir * K() + msg.from) * pl_.m + msg.mb) % 32768;
+      const int tag = grouped_ ? 0 : message_tag(pl_, msg);
       const int peer = peer_of(pl_, rank_, a);
       const int k = pl_.stage(rank_, a.chunk);
       if (is_send(a.op)) {

@@ -1,10 +1,11 @@
 // ranks: 1
-// Every op of kernels.h (and 04's vocabulary-parallel cross-entropy) against a plain
-// double-precision reference written here, at awkward sizes (odd dimensions, sequence lengths that
-// are no multiple of any tile, GQA ratios 1, 2, 4); each tuned CPU kernel (kernels_cpu.cu) against
-// its plain-loop reference (ts::ref, kernels_ref.cu) within bounds a real bug breaks by orders of
-// magnitude ("[ref]"); plus determinism, bf16, the allocator's accounting and the counter-based
-// RNG. With a GPU, every CUDA twin is also checked against the CPU implementation ("cuda twin: <op>").
+// Every op of kernels.h against a plain double-precision reference written here (the
+// vocabulary-parallel cross-entropy's steps against the fused op), at awkward sizes (odd
+// dimensions, sequence lengths that are no multiple of any tile, GQA ratios 1, 2, 4); each tuned
+// CPU kernel (kernels_cpu.cu) against its plain-loop reference (ts::ref, kernels_ref.cu) within
+// bounds a real bug breaks by orders of magnitude ("[ref]"); plus determinism, bf16, the
+// allocator's accounting and the counter-based RNG. With a GPU, every CUDA twin is also checked
+// against the CPU implementation ("cuda twin: <op>").
 #include <catch2/catch.hpp>
 #include <cblas.h>
 #include <omp.h>
@@ -16,7 +17,6 @@
 #include <string>
 #include <vector>
 
-#include "../04_tensor_parallel.cu"  // tp::vocab_ce_*: the vocabulary-parallel cross-entropy
 #include "tensor/core.h"
 #include "tensor/rng.h"
 #include "kernels/kernels.h"
@@ -742,21 +742,21 @@ void vocab_parallel_ce(Vec& losses, Vec& dl, const Vec& x, const IVec& t, int tp
   Vec M(N, -std::numeric_limits<float>::infinity()), S(2 * N, 0.0f);
   Tensor mx = f32({N}), stats = f32({2, N});
   for (int r = 0; r < tp; r++) {
-    tp::vocab_ce_max(mx, blocks[r]);
+    vocab_ce_max(mx, blocks[r]);
     for (int64_t n = 0; n < N; n++) M[n] = std::max(M[n], mx.f32()[n]);
   }
   const Tensor Mt = make({N}, M);
   for (int r = 0; r < tp; r++) {
-    tp::vocab_ce_stats(stats, blocks[r], Mt, tg, start(r));
+    vocab_ce_stats(stats, blocks[r], Mt, tg, start(r));
     for (int64_t i = 0; i < 2 * N; i++) S[i] += stats.f32()[i];
   }
   const Tensor St = make({2, N}, S);
   dl.assign(N * V, 0.0f);
   for (int r = 0; r < tp; r++) {
     Tensor l = f32({N});
-    tp::vocab_ce_finish(l, Tensor(), blocks[r], Mt, St, tg, start(r), scale);
+    vocab_ce_finish(l, Tensor(), blocks[r], Mt, St, tg, start(r), scale);
     const Vec alone = host(l);
-    tp::vocab_ce_finish(l, blocks[r], blocks[r], Mt, St, tg, start(r), scale);
+    vocab_ce_finish(l, blocks[r], blocks[r], Mt, St, tg, start(r), scale);
     if (r == 0) losses = host(l);
     REQUIRE(bitwise_equal(host(l), losses));
     REQUIRE(bitwise_equal(alone, losses));
@@ -1045,9 +1045,9 @@ std::vector<Named> run_all_ops(DType dt) {
   r.push_back({"cross_entropy dlogits", host(logits)});
   // One vocabulary shard starting at row 10: rows whose target is below it own no target.
   Tensor shard = act({N, V}, 15, 3.0f), mx = f32({N}), stats = f32({2, N}), vlosses = f32({N});
-  tp::vocab_ce_max(mx, shard);
-  tp::vocab_ce_stats(stats, shard, mx, tok, 10);
-  tp::vocab_ce_finish(vlosses, shard, shard, mx, stats, tok, 10, 1.0f / N);
+  vocab_ce_max(mx, shard);
+  vocab_ce_stats(stats, shard, mx, tok, 10);
+  vocab_ce_finish(vlosses, shard, shard, mx, stats, tok, 10, 1.0f / N);
   r.push_back({"vocab_ce stats", host(stats)});
   r.push_back({"vocab_ce loss", host(vlosses)});
   r.push_back({"vocab_ce dlogits", host(shard)});
@@ -1640,14 +1640,14 @@ TEST_CASE("cuda twin: vocabulary-parallel cross-entropy", "[cuda]") {
   for (DType dt : {DType::F32, DType::BF16}) {
     Tensor logits = make({N, Vl}, lg, dt), mx = make({N}, Vec(N, 0.f)), stats = make({2, N}, Vec(2 * N, 0.f));
     Tensor losses = make({N}, Vec(N, 0.f));
-    twin("vocab_ce_max", {mx, logits}, {0}, [](auto& t) { tp::vocab_ce_max(t[0], t[1]); }, 0);
-    tp::vocab_ce_max(mx, logits);
+    twin("vocab_ce_max", {mx, logits}, {0}, [](auto& t) { vocab_ce_max(t[0], t[1]); }, 0);
+    vocab_ce_max(mx, logits);
     scale_inplace(mx, 1.25f);  // a global max above this shard's own, as from another rank
     twin("vocab_ce_stats", {stats, logits, mx, tgt}, {0},
-         [=](auto& t) { tp::vocab_ce_stats(t[0], t[1], t[2], t[3], vs); }, 1e-5);
-    tp::vocab_ce_stats(stats, logits, mx, tgt, vs);
+         [=](auto& t) { vocab_ce_stats(t[0], t[1], t[2], t[3], vs); }, 1e-5);
+    vocab_ce_stats(stats, logits, mx, tgt, vs);
     twin("vocab_ce_finish", {losses, logits, mx, stats, tgt}, {0, 1},
-         [=](auto& t) { tp::vocab_ce_finish(t[0], t[1], t[1], t[2], t[3], t[4], vs, 0.25f); }, tol_for(dt, 1e-5));
+         [=](auto& t) { vocab_ce_finish(t[0], t[1], t[1], t[2], t[3], t[4], vs, 0.25f); }, tol_for(dt, 1e-5));
   }
 }
 

@@ -56,24 +56,26 @@ TEST_CASE("every micro-batch gets one F and one B (and one W) per chunk, in depe
         int count = 0;
         for (int r = 0; r < p; r++) {
           int free = 0;
-          for (const pp::Timed& t : pl.timeline[r]) {
+          for (const pp::TimedAction& t : pl.timeline[r]) {
             CHECK(t.start >= free);  // one action at a time per rank
-            free = t.start + t.dur;
-            const int k = pl.stage(r, t.a.chunk);
-            CHECK(finish.emplace(std::make_tuple(int(t.a.op), t.a.mb, k), free).second);  // exactly once
+            free = t.start + t.slots;
+            const int k = pl.stage(r, t.action.chunk);
+            CHECK(finish.emplace(std::make_tuple(int(t.action.op), t.action.mb, k), free).second);  // exactly once
             count++;
           }
         }
         const int per = s == pp::Schedule::ZBH1 ? 3 : 2;
         CHECK(count == per * m * V * p);
         for (int r = 0; r < p; r++)
-          for (const pp::Timed& t : pl.timeline[r]) {
-            const int k = pl.stage(r, t.a.chunk), K = pl.K();
-            auto done_by = [&](pp::Op op, int kk) { return finish.at(std::make_tuple(int(op), t.a.mb, kk)) <= t.start; };
-            if (t.a.op == pp::Op::F && k > 0) CHECK(done_by(pp::Op::F, k - 1));
-            if (t.a.op == pp::Op::B) CHECK(done_by(pp::Op::F, k));
-            if (t.a.op == pp::Op::B && k < K - 1) CHECK(done_by(pp::Op::B, k + 1));
-            if (t.a.op == pp::Op::W) CHECK(done_by(pp::Op::B, k));
+          for (const pp::TimedAction& t : pl.timeline[r]) {
+            const int k = pl.stage(r, t.action.chunk), K = pl.K();
+            auto done_by = [&](pp::Op op, int kk) {
+              return finish.at(std::make_tuple(int(op), t.action.mb, kk)) <= t.start;
+            };
+            if (t.action.op == pp::Op::F && k > 0) CHECK(done_by(pp::Op::F, k - 1));
+            if (t.action.op == pp::Op::B) CHECK(done_by(pp::Op::F, k));
+            if (t.action.op == pp::Op::B && k < K - 1) CHECK(done_by(pp::Op::B, k + 1));
+            if (t.action.op == pp::Op::W) CHECK(done_by(pp::Op::B, k));
           }
       }
 }
@@ -101,9 +103,9 @@ TEST_CASE("in flight: AFAB holds m micro-batches, 1F1B at most p − s, ZB-H1 at
     const pp::Plan pl = pp::build_plan(p, m, 1, s);
     for (int r = 0; r < p; r++) {
       int held = 0, peak = 0;
-      for (const pp::Timed& t : pl.timeline[r]) {
-        const bool frees = s == pp::Schedule::ZBH1 ? t.a.op == pp::Op::W : t.a.op == pp::Op::B;
-        held += t.a.op == pp::Op::F ? 1 : frees ? -1 : 0;
+      for (const pp::TimedAction& t : pl.timeline[r]) {
+        const bool frees = s == pp::Schedule::ZBH1 ? t.action.op == pp::Op::W : t.action.op == pp::Op::B;
+        held += t.action.op == pp::Op::F ? 1 : frees ? -1 : 0;
         peak = std::max(peak, held);
       }
       INFO(pp::schedule_name(s) << " stage " << r);

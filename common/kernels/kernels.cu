@@ -3,10 +3,11 @@
 //   ref::   the plain loops of kernels_ref.cu, where they are fast enough to train with
 //           (elementwise, embedding forward, SwiGLU, AdamW, init); the reference of every op;
 //   cpu::   the tuned CPU kernels of kernels_cpu.cu (embedding backward, RMSNorm, RoPE, matmul,
-//           attention, cross-entropy, sum of squares), held to ref:: by tests/test_kernels.cpp;
+//           attention, cross-entropy, sum of squares), held to ref:: by tests/test_kernels.cpp,
+//           and the vocabulary-parallel cross-entropy's steps, held to the fused cross-entropy;
 //   cuda::  the CUDA twins of kernels_cuda.cu, for tensors on a GPU.
-// The argument checks are shared (kernels_internal.h) with the chapters that define kernels of
-// their own: 04's vocabulary-parallel cross-entropy, 06's merge and packing.
+// The argument checks are shared (kernels_internal.h) with the chapter that defines kernels of
+// its own: 06's merge and packing.
 #include "kernels/kernels.h"
 
 #include "kernels/kernels_cpu.h"
@@ -358,6 +359,55 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
     TS_CHECK(targets.i32()[n] >= 0 && targets.i32()[n] < V, "%s: target %d of row %lld outside the vocab [0, %lld)",
              op, targets.i32()[n], (long long)n, (long long)V);
   cpu::cross_entropy_forward_backward(losses, dlogits, logits, targets, grad_scale);
+}
+
+namespace {
+// The arguments the vocabulary-parallel steps share: logits [N, Vl] (T) and max [N] fp32, then
+// for steps 2 and 3 (stats defined) stats [2, N] fp32 and targets int32 [N]. Returns N.
+int64_t check_vocab_ce(const char* op, const Tensor& logits, const Tensor& max, const Tensor& stats,
+                       const Tensor& targets) {
+  check_float(op, "logits", logits);
+  TS_CHECK(logits.dim() >= 1, "%s: logits must be [N, Vl], got %s", op, logits.str().c_str());
+  const int64_t N = rows_of(op, "logits", logits, logits.size(-1));
+  check_numel(op, "max", max, N, DType::F32);
+  if (!stats.defined()) return N;
+  check_dtype(op, "stats", stats, DType::F32);
+  check_shape(op, "stats", stats, {2, N});
+  check_numel(op, "targets", targets, N, DType::I32);
+  return N;
+}
+}  // namespace
+
+void vocab_ce_max(const Tensor& max, const Tensor& logits) {
+  TS_PROFILE_OP("vocab_ce_max", max);
+  const char* op = "vocab_ce_max";
+  check_vocab_ce(op, logits, max, Tensor(), Tensor());
+  if (common_device(op, {&max, &logits}) == Device::CUDA) return CUDA_TWIN(vocab_ce_max(max, logits));
+  cpu::vocab_ce_max(max, logits);
+}
+
+void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
+                    int64_t vocab_start) {
+  TS_PROFILE_OP("vocab_ce_stats", stats);
+  const char* op = "vocab_ce_stats";
+  const int64_t N = check_vocab_ce(op, logits, max, stats, targets);
+  if (common_device(op, {&stats, &logits, &max, &targets}) == Device::CUDA)
+    return CUDA_TWIN(vocab_ce_stats(stats, logits, max, targets, vocab_start));
+  for (int64_t n = 0; n < N; n++)  // no rank would own it: its logit would silently read as 0
+    TS_CHECK(targets.i32()[n] >= 0, "%s: target %d of row %lld is negative", op, targets.i32()[n], (long long)n);
+  cpu::vocab_ce_stats(stats, logits, max, targets, vocab_start);
+}
+
+void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
+                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale) {
+  TS_PROFILE_OP("vocab_ce_finish", losses);
+  const char* op = "vocab_ce_finish";
+  const int64_t N = check_vocab_ce(op, logits, max, stats, targets);
+  check_numel(op, "losses", losses, N, DType::F32);
+  if (dlogits.defined()) check_like(op, "dlogits", dlogits, logits, "logits");
+  if (common_device(op, {&losses, &dlogits, &logits, &max, &stats, &targets}) == Device::CUDA)
+    return CUDA_TWIN(vocab_ce_finish(losses, dlogits, logits, max, stats, targets, vocab_start, grad_scale));
+  cpu::vocab_ce_finish(losses, dlogits, logits, max, stats, targets, vocab_start, grad_scale);
 }
 
 void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const Tensor& v, const AdamWParams& p,

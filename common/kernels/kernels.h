@@ -4,8 +4,8 @@
 // CPU it runs the plain loops of kernels_ref.cu, the readable reference of every op and the test
 // oracle, or, where those are too slow to train with, the tuned kernels of kernels_cpu.cu; on a
 // GPU its CUDA twin in kernels_cuda.cu. The kernels of a chapter's own idea live in that chapter:
-// the vocabulary-parallel cross-entropy in 04_tensor_parallel.cu, the merge of partial attentions
-// and the Ulysses packing in 06_context_parallel.cu (their CUDA twins in kernels_cuda.cu).
+// the merge of partial attentions and the Ulysses packing in 06_context_parallel.cu (their CUDA
+// twins in kernels_cuda.cu).
 // Activations are fp32 or bf16 (the "T" below: the dtype of x/y/q/...); norm weights, gradients
 // of parameters, statistics (rstd, lse) and losses are always fp32 — the mixed-precision recipe of
 // the playbook: bf16 compute, fp32 master weights and fp32 gradient accumulation.
@@ -77,6 +77,24 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
 // probabilities are never stored. Stable for large logits (max subtracted).
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, float grad_scale);
+
+// ----- vocabulary-parallel cross-entropy: the fused op in three steps -------------------------
+// The row passes of cross_entropy_forward_backward, split where 04's collectives go (Megatron's
+// VocabParallelCrossEntropy; 04_tensor_parallel.cu has the formulas). logits [N, Vl] (T) hold the
+// vocabulary rows [vocab_start, vocab_start + Vl) of every token; targets int32 [N] are global
+// ids (>= 0); max [N] and stats [2, N] are fp32. Between the steps the caller all-reduces max
+// with MAX, then stats with SUM, over the ranks that share the vocabulary. With one rank
+// (vocab_start 0, no collectives) the three give the fused op's losses and dlogits.
+// max = each row's max over these columns.
+void vocab_ce_max(const Tensor& max, const Tensor& logits);
+// stats[0] = each row's sum of exp(x - max); stats[1] = the target's logit where these columns
+// hold it, else 0.
+void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
+                    int64_t vocab_start);
+// losses [N] fp32 = log stats[0] + max - stats[1]; dlogits [N, Vl] (T, may alias logits;
+// undefined: losses only) = (exp(x - max) / stats[0] - onehot(target)) * grad_scale.
+void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
+                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale);
 
 // ----- optimizer and norms ---------------------------------------------------------------------
 struct AdamWParams {

@@ -1,6 +1,6 @@
 // kernels_cpu.cu — the tuned CPU kernels (kernels_cpu.h): embedding backward, RMSNorm, RoPE,
-// matmul, attention, cross-entropy and the sum of squares, each as fast as plain C++ on one core
-// allows and shared by OpenMP threads.
+// matmul, attention, cross-entropy (fused and vocabulary-parallel) and the sum of squares, each as
+// fast as plain C++ on one core allows and shared by OpenMP threads.
 //
 // Each kernel is templated on the activation storage type T (float or bf16, loaded with ld() and
 // stored with st<T>()) and accumulates in fp32 (double where it costs little). Threads split work
@@ -651,6 +651,33 @@ void cross_entropy_cpu(float* losses, T* dl, const T* logits, const int32_t* tgt
   });
 }
 
+// The vocabulary-parallel steps: the same row passes on a block of V columns whose first is
+// vocabulary row vs, split where the caller's all-reduces go (kernels.h, vocab_ce_*).
+template <class T> void vocab_ce_max_cpu(float* mx, const T* logits, int64_t N, int64_t V) {
+  detail::for_rows_f32(logits, N, V, [&](int64_t n, float* x) { mx[n] = detail::row_max(x, V); });
+}
+
+template <class T>
+void vocab_ce_stats_cpu(float* stats, const T* logits, const float* mx, const int32_t* tgt, int64_t vs, int64_t N,
+                        int64_t V) {
+  detail::for_rows_f32(logits, N, V, [&](int64_t n, float* x) {
+    const int64_t t = tgt[n] - vs;
+    stats[N + n] = t >= 0 && t < V ? x[t] : 0.0f;  // exact through the sum: every other rank adds 0
+    stats[n] = float(detail::exp_sum(x, x, mx[n], V));
+  });
+}
+
+template <class T>
+void vocab_ce_finish_cpu(float* losses, T* dl, const T* logits, const float* mx, const float* stats,
+                         const int32_t* tgt, int64_t vs, float grad_scale, int64_t N, int64_t V) {
+  detail::for_rows_f32(logits, N, V, [&](int64_t n, float* x) {
+    losses[n] = detail::ce_loss(mx[n], stats[n], stats[N + n]);
+    if (!dl) return;
+    detail::exp_shifted(x, x, mx[n], V);
+    detail::ce_grad_row(dl + n * V, x, float(1.0 / double(stats[n])), tgt[n] - vs, grad_scale, V);
+  });
+}
+
 // ===== sum of squares ===========================================================================
 
 // Fixed chunks (not per thread) summed in chunk order: the same double for any thread count.
@@ -743,6 +770,29 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
     using T = decltype(t);
     cross_entropy_cpu(losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(),
                       targets.i32(), grad_scale, losses.numel(), V);
+  });
+}
+
+void vocab_ce_max(const Tensor& max, const Tensor& logits) {
+  const int64_t V = logits.size(-1);
+  by_dtype(logits.dtype, [&](auto t) { vocab_ce_max_cpu(max.f32(), logits.data<decltype(t)>(), max.numel(), V); });
+}
+
+void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
+                    int64_t vocab_start) {
+  const int64_t V = logits.size(-1);
+  by_dtype(logits.dtype, [&](auto t) {
+    vocab_ce_stats_cpu(stats.f32(), logits.data<decltype(t)>(), max.f32(), targets.i32(), vocab_start, max.numel(), V);
+  });
+}
+
+void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
+                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale) {
+  const int64_t V = logits.size(-1);
+  by_dtype(logits.dtype, [&](auto t) {
+    using T = decltype(t);
+    vocab_ce_finish_cpu(losses.f32(), dlogits.defined() ? dlogits.data<T>() : nullptr, logits.data<T>(), max.f32(),
+                        stats.f32(), targets.i32(), vocab_start, grad_scale, max.numel(), V);
   });
 }
 

@@ -19,6 +19,9 @@ decltype(ts::matmul) matmul;                          // OpenBLAS sgemm on panel
 decltype(ts::attention_forward) attention_forward;    // register tiles of 8 query rows per kv head
 decltype(ts::attention_backward) attention_backward;  // tiles of 32 query rows, dK/dV in registers
 decltype(ts::cross_entropy_forward_backward) cross_entropy_forward_backward;  // vectorised row passes
+decltype(ts::vocab_ce_max) vocab_ce_max;              // the same row passes, split in three steps
+decltype(ts::vocab_ce_stats) vocab_ce_stats;
+decltype(ts::vocab_ce_finish) vocab_ce_finish;
 decltype(ts::sum_squares) sum_squares;                // fixed chunks of 2^16 in double, in order
 
 }  // namespace cpu

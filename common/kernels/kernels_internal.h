@@ -1,7 +1,7 @@
-// kernels_internal.h — what the implementations of kernels.h share, and what the chapters that
-// define kernels of their own (04's vocabulary-parallel cross-entropy, 06's merge and packing)
-// use as kernels.cu does: the argument checks, the dtype dispatch, and the numerics that must give
-// the same bits in every file that runs them (inline, one definition).
+// kernels_internal.h — what the implementations of kernels.h share, and what a chapter that
+// defines kernels of its own (06's merge and packing) uses as kernels.cu does: the argument
+// checks, the dtype dispatch, and the numerics that must give the same bits in every file that
+// runs them (inline, one definition).
 #pragma once
 #include <algorithm>
 #include <cmath>
