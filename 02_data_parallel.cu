@@ -41,9 +41,8 @@ inline Range bucket_mb_range() { return positive(1 << 20); }
 // the global batch — the same number 01 computes, summed in a different order.
 class GradReducer {
  public:
-  // `ranges`: the ranges [begin, end) of the flat gradients this reducer averages over `dp`
-  // (empty: all of them). Expert parallelism reduces its dense ranges over one group and its
-  // expert ranges over another, with one reducer each.
+  // `ranges`: the ranges [begin, end) of the flat gradient buffer this reducer averages over `dp`
+  // (empty: the whole buffer); no bucket crosses a range's end.
   GradReducer(Model& m, Comm& dp, bool bucketed, double bucket_mb, std::vector<std::pair<int64_t, int64_t>> ranges = {})
       : m_(m), dp_(dp), bucketed_(bucketed), ranges_(std::move(ranges)) {
     if (ranges_.empty()) ranges_ = {{0, m.table.total}};
@@ -61,8 +60,8 @@ class GradReducer {
 
   // Called by the model as each unit's gradients complete: launch every bucket that now lies
   // entirely in finished units, and poll the in-flight ones (MPI progresses when called). Units
-  // are counted one by one, not as "everything above u": under a pipeline the embedding's
-  // gradient can be final before the layers' deferred weight gradients (ZB-H1's W).
+  // are counted one by one, not as "everything above u": a unit's gradients may complete out of
+  // order.
   void on_unit_ready(int u) {
     if (!sync_) return;
     ready_.resize(size_t(m_.table.num_units()), false);
@@ -154,8 +153,8 @@ class GradReducer {
 inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_replica(rc, param_count(rc.model)); }
 
 // Ring all-reduce of the fp32 gradients once per step: 2(N-1)/N · 4Ψ bytes sent per rank
-// (the same in naive and bucketed mode: bucketing changes when, not how much). Ψ is what the
-// rank holds: the whole model here, its tensor-parallel blocks on a larger mesh.
+// (the same in naive and bucketed mode: bucketing changes when, not how much). Ψ: the
+// parameters the rank holds and reduces, here the whole model.
 inline double allreduce_bytes(int64_t psi, int dp) { return 2.0 * (dp - 1) / dp * 4.0 * double(psi); }
 inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allreduce_bytes(param_count(rc.model), dp); }
 

@@ -100,12 +100,12 @@ class Zero {
     else ts::zero(m_.grads);
   }
   // `last`: the step's last micro-batch, whose backward makes each unit's accumulated gradients
-  // final: stage 1 then reduce-scatters each unit as soon as it is (set_last alone: under a
-  // pipeline, before each of the stage's actions).
+  // final: stage 1 then reduce-scatters each unit as soon as it is.
   void begin_microbatch(bool last = false) {
     use_pos_ = 0;
     set_last(last);
   }
+  // Whether the backward that runs next is the last micro-batch's (begin_microbatch sets it too).
   void set_last(bool last) { last_ = last; }
 
   // After the micro-batch's backward: stage 1, after the last, waits for its units' reduce-
@@ -129,7 +129,7 @@ class Zero {
 
   // Clipping over sharded gradients is exact: each rank sums the squares of its chunks, and one
   // all-reduce of that scalar (8 bytes, a metric outside the counted collectives) gives the norm.
-  // `also`: the other groups whose ranks hold different parameters (tp on a larger mesh).
+  // `also`: any other groups whose ranks hold different parameters from this rank's.
   double grad_norm(const std::vector<MPI_Comm>& also = {}) {
     std::vector<GradRange> mine;
     for (int u = 0; u < units(); u++) mine.push_back({sh_.begin(u), grads(u)});
@@ -278,24 +278,28 @@ class Zero {
 struct ZeroPlan {
   int stage, n, micro_batches;
   bool prefetch;
-  ParamTable table;        // padded per unit to a multiple of n
-  bool pipelined = false;  // under a pipeline (08): micro-batches' backwards interleave
+  ParamTable table;  // padded per unit to a multiple of n
 };
 
-inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
+// Unit u's elements in table t, the largest unit, and the largest sum of two consecutive units.
+inline double unit_size(const ParamTable& t, int u) { return double(t.unit_begin[u + 1] - t.unit_begin[u]); }
+inline double largest_unit(const ParamTable& t) {
+  double largest = 0;
+  for (int u = 0; u < t.num_units(); u++) largest = std::max(largest, unit_size(t, u));
+  return largest;
+}
+inline double largest_consecutive_pair(const ParamTable& t) {
+  double pair = 0;
+  for (int u = 0; u + 1 < t.num_units(); u++) pair = std::max(pair, unit_size(t, u) + unit_size(t, u + 1));
+  return pair;
+}
+
+// `pair`: the elements of the two unit buffers live at once (ZeRO-2/3's gradients, ZeRO-3's
+// gathered weights under prefetch).
+inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p, double pair) {
   const double e = double(dtype_size(rc.dtype)), P = double(p.table.total), S = P / p.n;
   const double master = rc.dtype != DType::F32 && rc.master_weights ? 4.0 : 0.0;
-  const int U = p.table.num_units();
-  auto unit = [&](int u) { return double(p.table.unit_begin[u + 1] - p.table.unit_begin[u]); };
-  // The two unit buffers live at once: consecutive units in one backward; under a pipeline any
-  // two the stage holds (a chunk's last unit is in flight while the next action's first runs).
-  double pair = 0, largest = 0, second = 0;
-  for (int u = 0; u < U; u++) {
-    if (unit(u) > largest) second = largest, largest = unit(u);
-    else second = std::max(second, unit(u));
-    if (u + 1 < U) pair = std::max(pair, unit(u) + unit(u + 1));
-  }
-  if (p.pipelined) pair = largest + second;
+  const double largest = largest_unit(p.table);
   MemoryPrediction m;
   m.optimizer = (8.0 + master) * S;                               // Adam m, v (+ master): 12Ψ/N_d in bf16
   m.staging = 12.0 * S;  // --async-save stages the shard it writes: fp32 weights, m and v
@@ -304,6 +308,12 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
   m.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);
   if (p.stage >= 2) m.comm_also_holds("the reduce-scatter output of the unit in flight (ZeRO-2/3)");
   return m;
+}
+// One backward holds two consecutive units at once: the unit whose gradients are being written
+// and the one above, whose reduce-scatter is in flight (or, under prefetch, the one in use and the
+// one being gathered).
+inline MemoryPrediction predict_memory(const RunConfig& rc, const ZeroPlan& p) {
+  return predict_memory(rc, p, largest_consecutive_pair(p.table));
 }
 
 // Wire bytes per rank per step, ring algorithm: reduce-scatter and all-gather each (N-1)/N·K.
@@ -338,7 +348,7 @@ inline double zero3_exposed(double t_comm, double t_compute, int units, bool pre
   return std::max(0.0, t_comm - t_compute) + t_comm / std::max(1, units);
 }
 
-// The dense group's terms of a step, from its predicted bytes `ops`: ZeRO-1 reduce-scatters once,
+// ZeRO's terms of a step, from its predicted bytes `ops`: ZeRO-1 reduce-scatters once,
 // behind the last micro-batch's backward (ZeRO-2 every micro-batch, behind each backward); the
 // updated weights are gathered after the optimizer step, with nothing left to hide behind.
 inline void price_collectives(StepTerms& s, const Network& net, const std::map<std::string, double>& ops, int stage,

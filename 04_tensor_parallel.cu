@@ -160,8 +160,7 @@ inline void reduce_norm_grads(Model& m, Comm& group, int unit = -1) {
 // The split table: the chapter's figure as the model's shard spec reads it. Weights are stored
 // [out, in], so a column-parallel linear holds a block of rows (Split::Rows) and a row-parallel
 // one a block of columns (Split::Cols); the vocabulary tables split their rows. Anything not named
-// (the RMSNorm weights) is whole on every rank; the MoE block sets its own (whole over tp, held by
-// one ep rank: common/model/model.cu add_experts).
+// (the RMSNorm weights) is whole on every rank.
 inline Split split_of(const std::string& hf_name) {
   static const std::pair<const char*, Split> table[] = {
       {"model.embed_tokens.weight", Split::Rows},  // vocabulary-parallel embedding: V/tp rows
@@ -202,9 +201,10 @@ inline void validate(const RunConfig& rc, int tp, bool sp) {
   if (sp && (int64_t(rc.micro_batch) * m.seq) % tp)
     config_error("--sequence-parallel: %d tokens per micro-batch (micro-batch %d × seq %d) are not divisible by --tp %d",
                  rc.micro_batch * m.seq, rc.micro_batch, m.seq, tp);
-  if (sp && tp > 1 && m.experts > 0)
-    config_error("--sequence-parallel with --experts is not composed: each tp rank would route only its own tokens "
-                 "and the expert gradients would be partial over tp");
+  // Under sequence parallelism the MLP block sees only this rank's tokens: a block the model does
+  // not split over tp cannot run so (common/model/model.h says which, and why).
+  if (sp && tp > 1)
+    if (const char* why = sequence_parallel_refusal(m)) config_error("%s", why);
 }
 
 // ----- predict: memory and communication per rank (notes/04 derives each line) ----------------------
@@ -216,37 +216,52 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
   return p;
 }
 
-// Wire bytes per rank per step under the ring algorithm: all-reduce 2(t−1)/t·K, all-gather and
-// reduce-scatter (t−1)/t·K each, K = one [tokens, dim] activation of a micro-batch.
-// micro_batches: how many this rank runs per step (0: the whole batch, as in 04); norms_per_micro_batch:
-// the norm gradients are reduced per micro-batch (ZeRO-2/3 on a larger mesh), not once per step.
-// A pipeline stage holds `layers` of the layers (−1: all) and the embedding and the head only
-// where `embedding` and `head` say.
-inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp, double micro_batches = 0,
-                                                  bool norms_per_micro_batch = false, int layers = -1,
-                                                  bool embedding = true, bool head = true) {
+// Wire bytes per rank under the ring algorithm: all-reduce 2(t−1)/t·K, all-gather and
+// reduce-scatter (t−1)/t·K each, K = one [tokens, dim] activation of a micro-batch. By piece of
+// the model: a decoder layer, the embedding, the head with its loss.
+enum class Piece { Layer, Embedding, Head };
+
+// One micro-batch's bytes through one piece, forward and backward.
+inline std::map<std::string, double> micro_batch_bytes(const RunConfig& rc, int tp, bool sp, Piece piece) {
   const ModelConfig& m = rc.model;
-  const double t = tp, f = (t - 1) / t, L = layers < 0 ? m.layers : layers;
-  const double mbs = micro_batches > 0 ? micro_batches : double(rc.batch) / rc.micro_batch;
-  const double tokens = double(rc.micro_batch) * m.seq, K = tokens * m.dim * dtype_size(rc.dtype);
+  const double f = (tp - 1.0) / tp, tokens = double(rc.micro_batch) * m.seq, K = tokens * m.dim * dtype_size(rc.dtype);
   const double full = rc.recompute == Recompute::Full ? 1 : 0;  // the layer forward runs again in backward
-  const double E = embedding ? 1 : 0, H = head ? 1 : 0;
-  const double loss = H * 2 * f * tokens * 4 * 3;                 // max (N floats) + stats (2N floats)
+  const double loss = piece == Piece::Head ? 2 * f * tokens * 4 * 3 : 0;  // max (N floats) + stats (2N floats)
   std::map<std::string, double> c;
   if (!sp) {
-    // Forward: g after the embedding and 2 per layer; backward: f before the head and 2 per layer.
-    // A MoE layer has 1 of each: its block is replicated over tp, with no f and g around it.
-    const double regions = m.experts > 0 ? 1 : 2;
-    c["all_reduce"] = mbs * (2 * f * K * (E + H + 2 * regions * L + regions * L * full) + loss);
+    // A layer: g after each region forward, f before it backward (g again under full recompute),
+    // around attention and, where the model splits it over tp, the MLP. The embedding: its g; the
+    // head: its f.
+    const double regions = mlp_split_over_tp(m) ? 2 : 1;
+    c["all_reduce"] = 2 * f * K * (piece == Piece::Layer ? 2 * regions + regions * full : 1) + loss;
     return c;
   }
-  // Forward per layer: f, g, f, g = 2 all-gathers + 2 reduce-scatters (+ g after the embedding,
-  // f before the head). Backward per layer: g' and f' for each region (2 + 2), plus f again to
-  // rebuild each column-parallel input (+2 all-gathers); the head's f', the embedding's g'.
-  c["all_gather"] = mbs * f * K * (6 * L + E + H + 2 * L * full);
-  c["reduce_scatter"] = mbs * f * K * (4 * L + E + H + 2 * L * full);
-  const double norms = (2 * L + H) * m.dim * 4.0;  // fp32 norm-weight gradients, once per step
-  c["all_reduce"] = mbs * loss + 2 * f * norms * (norms_per_micro_batch ? mbs : 1);
+  // A layer forward: f, g, f, g = 2 all-gathers + 2 reduce-scatters. Backward: g' and f' for each
+  // region (2 + 2), plus f again to rebuild each column-parallel input (+2 all-gathers). The
+  // embedding: its g and g'; the head: its f and f'.
+  c["all_gather"] = f * K * (piece == Piece::Layer ? 6 + 2 * full : 1);
+  c["reduce_scatter"] = f * K * (piece == Piece::Layer ? 4 + 2 * full : 1);
+  c["all_reduce"] = loss;
+  return c;
+}
+
+// Under sequence parallelism, one all-reduce of the fp32 gradients of a piece's norms: a layer's
+// two norms, the head's final norm.
+inline double norm_grad_bytes(const ModelConfig& m, int tp, Piece piece) {
+  const double norms = piece == Piece::Layer ? 2 : piece == Piece::Head ? 1 : 0;
+  return 2 * (tp - 1.0) / tp * norms * m.dim * 4.0;
+}
+
+// Per step: every micro-batch through the L layers, the embedding and the head; the norm
+// gradients once, after the last micro-batch (reduce_norm_grads).
+inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp) {
+  const double mbs = double(rc.batch) / rc.micro_batch;
+  std::map<std::string, double> c;
+  const std::pair<Piece, double> pieces[] = {{Piece::Layer, rc.model.layers}, {Piece::Embedding, 1}, {Piece::Head, 1}};
+  for (const auto& [piece, n] : pieces) {
+    for (const auto& [op, b] : micro_batch_bytes(rc, tp, sp, piece)) c[op] += mbs * n * b;
+    if (sp) c["all_reduce"] += n * norm_grad_bytes(rc.model, tp, piece);
+  }
   return c;
 }
 
@@ -261,7 +276,7 @@ inline double collective_calls(double micro_batches, double layers, bool sp) { r
 inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int tp, bool sp) {
   StepTerms s = compute_terms(g, rc, tp, 1, 1, tp);
   const double mbs = double(rc.batch) / rc.micro_batch;
-  if (tp > 1) s.t_tp = group_seconds(g.net, predict_comm(rc, tp, sp, mbs), collective_calls(mbs, rc.model.layers, sp), 1);
+  if (tp > 1) s.t_tp = group_seconds(g.net, predict_comm(rc, tp, sp), collective_calls(mbs, rc.model.layers, sp), 1);
   s.total();
   return s;
 }

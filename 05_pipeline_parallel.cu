@@ -494,8 +494,8 @@ inline double deferred_b_peak_per_token(const ModelConfig& c, DType dt) {
 // n layers' saved sets from its F to its B (and n deferred sets from its B to its W). The peak is
 // at one of: the F of a chunk's last layer ((n − 1) saved + a complete set + the output), the
 // head (n saved + the head's tensors), or, when B defers, inside a layer's B.
-// tp, sp: the stage's layers are tensor-parallel (on a larger mesh; the ZB-H1 terms are derived
-// for tp 1).
+// tp, sp: the stage's layers are tensor-parallel (04), with or without sequence parallelism (the
+// ZB-H1 terms are derived for tp 1).
 inline double predict_stage_activations(const Plan& pl, int rank, const ModelConfig& c, int64_t b, DType dt, Recompute rc,
                                         int tp = 1, bool sp = false) {
   const double tokens = double(b) * c.seq, e = dtype_size(dt) * (sp ? 1.0 / tp : 1.0);
@@ -529,8 +529,8 @@ inline double predict_stage_activations(const Plan& pl, int rank, const ModelCon
 // p2p wire bytes a rank sends per step: one [b·s, h] activation per micro-batch and chunk to
 // the next stage, one gradient of the same size to the previous one (the playbook's s·b·h per
 // micro-batch each way), except past the ends of the pipeline.
-// token_share: the part of a micro-batch's tokens a rank's residual stream holds on a larger mesh
-// (1/cp under context parallelism, and 1/tp more under sequence parallelism).
+// token_share: the part of a micro-batch's tokens a rank's residual stream holds (1/tp under
+// 04's sequence parallelism).
 inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int p, int m, int V, int rank,
                                  double token_share = 1.0) {
   if (p == 1) return 0;
@@ -619,13 +619,7 @@ class Pipeline {
     // A buffered list's messages are matched by their tags (flush()), which NCCL does not have.
     if (!grouped_) pp_.match_p2p_by_tag();
   }
-  // Where micro-batch mb of a step comes from on a larger mesh (this dp rank's sequences, this
-  // cp rank's tokens and positions); by default the global batch's sequences [mb·b, (mb+1)·b).
-  std::function<ForwardState(const TokenData& data, long step, int mb)> begin_microbatch;
-  // Called before each compute action: a data-parallel reducer on a larger mesh turns its sync
-  // on for the last micro-batch, so each bucket leaves as soon as that micro-batch's backward
-  // has finished its units, during the cool-down, not after the flush.
-  std::function<void(const Action& a)> before_compute;
+  virtual ~Pipeline() = default;
 
   // Runs this rank's action list for one step. The last stage's head adds the token losses to
   // the model's tally (take_loss); the other stages add none.
@@ -642,7 +636,6 @@ class Pipeline {
         continue;
       }
       flush(group);
-      if (before_compute) before_compute(a);
       const double c0 = Trace::get().now_us();
       compute(a, data, rc, step);
       busy_us_ += Trace::get().now_us() - c0;
@@ -656,28 +649,19 @@ class Pipeline {
   double busy_us() const { return busy_us_; }
   double idle_us() const { return span_us_ - busy_us_; }
 
- private:
-  int K() const { return pl_.K(); }
-  std::pair<int, int> key(int mb, int k) const { return {mb, k}; }
-  static Tensor take(std::map<std::pair<int, int>, Tensor>& from, std::pair<int, int> k) {
-    auto it = from.find(k);
-    TS_CHECK(it != from.end(), "pipeline: no tensor for micro-batch %d, stage %d", k.first, k.second);
-    Tensor t = it->second;
-    from.erase(it);
-    return t;
+ protected:
+  // Micro-batch mb of the step: the global batch's sequences [mb·b, (mb+1)·b).
+  virtual ForwardState begin_microbatch(const TokenData& data, const RunConfig& rc, long step, int mb) {
+    const int b = rc.micro_batch;
+    const MicroBatch mbt = make_microbatch(data, step, rc.batch, rc.model.seq, mb * b, b, m_.dev);
+    return m_.begin_microbatch(mbt.inputs, mbt.targets, b);
   }
 
-  void compute(const Action& a, const TokenData& data, const RunConfig& rc, long step) {
-    const int k = pl_.stage(rank_, a.chunk), L = m_.cfg.layers, T = rc.model.seq, b = rc.micro_batch;
+  // One F, B or W of this rank's list.
+  virtual void compute(const Action& a, const TokenData& data, const RunConfig& rc, long step) {
+    const int k = pl_.stage(rank_, a.chunk), L = m_.cfg.layers, T = rc.model.seq;
     const auto [ub, ue] = stage_units(pl_.layers, k);  // units [ub, ue): 0 embedding, 1..L layers, L + 1 head
-    if (!st_.count(a.mb)) {
-      if (begin_microbatch) {
-        st_.emplace(a.mb, begin_microbatch(data, step, a.mb));
-      } else {
-        MicroBatch mbt = make_microbatch(data, step, rc.batch, T, a.mb * b, b, m_.dev);
-        st_.emplace(a.mb, m_.begin_microbatch(mbt.inputs, mbt.targets, b));
-      }
-    }
+    if (!st_.count(a.mb)) st_.emplace(a.mb, begin_microbatch(data, rc, step, a.mb));
     ForwardState& st = st_.at(a.mb);
     const std::string what = " mb " + std::to_string(a.mb) + " stage " + std::to_string(k);
     if (a.op == Op::F) {
@@ -704,6 +688,17 @@ class Pipeline {
       // The decoder layers' deferred matmuls; the embedding's backward (unit 0) deferred nothing.
       for (int u = std::min(ue, L + 1) - 1; u >= std::max(ub, 1); u--) m_.unit_backward_weights(u, st);
     }
+  }
+
+ private:
+  int K() const { return pl_.K(); }
+  std::pair<int, int> key(int mb, int k) const { return {mb, k}; }
+  static Tensor take(std::map<std::pair<int, int>, Tensor>& from, std::pair<int, int> k) {
+    auto it = from.find(k);
+    TS_CHECK(it != from.end(), "pipeline: no tensor for micro-batch %d, stage %d", k.first, k.second);
+    Tensor t = it->second;
+    from.erase(it);
+    return t;
   }
 
   // Rendezvous-safe lists (AFAB, 1F1B, ZB-H1): a group's sends and receives are posted together

@@ -215,7 +215,7 @@ inline void validate(const RunConfig& rc, const MeshConfig& mc) {
 struct ParamSplit {
   int64_t dense, experts;  // parameters this rank holds
 };
-// Of any rank's table (08 passes its tp, pipeline and ep shard).
+// Of any rank's table.
 inline ParamSplit param_split(const ParamTable& t) {
   ParamSplit s{0, 0};
   for (const ParamEntry& e : t.entries) (is_expert_param(e) ? s.experts : s.dense) += e.numel;

@@ -163,6 +163,14 @@ inline double micro_batches_per_rank(const RunConfig& rc, const Plan& p) {
   return double(rc.batch) / p.mesh.dp / rc.micro_batch;
 }
 
+// The two largest units of table t, summed (elements).
+inline double largest_two_units(const ParamTable& t) {
+  std::vector<double> sizes;
+  for (int u = 0; u < t.num_units(); u++) sizes.push_back(zero::unit_size(t, u));
+  std::sort(sizes.begin(), sizes.end(), std::greater<double>());
+  return sizes[0] + sizes[1];
+}
+
 // For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports);
 // `pl`: the pipeline's schedule (pp > 1).
 inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank, const pp::Plan* pl) {
@@ -172,7 +180,10 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int p
     const int64_t psi = local_param_count(t);
     m = predict_states(psi, psi, rc.dtype, rc.master_weights);
   } else {
-    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t, p.mesh.pp > 1});
+    // 03's two unit buffers in flight: consecutive units in one backward; under a pipeline any two
+    // the stage holds (a chunk's last unit is in flight while the next action's first runs).
+    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t},
+                             p.mesh.pp > 1 ? largest_two_units(t) : zero::largest_consecutive_pair(t));
   }
   const ModelConfig local = cp::local_model(rc.model, p.mesh.cp);
   if (pl)
@@ -202,9 +213,27 @@ inline std::vector<MemoryPrediction> stage_memory(const RunConfig& rc, const Pla
 // The name of the dense group on the mesh: dp, or dp_cp when cp ranks join it.
 inline std::string dense_group_name(const Plan& p) { return p.mesh.cp > 1 ? "dp_cp" : "dp"; }
 
-// Wire bytes per rank per step, per group: tp from 04's formula at this rank's tokens and
-// micro-batches, cp from 06's at this tp rank's heads, the dense group from 02's all-reduce or
-// 03's reduce-scatter/all-gather over the tp-local Ψ. With --ep, 07's: the dense group reduces
+// 04's bytes at this rank's share, piece by piece (tp::micro_batch_bytes): its dp rank's
+// micro-batches at s/cp tokens through its stage's layers, the embedding on the first stage and
+// the head on the last. Under SP the norm gradients are reduced once per step, or every
+// micro-batch where ZeRO-2/3 reduce-scatters each unit's gradients as they finish (Composed).
+inline std::map<std::string, double> tp_bytes(const RunConfig& rc, const Plan& p, int pp_rank) {
+  const RunConfig l = local_run(rc, p);
+  const double mbs = micro_batches_per_rank(rc, p), norm_reductions = p.zero >= 2 ? mbs : 1;
+  const std::pair<tp::Piece, double> pieces[] = {{tp::Piece::Layer, stage_layers(rc, p, pp_rank)},
+                                                 {tp::Piece::Embedding, pp_rank == 0 ? 1 : 0},
+                                                 {tp::Piece::Head, pp_rank == p.mesh.pp - 1 ? 1 : 0}};
+  std::map<std::string, double> c;
+  for (const auto& [piece, n] : pieces) {
+    for (const auto& [op, b] : tp::micro_batch_bytes(l, p.mesh.tp, p.sp, piece)) c[op] += mbs * n * b;
+    if (p.sp) c["all_reduce"] += n * norm_reductions * tp::norm_grad_bytes(l.model, p.mesh.tp, piece);
+  }
+  return c;
+}
+
+// Wire bytes per rank per step, per group: tp from 04's pieces at this rank's share (tp_bytes),
+// cp from 06's at this tp rank's heads, the dense group from 02's all-reduce or 03's
+// reduce-scatter/all-gather over the tp-local Ψ. With --ep, 07's: the dense group reduces
 // the dense Ψ only, ep_dp this rank's experts, and ep's all-to-alls are predicted for balanced
 // routing (a run reports them from its own routing counts instead).
 // A pipeline stage's share: its layers, the embedding on the first, the head on the last.
@@ -212,10 +241,8 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
                                                                          int pp_rank = 0) {
   const double mbs = micro_batches_per_rank(rc, p);
   const int P = p.mesh.pp, layers = stage_layers(rc, p, pp_rank);
-  const bool first = pp_rank == 0, last = pp_rank == P - 1;
   std::map<std::string, std::map<std::string, double>> c;
-  if (p.mesh.tp > 1)
-    c["tp"] = tp::predict_comm(local_run(rc, p), p.mesh.tp, p.sp, mbs, p.sp && p.zero >= 2, layers, first, last);
+  if (p.mesh.tp > 1) c["tp"] = tp_bytes(rc, p, pp_rank);
   if (p.mesh.cp > 1) {
     RunConfig stage = tp_share(rc, p);
     stage.model.layers = layers;
@@ -270,6 +297,27 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
 
 // ----- the composed step ----------------------------------------------------------------------------
 
+// 05's executor on the mesh: micro-batch mb is this dp rank's (cp ranks: their tokens at their
+// positions), and before each compute action `before_compute` runs: 02's buckets under a
+// pipeline leave as the last micro-batch's backward completes each unit's gradients, so its
+// actions (the head's F, each chunk's B and W) turn the reducers' sync on, during the cooldown,
+// not after the flush.
+class MeshPipeline : public pp::Pipeline {
+ public:
+  using pp::Pipeline::Pipeline;
+  std::function<ForwardState(const TokenData& data, long step, int mb)> microbatch;
+  std::function<void(const pp::Action& a)> before_compute;
+
+ protected:
+  ForwardState begin_microbatch(const TokenData& data, const RunConfig&, long step, int mb) override {
+    return microbatch(data, step, mb);
+  }
+  void compute(const pp::Action& a, const TokenData& data, const RunConfig& rc, long step) override {
+    before_compute(a);
+    pp::Pipeline::compute(a, data, rc, step);
+  }
+};
+
 // One model on one mesh, with the pieces of 02/03/04 attached to it.
 class Composed {
  public:
@@ -285,13 +333,11 @@ class Composed {
     }
     if (p.mesh.pp > 1) {
       const int64_t rows = std::llround(double(rc.micro_batch) * rc.model.seq * token_share(p));
-      pipe_ = std::make_unique<pp::Pipeline>(model_, mesh.pp(), plan_, mesh.pp_rank, rows);
-      pipe_->begin_microbatch = [this](const TokenData& data, long step, int mb) {
+      pipe_ = std::make_unique<MeshPipeline>(model_, mesh.pp(), plan_, mesh.pp_rank, rows);
+      pipe_->microbatch = [this](const TokenData& data, long step, int mb) {
         const MicroBatch b = local_microbatch(data, step, mb);
         return model_.begin_microbatch(b.inputs, b.targets, rc_.micro_batch, pos_);
       };
-      // 02's buckets under a pipeline: only the last micro-batch's backward completes a unit's
-      // gradients, so its actions (the head's F, each chunk's B and W) launch the buckets.
       pipe_->before_compute = [this](const pp::Action& a) { set_last(a.mb == plan_.m - 1); };
     }
     // Sequence-parallel norm gradients are partial over tp: reduced before ZeRO scatters the unit
@@ -438,7 +484,7 @@ class Composed {
   std::vector<int32_t> mine_;  // this cp rank's token positions (cp > 1)
   Tensor pos_;
   pp::Plan plan_;
-  std::unique_ptr<pp::Pipeline> pipe_;
+  std::unique_ptr<MeshPipeline> pipe_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<dp::GradReducer> reducer_;
   std::unique_ptr<dp::GradReducer> experts_;  // --ep: the expert ranges over ep_dp

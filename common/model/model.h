@@ -260,6 +260,18 @@ struct MlpBlock {
   virtual bool split_over_tp() const { return true; }
 };
 
+// What a model of shape `c` builds as its MLP block, known from the shape alone (for the
+// predictions and the checks made before any model exists): whether it is split over tp.
+inline bool mlp_split_over_tp(const ModelConfig& c) { return c.experts == 0; }
+// Sequence parallelism hands the MLP block only this tp rank's tokens. A block split over tp
+// gets them all back from f's all-gather; the MoE block, whole over tp, would route only its own
+// tokens. Why this shape cannot run so (a config error's text), or nullptr where it can.
+inline const char* sequence_parallel_refusal(const ModelConfig& c) {
+  return mlp_split_over_tp(c) ? nullptr
+                              : "--sequence-parallel with --experts is not composed: each tp rank would route only its "
+                                "own tokens and the expert gradients would be partial over tp";
+}
+
 // Tensor parallelism's conjugate operators around the column- and row-parallel matmuls
 // (Megatron's f and g). The defaults are the identity: tp = 1.
 //   f enters a column-parallel region (before q/k/v, gate/up and lm_head): forward identity,
