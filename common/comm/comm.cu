@@ -14,6 +14,7 @@
 #include <chrono>
 #include <climits>
 #include <functional>
+#include <optional>
 
 namespace ts {
 
@@ -216,6 +217,11 @@ struct Work::Pending {
 struct MpiPending : Work::Pending {
   std::vector<MPI_Request> reqs;
   std::vector<int> arrays;  // Alltoallv's counts and displacements: MPI reads them until completion
+  // A new request, for the MPI_I* call that fills it.
+  MPI_Request* request() {
+    reqs.push_back(MPI_REQUEST_NULL);
+    return &reqs.back();
+  }
   bool test() override {
     int flag = 0;
     MPI_CHECK(MPI_Testall(int(reqs.size()), reqs.data(), &flag, MPI_STATUSES_IGNORE));
@@ -580,35 +586,116 @@ std::string Comm::label(const char* op, int tag, long seq) const {
   return b;
 }
 
+// ----- the skeleton every collective runs ------------------------------------------------------
+
 #ifdef TS_CUDA
-// NCCL runs on the group's own stream: it starts after the work queued on the compute stream so
-// far, and its completion event is what Work polls.
-#define NCCL_BEGIN()                                                            \
-  cudaStream_t s_ = static_cast<cudaStream_t>(stream_);                         \
-  ncclComm_t c_ = static_cast<ncclComm_t>(nccl_);                               \
-  {                                                                             \
-    cudaEvent_t ready;                                                          \
-    CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));       \
-    CUDA_CHECK(cudaEventRecord(ready, compute_stream()));                       \
-    CUDA_CHECK(cudaStreamWaitEvent(s_, ready, 0));                              \
-    CUDA_CHECK(cudaEventDestroy(ready));                                        \
-  }
-static Work nccl_end(cudaStream_t s, ncclComm_t c, std::string what, std::vector<Tensor> keep,
-                     std::vector<uint64_t> ids) {
+using NcclCall = std::function<void(ncclComm_t, cudaStream_t)>;
+// A Call's NCCL part: statements that see the group's communicator c_ and its stream s_.
+#define NCCL(...) [&](ncclComm_t c_, cudaStream_t s_) { __VA_ARGS__; }
+#else
+using NcclCall = std::function<void()>;  // never set: without CUDA every call takes MPI
+#define NCCL(...) nullptr
+#endif
+
+// One call, described by what makes it itself; Comm::issue does the rest. Its functions run
+// before issue() returns, so they may capture the caller's arguments by reference; what must
+// outlive the call (a copy back to the GPU, Avg's division) goes into the MpiPending's `then`,
+// by value.
+struct Comm::Call {
+  const char* op;  // the watchdog's name for it, and the flight recorder's
+  // What it reads and writes: kept alive until it ends. Their device picks the transport.
+  std::vector<Tensor> tensors;
+  // Its flight-recorder entries: `count` elements of `dtype` (none: a barrier's nothing); `peer` a
+  // collective's root or a message's other end (-1: none); `op` the call's unless set.
+  struct Note {
+    int64_t count;
+    std::optional<DType> dtype;
+    int peer = -1;
+    const char* op = nullptr;
+  };
+  std::vector<Note> notes;
+  // Point-to-point: numbered per sender, receiver and tag. A collective (unset) is numbered per group.
+  struct Message {
+    int src, dst, tag;
+  };
+  std::optional<Message> message = std::nullopt;
+  // A group of one moves nothing: the call ends at once, after `alone` (its local copy) where set.
+  // A message without one (a send, a recv) is issued all the same: MPI delivers it to oneself.
+  std::function<void()> alone = nullptr;
+  NcclCall nccl = nullptr;  // NCCL(...); unset: always MPI (a barrier)
+  // MPI's part: stages the tensors (host_in, host_out), posts the requests (p.request()) and
+  // queues what runs on completion (copy_back).
+  std::function<void(MpiPending& p)> mpi = nullptr;
+};
+
+#ifdef TS_CUDA
+// NCCL runs on the group's own stream: `call` starts after the work queued on the compute stream
+// so far, and its completion event is what Work polls.
+static Work nccl_issue(cudaStream_t s, ncclComm_t comm, const NcclCall& call, std::string what,
+                       std::vector<Tensor> keep, std::vector<uint64_t> ids) {
+  cudaEvent_t ready;
+  CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+  CUDA_CHECK(cudaEventRecord(ready, compute_stream()));
+  CUDA_CHECK(cudaStreamWaitEvent(s, ready, 0));
+  CUDA_CHECK(cudaEventDestroy(ready));
+  call(comm, s);
   auto p = std::make_unique<NcclPending>();
   p->flight = std::move(ids);
   p->what = std::move(what);
   p->keep = std::move(keep);
-  p->comm = c;
+  p->comm = comm;
   CUDA_CHECK(cudaEventCreateWithFlags(&p->done, cudaEventDisableTiming));
   CUDA_CHECK(cudaEventRecord(p->done, s));
   return Work(std::move(p));
 }
-#define USE_NCCL(t) ((t).device() == Device::CUDA && nccl_)
-#define USE_NCCL_P2P(t) (USE_NCCL(t) && !p2p_by_tag_)
 #endif
 
+// MPI: `post` issues the non-blocking calls (on host copies of CUDA tensors), and Work tests
+// their requests.
+static Work mpi_issue(const std::function<void(MpiPending&)>& post, std::string what, const std::vector<Tensor>& keep,
+                      std::vector<uint64_t> ids) {
+  auto p = std::make_unique<MpiPending>();
+  p->what = std::move(what);
+  p->flight = std::move(ids);
+  post(*p);
+  p->keep.insert(p->keep.end(), keep.begin(), keep.end());
+  return Work(std::move(p));
+}
+
+// The skeleton. A group of one ends at once; any other call is named (the watchdog's label,
+// numbered as the flight recorder numbers it), passes the stop hook, is noted by the flight
+// recorder, and goes by NCCL (CUDA tensors where every rank owns a GPU) or by MPI (CPU tensors,
+// or CUDA tensors staged through host memory).
+Work Comm::issue(const Call& c) {
+  if (size_ == 1 && (c.alone || !c.message)) {
+    if (c.alone) c.alone();
+    return Work();
+  }
+  const Call::Message* m = c.message ? &*c.message : nullptr;
+  const long seq = m ? flight::next_message(comm_, m->src, m->dst, m->tag) : flight::next_collective(comm_);
+  const std::string what = label(c.op, m ? m->tag : -1, seq);
+  maybe_stop(what);
+  std::vector<uint64_t> ids;
+  for (const Call::Note& n : c.notes) {
+    const char* op = n.op ? n.op : c.op;
+    ids.push_back(!n.dtype ? flight::collective_raw(comm_, op, n.count, MPI_DATATYPE_NULL, n.peer, what)
+                  : m      ? flight::p2p(comm_, op, n.peer, m->tag, n.count, *n.dtype, what)
+                           : flight::collective(comm_, op, n.count, *n.dtype, n.peer, what));
+  }
+#ifdef TS_CUDA
+  // CUDA tensors on a group NCCL carries; point-to-point too, unless match_p2p_by_tag() said not.
+  const bool cuda = !c.tensors.empty() && c.tensors[0].device() == Device::CUDA;
+  if (c.nccl && cuda && nccl_ && !(m && p2p_by_tag_))
+    return nccl_issue(static_cast<cudaStream_t>(stream_), static_cast<ncclComm_t>(nccl_), c.nccl, what, c.tensors,
+                      ids);
+#endif
+  return mpi_issue(c.mpi, what, c.tensors, ids);
+}
+
 // ----- the collectives: each issued non-blocking; the blocking form waits on it ----------------
+// Each checks its arguments, counts its bytes under the ring algorithm (notes/collectives.md), and
+// hands issue() its Call: its flight record, its local copy in a group of one, its NCCL call and
+// its MPI call.
 
 Work Comm::all_reduce_async(const Tensor& t, ReduceOp op) { return all_reduce_async(t, t, op); }
 
@@ -618,106 +705,73 @@ Work Comm::all_reduce_async(const Tensor& out, const Tensor& in, ReduceOp op) {
   TS_CHECK(out.numel() == in.numel(), "all_reduce: out %s, in %s", out.str().c_str(), in.str().c_str());
   TS_CHECK(out.raw() == in.raw() || !overlap(out, in), "all_reduce: out and in partly overlap");
   double K = double(in.nbytes()), N = size_;
-  count("all_reduce", K, 2 * (N - 1) / N * K);  // ring: reduce-scatter, then all-gather
-  if (size_ == 1) {
-    if (out.raw() != in.raw()) copy(out, in);
-    return Work();
-  }
-  const std::string what = label("all_reduce", -1, flight::next_collective(comm_));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_reduce", in.numel(), in.dtype, -1, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL(in)) {
-    NCCL_BEGIN();
-    NCCL_CHECK(ncclAllReduce(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
-    return nccl_end(s_, c_, what, {out, in}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
-  const void* send = hin.raw() == hout.raw() ? MPI_IN_PLACE : hin.raw();
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Iallreduce(send, hout.raw(), mpi_count(in.numel()), mpi_type(in.dtype), mpi_op(in.dtype, op),
-                           comm_, &p->reqs[0]));
-  if (op == ReduceOp::Avg) p->then.push_back([hout, n = size_] { divide_host(hout, n); });
-  copy_back(out, hout, *p);
-  p->keep.insert(p->keep.end(), {out, in});
-  return Work(std::move(p));
+  count("all_reduce", K, 2 * (N - 1) / N * K);  // ring: reduce-scatter, then all-gather: 2(N-1)/N K
+  Call c{"all_reduce", {out, in}, {{in.numel(), in.dtype}}};
+  c.alone = [&] { if (out.raw() != in.raw()) copy(out, in); };
+  c.nccl = NCCL(NCCL_CHECK(ncclAllReduce(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), nccl_op(op),
+                                         c_, s_)));
+  c.mpi = [&](MpiPending& p) {
+    Tensor hin = host_in(in, p), hout = host_out(out, p);
+    const void* send = hin.raw() == hout.raw() ? MPI_IN_PLACE : hin.raw();
+    MPI_CHECK(MPI_Iallreduce(send, hout.raw(), mpi_count(in.numel()), mpi_type(in.dtype), mpi_op(in.dtype, op),
+                             comm_, p.request()));
+    if (op == ReduceOp::Avg) p.then.push_back([hout, n = size_] { divide_host(hout, n); });
+    copy_back(out, hout, p);
+  };
+  return issue(c);
+}
+
+// reduce_scatter's in and all_gather's out (the whole) are n chunks the size of the other tensor
+// (the part), which may be chunk r of the whole (in place) and must not overlap it otherwise.
+// Returns whether the call is in place.
+static bool check_chunks(const char* op, const char* whole_name, const Tensor& whole, const char* part_name,
+                         const Tensor& part, int n, int r) {
+  TS_CHECK(whole.numel() == n * part.numel(), "%s: %s %s must be %d x %s %s", op, whole_name, whole.str().c_str(), n,
+           part_name, part.str().c_str());
+  bool in_place = is_chunk(part, whole, r);
+  TS_CHECK(in_place || !overlap(part, whole), "%s: %s overlaps %s other than as chunk %d", op, part_name, whole_name,
+           r);
+  return in_place;
 }
 
 Work Comm::reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp op) {
   check_pair("reduce_scatter", out, in);
   check_reduce("reduce_scatter", in.dtype, op);
-  TS_CHECK(in.numel() == size_ * out.numel(), "reduce_scatter: in %s must be %d x out %s", in.str().c_str(), size_,
-           out.str().c_str());
-  bool in_place = is_chunk(out, in, rank_);
-  TS_CHECK(in_place || !overlap(out, in), "reduce_scatter: out overlaps in other than as chunk %d", rank_);
+  bool in_place = check_chunks("reduce_scatter", "in", in, "out", out, size_, rank_);
   double K = double(in.nbytes()), N = size_;
   count("reduce_scatter", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
-  if (size_ == 1) {
-    if (!in_place) copy(out, in);
-    return Work();
-  }
-  const std::string what = label("reduce_scatter", -1, flight::next_collective(comm_));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::collective(comm_, "reduce_scatter", in.numel(), in.dtype, -1, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL(in)) {
-    NCCL_BEGIN();
-    NCCL_CHECK(ncclReduceScatter(in.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype), nccl_op(op), c_, s_));
-    return nccl_end(s_, c_, what, {out, in}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  // MPI's in-place reduce-scatter leaves the result at the start of the buffer, not at chunk r:
-  // an in-place call on the CPU receives into a separate buffer instead.
-  Tensor hin = host_in(in, *p), hout = host_out(out, *p, in_place);
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Ireduce_scatter_block(hin.raw(), hout.raw(), mpi_count(out.numel()), mpi_type(in.dtype),
-                                      mpi_op(in.dtype, op), comm_, &p->reqs[0]));
-  if (op == ReduceOp::Avg) p->then.push_back([hout, n = size_] { divide_host(hout, n); });
-  copy_back(out, hout, *p);
-  p->keep.insert(p->keep.end(), {out, in});
-  return Work(std::move(p));
+  Call c{"reduce_scatter", {out, in}, {{in.numel(), in.dtype}}};
+  c.alone = [&] { if (!in_place) copy(out, in); };
+  c.nccl = NCCL(NCCL_CHECK(ncclReduceScatter(in.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype),
+                                             nccl_op(op), c_, s_)));
+  c.mpi = [&](MpiPending& p) {
+    // MPI's in-place reduce-scatter leaves the result at the start of the buffer, not at chunk r:
+    // an in-place call on the CPU receives into a separate buffer instead.
+    Tensor hin = host_in(in, p), hout = host_out(out, p, in_place);
+    MPI_CHECK(MPI_Ireduce_scatter_block(hin.raw(), hout.raw(), mpi_count(out.numel()), mpi_type(in.dtype),
+                                        mpi_op(in.dtype, op), comm_, p.request()));
+    if (op == ReduceOp::Avg) p.then.push_back([hout, n = size_] { divide_host(hout, n); });
+    copy_back(out, hout, p);
+  };
+  return issue(c);
 }
 
 Work Comm::all_gather_async(const Tensor& out, const Tensor& in) {
   check_pair("all_gather", out, in);
-  TS_CHECK(out.numel() == size_ * in.numel(), "all_gather: out %s must be %d x in %s", out.str().c_str(), size_,
-           in.str().c_str());
-  bool in_place = is_chunk(in, out, rank_);
-  TS_CHECK(in_place || !overlap(out, in), "all_gather: in overlaps out other than as chunk %d", rank_);
+  bool in_place = check_chunks("all_gather", "out", out, "in", in, size_, rank_);
   double K = double(out.nbytes()), N = size_;
   count("all_gather", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
-  if (size_ == 1) {
-    if (!in_place) copy(out, in);
-    return Work();
-  }
-  const std::string what = label("all_gather", -1, flight::next_collective(comm_));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_gather", out.numel(), out.dtype, -1, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL(in)) {
-    NCCL_BEGIN();
-    NCCL_CHECK(ncclAllGather(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), c_, s_));
-    return nccl_end(s_, c_, what, {out, in}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
-  const void* send = is_chunk(hin, hout, rank_) ? MPI_IN_PLACE : hin.raw();
-  int n = mpi_count(in.numel());
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Iallgather(send, n, mpi_type(in.dtype), hout.raw(), n, mpi_type(in.dtype), comm_, &p->reqs[0]));
-  copy_back(out, hout, *p);
-  p->keep.insert(p->keep.end(), {out, in});
-  return Work(std::move(p));
+  Call c{"all_gather", {out, in}, {{out.numel(), out.dtype}}};
+  c.alone = [&] { if (!in_place) copy(out, in); };
+  c.nccl = NCCL(NCCL_CHECK(ncclAllGather(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), c_, s_)));
+  c.mpi = [&](MpiPending& p) {
+    Tensor hin = host_in(in, p), hout = host_out(out, p);
+    const void* send = is_chunk(hin, hout, rank_) ? MPI_IN_PLACE : hin.raw();
+    int n = mpi_count(in.numel());
+    MPI_CHECK(MPI_Iallgather(send, n, mpi_type(in.dtype), hout.raw(), n, mpi_type(in.dtype), comm_, p.request()));
+    copy_back(out, hout, p);
+  };
+  return issue(c);
 }
 
 Work Comm::broadcast_async(const Tensor& t, int root) {
@@ -726,73 +780,39 @@ Work Comm::broadcast_async(const Tensor& t, int root) {
   double K = double(t.nbytes());
   bool last = (rank_ - root + size_) % size_ == size_ - 1;
   count("broadcast", K, last ? 0 : K);
-  if (size_ == 1) return Work();
-  const std::string what = label("broadcast", -1, flight::next_collective(comm_));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::collective(comm_, "broadcast", t.numel(), t.dtype, root, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL(t)) {
-    NCCL_BEGIN();
-    NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype), root, c_, s_));
-    return nccl_end(s_, c_, what, {t}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  Tensor h = rank_ == root ? host_in(t, *p) : host_out(t, *p);
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Ibcast(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), root, comm_, &p->reqs[0]));
-  if (rank_ != root) copy_back(t, h, *p);
-  p->keep.push_back(t);
-  return Work(std::move(p));
+  Call c{"broadcast", {t}, {{t.numel(), t.dtype, root}}};
+  c.nccl = NCCL(NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype), root, c_, s_)));
+  c.mpi = [&](MpiPending& p) {
+    Tensor h = rank_ == root ? host_in(t, p) : host_out(t, p);
+    MPI_CHECK(MPI_Ibcast(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), root, comm_, p.request()));
+    if (rank_ != root) copy_back(t, h, p);
+  };
+  return issue(c);
 }
 
 Work Comm::send_async(const Tensor& t, int peer, int tag) {
   TS_CHECK(peer >= 0 && peer < size_, "send: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
-  count("send", double(t.nbytes()), peer == rank_ ? 0 : double(t.nbytes()));
-  const std::string what = label("send", tag, flight::next_message(comm_, rank_, peer, tag));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", peer, tag, t.numel(), t.dtype, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL_P2P(t)) {
-    NCCL_BEGIN();
-    NCCL_CHECK(ncclSend(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
-    return nccl_end(s_, c_, what, {t}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  Tensor h = host_in(t, *p);
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Isend(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
-  p->keep.push_back(t);
-  return Work(std::move(p));
+  count("send", double(t.nbytes()), peer == rank_ ? 0 : double(t.nbytes()));  // one message of K bytes
+  Call c{"send", {t}, {{t.numel(), t.dtype, peer}}, Call::Message{rank_, peer, tag}};
+  c.nccl = NCCL(NCCL_CHECK(ncclSend(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_)));
+  c.mpi = [&](MpiPending& p) {
+    Tensor h = host_in(t, p);
+    MPI_CHECK(MPI_Isend(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, p.request()));
+  };
+  return issue(c);
 }
 
 Work Comm::recv_async(const Tensor& t, int peer, int tag) {
   TS_CHECK(peer >= 0 && peer < size_, "recv: peer %d outside group '%s' of %d", peer, name_.c_str(), size_);
   count("recv", double(t.nbytes()), 0);  // the sender counts the wire bytes
-  const std::string what = label("recv", tag, flight::next_message(comm_, peer, rank_, tag));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::p2p(comm_, "recv", peer, tag, t.numel(), t.dtype, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL_P2P(t)) {
-    NCCL_BEGIN();
-    NCCL_CHECK(ncclRecv(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_));
-    return nccl_end(s_, c_, what, {t}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  Tensor h = host_out(t, *p);
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Irecv(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, &p->reqs[0]));
-  copy_back(t, h, *p);
-  p->keep.push_back(t);
-  return Work(std::move(p));
+  Call c{"recv", {t}, {{t.numel(), t.dtype, peer}}, Call::Message{peer, rank_, tag}};
+  c.nccl = NCCL(NCCL_CHECK(ncclRecv(t.raw(), size_t(t.numel()), nccl_type(t.dtype), peer, c_, s_)));
+  c.mpi = [&](MpiPending& p) {
+    Tensor h = host_out(t, p);
+    MPI_CHECK(MPI_Irecv(h.raw(), mpi_count(t.numel()), mpi_type(t.dtype), peer, tag, comm_, p.request()));
+    copy_back(t, h, p);
+  };
+  return issue(c);
 }
 
 Work Comm::send_recv_async(const Tensor& send, int dst, const Tensor& recv, int src, int tag) {
@@ -801,36 +821,22 @@ Work Comm::send_recv_async(const Tensor& send, int dst, const Tensor& recv, int 
   TS_CHECK(send.dtype == recv.dtype && send.device() == recv.device() && !overlap(send, recv),
            "send_recv: send %s and recv %s must match in dtype and device and not overlap", send.str().c_str(),
            recv.str().c_str());
-  count("send", double(send.nbytes()), dst == rank_ ? 0 : double(send.nbytes()));
-  count("recv", double(recv.nbytes()), 0);
-  if (size_ == 1) {
-    copy(recv, send);
-    return Work();
-  }
-  const std::string what = label("send_recv", tag, flight::next_message(comm_, rank_, dst, tag));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::p2p(comm_, "send", dst, tag, send.numel(), send.dtype, what),
-                                       flight::p2p(comm_, "recv", src, tag, recv.numel(), recv.dtype, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL_P2P(send)) {
-    NCCL_BEGIN();
-    NCCL_CHECK(ncclGroupStart());
-    NCCL_CHECK(ncclSend(send.raw(), size_t(send.numel()), nccl_type(send.dtype), dst, c_, s_));
-    NCCL_CHECK(ncclRecv(recv.raw(), size_t(recv.numel()), nccl_type(recv.dtype), src, c_, s_));
-    NCCL_CHECK(ncclGroupEnd());
-    return nccl_end(s_, c_, what, {send, recv}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  Tensor hs = host_in(send, *p), hr = host_out(recv, *p);
-  p->reqs.resize(2);
-  MPI_CHECK(MPI_Irecv(hr.raw(), mpi_count(recv.numel()), mpi_type(recv.dtype), src, tag, comm_, &p->reqs[0]));
-  MPI_CHECK(MPI_Isend(hs.raw(), mpi_count(send.numel()), mpi_type(send.dtype), dst, tag, comm_, &p->reqs[1]));
-  copy_back(recv, hr, *p);
-  p->keep.insert(p->keep.end(), {send, recv});
-  return Work(std::move(p));
+  count("send", double(send.nbytes()), dst == rank_ ? 0 : double(send.nbytes()));  // counted as a send
+  count("recv", double(recv.nbytes()), 0);                                         // and a recv
+  Call c{"send_recv", {send, recv}, {{send.numel(), send.dtype, dst, "send"}, {recv.numel(), recv.dtype, src, "recv"}},
+         Call::Message{rank_, dst, tag}};
+  c.alone = [&] { copy(recv, send); };
+  c.nccl = NCCL(NCCL_CHECK(ncclGroupStart());
+                NCCL_CHECK(ncclSend(send.raw(), size_t(send.numel()), nccl_type(send.dtype), dst, c_, s_));
+                NCCL_CHECK(ncclRecv(recv.raw(), size_t(recv.numel()), nccl_type(recv.dtype), src, c_, s_));
+                NCCL_CHECK(ncclGroupEnd()));
+  c.mpi = [&](MpiPending& p) {
+    Tensor hs = host_in(send, p), hr = host_out(recv, p);
+    MPI_CHECK(MPI_Irecv(hr.raw(), mpi_count(recv.numel()), mpi_type(recv.dtype), src, tag, comm_, p.request()));
+    MPI_CHECK(MPI_Isend(hs.raw(), mpi_count(send.numel()), mpi_type(send.dtype), dst, tag, comm_, p.request()));
+    copy_back(recv, hr, p);
+  };
+  return issue(c);
 }
 
 Work Comm::all_to_all_async(const Tensor& out, const Tensor& in) {
@@ -860,17 +866,9 @@ Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& rec
   // Everything this rank holds leaves except its own chunk: (N-1)/N K for equal chunks.
   double es = double(dtype_size(in.dtype));
   count("all_to_all", ssum * es, (ssum - send_counts[rank_]) * es);
-  if (size_ == 1) {
-    if (ssum) copy(out.view(0, {ssum}), in.view(0, {ssum}));
-    return Work();
-  }
-  const std::string what = label("all_to_all", -1, flight::next_collective(comm_));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::collective(comm_, "all_to_all", ssum, in.dtype, -1, what)};
-#ifdef TS_CUDA
-  if (USE_NCCL(in)) {
-    // NCCL has no all-to-all: one grouped send and receive per peer.
-    NCCL_BEGIN();
+  Call c{"all_to_all", {out, in}, {{ssum, in.dtype}}};
+  c.alone = [&] { if (ssum) copy(out.view(0, {ssum}), in.view(0, {ssum})); };
+  c.nccl = NCCL({  // NCCL has no all-to-all: one grouped send and receive per peer.
     size_t e = dtype_size(in.dtype);
     NCCL_CHECK(ncclGroupStart());
     for (int p = 0; p < size_; p++) {
@@ -882,41 +880,29 @@ Work Comm::all_to_all_v_async(const Tensor& out, const std::vector<int64_t>& rec
                             nccl_type(in.dtype), p, c_, s_));
     }
     NCCL_CHECK(ncclGroupEnd());
-    return nccl_end(s_, c_, what, {out, in}, ids);
-  }
-#endif
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  Tensor hin = host_in(in, *p), hout = host_out(out, *p);
-  p->arrays.resize(4 * size_);
-  int* sc = p->arrays.data();
-  int *sd = sc + size_, *rc = sd + size_, *rd = rc + size_;
-  for (int q = 0; q < size_; q++) {
-    sc[q] = mpi_count(send_counts[q]), sd[q] = mpi_count(sdispl[q]);
-    rc[q] = mpi_count(recv_counts[q]), rd[q] = mpi_count(rdispl[q]);
-  }
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Ialltoallv(hin.raw(), sc, sd, mpi_type(in.dtype), hout.raw(), rc, rd, mpi_type(in.dtype), comm_,
-                           &p->reqs[0]));
-  // Only what arrived goes back: out's tail past the received counts keeps what it held.
-  if (rsum) copy_back(out.view(0, {rsum}), hout.view(0, {rsum}), *p);
-  p->keep.insert(p->keep.end(), {out, in});
-  return Work(std::move(p));
+  });
+  c.mpi = [&](MpiPending& p) {
+    Tensor hin = host_in(in, p), hout = host_out(out, p);
+    p.arrays.resize(4 * size_);
+    int* sc = p.arrays.data();
+    int *sd = sc + size_, *rc = sd + size_, *rd = rc + size_;
+    for (int q = 0; q < size_; q++) {
+      sc[q] = mpi_count(send_counts[q]), sd[q] = mpi_count(sdispl[q]);
+      rc[q] = mpi_count(recv_counts[q]), rd[q] = mpi_count(rdispl[q]);
+    }
+    MPI_CHECK(MPI_Ialltoallv(hin.raw(), sc, sd, mpi_type(in.dtype), hout.raw(), rc, rd, mpi_type(in.dtype), comm_,
+                             p.request()));
+    // Only what arrived goes back: out's tail past the received counts keeps what it held.
+    if (rsum) copy_back(out.view(0, {rsum}), hout.view(0, {rsum}), p);
+  };
+  return issue(c);
 }
 
 Work Comm::barrier_async() {
   count("barrier", 0, 0);
-  if (size_ == 1) return Work();
-  const std::string what = label("barrier", -1, flight::next_collective(comm_));
-  maybe_stop(what);
-  const std::vector<uint64_t> ids = {flight::collective_raw(comm_, "barrier", 0, MPI_DATATYPE_NULL, -1, what)};
-  auto p = std::make_unique<MpiPending>();
-  p->what = what;
-  p->flight = ids;
-  p->reqs.resize(1);
-  MPI_CHECK(MPI_Ibarrier(comm_, &p->reqs[0]));
-  return Work(std::move(p));
+  Call c{"barrier", {}, {{0, std::nullopt}}};  // nothing moves: the recorder notes no dtype
+  c.mpi = [&](MpiPending& p) { MPI_CHECK(MPI_Ibarrier(comm_, p.request())); };
+  return issue(c);
 }
 
 void Comm::all_reduce(const Tensor& t, ReduceOp op) { all_reduce_async(t, t, op).wait(); }

@@ -141,6 +141,11 @@ class Comm {
 
  private:
   void count(const char* op, double payload, double wire);
+  // Every collective is one Call (what makes it itself: its NCCL call, its MPI call, its flight
+  // record) handed to issue(), the skeleton they share: the early out of a group of one, the
+  // label, the stop hook, the flight recorder, then NCCL or MPI (comm.cu).
+  struct Call;
+  Work issue(const Call& c);
   // "all_reduce #12 on group 'dp' ...": the watchdog's name for a call, numbered as the flight
   // recorder numbers it (the n-th collective on the group; the n-th message of a pair and tag).
   std::string label(const char* op, int tag, long seq) const;
