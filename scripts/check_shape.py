@@ -6,6 +6,7 @@
   * every technique's main() at most 20 lines, its braces included: what the chapter decides (its
     flags, its objects, its step), the start-up sequence being training/start.h's;
   * no test switch ("seeded_bug", TS_BUG...) in the code a reader reads: tests inject their own;
+  * notes/00's table of chapters ("How to read a chapter") gives each chapter's length as it is;
   * dependencies one way (from the compiler's .d files in BUILD): no chapter 02-07 depends on
     08_5d_mesh.cu or 08_plan.h, 02-05 on no other chapter, 06 and 07 on 02 only.
 
@@ -137,6 +138,26 @@ def check_deps(build):
     return bad
 
 
+def check_reading_table(root):
+    """notes/00's "How to read a chapter" table gives each chapter's length: it must be today's."""
+    bad, rows = [], 0
+    note = os.path.join(root, "notes", "00_architecture.md")
+    for k, line in enumerate(open(note, encoding="utf-8"), 1):
+        m = re.match(r"^\| (0[1-8]) [^|]*\| (\d+)(?: \+ (\d+) \(`08_plan.h`\))? \|", line)
+        if not m:
+            continue
+        rows += 1
+        files = glob.glob(os.path.join(root, m.group(1) + "_*.cu")) + (
+            [os.path.join(root, "08_plan.h")] if m.group(3) else [])
+        given = [int(m.group(2))] + ([int(m.group(3))] if m.group(3) else [])
+        actual = [sum(1 for _ in open(f, encoding="utf-8")) for f in files]
+        if given != actual:
+            bad.append(f"notes/00_architecture.md:{k}: chapter {m.group(1)} is {actual} lines, the table says {given}")
+    if rows != 8:
+        bad.append(f"notes/00_architecture.md: {rows} rows of chapter lengths found, not 8")
+    return bad
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--build", default="build")
@@ -144,6 +165,7 @@ def main():
     a = ap.parse_args()
     bad, count, files = check_functions(a.root)
     bad += check_switches(files, a.root)
+    bad += check_reading_table(a.root)
     bad += check_deps(os.path.join(a.root, a.build) if not os.path.isabs(a.build) else a.build)
     for b in bad:
         print(b)
