@@ -101,8 +101,6 @@ class GradReducer {
     ready_.assign(ready_.size(), false);
     first_launch_ = -1;
   }
-  // When the first bucket went out this step (trace clock, µs; < 0: none yet).
-  double first_launch_us() const { return first_launch_; }
 
   // Fraction of communication time that ran behind backward compute.
   double hidden_fraction() const { return span_us_ > 0 ? 1.0 - exposed_us_ / span_us_ : 0.0; }
