@@ -109,6 +109,29 @@ __global__ void mma_tile_kernel(float* D, uint32_t* loaded, const uint16_t* A, c
   for (int i = 0; i < 4; i++) D[(g + 8 * (i / 2)) * 8 + 2 * t + i % 2] = d[i];
 }
 
+// ldmatrix.x4.trans turns a row-major 16 × 16 tile M (row k, column n) into mma's B fragments
+// for its two 8-column halves: by the PTX ISA, lane l (g = l / 4, t = l % 4) holds in register r of
+// half h the elements M[2t + 8r][8h + g] and M[2t + 8r + 1][8h + g]. Lane l points at row
+// l % 8 + 8·(l / 8 % 2), column 8·(l / 16), so matrix j covers rows 8·(j % 2).., columns 8·(j / 2)..
+// `loaded` receives, per lane, the hand-built registers, then ldmatrix's; `trans` 0 is the seeded
+// slip of loading without .trans.
+__global__ void ldmatrix_trans_kernel(uint32_t* loaded, const uint16_t* M, int trans) {
+  TS_DYNAMIC_SHARED(uint16_t, tile);
+  const int l = int(threadIdx.x), g = l / 4, t = l % 4;
+  for (int i = l; i < 256; i += 32) tile[i] = M[i];
+  __syncwarp();
+  uint32_t r[4];
+  const uint16_t* row = tile + (l % 8 + 8 * (l / 8 % 2)) * 16 + 8 * (l / 16);
+  if (trans) TS_LDMATRIX_X4_TRANS(r, row);
+  else TS_LDMATRIX_X4(r, row);
+  for (int h = 0; h < 2; h++)
+    for (int q = 0; q < 2; q++) {
+      const int k = 2 * t + 8 * q, n = 8 * h + g;
+      loaded[l * 8 + 2 * h + q] = uint32_t(M[k * 16 + n]) | uint32_t(M[(k + 1) * 16 + n]) << 16;
+      loaded[l * 8 + 4 + 2 * h + q] = r[2 * h + q];
+    }
+}
+
 // Seeded: ldmatrix given an address in global memory.
 __global__ void ldmatrix_global_kernel(uint32_t* out, const uint16_t* A) {
   uint32_t r[4];
@@ -337,6 +360,26 @@ TEST_CASE("emulated GPU: mma.sync m16n8k16 and ldmatrix.x4 put each element wher
       }
     }
   cudaFree(dA), cudaFree(dB), cudaFree(dC), cudaFree(dD), cudaFree(dL);
+}
+
+TEST_CASE("emulated GPU: ldmatrix.x4.trans gives mma's B fragments of a row-major tile", "[emu]") {
+  Fresh fresh;
+  std::vector<uint16_t> M(256);
+  for (size_t i = 0; i < M.size(); i++) M[i] = uint16_t(i * 7 + 1);  // every element distinct
+  uint16_t* dM = tst::to_device(M);
+  uint32_t* dL = tst::to_device(std::vector<uint32_t>(256, 0));
+  for (int trans : {1, 0}) {
+    INFO("trans " << trans);
+    TS_LAUNCH(1, 32, 512, nullptr, ldmatrix_trans_kernel)(dL, dM, trans);
+    REQUIRE(cudaGetLastError() == cudaSuccess);
+    const std::vector<uint32_t> L = host_copy(dL, 256);
+    int same = 0;
+    for (int l = 0; l < 32; l++)
+      for (int r = 0; r < 4; r++) same += L[size_t(l * 8 + r)] == L[size_t(l * 8 + 4 + r)];
+    if (trans) CHECK(same == 128);
+    else CHECK(same < 8);  // without .trans the lanes hold rows, not columns
+  }
+  cudaFree(dM), cudaFree(dL);
 }
 
 TEST_CASE("emulated GPU: ldmatrix outside shared memory and an mma half the warp skips are named", "[emu]") {

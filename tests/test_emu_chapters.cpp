@@ -9,7 +9,10 @@
 
 #ifdef TS_CUDA_EMU
 #include <fstream>
+#include <iterator>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "test_util.h"
 
@@ -81,6 +84,32 @@ TEST_CASE("emulated GPU: 05 pipelines (1F1B, interleaved, ZB-H1) on NCCL", "[emu
 TEST_CASE("emulated GPU: 06 ring attention (zigzag) and Ulysses on NCCL", "[emu][cuda][06]") {
   check_case({"06_context_parallel", 2, "--cp 2 --cp-mode ring --zigzag 1", kOwnGpus, "nccl"});
   check_case({"06_context_parallel", 2, "--cp 2 --cp-mode ulysses", kOwnGpus, "nccl"});
+}
+
+// At head dim 64 in bf16 (--dim 128 --heads 2) attention takes its second rung, FlashAttention-2 on
+// the tensor cores (common/kernels/attention_v2.cu; the first rung, on the CUDA cores, serves the
+// other cases here). 01 on it reproduces 01 on the CPU, and so do 06's ring (zigzag) and Ulysses,
+// whose partial attentions v2 computes and 06 merges by their log-sum-exp. Each CUDA run records
+// the kernels it ran, so the test knows v2 ran.
+TEST_CASE("emulated GPU: 01, 06 ring and 06 Ulysses on attention v2 (tensor cores) reproduce 01 on the CPU",
+          "[emu][cuda][06]") {
+  const std::string v2 = "--dtype bf16 --dim 128 --heads 2 --kv-heads 2 ";
+  const tst::CachedRun& ref = tst::cached_run("01_single_gpu", 1, kTiny + v2 + "--device cpu", 600, kOwnGpus);
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"01_single_gpu", ""}, {"06_context_parallel", "--cp 2 --cp-mode ring --zigzag 1 "},
+      {"06_context_parallel", "--cp 2 --cp-mode ulysses "}};
+  for (size_t n = 0; n < runs.size(); n++) {
+    const std::string coverage = tst::scratch("attention_v2_" + std::to_string(n) + ".txt");
+    const int np = n == 0 ? 1 : 2;
+    const tst::CachedRun& gpu = tst::cached_run(runs[n].first, np, kTiny + v2 + runs[n].second + "--device cuda", 600,
+                                                kOwnGpus + " TS_EMU_COVERAGE=" + coverage);
+    INFO(runs[n].first << " " << runs[n].second << "\n" << gpu.output);
+    std::ifstream f(coverage);
+    const std::string ran((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+    for (const char* k : {"flash_v2_forward_kernel", "flash_v2_dq_kernel", "flash_v2_dkv_kernel"})
+      CHECK(ran.find(k) != std::string::npos);
+    tst::check_equivalent(gpu, ref, tst::bf16_bounds(8 * 32));
+  }
 }
 
 TEST_CASE("emulated GPU: 07 expert parallel on NCCL", "[emu][cuda][07]") {

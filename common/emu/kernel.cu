@@ -67,13 +67,14 @@ struct PoolRef {  // Boost.Context's StackAllocator, by reference to this thread
 // ----- one block -----------------------------------------------------------------------------------
 
 enum class Wait { None, Block, Warp, Done };
-enum class WarpKind { Sync, Shuffle, Mma, Ldmatrix };
+enum class WarpKind { Sync, Shuffle, Mma, Ldmatrix, LdmatrixTrans };
 static const char* kind_name(WarpKind k) {
   switch (k) {
     case WarpKind::Sync: return "__syncwarp";
     case WarpKind::Shuffle: return "__shfl_xor_sync";
     case WarpKind::Mma: return "mma.sync.m16n8k16";
     case WarpKind::Ldmatrix: return "ldmatrix.x4";
+    case WarpKind::LdmatrixTrans: return "ldmatrix.x4.trans";
   }
   return "?";
 }
@@ -195,15 +196,16 @@ static void mma_m16n8k16(std::vector<Thread*>& w) {
   }
 }
 
-// ldmatrix.sync.aligned.m8n8.x4.shared.b16: lanes 8j..8j+7 give the rows of matrix j (16-byte
-// aligned, in shared memory); lane l gets, in register j, row l / 4 of matrix j at columns
-// 2·(l % 4) and the next.
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16: lanes 8j..8j+7 give the rows of matrix j (16-byte
+// aligned, in shared memory). Without .trans lane l gets, in register j, row l / 4 of matrix j at
+// columns 2·(l % 4) and the next; with .trans it gets column l / 4 at rows 2·(l % 4) and the next
+// (matrix j transposed), which is how a row-major tile becomes mma's column-major B operand.
 static bool in_shared(const Block& b, const char* p) {
   const char* d = b.dyn_smem.data();
   if (p >= d && p + 16 <= d + b.dyn_smem.size()) return true;
   return __start_ts_emu_shared && p >= __start_ts_emu_shared && p + 16 <= __stop_ts_emu_shared;
 }
-static void ldmatrix_x4(std::vector<Thread*>& w) {
+static void ldmatrix_x4(std::vector<Thread*>& w, bool trans) {
   Block& b = *t_block;
   for (int l = 0; l < 32; l++) {
     const char* row = reinterpret_cast<const char*>(uintptr_t(w[size_t(l)]->give));
@@ -211,10 +213,16 @@ static void ldmatrix_x4(std::vector<Thread*>& w) {
       fail_here(where(b, *w[size_t(l)]) + ": ldmatrix row address " + std::to_string(uintptr_t(row)) +
                 (uintptr_t(row) % 16 ? " is not 16-byte aligned" : " is not in the block's shared memory"));
   }
+  auto element = [&](int j, int r, int c) {  // matrix j's element (r, c), 16 bits
+    uint16_t e;
+    memcpy(&e, reinterpret_cast<const char*>(uintptr_t(w[size_t(j * 8 + r)]->give)) + 2 * c, 2);
+    return uint32_t(e);
+  };
   for (int l = 0; l < 32; l++)
     for (int j = 0; j < 4; j++) {
-      const char* row = reinterpret_cast<const char*>(uintptr_t(w[size_t(j * 8 + l / 4)]->give));
-      memcpy(&w[size_t(l)]->frag_out[j], row + 4 * (l % 4), 4);
+      const int a = l / 4, c = 2 * (l % 4);  // without .trans: row a, columns c and c + 1
+      w[size_t(l)]->frag_out[j] = trans ? element(j, c, a) | element(j, c + 1, a) << 16
+                                        : element(j, a, c) | element(j, a, c + 1) << 16;
     }
 }
 
@@ -242,7 +250,7 @@ static void try_complete_warp(Block& b, Thread* t) {
     }
   }
   if (t->kind == WarpKind::Mma) mma_m16n8k16(w);
-  if (t->kind == WarpKind::Ldmatrix) ldmatrix_x4(w);
+  if (t->kind == WarpKind::Ldmatrix || t->kind == WarpKind::LdmatrixTrans) ldmatrix_x4(w, t->kind == WarpKind::LdmatrixTrans);
   for (int l = 0; l < 32; l++) {
     if (!(t->mask >> l & 1u)) continue;
     Thread* o = w[size_t(l)];
@@ -292,8 +300,8 @@ void mma_m16n8k16_bf16(const char* file, int line, float d[4], const uint32_t a[
   warp_op(file, line, 0xffffffffu, WarpKind::Mma, 0, 0, 32);
   memcpy(d, t_block->current->frag_out, 16);
 }
-void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row) {
-  warp_op(file, line, 0xffffffffu, WarpKind::Ldmatrix, uint64_t(uintptr_t(row)), 0, 32);
+void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row, bool trans) {
+  warp_op(file, line, 0xffffffffu, trans ? WarpKind::LdmatrixTrans : WarpKind::Ldmatrix, uint64_t(uintptr_t(row)), 0, 32);
   memcpy(r, t_block->current->frag_out, 16);
 }
 

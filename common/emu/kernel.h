@@ -35,9 +35,9 @@ struct SyncwarpAt {  // __syncwarp() and __syncwarp(mask) at a source line
 uint64_t shfl_xor(const char* file, int line, unsigned mask, uint64_t bits, int lane_mask, int width);
 // The tensor cores' warp-wide instructions, with the PTX ISA's fragment layouts (kernel.cu):
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (D = A·B + C) and
-// ldmatrix.sync.aligned.m8n8.x4.shared.b16. Every lane of the warp must execute the same one.
+// ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16. Every lane of the warp must execute the same one.
 void mma_m16n8k16_bf16(const char* file, int line, float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]);
-void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row);
+void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row, bool trans);
 // The block's dynamic shared memory (the launch's third argument), 0xFF-filled at block start.
 void* dynamic_shared();
 

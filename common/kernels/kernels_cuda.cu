@@ -11,9 +11,12 @@
 #ifdef TS_CUDA
 #include <climits>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/kernels_cuda.h"
+#include "kernels/kernels_cuda_internal.h"
 #include "tensor/rng.h"
 
 namespace ts {
@@ -64,26 +67,6 @@ static void* scratch(size_t bytes) {
     ptr = mem_alloc(cap, Device::CUDA, Tag::Workspace);
   }
   return ptr;
-}
-
-// ----- reductions ------------------------------------------------------------------------------
-// Butterfly (xor) shuffles: every lane ends with the same bits, in an order fixed by the lane ids.
-
-template <class R> __device__ __forceinline__ R warp_sum(R v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ int warp_max_int(int v) {
-  for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ int warp_min_int(int v) {
-  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
 }
 
 // Block-wide sum / max (blockDim.x a multiple of 32, at most 1024): warps reduce, then warp 0
@@ -728,11 +711,7 @@ template <class F> static void with_nch(int hd, F&& f) {
   }
 }
 
-struct AttnDims {
-  int B, Sq, Sk, H, KVH, hd;
-  float scale;
-};
-static AttnDims attn_dims(const Tensor& q, const Tensor& k) {
+AttnDims attn_dims(const Tensor& q, const Tensor& k) {
   AttnDims a{int(q.size(0)), int(q.size(1)), int(k.size(1)), int(q.size(2)), int(k.size(2)), int(q.size(3)), 0.f};
   TS_CHECK(a.hd >= 1 && a.hd <= 128, "attention: head dim %d must be in [1, 128]", a.hd);
   TS_CHECK(a.KVH > 0 && a.H % a.KVH == 0, "attention: %d heads not divisible by %d kv heads", a.H, a.KVH);
@@ -740,8 +719,21 @@ static AttnDims attn_dims(const Tensor& q, const Tensor& k) {
   return a;
 }
 
-void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                       const Tensor& qpos, const Tensor& kpos) {
+const float* attention_row_dots(const Tensor& dout, const Tensor& out, const AttnDims& a) {
+  float* Dsum = static_cast<float*>(scratch(sizeof(float) * size_t(a.B) * a.H * a.Sq));
+  const int64_t rows = int64_t(a.B) * a.Sq * a.H;
+  if (rows == 0) return Dsum;
+  with_dtype(out.dtype, "attention_backward", [&](auto t) {
+    using T = decltype(t);
+    TS_LAUNCH(unsigned((rows + kBlock / 32 - 1) / (kBlock / 32)), kBlock, 0, compute_stream(), attention_rowdot_kernel)(
+        Dsum, dout.data<T>(), out.data<T>(), rows, a.Sq, a.H, a.hd);
+    KERNEL_CHECK();
+  });
+  return Dsum;
+}
+
+void attention_forward_v1(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& qpos, const Tensor& kpos) {
   AttnDims a = attn_dims(q, k);
   if (a.B == 0 || a.Sq == 0 || a.H == 0) return;
   constexpr int BR = kAttnWarps * kFwdRowsPerWarp;
@@ -758,23 +750,17 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   });
 }
 
-void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
-                        const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos,
-                        const Tensor& kpos) {
+void attention_backward_v1(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                           const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos,
+                           const Tensor& kpos) {
   AttnDims a = attn_dims(q, k);
   if (a.B == 0 || a.H == 0) return;
-  float* Dsum = static_cast<float*>(scratch(sizeof(float) * size_t(a.B) * a.H * a.Sq));
+  const float* Dsum = attention_row_dots(dout, out, a);
   constexpr int BR = kAttnWarps * kBwdRowsPerWarp;
   size_t smem_dq = sizeof(float) * (2 * BR * a.hd + 2 * kTile * (a.hd + 1) + BR * kTile);
   size_t smem_dkv = sizeof(float) * (2 * BR * a.hd + 2 * kTile * (a.hd + 1) + 2 * BR * kTile);
-  int64_t rows = int64_t(a.B) * a.Sq * a.H;
   with_dtype(q.dtype, "attention_backward", [&](auto t) {
     using T = decltype(t);
-    if (rows > 0) {
-      TS_LAUNCH(unsigned((rows + kBlock / 32 - 1) / (kBlock / 32)), kBlock, 0, compute_stream(), attention_rowdot_kernel)(
-          Dsum, dout.data<T>(), out.data<T>(), rows, a.Sq, a.H, a.hd);
-      KERNEL_CHECK();
-    }
     with_nch(a.hd, [&](auto nch) {
       [[maybe_unused]] constexpr int NCH = decltype(nch)::value;  // read only inside TS_LAUNCH
       if (a.Sq > 0) {
@@ -793,6 +779,32 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
       }
     });
   });
+}
+
+// The ladder's rungs: v2 (attention_v2.cu, tensor cores) where it applies — bf16 activations, head
+// dim 64 or 128 — and v1 everywhere else (fp32 runs keep their exact fp32 arithmetic). TS_ATTENTION=v1
+// keeps every call on v1, to compare the two on one GPU.
+static bool take_v2(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out) {
+  static const bool v1_only = [] {
+    const char* e = getenv("TS_ATTENTION");
+    if (e && strcmp(e, "v1") && strcmp(e, "v2")) fatal("TS_ATTENTION=%s: expected v1 or v2", e);
+    return e && !strcmp(e, "v1");
+  }();
+  return !v1_only && attention_v2_supports(q, k, v, out);
+}
+
+void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& qpos, const Tensor& kpos) {
+  if (take_v2(q, k, v, out)) return attention_forward_v2(out, lse, q, k, v, qpos, kpos);
+  attention_forward_v1(out, lse, q, k, v, qpos, kpos);
+}
+
+void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out,
+                        const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos,
+                        const Tensor& kpos) {
+  if (take_v2(q, k, v, out) && attention_v2_supports(dq, dk, dv, dout))
+    return attention_backward_v2(dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos);
+  attention_backward_v1(dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos);
 }
 
 // ----- context parallelism: the merge of partial attention, the Ulysses packing ------------------

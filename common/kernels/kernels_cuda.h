@@ -20,6 +20,14 @@ void rope_backward(const Tensor& dx, const Tensor& pos, float theta);
 void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool transB, float alpha, float beta);
 void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos, const Tensor& kpos);
 void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos, const Tensor& kpos);
+// The attention ladder: v1 on the CUDA cores (kernels_cuda.cu), v2 on the tensor cores
+// (attention_v2.cu: bf16, head dim 64 or 128, 16-byte aligned rows); attention_forward and
+// attention_backward above choose (TS_ATTENTION=v1 forces v1).
+void attention_forward_v1(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos, const Tensor& kpos);
+void attention_backward_v1(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos, const Tensor& kpos);
+bool attention_v2_supports(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out);
+void attention_forward_v2(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos, const Tensor& kpos);
+void attention_backward_v2(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout, const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& qpos, const Tensor& kpos);
 void attention_merge(const Tensor& out, const Tensor& lse, const Tensor& part, const Tensor& part_lse);
 void swap_leading(const Tensor& dst, const Tensor& src, int64_t a, int64_t b);
 void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u);

@@ -1,7 +1,7 @@
 // tensor_core.h — one warp's tensor-core instructions, for kernels that run on nvcc's GPU and on
 // the emulated GPU alike: mma.sync (D = A·B + C on a 16 × 8 × 16 tile, bf16 operands, fp32
 // accumulators) and ldmatrix (four 8 × 8 b16 matrices from shared memory into the fragments mma
-// takes). Each is warp-wide: all 32 lanes execute it together, each holding the registers the PTX
+// takes; .trans delivers each matrix transposed). Each is warp-wide: all 32 lanes execute it together, each holding the registers the PTX
 // ISA assigns it ("Matrix Fragments for mma.m16n8k16 with floating point type"; common/emu/kernel.cu
 // draws the same map). On the GPU they are inline PTX (sm_80 and later); under the emulated GPU,
 // warp operations that check every lane arrives and that ldmatrix reads aligned shared memory.
@@ -11,7 +11,8 @@
 
 #ifdef TS_CUDA_EMU
 #define TS_MMA_M16N8K16_BF16(d, a, b, c) ::emu::mma_m16n8k16_bf16(__FILE__, __LINE__, d, a, b, c)
-#define TS_LDMATRIX_X4(r, row) ::emu::ldmatrix_x4(__FILE__, __LINE__, r, row)
+#define TS_LDMATRIX_X4(r, row) ::emu::ldmatrix_x4(__FILE__, __LINE__, r, row, false)
+#define TS_LDMATRIX_X4_TRANS(r, row) ::emu::ldmatrix_x4(__FILE__, __LINE__, r, row, true)
 #else
 namespace ts::cuda {
 __device__ __forceinline__ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]) {
@@ -26,9 +27,16 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* row) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
 }
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row) {
+  const unsigned addr = unsigned(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
 }  // namespace ts::cuda
 #define TS_MMA_M16N8K16_BF16(d, a, b, c) ::ts::cuda::mma_m16n8k16_bf16(d, a, b, c)
 #define TS_LDMATRIX_X4(r, row) ::ts::cuda::ldmatrix_x4(r, row)
+#define TS_LDMATRIX_X4_TRANS(r, row) ::ts::cuda::ldmatrix_x4_trans(r, row)
 #endif
 
 #endif  // TS_CUDA
