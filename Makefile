@@ -10,6 +10,8 @@
 #   make demo       build 01 only (in parallel; CPU-only into build/demo-cpu when no GPU is visible),
 #                   train it on the embedded data (about a minute); its plot in build/demo.png
 #   make bench      kernel, collective and training-step benchmarks
+#   make ptxas      every CUDA kernel's registers, spills, shared memory, block size and occupancy on
+#                   an H100 (nvcc -Xptxas -v for sm_90 over DEVICE_SRC; scripts/ptxas_table.py)
 #   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
 #
@@ -109,7 +111,7 @@ FUZZ_CXX := clang++ -std=c++17 -O1 -g -fsanitize=address,undefined -fno-sanitize
             -fopenmp=libgomp -Wall -Wno-unknown-pragmas -Wno-psabi -Wno-unused-private-field -Icommon $(MPI_INC)
 FUZZ_SECONDS ?= 60
 
-.PHONY: all test demo bench clean deps fuzz
+.PHONY: all test demo bench clean deps fuzz ptxas
 # Objects built on the way to a binary are kept (make deletes such intermediates otherwise), so a
 # second `make test` with nothing changed compiles nothing.
 .SECONDARY:
@@ -219,6 +221,12 @@ demo: deps
 bench: deps
 	@$(MAKE) --no-print-directory all
 	@BUILD=$(BUILD) scripts/bench.sh
+
+# The device code compiled for sm_90 alone, with the flags of a CUDA=1 build; nothing is kept.
+ptxas:
+	@test -n "$(NVCC)" || { echo "make ptxas: nvcc not found" >&2; exit 1; }
+	@/usr/bin/python3 scripts/ptxas_table.py --nvcc $(NVCC) \
+	  --cflags "-Icommon $(MPI_INC) -DTS_CUDA -I$(CUDA_HOME)/include --expt-relaxed-constexpr" $(DEVICE_SRC)
 
 clean:
 	rm -rf build build-cpu build-emu $(BUILD)

@@ -7,19 +7,27 @@
 // Each op is warmed up, then timed over several repetitions; the median is reported as GFLOP/s
 // for the matmul-shaped ops and GB/s of compulsory traffic for the memory-bound ones.
 // On the CPU set OPENBLAS_CORETYPE=SkylakeX.
-// Usage: bench_kernels [--shape small|124m] [--device cpu|cuda|all] [substring]
+//
+// Then the prediction of every kernel of 01's step at the 124m shape on an H100 SXM and an H200
+// (common/training/gpu_speed.h), attention v1 and v2, next to the median this run measured for the
+// same call (CUDA, bf16, --shape 124m; "—" otherwise), and the step's tokens/s and MFU.
+// --predict prints the prediction alone.
+// Usage: bench_kernels [--shape small|124m] [--device cpu|cuda|all] [--predict] [substring]
 #include <mpi.h>
 #include <omp.h>
 
 #include <algorithm>
 #include <chrono>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "tensor/core.h"
 #include "tensor/rng.h"
 #include "kernels/kernels.h"
+#include "training/config.h"
+#include "training/gpu_speed.h"
 
 using namespace ts;
 
@@ -126,21 +134,68 @@ std::vector<Op> make_ops(const Shape& sh, Device dev, DType dt) {
   };
 }
 
+// One rung's table at 124m, batch `batch`: every kernel on the H100 and H200, the measured median
+// beside the H100's (the run's own GPU), then the step.
+void print_prediction(AttnRung rung, int batch, const std::map<std::string, double>& measured, bool all_rows) {
+  ModelConfig m;
+  apply_preset("124m", m);
+  const KernelRates r = hopper_kernel_rates();
+  const StepPrediction h100 = predict_01_step(*find_gpu("h100"), r, m, batch, rung),
+                       h200 = predict_01_step(*find_gpu("h200"), r, m, batch, rung);
+  printf("\n01 at 124m, bf16, batch %d x seq %d, attention %s: predicted per call\n", batch, m.seq, rung_name(rung));
+  printf("%-30s %5s %9s %9s %9s %-13s %9s %9s\n", "kernel", "calls", "GFLOP", "MB", "H100 ms", "limit", "H200 ms",
+         "measured");
+  for (size_t i = 0; i < h100.kernels.size(); i++) {
+    const KernelCost &a = h100.kernels[i], &b = h200.kernels[i];
+    if (!all_rows && a.name.find("attention") == std::string::npos && a.name.find("flash") == std::string::npos) continue;
+    auto it = a.bench.empty() ? measured.end() : measured.find(a.bench);
+    char meas[32] = "—";
+    if (it != measured.end()) snprintf(meas, sizeof meas, "%.3f", it->second);
+    printf("%-30s %5.0f %9.3f %9.2f %9.4f %-13s %9.4f %9s\n", a.name.c_str(), a.calls, a.flops * 1e-9, a.bytes * 1e-6,
+           a.seconds * 1e3, a.limit.c_str(), b.seconds * 1e3, meas);
+  }
+  for (const auto* p : {&h100, &h200})
+    printf("step on the %s: %.2f ms, %.0f tokens/s, MFU %.1f%%\n", p == &h100 ? "H100" : "H200", p->step_s * 1e3,
+           p->tokens_per_s, 100 * p->mfu);
+}
+
+void print_predictions(const std::map<std::string, double>& measured) {
+  print_prediction(AttnRung::V1, 4, measured, true);
+  print_prediction(AttnRung::V2, 4, measured, false);
+  // 01's bf16 run in scripts/gpu-check.sh (batch 8): what its tokens/s and MFU should read.
+  ModelConfig m;
+  apply_preset("124m", m);
+  printf("\nat batch 8 (scripts/gpu-check.sh's 01 bf16 run):\n");
+  for (AttnRung rung : {AttnRung::V1, AttnRung::V2})
+    for (const char* gpu : {"h100", "h200"}) {
+      const StepPrediction p = predict_01_step(*find_gpu(gpu), hopper_kernel_rates(), m, 8, rung);
+      printf("  %s, attention %s: %.2f ms, %.0f tokens/s, MFU %.1f%%\n", gpu, rung_name(rung), p.step_s * 1e3,
+             p.tokens_per_s, 100 * p.mfu);
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   MPI_Init(&argc, &argv);
   std::string only, shape = "small", want = "all";
+  bool predict_only = false;
   for (int i = 1; i < argc; i++) {
     const std::string a = argv[i];
-    if (a == "--shape" && i + 1 < argc) shape = argv[++i];
+    if (a == "--predict") predict_only = true;
+    else if (a == "--shape" && i + 1 < argc) shape = argv[++i];
     else if (a == "--device" && i + 1 < argc) want = argv[++i];
     else only = a;
   }
   if ((shape != "small" && shape != "124m") || (want != "cpu" && want != "cuda" && want != "all")) {
-    fprintf(stderr, "usage: bench_kernels [--shape small|124m] [--device cpu|cuda|all] [substring]\n");
+    fprintf(stderr, "usage: bench_kernels [--shape small|124m] [--device cpu|cuda|all] [--predict] [substring]\n");
     MPI_Finalize();
     return 2;
+  }
+  if (predict_only) {
+    print_predictions({});
+    MPI_Finalize();
+    return 0;
   }
   const Shape sh = shape == "124m" ? k124m : kSmall;
   std::vector<Device> devs;
@@ -156,15 +211,18 @@ int main(int argc, char** argv) {
          (long long)sh.kv_heads, (long long)sh.head_dim, (long long)sh.ffn, (long long)sh.vocab);
   printf("CPU threads %d; median of %d after %d warm-up\n\n", omp_get_max_threads(), kReps, kWarmup);
   printf("%-24s %-5s %-5s %10s %12s\n", "op", "dev", "dtype", "ms", "rate");
+  std::map<std::string, double> measured;  // CUDA bf16 medians at 124m: the prediction's shape
   for (Device dev : devs)
     for (DType dt : {DType::F32, DType::BF16})
       for (const Op& op : make_ops(sh, dev, dt)) {
         if (op.name.find(only) == std::string::npos) continue;
         const double ms = median_ms(op, dev);
+        if (shape == "124m" && dev == Device::CUDA && dt == DType::BF16) measured[op.name] = ms;
         printf("%-24s %-5s %-5s %10.3f %8.1f %s\n", op.name.c_str(), device_name(dev), dtype_name(dt), ms,
                op.work / ms * 1e-6, op.flops ? "GFLOP/s" : "GB/s");
         fflush(stdout);
       }
+  print_predictions(measured);
   MPI_Finalize();
   return 0;
 }

@@ -21,7 +21,8 @@
 #               fiber.hpp) came from there, and mpirun and its proxy are the unpacked ones
 #   gpu_probe   the build sees a GPU
 #   cuda_twins  every CUDA kernel against its CPU twin (tests/test_kernels [cuda])
-#   bench_S     the kernel benchmark at shape S on CUDA
+#   bench_S     the kernel benchmark at shape S on CUDA, ending with each kernel's predicted time
+#               beside its measured median and the predicted step (notes/gpu_speed.md)
 #   01_S_cpu, 01_S_cuda, 01_S_vs_cpu
 #               01 on CUDA against 01 on the CPU, 3 steps; losses within 1e-4 relative
 #   01_S_bf16   01 on CUDA in bf16: median tokens/s and MFU
