@@ -71,7 +71,8 @@ def occupancy(threads, regs, smem):
 
 def safe_eval(expr, names):
     """An arithmetic expression of integers and names (+ - * / // parentheses, sizeof(float))."""
-    expr = re.sub(r"sizeof\((float|int32_t|int|double)\)", lambda m: "8" if m.group(1) == "double" else "4", expr)
+    widths = {"double": "8", "bf16": "2", "uint16_t": "2"}
+    expr = re.sub(r"sizeof\((float|int32_t|int|double|bf16|uint16_t)\)", lambda m: widths.get(m.group(1), "4"), expr)
     expr = re.sub(r"\b(\d+)[uUlL]+\b", r"\1", expr)
     tree = ast.parse(expr.strip(), mode="eval")
 
@@ -152,7 +153,7 @@ def launches(path):
     return text, found
 
 
-def launch_config(name, nch, text, found):
+def launch_config(name, head_dim, text, found):
     """(threads, dynamic smem bytes or None, where the block size came from) of kernel `name`."""
     entries = found.get(name)
     if not entries:
@@ -165,8 +166,8 @@ def launch_config(name, nch, text, found):
     smem = 0
     for _, expr, pos, _ in calls:
         if expr.strip() != "0":
-            # The source's expression at the largest head dim the instantiation serves (hd = 32·NCH).
-            smem = resolve(expr, text, pos, {"a.hd": 32 * nch} if nch else None)
+            # The source's expression at the largest head dim the instantiation serves.
+            smem = resolve(expr, text, pos, {"a.hd": head_dim} if head_dim else None)
     return threads, smem, "__launch_bounds__" if bounds else "TS_LAUNCH"
 
 
@@ -228,8 +229,13 @@ def table_rows(log, source):
         base = re.sub(r"^(\w+::)*", "", name.split("<")[0])
         targs = re.findall(r"<(.*)>", name)
         ints = [int(a) for a in (targs[0].split(",") if targs else []) if a.strip().isdigit()]
-        threads, dyn, origin = launch_config(base, ints[0] if base.startswith("attention_") and ints else None,
-                                             text, found)
+        # Head dims: v1's kernels serve hd ≤ 32·NCH (their first template int), v2's exactly HD.
+        head_dim = None
+        if ints and base.startswith("attention_"):
+            head_dim = 32 * ints[0]
+        elif ints and base.startswith("flash_v2_"):
+            head_dim = ints[0]
+        threads, dyn, origin = launch_config(base, head_dim, text, found)
         row = dict(r, name=name, file=source, threads=threads, dyn=dyn, origin=origin)
         if threads:
             warps, binding = occupancy(threads, r["regs"], r["smem"] + (dyn or 0))

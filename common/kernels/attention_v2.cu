@@ -41,7 +41,8 @@ namespace ts {
 namespace cuda {
 namespace {
 
-constexpr int kWarps = 4, kThreads = 32 * kWarps;
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
 constexpr int kOwn = 16 * kWarps;  // rows a block owns: 16 per warp (mma's M)
 constexpr int kTile = 32;          // rows of the streamed side per step: one per lane
 constexpr int kPad = 8;            // bf16 elements of padding per shared-memory row
@@ -411,11 +412,6 @@ template <class F> void with_head_dim(int hd, F&& f) {
   else fatal("attention v2: head dim %d (this rung is built for 64 and 128)", hd);
 }
 
-// Shared memory of a kernel: two tiles of kOwn padded rows (the forward also its two key tiles).
-size_t v2_smem(int hd, bool forward) {
-  return sizeof(bf16) * size_t(hd + kPad) * (forward ? kOwn + 2 * kTile : 2 * kOwn);
-}
-
 }  // namespace
 
 bool attention_v2_supports(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out) {
@@ -430,8 +426,10 @@ void attention_forward_v2(const Tensor& out, const Tensor& lse, const Tensor& q,
   TS_CHECK(attention_v2_supports(q, k, v, out), "attention v2: needs bf16, head dim 64 or 128, 16-byte aligned rows");
   if (a.B == 0 || a.Sq == 0 || a.H == 0) return;
   const dim3 grid(unsigned((a.Sq + kOwn - 1) / kOwn), unsigned(a.H), unsigned(a.B));
+  // Shared memory: the block's query rows and one key and one value tile, padded bf16 rows.
+  const size_t smem = sizeof(bf16) * (a.hd + kPad) * (kOwn + 2 * kTile);
   with_head_dim(a.hd, [&](auto hd) {
-    TS_LAUNCH(grid, kThreads, v2_smem(a.hd, true), compute_stream(), flash_v2_forward_kernel<decltype(hd)::value>)(
+    TS_LAUNCH(grid, kThreads, smem, compute_stream(), flash_v2_forward_kernel<decltype(hd)::value>)(
         out.b16(), lse.f32(), q.b16(), k.b16(), v.b16(), qpos.i32(), kpos.i32(), a.Sq, a.Sk, a.H, a.KVH, a.scale);
     KERNEL_CHECK();
   });
@@ -445,18 +443,20 @@ void attention_backward_v2(const Tensor& dq, const Tensor& dk, const Tensor& dv,
            "attention v2: needs bf16, head dim 64 or 128, 16-byte aligned rows");
   if (a.B == 0 || a.H == 0) return;
   const float* Dsum = attention_row_dots(dout, out, a);
+  // Shared memory: the block's own rows of two matrices (then reused for two streamed tiles).
+  const size_t smem = sizeof(bf16) * (a.hd + kPad) * (2 * kOwn);
   with_head_dim(a.hd, [&](auto hd) {
-    constexpr int HD = decltype(hd)::value;
+    [[maybe_unused]] constexpr int HD = decltype(hd)::value;  // read only inside TS_LAUNCH
     if (a.Sq > 0) {
       const dim3 grid(unsigned((a.Sq + kOwn - 1) / kOwn), unsigned(a.H), unsigned(a.B));
-      TS_LAUNCH(grid, kThreads, v2_smem(HD, false), compute_stream(), flash_v2_dq_kernel<HD>)(
+      TS_LAUNCH(grid, kThreads, smem, compute_stream(), flash_v2_dq_kernel<HD>)(
           dq.b16(), dout.b16(), lse.f32(), Dsum, q.b16(), k.b16(), v.b16(), qpos.i32(), kpos.i32(), a.Sq, a.Sk, a.H,
           a.KVH, a.scale);
       KERNEL_CHECK();
     }
     if (a.Sk > 0) {
       const dim3 grid(unsigned((a.Sk + kOwn - 1) / kOwn), unsigned(a.KVH), unsigned(a.B));
-      TS_LAUNCH(grid, kThreads, v2_smem(HD, false), compute_stream(), flash_v2_dkv_kernel<HD>)(
+      TS_LAUNCH(grid, kThreads, smem, compute_stream(), flash_v2_dkv_kernel<HD>)(
           dk.b16(), dv.b16(), dout.b16(), lse.f32(), Dsum, q.b16(), k.b16(), v.b16(), qpos.i32(), kpos.i32(), a.Sq,
           a.Sk, a.H, a.KVH, a.scale);
       KERNEL_CHECK();
