@@ -114,22 +114,29 @@ __global__ void mma_tile_kernel(float* D, uint32_t* loaded, const uint16_t* A, c
 // half h the elements M[2t + 8r][8h + g] and M[2t + 8r + 1][8h + g]. Lane l points at row
 // l % 8 + 8·(l / 8 % 2), column 8·(l / 16), so matrix j covers rows 8·(j % 2).., columns 8·(j / 2)..
 // `loaded` receives, per lane, the hand-built registers, then ldmatrix's; `trans` 0 is the seeded
-// slip of loading without .trans.
-__global__ void ldmatrix_trans_kernel(uint32_t* loaded, const uint16_t* M, int trans) {
+// slip of loading without .trans. Then D = A·M (16 × 16, A row-major from ldmatrix as in
+// mma_tile_kernel) through two mma.sync, one per half of M: the layout as attention uses it.
+__global__ void ldmatrix_trans_kernel(uint32_t* loaded, float* D, const uint16_t* A, const uint16_t* M, int trans) {
   TS_DYNAMIC_SHARED(uint16_t, tile);
+  uint16_t* atile = tile + 256;
   const int l = int(threadIdx.x), g = l / 4, t = l % 4;
-  for (int i = l; i < 256; i += 32) tile[i] = M[i];
+  for (int i = l; i < 256; i += 32) tile[i] = M[i], atile[i] = A[i];
   __syncwarp();
-  uint32_t r[4];
-  const uint16_t* row = tile + (l % 8 + 8 * (l / 8 % 2)) * 16 + 8 * (l / 16);
-  if (trans) TS_LDMATRIX_X4_TRANS(r, row);
-  else TS_LDMATRIX_X4(r, row);
-  for (int h = 0; h < 2; h++)
+  uint32_t r[4], a[4];
+  const int row = l % 8 + 8 * (l / 8 % 2), col = 8 * (l / 16);
+  if (trans) TS_LDMATRIX_X4_TRANS(r, tile + row * 16 + col);
+  else TS_LDMATRIX_X4(r, tile + row * 16 + col);
+  TS_LDMATRIX_X4(a, atile + row * 16 + col);
+  for (int h = 0; h < 2; h++) {
     for (int q = 0; q < 2; q++) {
       const int k = 2 * t + 8 * q, n = 8 * h + g;
       loaded[l * 8 + 2 * h + q] = uint32_t(M[k * 16 + n]) | uint32_t(M[(k + 1) * 16 + n]) << 16;
       loaded[l * 8 + 4 + 2 * h + q] = r[2 * h + q];
     }
+    float c[4] = {}, d[4];
+    TS_MMA_M16N8K16_BF16(d, a, r + 2 * h, c);
+    for (int i = 0; i < 4; i++) D[(g + 8 * (i / 2)) * 16 + 8 * h + 2 * t + i % 2] = d[i];
+  }
 }
 
 // Seeded: ldmatrix given an address in global memory.
@@ -364,22 +371,44 @@ TEST_CASE("emulated GPU: mma.sync m16n8k16 and ldmatrix.x4 put each element wher
 
 TEST_CASE("emulated GPU: ldmatrix.x4.trans gives mma's B fragments of a row-major tile", "[emu]") {
   Fresh fresh;
-  std::vector<uint16_t> M(256);
-  for (size_t i = 0; i < M.size(); i++) M[i] = uint16_t(i * 7 + 1);  // every element distinct
-  uint16_t* dM = tst::to_device(M);
+  std::vector<uint16_t> A(256), M(256);
+  for (size_t i = 0; i < M.size(); i++) {
+    A[i] = ts::float_to_bf16(ts::rng_normal(4, i)).bits;
+    M[i] = ts::float_to_bf16(ts::rng_normal(5, i)).bits;  // distinct values, so a misplaced one shows
+  }
+  std::vector<double> want(256);  // the plain product A·M in double
+  double scale = 0;
+  for (int m = 0; m < 16; m++)
+    for (int n = 0; n < 16; n++) {
+      double acc = 0;
+      for (int k = 0; k < 16; k++)
+        acc += double(ts::bf16_to_float(ts::bf16{A[size_t(m * 16 + k)]})) * ts::bf16_to_float(ts::bf16{M[size_t(k * 16 + n)]});
+      want[size_t(m * 16 + n)] = acc;
+      scale = std::max(scale, std::fabs(acc));
+    }
+  uint16_t *dA = tst::to_device(A), *dM = tst::to_device(M);
   uint32_t* dL = tst::to_device(std::vector<uint32_t>(256, 0));
+  float* dD = device_floats(std::vector<float>(256, 0));
   for (int trans : {1, 0}) {
     INFO("trans " << trans);
-    TS_LAUNCH(1, 32, 512, nullptr, ldmatrix_trans_kernel)(dL, dM, trans);
+    TS_LAUNCH(1, 32, 1024, nullptr, ldmatrix_trans_kernel)(dL, dD, dA, dM, trans);
     REQUIRE(cudaGetLastError() == cudaSuccess);
     const std::vector<uint32_t> L = host_copy(dL, 256);
+    const std::vector<float> D = host_copy(dD, 256);
     int same = 0;
     for (int l = 0; l < 32; l++)
       for (int r = 0; r < 4; r++) same += L[size_t(l * 8 + r)] == L[size_t(l * 8 + 4 + r)];
-    if (trans) CHECK(same == 128);
-    else CHECK(same < 8);  // without .trans the lanes hold rows, not columns
+    double err = 0;
+    for (size_t i = 0; i < 256; i++) err = std::max(err, std::fabs(double(D[i]) - want[i]));
+    if (trans) {
+      CHECK(same == 128);
+      CHECK(err <= 16 * 0x1p-24 * 4 * scale);  // 16 exact products summed in fp32
+    } else {
+      CHECK(same < 8);  // without .trans the lanes hold rows of M, not columns
+      CHECK(err > 1e-2 * scale);
+    }
   }
-  cudaFree(dM), cudaFree(dL);
+  cudaFree(dA), cudaFree(dM), cudaFree(dL), cudaFree(dD);
 }
 
 TEST_CASE("emulated GPU: ldmatrix outside shared memory and an mma half the warp skips are named", "[emu]") {

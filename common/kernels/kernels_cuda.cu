@@ -390,6 +390,10 @@ void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool
 
 // ----- causal GQA attention (flash-style) ------------------------------------------------------
 //
+// Rung 1 of the attention ladder: fp32 arithmetic on the CUDA cores, for every dtype and head dim.
+// Rung 2, FlashAttention-2 on the tensor cores, is attention_v2.cu; attention_forward and
+// attention_backward (below) choose between them.
+//
 // Blocks of kAttnWarps warps. Scores are computed one key (or one query) per lane: lane j takes the
 // dot product of a shared-memory query row with the j-th key of a 32-row tile. The output
 // accumulators are spread over the lanes by head dimension (d = lane + 32c, c < NCH = ceil(hd/32)),
