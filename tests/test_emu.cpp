@@ -2,8 +2,8 @@
 // The emulated GPU's own checks (common/emu/kernel.cu, runtime.cu): each rule it enforces has a
 // kernel or a call here with the defect seeded, and the case asserts that the emulator refused it
 // and named it — a divergent barrier, a shuffle naming an exited lane, launches the hardware
-// refuses, a stream that reads without waiting for the stream that writes, a barrier that is
-// missing (the block's threads run the other way round and the result changes) — and that correct
+// refuses, a stream that reads without waiting for the stream that writes, a pinned staging
+// buffer refilled before its asynchronous copy has run, a barrier that is missing (the block's threads run the other way round and the result changes) — and that correct
 // kernels give the same bits in either order. Only in the emulated build (make CUDA=emu).
 #include <catch2/catch.hpp>
 
@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "model/model.h"
 #include "emu.h"
 #include "emu_util.h"
 #include "tensor/rng.h"
@@ -309,6 +310,93 @@ TEST_CASE("emulated GPU: a stream that reads without waiting for the writer's ev
   cudaFree(y);
   cudaStreamDestroy(writer);
   cudaStreamDestroy(reader);
+}
+
+// CUDA's rule for page-locked memory (CUDA C++ Programming Guide, "Page-Locked Host Memory"; the
+// runtime API's notes on the synchronous behaviour of memcpy): an asynchronous copy from pinned
+// memory is a DMA that reads its source when it runs on the stream, so the host may refill the
+// buffer only once an event recorded after the copy has completed. From pageable memory the copy
+// takes its source before returning. The emulator runs the pinned copy late, so refilling too early
+// is always seen, where on a GPU it depends on timing.
+TEST_CASE("emulated GPU: an async copy from pinned memory reads its source when it runs", "[emu]") {
+  Fresh fresh;
+  cudaStream_t s;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  const int n = 64;
+  int32_t* pinned = nullptr;
+  int32_t* d = nullptr;
+  REQUIRE(cudaMallocHost(reinterpret_cast<void**>(&pinned), 2 * n * sizeof(int32_t)) == cudaSuccess);
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&d), n * sizeof(int32_t)) == cudaSuccess);
+  auto fill = [&](int32_t* h, int32_t v) {
+    for (int i = 0; i < n; i++) h[i] = v + i;
+  };
+  auto upload = [&](const int32_t* h) {
+    REQUIRE(cudaMemcpyAsync(d, h, n * sizeof(int32_t), cudaMemcpyHostToDevice, s) == cudaSuccess);
+  };
+  auto holds = [&](int32_t v) {
+    const std::vector<int32_t> got = host_copy(d, size_t(n));
+    int wrong = 0;
+    for (int i = 0; i < n; i++) wrong += got[size_t(i)] != v + i;
+    return wrong == 0;
+  };
+  // Seeded defect: the staging buffer refilled before anything waited for the copy. The device
+  // gets the new contents, not the ones the copy was issued with; the same from the buffer's second
+  // half (a slot of a staging ring, a pointer into the allocation).
+  for (int32_t* src : {pinned, pinned + n}) {
+    fill(src, 100);
+    upload(src);
+    fill(src, 200);  // too early
+    CHECK(holds(200));
+    CHECK(!holds(100));
+  }
+  // The correct pattern: an event recorded after the copy, waited for before the refill.
+  cudaEvent_t copied;
+  REQUIRE(cudaEventCreateWithFlags(&copied, cudaEventDisableTiming) == cudaSuccess);
+  fill(pinned, 300);
+  upload(pinned);
+  REQUIRE(cudaEventRecord(copied, s) == cudaSuccess);
+  REQUIRE(cudaEventSynchronize(copied) == cudaSuccess);
+  fill(pinned, 400);
+  CHECK(holds(300));
+  // Pageable memory: the copy has taken its source when cudaMemcpyAsync returns.
+  std::vector<int32_t> pageable(n);
+  fill(pageable.data(), 500);
+  upload(pageable.data());
+  fill(pageable.data(), 600);
+  CHECK(holds(500));
+  // A device-to-host copy is counted (fp8's native GEMM is held to making none).
+  const uint64_t before = emu::device_to_host_copies();
+  REQUIRE(cudaMemcpy(pageable.data(), d, n * sizeof(int32_t), cudaMemcpyDeviceToHost) == cudaSuccess);
+  REQUIRE(cudaMemcpy(d, pageable.data(), n * sizeof(int32_t), cudaMemcpyHostToDevice) == cudaSuccess);
+  CHECK(emu::device_to_host_copies() == before + 1);
+  REQUIRE(cudaEventDestroy(copied) == cudaSuccess);
+  REQUIRE(cudaFreeHost(pinned) == cudaSuccess);
+  CHECK(cudaFreeHost(pinned) == cudaErrorInvalidValue);  // freed already
+  cudaGetLastError();
+  cudaFree(d);
+  cudaStreamDestroy(s);
+}
+
+// The project's staging ring for token ids, targets and positions (upload_ints, model.cu) under
+// that rule: more uploads than the ring has slots, queued with nothing between them that waits
+// for the device, each arrive with their own contents, because a slot is refilled only after the
+// event of its last copy. Without that wait the later uploads' ints would reach the earlier tensors.
+TEST_CASE("emulated GPU: upload_ints' pinned ring delivers every upload when many are queued", "[emu]") {
+  Fresh fresh;
+  const int uploads = 20, n = 64;  // one size, so no slot grows (freeing pinned memory drains the device)
+  std::vector<ts::Tensor> up;
+  for (int k = 0; k < uploads; k++) {
+    std::vector<int32_t> v(n);
+    for (int i = 0; i < n; i++) v[size_t(i)] = 1000 * k + i;
+    up.push_back(ts::upload_ints(v, ts::Device::CUDA));
+  }
+  int wrong = 0;
+  for (int k = 0; k < uploads; k++) {
+    ts::Tensor h = ts::Tensor::empty({n}, ts::DType::I32, ts::Device::CPU, ts::Tag::Workspace);
+    ts::copy(h, up[size_t(k)]);
+    for (int i = 0; i < n; i++) wrong += h.i32()[i] != 1000 * k + i;
+  }
+  CHECK(wrong == 0);
 }
 
 TEST_CASE("emulated GPU: cudaMemcpy with the wrong kind and an over-size allocation are refused", "[emu]") {

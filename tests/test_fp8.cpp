@@ -22,6 +22,9 @@
 #include "tensor/rng.h"
 #include "kernels/fp8.h"
 #include "kernels/kernels.h"
+#ifdef TS_CUDA_EMU
+#include "emu.h"
+#endif
 
 using namespace ts;
 using Vec = std::vector<float>;
@@ -695,4 +698,58 @@ TEST_CASE("cuda twin: fp8::gemm, native per-tensor and decoded blockwise, agains
       }
     }
 }
+
+#ifdef TS_CUDA_EMU
+// The native path keeps the scales on the device: a one-thread kernel forms the dequantization
+// factor 1/sA · 1/sB (in double, rounded once) into cuBLASLt's A scale pointer, so a GEMM makes no
+// device-to-host copy, which would make the host wait for the device. The emulator counts those
+// copies. Its cuBLASLt computes D = (alpha · scaleA · scaleB) · Σ_k fma-accumulated products + C,
+// k ascending (blas.cu), so the expected bits are written out here with the factor as the host
+// formed it when it read the two scales itself: the result is the one that path gave.
+TEST_CASE("the native FP8 GEMM reads no scale to the host, and gives the same bits as before", "[cuda][fp8]") {
+  const int64_t M = 32, N = 48, K = 64;
+  auto on_gpu = [](const Tensor& t) {
+    Tensor r = Tensor::empty(t.shape, t.dtype, Device::CUDA, Tag::Workspace);
+    copy(r, t);
+    return r;
+  };
+  int telling = 0;  // cases whose factor from two fp32 reciprocals would have other bits
+  for (auto [ta, tb] : {std::pair{false, true}, {false, false}, {true, false}}) {
+    INFO("transA " << ta << " transB " << tb);
+    const fp8::Quantized A = quantize_operand(varied(ta ? K : M, ta ? M : K, 97), ta ? K : M, ta ? M : K,
+                                              DType::F8E4M3, Scaling::Tensor, !ta);
+    const fp8::Quantized B = quantize_operand(varied(tb ? N : K, tb ? K : N, 98), tb ? N : K, tb ? K : N,
+                                              DType::F8E5M2, Scaling::Tensor, tb);
+    const fp8::Quantized Ag{on_gpu(A.q), on_gpu(A.scales), A.tr, A.tc}, Bg{on_gpu(B.q), on_gpu(B.scales), B.tr, B.tc};
+    const Vec c0 = randn(M * N, 97);
+    Tensor c = on_gpu(make({M, N}, c0));
+    device_sync(Device::CUDA);
+    const uint64_t before = emu::device_to_host_copies();
+    for (int rep = 0; rep < 3; rep++) REQUIRE(fp8::native_gemm(c, Ag, ta, Bg, tb, M, N, K));
+    device_sync(Device::CUDA);
+    CHECK(emu::device_to_host_copies() == before);  // three GEMMs, no copy to the host
+    const Vec got = to_host_f32(c);
+    CHECK(emu::device_to_host_copies() == before + 1);  // the counter sees a copy: this one
+    // Three accumulations into C, each rounded as the emulated cuBLASLt rounds it.
+    const float sa = A.scales.f32()[0], sb = B.scales.f32()[0];
+    const float factor = float((1.0 / double(sa)) * (1.0 / double(sb)));
+    telling += factor != (1.f / sa) * (1.f / sb);
+    const uint8_t *qa = codes(A), *qb = codes(B);
+    int64_t differ = 0;
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t n = 0; n < N; n++) {
+        float acc = 0.f;
+        for (int64_t k = 0; k < K; k++)
+          acc = std::fma(fp8::decode_e4m3(qa[ta ? k * M + m : m * K + k]),
+                         fp8::decode_e5m2(qb[tb ? n * K + k : k * N + n]), acc);
+        float want = c0[size_t(m * N + n)];
+        for (int rep = 0; rep < 3; rep++) want = std::fma(1.f, want, factor * acc);
+        differ += float_bits(want) != float_bits(got[size_t(m * N + n)]);
+      }
+    CHECK(differ == 0);
+  }
+  CHECK(telling > 0);  // so the comparison tells how the factor was formed, not only its value
+}
+#endif
+
 #endif

@@ -1528,6 +1528,86 @@ TEST_CASE("cuda twin: rope", "[cuda]") {
   }
 }
 
+// The CUDA rope reads cos and sin from a table built once per (theta, head dim) and grown with the
+// sequence length; a position past the table is computed in place. Both must give the same bits:
+// the same rows at positions outside the table, then again once a longer sequence has grown the
+// table over them. A theta of its own per dtype starts each from a 64-position table.
+TEST_CASE("cuda rope: positions from the table and computed in place give the same bits", "[cuda][rope]") {
+  if (!gpu_visible()) return;
+  const int64_t H = 2, hd = 12, L = 2048;
+  const IVec pos = {3, 63, 64, 100, 1000, 4097};
+  const int64_t S = int64_t(pos.size());
+  for (DType dt : {DType::F32, DType::BF16}) {
+    INFO(dtype_name(dt));
+    const float theta = dt == DType::F32 ? 777.f : 778.f;
+    const Tensor x = make({2, S, H, hd}, randn(2 * S * H * hd, 75), dt), p = on(ints(pos), Device::CUDA);
+    Tensor first = on(x, Device::CUDA), again = on(x, Device::CUDA), cpu = on(x, Device::CPU);
+    rope_forward(first, p, theta);  // 64, 100, 1000 and 4097 computed in place
+    Tensor longer = on(make({1, L, 1, hd}, randn(L * hd, 76), dt), Device::CUDA);
+    rope_forward(longer, on(ints(iota(L, 0)), Device::CUDA), theta);  // grows the table to 2048 positions
+    rope_forward(again, p, theta);  // all but 4097 from the table
+    rope_forward(cpu, ints(pos), theta);
+    device_sync(Device::CUDA);
+    CHECK(bitwise_equal(host(again), host(first)));
+    CHECK(rel_err(host(again), host(cpu)) <= tol_for(dt, 1e-5));
+  }
+}
+
+#ifdef TS_CUDA_EMU
+// The rotation as the CUDA kernel computed it before it had a table, one double sincos per
+// element, written out on the host. Under the emulator the device's sincos is the host's, so the
+// table-driven kernel must give exactly these bits.
+Vec rope_untabled(const Vec& x, const IVec& pos, float theta, int64_t S, int64_t H, int64_t hd, float sign, DType dt) {
+  Vec y = x;
+  const int64_t half = hd / 2, rows = int64_t(x.size()) / hd;
+  auto stored = [&](float v) { return dt == DType::BF16 ? bf16_to_float(float_to_bf16(v)) : v; };
+  for (int64_t row = 0; row < rows; row++)
+    for (int64_t j = 0; j < half; j++) {
+      double sd, cd;
+      sincos(double(pos[size_t((row / H) % S)]) * std::pow(double(theta), -2.0 * double(j) / double(hd)), &sd, &cd);
+      const float cs = float(cd), sn = sign * float(sd);
+      const float a = x[size_t(row * hd + j)], b = x[size_t(row * hd + j + half)];
+      y[size_t(row * hd + j)] = stored(a * cs - b * sn);
+      y[size_t(row * hd + j + half)] = stored(b * cs + a * sn);
+    }
+  return y;
+}
+
+// Calls that switch theta and head dim and grow the table, queued without a synchronisation
+// between them (the emulated stream runs them late, in order, after every rebuild they follow):
+// each gives the bits of the untabled rotation, forward and backward, fp32 and bf16.
+TEST_CASE("cuda rope: the table-driven kernel gives the untabled kernel's bits", "[cuda][rope]") {
+  const int64_t B = 2, S = 5, H = 3;
+  struct Call {
+    float theta;
+    int64_t hd;
+    IVec pos;
+    float sign;
+  };
+  const std::vector<Call> calls = {{10000.f, 8, iota(S, 0), 1.f},          {500.f, 8, {9, 3, 700, 4, 5}, -1.f},
+                                   {10000.f, 4, {0, 1, 2, 3, 4000}, 1.f},  {10000.f, 8, {60, 61, 62, 63, 64}, -1.f},
+                                   {10000.f, 128, iota(S, 126), 1.f},      {500.f, 8, iota(S, 70000), 1.f}};
+  for (DType dt : {DType::F32, DType::BF16}) {
+    std::vector<Tensor> in, out;
+    for (size_t i = 0; i < calls.size(); i++) {
+      const Call& c = calls[i];
+      in.push_back(make({B, S, H, c.hd}, randn(B * S * H * c.hd, 77 + i), dt));
+      out.push_back(on(in.back(), Device::CUDA));
+      if (c.sign > 0)
+        rope_forward(out.back(), on(ints(c.pos), Device::CUDA), c.theta);
+      else
+        rope_backward(out.back(), on(ints(c.pos), Device::CUDA), c.theta);
+    }
+    device_sync(Device::CUDA);
+    for (size_t i = 0; i < calls.size(); i++) {
+      const Call& c = calls[i];
+      INFO(dtype_name(dt) << " call " << i);
+      CHECK(bitwise_equal(host(out[i]), rope_untabled(host(in[i]), c.pos, c.theta, S, H, c.hd, c.sign, dt)));
+    }
+  }
+}
+#endif
+
 TEST_CASE("cuda twin: matmul and linear", "[cuda]") {
   if (!gpu_visible()) return;
   const int64_t M = 33, N = 65, K = 47;

@@ -48,7 +48,11 @@ bool on_stream_thread();
 constexpr unsigned char kUninitByte = 0xFF;
 // Whether [p, p + bytes) lies inside one live cudaMalloc allocation.
 bool is_device(const void* p, size_t bytes = 1);
-bool is_pinned(const void* p);
+// Whether [p, p + bytes) lies inside one live cudaMallocHost allocation (page-locked host memory).
+bool is_pinned(const void* p, size_t bytes = 1);
+// Device-to-host copies issued so far (cudaMemcpy and cudaMemcpyAsync, any destination): each one
+// makes the host wait for the device, so a test can count them across a call that should make none.
+uint64_t device_to_host_copies();
 
 // ----- coverage ----------------------------------------------------------------------------------
 // What ran: "kernel NAME SITE", "cublas CALL", "nccl CALL". With TS_EMU_COVERAGE=FILE each

@@ -5,9 +5,11 @@
 // synchronising or querying an event recorded after it, a blocking copy, another stream waiting on
 // such an event). CUDA promises nothing earlier, so a missing wait or event reads memory that
 // nothing has written yet (0xFF bytes: NaN) instead of happening to work. Copies follow CUDA's
-// rules for pageable host memory (a host-to-device copy takes its source before returning, a
-// device-to-host copy has finished when it returns); cudaMemcpy, on the legacy default stream, does
-// not wait for streams created non-blocking.
+// rules for host memory: from pageable memory a host-to-device copy takes its source before
+// returning, and into pageable memory a device-to-host copy has finished when it returns; an
+// asynchronous copy from or into pinned memory (cudaMallocHost) reads or writes the host buffer
+// when it runs on its stream, late, so the host must wait for it (an event) before reusing the
+// buffer. cudaMemcpy, on the legacy default stream, does not wait for streams created non-blocking.
 #include <atomic>
 #include <condition_variable>
 #include <cstdarg>
@@ -244,21 +246,28 @@ static void demand_all(bool wait) {
 
 static std::mutex g_mem_mu;
 static std::map<uintptr_t, size_t> g_device;  // live cudaMalloc blocks: start -> bytes
-static std::set<uintptr_t> g_pinned;
+static std::map<uintptr_t, size_t> g_pinned;  // live cudaMallocHost blocks: start -> bytes
 static size_t g_used = 0;
+static std::atomic<uint64_t> g_d2h{0};
 
-bool is_device(const void* p, size_t bytes) {
-  std::lock_guard<std::mutex> lk(g_mem_mu);
+// Whether [p, p + bytes) lies inside one block of `blocks` (the caller holds g_mem_mu).
+static bool inside(const std::map<uintptr_t, size_t>& blocks, const void* p, size_t bytes) {
   uintptr_t a = uintptr_t(p);
-  auto it = g_device.upper_bound(a);
-  if (it == g_device.begin()) return false;
+  auto it = blocks.upper_bound(a);
+  if (it == blocks.begin()) return false;
   --it;
   return a >= it->first && a + bytes <= it->first + it->second;
 }
-bool is_pinned(const void* p) {
+bool is_device(const void* p, size_t bytes) {
   std::lock_guard<std::mutex> lk(g_mem_mu);
-  return g_pinned.count(uintptr_t(p)) > 0;
+  return inside(g_device, p, bytes);
 }
+// A copy from the middle of a pinned buffer (one slot of a staging ring) is a pinned copy too.
+bool is_pinned(const void* p, size_t bytes) {
+  std::lock_guard<std::mutex> lk(g_mem_mu);
+  return inside(g_pinned, p, bytes);
+}
+uint64_t device_to_host_copies() { return g_d2h.load(); }
 
 }  // namespace emu
 
@@ -426,12 +435,14 @@ cudaError_t cudaFree(void* p) {
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
-  *p = aligned_alloc(256, std::max<size_t>((bytes + 255) / 256 * 256, 256));
+  const size_t n = std::max<size_t>((bytes + 255) / 256 * 256, 256);
+  *p = aligned_alloc(256, n);
   if (!*p) return ret(cudaErrorMemoryAllocation);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
-  emu::g_pinned.insert(uintptr_t(*p));
+  emu::g_pinned[uintptr_t(*p)] = n;
   return cudaSuccess;
 }
+// Like cudaFree, it waits for the device first: queued copies may still read the buffer.
 cudaError_t cudaFreeHost(void* p) {
   emu::demand_all(true);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
@@ -461,15 +472,18 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   EMU_STICKY();
   if (bytes == 0) return cudaSuccess;
   if (cudaError_t e = check_kind(dst, src, bytes, kind)) return ret(e);
-  if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src)) {
+  if (kind == cudaMemcpyDeviceToHost) emu::g_d2h++;
+  if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src, bytes)) {
     // Pageable source: CUDA stages it before returning, so the caller may reuse it at once.
     auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
     emu::enqueue(s, "cudaMemcpyAsync host to device", [=] { memcpy(dst, staged->data(), bytes); });
     return cudaSuccess;
   }
+  // Pinned host memory is read or written by the copy itself, when it runs on the stream (late):
+  // a pinned source overwritten before then is copied as it is then, as the copy engine would.
   uint64_t seq = emu::enqueue(s, "cudaMemcpyAsync", [=] { memcpy(dst, src, bytes); });
   // Pageable destination: the call returns once the copy is done.
-  if (kind == cudaMemcpyDeviceToHost && !emu::is_pinned(dst)) emu::demand(emu::stream(s), seq, true);
+  if (kind == cudaMemcpyDeviceToHost && !emu::is_pinned(dst, bytes)) emu::demand(emu::stream(s), seq, true);
   EMU_STICKY();
   return cudaSuccess;
 }
@@ -477,6 +491,7 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   EMU_STICKY();
   if (bytes == 0) return cudaSuccess;
   if (cudaError_t e = check_kind(dst, src, bytes, kind)) return ret(e);
+  if (kind == cudaMemcpyDeviceToHost) emu::g_d2h++;
   uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { memcpy(dst, src, bytes); });
   emu::demand(emu::stream(nullptr), seq, true);
   EMU_STICKY();

@@ -165,7 +165,9 @@ void transpose_codes(const Tensor& dst, const Tensor& src);
 // It takes per-tensor scales only (both scale grids 1 × 1), CUDA tensors on an sm_89+ device,
 // M, N, K multiples of 16 and not two e5m2 operands; returns false, doing nothing, otherwise
 // (and when TS_FP8_GEMM=decode asks for the decode path). cuBLASLt wants both operands with K
-// contiguous ("TN"); an operand stored the other way is transposed first (transpose_codes).
+// contiguous ("TN"); an operand stored the other way is transposed first (transpose_codes). The
+// scales never leave the device: the dequantization factor reaches cuBLASLt as a device pointer,
+// so the call makes no device-to-host copy and never waits for the GPU.
 bool native_gemm(const Tensor& out, const Quantized& A, bool transA, const Quantized& B, bool transB, int64_t M,
                  int64_t N, int64_t K);
 

@@ -1,5 +1,5 @@
 // fp8_cublaslt.cu — the FP8 GEMM on the tensor cores of sm_89/sm_90, through cuBLASLt (fp8.h:
-// native_gemm). Host code only: cuBLASLt calls, no kernels of its own.
+// native_gemm). cuBLASLt calls, and one one-thread kernel that forms the dequantization factor.
 //
 // cuBLAS is column-major, and its FP8 GEMMs take only the "TN" layout: op(A) = Aᵀ and op(B) = B,
 // i.e. both operands stored with K contiguous. A row-major [r, c] matrix is the column-major
@@ -10,11 +10,20 @@
 // other way, which transpose_codes turns first (Transformer Engine keeps such transposed FP8
 // copies alongside the others for the same reason).
 //
-// The per-tensor dequantization factors 1/sA · 1/sB become alpha: D = alpha · op(B)ᵀop(A)ᵀ + C,
-// with C = D = out (beta 1: fp8::gemm has already put beta · C there). Reading the two scales to
-// the host costs a synchronisation per GEMM; a production path would pass them as device
-// pointers (CUBLASLT_MATMUL_DESC_A_SCALE_POINTER). FAST_ACCUM stays off, so cuBLASLt promotes
-// the tensor cores' partial sums to fp32 (DeepSeek-V3 §3.3.2's concern).
+// The scales stay on the device. cuBLASLt's FP8 matmul computes
+//   D = alpha · scaleA · scaleB · op(A) op(B) + beta · C
+// (cuBLASLt docs, cublasLtMatmul(); CUBLASLT_MATMUL_DESC_A_SCALE_POINTER / B_SCALE_POINTER: device
+// floats that the kernel reads when it runs, 1 when unset), so it wants *dequantization* factors,
+// while Quantized::scales are quantization scales (value = code / scale, fp8.h). A one-thread
+// kernel on the compute stream writes 1/sA · 1/sB, formed in double and rounded once to fp32, into
+// a device float that becomes cuBLASLt's A scale; alpha is 1 and the B scale is left unset. One
+// factor, with the other two exactly 1, keeps the result independent of the order in which the
+// library multiplies alpha, scaleA and scaleB (undocumented), and equal to the bits of the earlier
+// path that read both scales to the host and passed the same double-formed product as alpha;
+// separate fp32 reciprocals on the two pointers would differ from it by up to an ulp or two of the
+// factor. No device-to-host copy, so no synchronisation per GEMM. C = D = out with beta 1:
+// fp8::gemm has already put beta · C there. FAST_ACCUM stays off, so cuBLASLt promotes the tensor
+// cores' partial sums to fp32 (DeepSeek-V3 §3.3.2's concern).
 #include "kernels/fp8.h"
 
 #ifdef TS_CUDA
@@ -59,6 +68,24 @@ void* workspace() {
     return p;
   }();
   return w;
+}
+
+// The dequantization factor of a per-tensor GEMM, 1/sA · 1/sB, formed as the host would: each
+// reciprocal and the product in double (IEEE division and multiplication on either side), one
+// rounding to fp32 at the end.
+__global__ void dequant_factor_kernel(float* factor, const float* sa, const float* sb) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) *factor = float((1.0 / double(*sa)) * (1.0 / double(*sb)));
+}
+
+// The device float cuBLASLt reads as its A scale, allocated once. Every GEMM writes it and reads it
+// on the one compute stream, so a GEMM's factor is never overwritten before its matmul has run.
+float* factor_buffer() {
+  static float* f = [] {
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, sizeof(float)));
+    return static_cast<float*>(p);
+  }();
+  return f;
 }
 
 cudaDataType_t lt_type(DType t) { return t == DType::F8E5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; }
@@ -116,8 +143,7 @@ bool native_gemm(const Tensor& out, const Quantized& A, bool transA, const Quant
   if (M % 16 || N % 16 || K % 16) return false;  // cuBLASLt's FP8 alignment
   const Tensor a = k_contiguous(A.q, !transA, M, K);  // op(A) [M, K]: stored [M, K] unless transA
   const Tensor b = k_contiguous(B.q, transB, N, K);   // op(B)ᵀ [N, K]: stored [N, K] when transB
-  const std::vector<float> sa = to_host_f32(A.scales), sb = to_host_f32(B.scales);
-  const float alpha = float((1.0 / double(sa[0])) * (1.0 / double(sb[0]))), beta = 1.f;
+  const float alpha = 1.f, beta = 1.f;  // the dequantization factor is cuBLASLt's A scale
   LtCall call;
   CUBLAS_CHECK(cublasLtMatmulDescCreate(&call.op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   const cublasOperation_t opT = CUBLAS_OP_T, opN = CUBLAS_OP_N;
@@ -125,6 +151,8 @@ bool native_gemm(const Tensor& out, const Quantized& A, bool transA, const Quant
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(call.op, CUBLASLT_MATMUL_DESC_TRANSA, &opT, sizeof opT));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(call.op, CUBLASLT_MATMUL_DESC_TRANSB, &opN, sizeof opN));
   CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(call.op, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_accum, sizeof fast_accum));
+  float* factor = factor_buffer();  // cuBLASLt's A is our op(B)ᵀ; the factor covers both operands
+  CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(call.op, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &factor, sizeof factor));
   call.a = layout(lt_type(B.q.dtype), K, N);  // cuBLAS's A: our op(B)ᵀ, column-major [K, N]
   call.b = layout(lt_type(A.q.dtype), K, M);  // cuBLAS's B: our op(A), column-major [K, M]
   call.c = layout(CUDA_R_32F, N, M);          // C = D: our row-major out [M, N]
@@ -141,6 +169,8 @@ bool native_gemm(const Tensor& out, const Quantized& A, bool transA, const Quant
                                      &found) != CUBLAS_STATUS_SUCCESS ||
       found == 0)
     return false;  // this cuBLASLt has no kernel for the combination: the decode path runs instead
+  TS_LAUNCH(1, 1, 0, compute_stream(), dequant_factor_kernel)(factor, A.scales.f32(), B.scales.f32());
+  KERNEL_CHECK();
   CUBLAS_CHECK(cublasLtMatmul(lt_handle(), call.op, &alpha, b.raw(), call.a, a.raw(), call.b, &beta, out.raw(), call.c,
                               out.raw(), call.c, &heur.algo, workspace(), kWorkspace, compute_stream()));
   return true;

@@ -319,27 +319,93 @@ struct InvFreq {
   double v[64];
 };
 
+// cos and sin of the angle pos · inv_freq_j, rounded to float. The angle is formed in double as on
+// the CPU: at positions of thousands an fp32 angle is already off by ~1e-4 rad. Device and host
+// sin/cos (double) may still differ in the last ulp, which can rarely flip the float rounding.
+// The table and the rotation both call this, so a value read from the table has the bits the
+// rotation would compute in its place.
+__device__ __forceinline__ void rope_cos_sin(int64_t pos, double inv_freq, float* c, float* s) {
+  double sd, cd;
+  sincos(double(pos) * inv_freq, &sd, &cd);
+  *c = float(cd);
+  *s = float(sd);
+}
+
+// table [positions, hd/2] of (cos, sin) pairs for positions 0 .. positions - 1.
+__global__ void rope_table_kernel(float* table, InvFreq inv, int64_t positions, int half) {
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < positions * half;
+       i += int64_t(gridDim.x) * blockDim.x)
+    rope_cos_sin(i / half, inv.v[i % half], &table[2 * i], &table[2 * i + 1]);
+}
+
 // Rotates the pairs (j, j + hd/2) of every head row by angle pos * inv_freq_j; sign = -1 applies
-// the inverse rotation (backward). The angle is formed in double as on the CPU: at positions of
-// thousands an fp32 angle is already off by ~1e-4 rad. Device and host sin/cos (double) may still
-// differ in the last ulp, which can rarely flip the float rounding of cos/sin.
+// the inverse rotation (backward). cos and sin come from the table for positions it holds (every
+// position 0 .. S-1 of the run's sequences); a position past it, such as a context-parallel rank's
+// global positions, is computed in place, with the same bits.
 template <class T>
-__global__ void rope_kernel(T* x, const int32_t* pos, InvFreq inv, int64_t rows, int64_t S, int64_t H, int hd,
-                            float sign) {
+__global__ void rope_kernel(T* x, const int32_t* pos, const float* table, int64_t positions, InvFreq inv,
+                            int64_t rows, int64_t S, int64_t H, int hd, float sign) {
   int half = hd / 2;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * half;
        i += int64_t(gridDim.x) * blockDim.x) {
     int j = int(i % half);
     int64_t row = i / half;  // (b * S + s) * H + h
     int64_t s = (row / H) % S;
-    double sd, cd;
-    sincos(double(pos[s]) * inv.v[j], &sd, &cd);
-    const float cs = float(cd), sn = sign * float(sd);
-    T* p = x + row * hd;
-    float a = ld(p[j]), b = ld(p[j + half]);
-    p[j] = st<T>(a * cs - b * sn);
-    p[j + half] = st<T>(b * cs + a * sn);
+    const int64_t p = pos[s];
+    float cs, sn;
+    if (p >= 0 && p < positions) {
+      cs = table[2 * (p * half + j)];
+      sn = table[2 * (p * half + j) + 1];
+    } else {
+      rope_cos_sin(p, inv.v[j], &cs, &sn);
+    }
+    sn = sign * sn;
+    T* q = x + row * hd;
+    float a = ld(q[j]), b = ld(q[j + half]);
+    q[j] = st<T>(a * cs - b * sn);
+    q[j + half] = st<T>(b * cs + a * sn);
   }
+}
+
+// The cos/sin table, built once per (theta, head dim) and grown to the largest sequence length
+// seen (a power of two, at least 64 positions), instead of 2 · rows · hd/2 double sin/cos per call.
+// It lives on the device, in one grow-only buffer allocated outside the tagging allocator, as
+// cuBLAS keeps its own workspace: library state (positions × hd/2 × 8 bytes, 4 KiB at the tiny
+// preset, 1 MiB at 2,048 positions of head dim 128), so the memory table's categories stay what a
+// training step holds. The table kernel runs on the compute
+// stream, ahead of every rope kernel that reads it. A rebuild for another theta or head dim
+// rewrites the buffer in place, in stream order, after the kernels that read the old values;
+// only a larger buffer needs the stream drained first, before the old one is freed (see scratch()).
+struct RopeTable {
+  float* cs = nullptr;
+  size_t cap = 0;          // floats allocated
+  int64_t positions = 0;   // positions the table holds
+  float theta = 0.f;
+  int hd = 0;
+};
+
+static const RopeTable& rope_table(float theta, int hd, int64_t S, const InvFreq& inv) {
+  static RopeTable t;
+  const bool same = t.theta == theta && t.hd == hd;
+  if (same && S <= t.positions) return t;
+  int64_t positions = 64;
+  while (positions < std::max(S, same ? t.positions : int64_t(0))) positions *= 2;
+  const size_t floats = size_t(positions) * size_t(hd);  // hd/2 pairs per position
+  if (floats > t.cap) {
+    if (t.cs) {
+      sync_compute_stream();  // rope kernels already queued may still read the old table
+      CUDA_CHECK(cudaFree(t.cs));
+    }
+    void* p = nullptr;
+    CUDA_CHECK(cudaMalloc(&p, floats * sizeof(float)));
+    t.cs = static_cast<float*>(p);
+    t.cap = floats;
+  }
+  t.positions = positions, t.theta = theta, t.hd = hd;
+  TS_LAUNCH(grid_for(positions * (hd / 2)), kBlock, 0, compute_stream(), rope_table_kernel)(t.cs, inv, positions,
+                                                                                          hd / 2);
+  KERNEL_CHECK();
+  return t;
 }
 
 static void rope(const Tensor& x, const Tensor& pos, float theta, float sign) {
@@ -348,11 +414,12 @@ static void rope(const Tensor& x, const Tensor& pos, float theta, float sign) {
   TS_CHECK(hd % 2 == 0 && hd <= 128, "rope: head dim %d must be even and at most 128", hd);
   InvFreq inv{};
   for (int j = 0; j < hd / 2; j++) inv.v[j] = std::pow(double(theta), -2.0 * double(j) / double(hd));
+  const RopeTable& table = rope_table(theta, hd, S, inv);
   int64_t rows = x.numel() / hd;
   with_dtype(x.dtype, "rope", [&](auto t) {
     using T = decltype(t);
-    TS_LAUNCH(grid_for(rows * (hd / 2)), kBlock, 0, compute_stream(), rope_kernel)(x.data<T>(), pos.i32(), inv, rows, S, H,
-                                                                            hd, sign);
+    TS_LAUNCH(grid_for(rows * (hd / 2)), kBlock, 0, compute_stream(), rope_kernel)(
+        x.data<T>(), pos.i32(), table.cs, table.positions, inv, rows, S, H, hd, sign);
     KERNEL_CHECK();
   });
 }

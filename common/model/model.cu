@@ -5,7 +5,59 @@
 #include "comm/trace.h"
 #include "model/moe.h"
 
+#include <mutex>
+
 namespace ts {
+
+// ----- the micro-batch's ints on the device --------------------------------------------------------
+
+#ifdef TS_CUDA
+// A copy from pageable memory cannot be a DMA: the driver first copies the bytes into a pinned
+// buffer of its own, and the host waits for that. A trainer stages its inputs in page-locked memory
+// instead (PyTorch's pin_memory), so the copy engine reads them while the host goes on. The copy
+// then reads its source only when it runs on the stream (CUDA C++ Programming Guide, "Page-Locked
+// Host Memory"), so a staging buffer may be refilled only once the copy from it has run: a ring of
+// slots, each with the event of its last copy, which the host waits for before refilling it. With
+// eight slots (a micro-batch takes two or three) the host waits only when it has run more than a
+// few micro-batches ahead of the GPU. Chosen over one upload per step of all its
+// micro-batches because callers build micro-batches one at a time, some in a pipeline schedule's
+// order (05, 08), and the staging keeps that interface. Slots grow and are never freed.
+static void stage_and_copy(void* dst, const void* src, size_t bytes) {
+  struct Slot {
+    void* host = nullptr;
+    size_t cap = 0;
+    cudaEvent_t copied = nullptr;  // recorded after the last copy from `host`
+  };
+  constexpr int kSlots = 8;
+  static std::mutex mu;
+  static Slot ring[kSlots];
+  static int next = 0;
+  std::lock_guard<std::mutex> lk(mu);
+  Slot& s = ring[next];
+  next = (next + 1) % kSlots;
+  if (s.copied)
+    CUDA_CHECK(cudaEventSynchronize(s.copied));  // the copy that last read this slot has run
+  else
+    CUDA_CHECK(cudaEventCreateWithFlags(&s.copied, cudaEventDisableTiming));
+  if (bytes > s.cap) {
+    if (s.host) CUDA_CHECK(cudaFreeHost(s.host));
+    CUDA_CHECK(cudaMallocHost(&s.host, bytes));
+    s.cap = bytes;
+  }
+  memcpy(s.host, src, bytes);
+  CUDA_CHECK(cudaMemcpyAsync(dst, s.host, bytes, cudaMemcpyHostToDevice, compute_stream()));
+  CUDA_CHECK(cudaEventRecord(s.copied, compute_stream()));
+}
+#endif
+
+Tensor upload_ints(const std::vector<int32_t>& v, Device dev) {
+  if (dev == Device::CPU || v.empty()) return from_host_i32(v, dev);
+  Tensor t = Tensor::empty({int64_t(v.size())}, DType::I32, dev, Tag::Workspace);
+#ifdef TS_CUDA
+  stage_and_copy(t.raw(), v.data(), v.size() * sizeof(int32_t));
+#endif
+  return t;
+}
 
 // ----- the parameter table -----------------------------------------------------------------------
 
@@ -315,10 +367,9 @@ ForwardState Model::begin_microbatch(const Tensor& inputs, const Tensor& targets
              st.S);
     st.pos = pos;
   } else {
-    std::vector<float> p(st.S);
-    for (int i = 0; i < st.S; i++) p[i] = float(i);
-    st.pos = Tensor::empty({st.S}, DType::I32, dev, Tag::Workspace);
-    from_host_f32(st.pos, p.data());
+    std::vector<int32_t> p(st.S);
+    for (int i = 0; i < st.S; i++) p[i] = i;
+    st.pos = upload_ints(p, dev);
   }
   st.layers.resize(cfg.layers);
   return st;

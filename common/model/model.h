@@ -34,6 +34,11 @@ struct ModelConfig {
   int kv_dim() const { return kv_heads * head_dim(); }
 };
 
+// Token ids, targets and positions onto `dev` (int32 [v.size()], Tag::Workspace), the way every
+// micro-batch's ints reach the device. On CUDA through pinned host staging and an asynchronous
+// copy on the compute stream (model.cu says why); on the CPU a plain copy.
+Tensor upload_ints(const std::vector<int32_t>& v, Device dev);
+
 // Activation recomputation (playbook, "Activation recomputation"):
 //  none      — every activation the backward needs is stored;
 //  selective — matmul outputs are stored, the cheap element-wise outputs (the two RMSNorm outputs

@@ -25,7 +25,7 @@ namespace ts {
 static MicroBatch microbatch_at(const TokenData& d, long batch, int B, int T, int seq0, int nseq, Device dev) {
   std::vector<int32_t> in(size_t(nseq) * T), tg(size_t(nseq) * T);
   fill_batch(d, batch, B, T, seq0, nseq, in.data(), tg.data());
-  return {from_host_i32(in, dev), from_host_i32(tg, dev)};
+  return {upload_ints(in, dev), upload_ints(tg, dev)};
 }
 
 // A training step reads batch `step` of the stream, unless a rewind skipped batches before it.
