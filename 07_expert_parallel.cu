@@ -349,7 +349,7 @@ static StepResult train_step(Model& model, AdamW& opt, Reducers& reducers, const
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.ep().mpi()});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   StepResult r{global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
-  moe_step_report(model, r, {mesh.dp().mpi()});
+  moe_step_report(model, r, {mesh.dp().mpi()}, opt.master);  // the bias from every rank's loads
   return r;
 }
 

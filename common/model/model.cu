@@ -21,8 +21,9 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
 // counted on tp rank 0, as the norms): the MoE block is not split over tp (MlpBlock::split_over_tp).
 template <class Add> static void add_experts(const ModelConfig& c, const ShardSpec& sh, int l, Add& add, bool& expert) {
   if (c.experts % sh.ep) config_error("--experts %d is not divisible by --ep %d", c.experts, sh.ep);
-  const int64_t D = c.dim, F = c.ffn, per = c.experts / sh.ep;
+  const int64_t D = c.dim, F = c.expert_width(), per = c.experts / sh.ep;
   add(moe_gate_name(l), {c.experts, D}, Split::Whole, false);
+  if (c.sigmoid_router) add(moe_bias_name(l), {c.experts}, Split::Whole, false);  // DeepSeek-V3's b_e
   expert = true;
   for (int j = 0; j < c.experts; j++) {
     const Split s = j / per == sh.ep_rank ? Split::Whole : Split::None;
@@ -31,6 +32,12 @@ template <class Add> static void add_experts(const ModelConfig& c, const ShardSp
     add(moe_expert_name(l, j, "w3"), {F, D}, s, false);
   }
   expert = false;
+  // DeepSeekMoE's shared experts: dense, replicated like the router, one SwiGLU of width S·F_e.
+  const int64_t FS = int64_t(c.shared_experts) * F;
+  if (FS == 0) return;
+  add(moe_shared_name(l, "gate_proj"), {FS, D}, Split::Whole, false);
+  add(moe_shared_name(l, "up_proj"), {FS, D}, Split::Whole, false);
+  add(moe_shared_name(l, "down_proj"), {D, FS}, Split::Whole, false);
 }
 
 // The model's tensors in HF order, unit by unit. How each dense tensor is split over tp is the
@@ -116,11 +123,13 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
 }
 
 // Init: matrices N(0, 0.02) from the counter-based RNG keyed by the HF name and the
-// global element index, norm weights 1. Any block computes exactly its part of the full tensor.
+// global element index, norm weights 1, the MoE routing bias 0. Any block computes exactly its
+// part of the full tensor.
 void Model::init_range(const ParamTable& t, uint64_t seed, int64_t b, int64_t e, const Tensor& dst) {
   t.for_each_global_run(b, e, [&](const ParamEntry& p, int64_t flat, int64_t global, int64_t n) {
     const Tensor d = dst.view(flat - b, {n});
     if (p.is_norm) fill(d, 1.f);
+    else if (is_moe_bias(p)) fill(d, 0.f);  // DeepSeek-V3's routing bias starts at 0
     else init_normal(d, rng_key(seed, p.name), 0.02f, 0, global, p.global_numel);
   });
 }
@@ -140,7 +149,10 @@ int64_t local_param_count(const ParamTable& t) {
 // scores and values; N excludes the embedding lookup (no matmul) but includes the LM head. With
 // experts N counts the active parameters: a token runs K of the E experts of each layer.
 double flops_per_token(const ModelConfig& c) {
-  const double inactive = c.experts > 0 ? double(c.layers) * (c.experts - c.top_k) * 3.0 * c.ffn * c.dim : 0.0;
+  // The routing bias (E per layer) only selects: no FLOPs.
+  const double inactive = c.experts > 0 ? double(c.layers) * ((c.experts - c.top_k) * 3.0 * c.expert_width() * c.dim +
+                                                              (c.sigmoid_router ? c.experts : 0))
+                                        : 0.0;
   return 6.0 * (double(param_count(c, false)) - inactive) + 12.0 * c.layers * c.dim * double(c.seq);
 }
 

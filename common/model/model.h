@@ -30,6 +30,15 @@ struct ModelConfig {
   // weights the load-balancing loss. experts 0: the dense model.
   int experts = 0, top_k = 0;
   float capacity_factor = 0, aux_loss_coef = 0;
+  // DeepSeekMoE as DeepSeek-V3 trains it (moe.h): routed experts of width expert_ffn (0: ffn),
+  // shared_experts·expert_ffn of shared SwiGLU width every token passes through, and with
+  // sigmoid_router the sigmoid affinities, the selection-only bias moved by bias_update_rate
+  // after each step, the gate weights times routed_scaling, and expert_groups groups of which
+  // each token keeps group_limit. All off by default: Mixtral's block.
+  int expert_ffn = 0, shared_experts = 0, expert_groups = 1, group_limit = 1;
+  bool sigmoid_router = false;
+  float routed_scaling = 1, bias_update_rate = 0;
+  int expert_width() const { return expert_ffn > 0 ? expert_ffn : ffn; }
   int head_dim() const { return dim / heads; }
   int kv_dim() const { return kv_heads * head_dim(); }
 };

@@ -90,6 +90,11 @@ void print_model(RunLog& log, const ModelConfig& m) {
              "FLOPs count the %.3fM active parameters",
              m.experts, m.ffn, m.top_k, double(m.capacity_factor), m.capacity_factor > 0 ? "" : " (dropless)",
              double(m.aux_loss_coef), (flops_per_token(m) - 12.0 * m.layers * m.dim * double(m.seq)) / 6e6);
+  if (m.sigmoid_router || m.shared_experts > 0 || m.expert_ffn > 0)
+    log.line("DeepSeekMoE: routed experts of ffn %d, %d shared of ffn %d, %s router, routed scaling %g, bias update rate "
+             "%g, top-%d of %d groups",
+             m.expert_width(), m.shared_experts, m.expert_width(), m.sigmoid_router ? "sigmoid" : "softmax",
+             double(m.routed_scaling), double(m.bias_update_rate), m.group_limit, m.expert_groups);
 }
 
 // ----- the shared loop ---------------------------------------------------------------------------
@@ -374,7 +379,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
 
 // ===== the step's report =========================================================================
 
-void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token_groups) {
+void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token_groups, const Tensor& master) {
   auto* moe = dynamic_cast<MoeBlock*>(m.mlp.get());
   if (!moe) return;
   MoeStats& st = moe->stats;
@@ -389,6 +394,7 @@ void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token
   }
   const size_t LE = st.counts.size();
   const int64_t seqs = v[LE + 2];
+  moe->update_bias(m, std::vector<int64_t>(v.begin(), v.begin() + long(LE)), master);  // every rank's loads
   int64_t lo = v[0], hi = v[0];
   Json counts = Json::array();
   for (size_t i = 0; i < LE; i++) {
@@ -406,10 +412,15 @@ void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token
   r.extra["moe_tokens_max"] = hi;
   r.extra["moe_tokens_mean"] = mean;
   r.extra["moe_dropped_fraction"] = dropped;
-  char buf[160];
+  r.extra["moe_load_max_over_mean"] = double(hi) / mean;
+  char buf[200];
   snprintf(buf, sizeof buf, " | aux %.4f | tokens/expert %lld..%lld (mean %.1f) | dropped %.2f%%", aux_mean,
            (long long)lo, (long long)hi, mean, 100 * dropped);
   r.note = buf;
+  if (m.cfg.sigmoid_router) {  // DeepSeek-V3's balance measure: the busiest expert over the mean
+    snprintf(buf, sizeof buf, " | load max/mean %.3f", double(hi) / mean);
+    r.note += buf;
+  }
   st.reset(m.cfg.layers, m.cfg.experts);
 }
 
