@@ -161,6 +161,22 @@ TEST_CASE("DeepSeekMoE: an ep 4 checkpoint resumes in 01 and at ep 2 with the sa
   }
 }
 
+// Two deliberate bugs (tests/bugs/), each linked into a variant of 07 and run as the test above
+// runs it at dp 2, ep 2: the same run without them matches 01, with them it must not.
+TEST_CASE("seeded bugs: a bias moved by one rank's loads, a skipped shared expert", "[07][e2e][equiv]") {
+  const Run& ref = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 6");
+  const std::string args = kDeepSeek + "--steps 6 --dp 2 --ep 2 --micro-batch 4";
+  CHECK(tst::equivalent(tst::compare(tst::cached_run("07_expert_parallel", 2, args), ref)));
+  for (const char* bug : {"local_bias_loads", "skip_shared_expert"}) {
+    const Run& r = tst::cached_run(std::string("tests/bugs/07_expert_parallel+") + bug, 2, args);
+    const tst::Equivalence e = tst::compare(r, ref);
+    INFO(bug << ": " << e);
+    CHECK(r.output.find(std::string("deliberate bug ") + bug) != std::string::npos);
+    CHECK_FALSE(tst::equivalent(e));
+    if (std::string(bug) == "local_bias_loads") CHECK(routing_biases(r.ckpt) != routing_biases(ref.ckpt));
+  }
+}
+
 TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[07][errors]") {
   tst::check_errors("07_expert_parallel", "--preset tiny --steps 1 ", {
       {2, "--dp 2 --ep 2", "needs a mixture of experts"},

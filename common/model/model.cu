@@ -162,11 +162,35 @@ double flops_per_token(const ModelConfig& c) {
 // under selective recompute the product is dropped and rebuilt in backward (no matmul needed).
 // Under tensor parallelism gate/up hold ffn/tp rows and down ffn/tp columns: the widths below
 // come from the weights, and the output is a partial sum that g completes.
+void swiglu_mlp_forward(Model& m, const SwiGluWeights& w, const Tensor& y, const Tensor& h, Tensor& g, Tensor& u,
+                        Tensor& act) {
+  const int64_t N = h.size(0), F = m.weight(w.gate).size(0);
+  g = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+  u = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+  m.linear(w.gate, g, h);
+  m.linear(w.up, u, h);
+  act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+  swiglu_forward(act, g, u);
+  m.linear(w.down, y, act);
+}
+
+void swiglu_mlp_backward(Model& m, const SwiGluWeights& w, const Tensor& dh, const Tensor& dy, const Tensor& h,
+                         const Tensor& g, const Tensor& u, Tensor& act, bool accumulate_dh) {
+  const int64_t N = h.size(0), F = g.size(1);
+  if (!act.defined()) {  // selective recompute
+    act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+    swiglu_forward(act, g, u);
+  }
+  auto work = [&] { return Tensor::empty({N, F}, m.dtype, m.dev, Tag::Workspace); };
+  Tensor dact = work(), dg = work(), du = work();
+  m.linear_backward(w.down, dact, dy, act);
+  swiglu_backward(dg, du, dact, g, u);
+  m.linear_backward(w.gate, dh, dg, h, accumulate_dh);
+  m.linear_backward(w.up, dh, du, h, /*accumulate_dx=*/true);
+}
+
 struct SwiGluMlp : MlpBlock {
-  struct Idx {
-    int gate, up, down;
-  };
-  std::vector<Idx> idx;
+  std::vector<SwiGluWeights> idx;
   explicit SwiGluMlp(const Model& m) {
     for (int l = 0; l < m.cfg.layers; l++) {
       std::string p = "model.layers." + std::to_string(l) + ".mlp.";
@@ -174,27 +198,10 @@ struct SwiGluMlp : MlpBlock {
     }
   }
   void forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) override {
-    const int64_t N = h.size(0), F = m.weight(idx[l].gate).size(0);
-    a.g = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-    a.u = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-    m.linear(idx[l].gate, a.g, h);
-    m.linear(idx[l].up, a.u, h);
-    a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-    swiglu_forward(a.act, a.g, a.u);
-    m.linear(idx[l].down, y, a.act);
+    swiglu_mlp_forward(m, idx[size_t(l)], y, h, a.g, a.u, a.act);
   }
   void backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) override {
-    const int64_t N = h.size(0), F = a.g.size(1);
-    if (!a.act.defined()) {  // selective recompute
-      a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-      swiglu_forward(a.act, a.g, a.u);
-    }
-    auto work = [&] { return Tensor::empty({N, F}, m.dtype, m.dev, Tag::Workspace); };
-    Tensor dact = work(), dg = work(), du = work();
-    m.linear_backward(idx[l].down, dact, dy, a.act);
-    swiglu_backward(dg, du, dact, a.g, a.u);
-    m.linear_backward(idx[l].gate, dh, dg, h);
-    m.linear_backward(idx[l].up, dh, du, h, /*accumulate_dx=*/true);
+    swiglu_mlp_backward(m, idx[size_t(l)], dh, dy, h, a.g, a.u, a.act, false);
   }
   void drop_recomputable(LayerActs& a) override { a.act = Tensor(); }
 };

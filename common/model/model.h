@@ -429,6 +429,19 @@ class Model {
   void embed_backward(ForwardState& st, const Tensor& dx);
 };
 
+// The SwiGLU MLP y = down(silu(gate h) * up h) over the weights of table entries `w`, through
+// Model::linear (so under tp the widths are the held blocks'); saves g, u and their product. The
+// dense MLP block and the mixture of experts' shared experts (moe.h) both run it.
+struct SwiGluWeights {
+  int gate, up, down;
+};
+void swiglu_mlp_forward(Model& m, const SwiGluWeights& w, const Tensor& y, const Tensor& h, Tensor& g, Tensor& u,
+                        Tensor& act);
+// dh [N, D] (overwritten, or added to with accumulate_dh) from dy; act is rebuilt from g and u
+// when selective recompute dropped it.
+void swiglu_mlp_backward(Model& m, const SwiGluWeights& w, const Tensor& dh, const Tensor& dy, const Tensor& h,
+                         const Tensor& g, const Tensor& u, Tensor& act, bool accumulate_dh);
+
 // FLOPs per token of a training step: the playbook's 6·N + 12·L·h·s, N without the embedding.
 double flops_per_token(const ModelConfig& cfg);
 int64_t param_count(const ModelConfig& cfg, bool with_embedding = true);

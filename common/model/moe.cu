@@ -536,31 +536,20 @@ void MoeBlock::route(Model& m, int l, const Tensor& logits, const Tensor& probs,
   moe_router_sigmoid_forward(probs, idx, w, logits, b, c.expert_groups, c.group_limit, c.routed_scaling);
 }
 
-// The shared experts: y += down(silu(gate h) * up h), one SwiGLU of width S·F_e over every token.
+// The shared experts: y += down(silu(gate h) * up h), one SwiGLU of width S·F_e over every token
+// (the dense MLP's code, model.h).
 void MoeBlock::shared_forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) {
   if (shared_.empty()) return;
-  const Expert& ex = shared_[size_t(l)];
-  const int64_t N = h.size(0), F = m.weight(ex.w1).size(0);
   std::vector<Tensor>& s = a.mlp_state;
-  for (int i : {kShG, kShU, kShAct}) s[size_t(i)] = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-  linear_forward(s[kShG], h, m.weight(ex.w1));
-  linear_forward(s[kShU], h, m.weight(ex.w3));
-  swiglu_forward(s[kShAct], s[kShG], s[kShU]);
   Tensor out = Tensor::empty(y.shape, m.dtype, m.dev, Tag::Workspace);
-  linear_forward(out, s[kShAct], m.weight(ex.w2));
+  swiglu_mlp_forward(m, shared_[size_t(l)], out, h, s[kShG], s[kShU], s[kShAct]);
   add_inplace(y, out);
 }
 
 void MoeBlock::shared_backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) {
   if (shared_.empty()) return;
-  const Expert& ex = shared_[size_t(l)];
   std::vector<Tensor>& s = a.mlp_state;
-  auto work = [&] { return Tensor::empty(s[kShG].shape, m.dtype, m.dev, Tag::Workspace); };
-  Tensor dact = work(), dg = work(), du = work();
-  m.linear_backward(dact, m.grad(ex.w2), dy, s[kShAct], m.weight(ex.w2));
-  swiglu_backward(dg, du, dact, s[kShG], s[kShU]);
-  m.linear_backward(dh, m.grad(ex.w1), dg, h, m.weight(ex.w1), /*accumulate_dx=*/true);
-  m.linear_backward(dh, m.grad(ex.w3), du, h, m.weight(ex.w3), /*accumulate_dx=*/true);
+  swiglu_mlp_backward(m, shared_[size_t(l)], dh, dy, h, s[kShG], s[kShU], s[kShAct], /*accumulate_dh=*/true);
 }
 
 // b_e ← b_e + γ·sign(mean − load_e) per layer, written to the weights and to the fp32 master copy

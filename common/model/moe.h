@@ -156,7 +156,7 @@ class MoeBlock : public MlpBlock {
   void shared_forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a);
   void shared_backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a);
   std::vector<int> gate_, bias_;           // [L] router entries, routing biases (sigmoid router)
-  std::vector<Expert> shared_;             // [L] shared experts: gate, up, down (--shared-experts)
+  std::vector<SwiGluWeights> shared_;      // [L] shared experts (--shared-experts)
   std::vector<std::vector<Expert>> exp_;   // [L][E]
 };
 
