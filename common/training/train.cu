@@ -88,13 +88,13 @@ void print_model(RunLog& log, const ModelConfig& m) {
   if (m.experts > 0)
     log.line("mixture of experts: %d experts of ffn %d per layer, top-%d, capacity factor %g%s, aux-loss coef %g; "
              "FLOPs count the %.3fM active parameters",
-             m.experts, m.ffn, m.top_k, double(m.capacity_factor), m.capacity_factor > 0 ? "" : " (dropless)",
+             m.experts, m.expert_width(), m.top_k, double(m.capacity_factor), m.capacity_factor > 0 ? "" : " (dropless)",
              double(m.aux_loss_coef), (flops_per_token(m) - 12.0 * m.layers * m.dim * double(m.seq)) / 6e6);
   if (m.sigmoid_router || m.shared_experts > 0 || m.expert_ffn > 0)
-    log.line("DeepSeekMoE: routed experts of ffn %d, %d shared of ffn %d, %s router, routed scaling %g, bias update rate "
-             "%g, top-%d of %d groups",
-             m.expert_width(), m.shared_experts, m.expert_width(), m.sigmoid_router ? "sigmoid" : "softmax",
-             double(m.routed_scaling), double(m.bias_update_rate), m.group_limit, m.expert_groups);
+    log.line("DeepSeekMoE: %d shared experts of ffn %d, %s router, routed scaling %g, bias update rate %g, each token "
+             "in %d of %d expert groups",
+             m.shared_experts, m.expert_width(), m.sigmoid_router ? "sigmoid" : "softmax", double(m.routed_scaling),
+             double(m.bias_update_rate), m.group_limit, m.expert_groups);
 }
 
 // ----- the shared loop ---------------------------------------------------------------------------
