@@ -539,6 +539,16 @@ TEST_CASE("01 DeepSeekMoE: a resume restores the bias; the bias moves the routin
   const tst::CachedRun& first = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 6 --batch 8");
   tst::check_resume("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8", first.ckpt, ref, 6);
   for (int l = 0; l < 2; l++) CHECK(routing_bias(tst::scratch("resume_ck"), l) == routing_bias(ref.ckpt, l));
+  // Resumed without the router or the shared experts it was trained with: refused, not ignored.
+  for (auto [flags, says] : {std::pair<const char*, const char*>{"--shared-experts 1 ", "trained with the sigmoid router"},
+                             {"--router sigmoid ", "has 1 shared experts, the model 0"}}) {
+    const tst::Result bad = tst::run_bin("01_single_gpu", std::string("--preset tiny --experts 8 --top-k 2 --ffn 64 ") +
+                                                              "--expert-ffn 32 --lr-schedule constant --steps 12 --batch 8 --resume " + first.ckpt +
+                                                              " " + flags, 1, 60);
+    INFO(bad.output);
+    CHECK(bad.status != 0);
+    CHECK(bad.output.find(says) != std::string::npos);
+  }
   const tst::CachedRun& still = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8 --bias-update-rate 0");
   CHECK(routing_bias(still.ckpt, 0) == std::vector<float>(8, 0.f));
   CHECK(still.log.steps[0].at("loss").as_double() == ref.log.steps[0].at("loss").as_double());
@@ -560,6 +570,9 @@ TEST_CASE("01 --experts: bad input", "[moe][errors]") {
       {1, "--experts 8 --top-k 5 --router sigmoid --expert-groups 4 --group-limit 2", "--top-k 5 exceeds the 4 experts"},
       {1, "--experts 4 --router sigmoid --routed-scaling 0", "--routed-scaling must be > 0"},
   });
+  // A chapter that never reports its steps' routing would train with the bias frozen: refused.
+  tst::check_errors("02_data_parallel", "--preset tiny --steps 1 --dp 2 --experts 4 --router sigmoid ",
+                    {{2, "", "02_data_parallel does not move the routing bias"}});
 }
 
 // ----- CUDA twins -----------------------------------------------------------------------------------
