@@ -529,6 +529,12 @@ TEST_CASE("01 DeepSeekMoE: trains, logs the loads, the bias replays from the log
   CHECK(st.entry(moe_shared_name(1, "down_proj")).shape == std::vector<int64_t>{64, 32});
   CHECK(st.entry(moe_expert_name(1, 7, "w1")).shape == std::vector<int64_t>{32, 64});
   CHECK(st.entry(moe_bias_name(1)).shape == std::vector<int64_t>{8});
+  // Recompute reruns the shared experts and the router (the bias unchanged within a step);
+  // accumulation sums the same loads before the one bias update.
+  const tst::Log full = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8 --recompute full").log;
+  CHECK(tst::max_rel_diff(full.losses(), run.log.losses()) == 0);
+  const tst::Log acc = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8 --micro-batch 2").log;
+  CHECK(tst::max_rel_diff(acc.losses(), run.log.losses()) <= 1e-6);
   // The step line of a run without --quiet prints the balance measure.
   const tst::Result r = tst::run_bin("01_single_gpu", "--preset tiny --experts 4 --top-k 2 --router sigmoid --steps 1", 1, 60);
   CHECK(r.output.find("load max/mean") != std::string::npos);
