@@ -64,7 +64,7 @@ static StepResult train_step(Model& model, AdamW& opt, const TokenData& data, co
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   if (show) print_memory(log, model.dev, step, "after optimizer");
   StepResult r{loss, norm};
-  moe_step_report(model, r, {});  // tokens per expert, dropped fraction, aux loss (with --experts)
+  moe_step_report(model, r, {}, opt.master);  // tokens per expert, dropped fraction, aux loss, the routing bias
   return r;
 }
 

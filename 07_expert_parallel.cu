@@ -20,11 +20,19 @@
 //   aux loss  aux_per_sequence: E · Σ_e f_e · P_e per sequence and layer (Switch Transformer eq. 4),
 //             added to the loss with weight --aux-loss-coef α;
 //   combine   moe_combine: y[t] = Σ_k w[t,k] · expert_{i(t,k)}(h[t]).
+// DeepSeekMoE as DeepSeek-V3 trains it (moe.h's header; notes/07_expert_parallel.md) changes none
+// of this file: its shared experts (--shared-experts) are dense and run where the tokens are; its
+// sigmoid router (--router sigmoid, moe_router_sigmoid_forward) picks by the biased scores, within
+// the --group-limit best of --expert-groups groups (a group of E/G consecutive experts: at G = ep
+// one rank, so a token's rows go to at most M ranks); and the selection-only bias moves after each
+// step by the loads summed over every dp rank (moe_step_report, MoeBlock::update_bias), the same
+// on every rank and every mesh.
 // Backward mirrors it: the output gradients are dispatched, the input gradients combined. Dense
 // gradients are averaged over all dp ranks; an expert's over the dp/ep ranks that hold it (the
 // mesh's ep_dp group), both with 02's bucketed reducer.
 //
 //   mpirun -np 4 ./build/07_expert_parallel --dp 4 --ep 2 --experts 4 --top-k 2
+//   mpirun -np 4 ./build/07_expert_parallel --dp 4 --ep 4 --experts 8 --top-k 2 --expert-ffn 32 --shared-experts 1 --router sigmoid --routed-scaling 2.5 --expert-groups 4 --group-limit 2
 //   ./build/07_expert_parallel --dry-run --preset 8b --vocab 32000 --experts 8 --top-k 2 --dp 8 --ep 8 --batch 8 --dtype bf16
 // (the last: Mixtral 8x7B's shape, Llama-3-8B's layers with 8 experts and a 32000-token vocabulary)
 #ifndef TS_07_EXPERT_PARALLEL_CU
@@ -349,7 +357,7 @@ static StepResult train_step(Model& model, AdamW& opt, Reducers& reducers, const
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.ep().mpi()});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
   StepResult r{global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
-  moe_step_report(model, r, {mesh.dp().mpi()});
+  moe_step_report(model, r, {mesh.dp().mpi()}, opt.master);  // the bias from every rank's loads
   return r;
 }
 

@@ -165,7 +165,8 @@ $(BUILD)/tests/comm_error_prog: $(BUILD)/tests/comm_error_prog.o $(BUILD)/common
 # technique binary: the technique's unchanged object linked with tests/bugs/BUG.cpp's, and
 # -Xlinker --wrap=SYMBOL for each __wrap_SYMBOL that file defines (tests/bugs/bug.h says how).
 SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_parallel+swap_fg \
-               04_tensor_parallel+no_split_table 02_data_parallel+skip_collective 02_data_parallel+short_collective
+               04_tensor_parallel+no_split_table 02_data_parallel+skip_collective 02_data_parallel+short_collective \
+               07_expert_parallel+local_bias_loads 07_expert_parallel+skip_shared_expert
 BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant
@@ -177,6 +178,8 @@ $(foreach v,$(SEEDED_BUGS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v
 # into it; `make test` names them as well, since make skips a missing secondary file otherwise.
 $(BUILD)/tests/test_equivalence: | $(BUG_BIN)
 $(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
+$(BUILD)/tests/test_ep: | $(BUILD)/tests/bugs/07_expert_parallel+local_bias_loads \
+                          $(BUILD)/tests/bugs/07_expert_parallel+skip_shared_expert
 $(BUILD)/tests/test_operations: | $(BUILD)/tests/bugs/02_data_parallel+skip_collective \
                                  $(BUILD)/tests/bugs/02_data_parallel+short_collective
 

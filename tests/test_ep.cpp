@@ -6,9 +6,14 @@
 // and at ep 2; bad input.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
+#include <vector>
 
+#include "formats/safetensors.h"
+#include "model/moe.h"
 #include "test_util.h"
 
 namespace {
@@ -108,6 +113,67 @@ TEST_CASE("an ep 4 checkpoint resumes in 01 --experts and at ep 2 on the same cu
   for (const Leg& leg : legs) {
     INFO(leg.bin << " " << leg.args);
     tst::check_resume(leg.bin, leg.np, kMoe + leg.args + "--top-k 2 --steps 6 --batch 8", first.ckpt, ref, 3);
+  }
+}
+
+// ----- DeepSeekMoE ------------------------------------------------------------------------------------
+
+const std::string kDeepSeek = "--preset tiny --experts 8 --top-k 2 --ffn 64 --expert-ffn 32 --shared-experts 1 "
+                              "--router sigmoid --routed-scaling 2.5 --expert-groups 4 --group-limit 2 "
+                              "--aux-loss-coef 0.001 --bias-update-rate 0.002 --quiet --lr-schedule constant --batch 8 ";
+
+std::vector<float> routing_biases(const std::string& ckpt) {
+  ts::SafetensorsReader st(ckpt + "/model.safetensors");
+  std::vector<float> b(16);
+  for (int l = 0; l < 2; l++) st.read(ts::moe_bias_name(l), 0, b.data() + l * 8, 8);
+  return b;
+}
+
+// The bias moves by the loads summed over every rank that routes, so every mesh moves it as 01
+// does: the routing (integers) and the bias (bit for bit) are identical, the rest by notes/00's
+// fp32 criterion.
+TEST_CASE("ep reproduces 01 with DeepSeekMoE: shared experts, sigmoid router, bias, groups", "[07][e2e][equiv]") {
+  const Run& ref = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 6");
+  const std::vector<float> bias = routing_biases(ref.ckpt);
+  CHECK(*std::max_element(bias.begin(), bias.end()) > 0);  // the bias moved
+  for (auto [dp, ep, mb] : {std::tuple<int, int, int>{2, 2, 4}, {4, 4, 2}, {4, 2, 1}}) {
+    INFO("dp " << dp << " ep " << ep << " micro-batch " << mb);
+    const Run& r = tst::cached_run("07_expert_parallel", dp,
+                                   kDeepSeek + "--steps 6 --dp " + std::to_string(dp) + " --ep " + std::to_string(ep) +
+                                       " --micro-batch " + std::to_string(mb));
+    REQUIRE(r.log.steps.size() == 6);
+    tst::check_equivalent(r, ref);
+    for (size_t s = 0; s < 6; s++)
+      CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref.log.steps[s].at("moe_tokens_per_expert").dump());
+    CHECK(routing_biases(r.ckpt) == bias);
+  }
+}
+
+TEST_CASE("DeepSeekMoE: an ep 4 checkpoint resumes in 01 and at ep 2 with the same bias", "[07][e2e][ckpt]") {
+  const Run& ref = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 6");
+  const Run& first = tst::cached_run("07_expert_parallel", 4, kDeepSeek + "--steps 3 --dp 4 --ep 4");
+  CHECK(routing_biases(first.ckpt) != routing_biases(ref.ckpt));  // the resume must carry the bias on
+  for (auto [bin, np, args] : {std::tuple<const char*, int, const char*>{"01_single_gpu", 1, ""},
+                               {"07_expert_parallel", 2, "--dp 2 --ep 2 "}}) {
+    INFO(bin << " " << args);
+    tst::check_resume(bin, np, kDeepSeek + args + "--steps 6", first.ckpt, ref, 3);
+    CHECK(routing_biases(tst::scratch("resume_ck")) == routing_biases(ref.ckpt));
+  }
+}
+
+// Two deliberate bugs (tests/bugs/), each linked into a variant of 07 and run as the test above
+// runs it at dp 2, ep 2: the same run without them matches 01, with them it must not.
+TEST_CASE("seeded bugs: a bias moved by one rank's loads, a skipped shared expert", "[07][e2e][equiv]") {
+  const Run& ref = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 6");
+  const std::string args = kDeepSeek + "--steps 6 --dp 2 --ep 2 --micro-batch 4";
+  CHECK(tst::equivalent(tst::compare(tst::cached_run("07_expert_parallel", 2, args), ref)));
+  for (const char* bug : {"local_bias_loads", "skip_shared_expert"}) {
+    const Run& r = tst::cached_run(std::string("tests/bugs/07_expert_parallel+") + bug, 2, args);
+    const tst::Equivalence e = tst::compare(r, ref);
+    INFO(bug << ": " << e);
+    CHECK(r.output.find(std::string("deliberate bug ") + bug) != std::string::npos);
+    CHECK_FALSE(tst::equivalent(e));
+    if (std::string(bug) == "local_bias_loads") CHECK(routing_biases(r.ckpt) != routing_biases(ref.ckpt));
   }
 }
 

@@ -31,6 +31,13 @@ struct Ref {
   double aux_weight;  // the loss carries aux_weight · Σ_b aux_b
   DVec wg;            // [E, D]
   std::vector<DVec> w1, w3, w2;  // per expert [F, D], [F, D], [D, F]
+  // DeepSeekMoE: the sigmoid router with its bias, groups and scaling; the shared SwiGLU
+  // (sw1, sw3 [FS, D], sw2 [D, FS]; empty: none).
+  bool sigmoid = false;
+  DVec bias;
+  int G = 1, M = 1;
+  double scale = 1;
+  DVec sw1, sw3, sw2;
 };
 
 struct RefOut {
@@ -42,65 +49,107 @@ struct RefOut {
 
 double silu(double x) { return x / (1 + std::exp(-x)); }
 
+double silu_mlp(const DVec& w1, const DVec& w3, const DVec& w2, const double* x, int D, int d) {
+  const int F = int(w1.size()) / D;
+  double v = 0;
+  for (int f = 0; f < F; f++) {
+    double g = 0, u = 0;
+    for (int i = 0; i < D; i++) g += w1[size_t(f) * D + i] * x[i], u += w3[size_t(f) * D + i] * x[i];
+    v += w2[size_t(d) * F + f] * silu(g) * u;
+  }
+  return v;
+}
+
+// The K choices of one token: the largest of v, ties to the lower index; with groups (DeepSeek-V3,
+// Hugging Face's code) v is the biased score, a group scores by the sum of its two largest, the M
+// best groups stay and the others' experts count 0.
+std::vector<int> ref_choose(const Ref& r, DVec v) {
+  if (r.G > 1) {
+    const int per = r.E / r.G;
+    DVec gs(size_t(r.G));
+    for (int g = 0; g < r.G; g++) {
+      DVec x(v.begin() + g * per, v.begin() + (g + 1) * per);
+      std::sort(x.rbegin(), x.rend());
+      gs[size_t(g)] = x[0] + x[1];
+    }
+    std::vector<bool> keep(size_t(r.G), false);
+    for (int m = 0; m < r.M; m++) {
+      int best = -1;
+      for (int g = 0; g < r.G; g++)
+        if (!keep[size_t(g)] && (best < 0 || gs[size_t(g)] > gs[size_t(best)])) best = g;
+      keep[size_t(best)] = true;
+    }
+    for (int e = 0; e < r.E; e++)
+      if (!keep[size_t(e / per)]) v[size_t(e)] = 0;
+  }
+  std::vector<int> c;
+  for (int k = 0; k < r.K; k++) {
+    int best = -1;
+    for (int e = 0; e < r.E; e++)
+      if (std::find(c.begin(), c.end(), e) == c.end() && (best < 0 || v[size_t(e)] > v[size_t(best)])) best = e;
+    c.push_back(best);
+  }
+  return c;
+}
+
+// Router probabilities p (softmax, or the sigmoid scores) and what the balance loss averages (p,
+// or s' = s/Σ s), for token t.
+void ref_router(const Ref& r, const double* x, DVec& p, DVec& pbal) {
+  DVec z(size_t(r.E), 0.0);
+  for (int e = 0; e < r.E; e++)
+    for (int d = 0; d < r.D; d++) z[size_t(e)] += r.wg[size_t(e) * r.D + d] * x[d];
+  double mx = -1e300, sum = 0;
+  for (double v : z) mx = std::max(mx, v);
+  for (int e = 0; e < r.E; e++) {
+    p[size_t(e)] = r.sigmoid ? 1 / (1 + std::exp(-z[size_t(e)])) : std::exp(z[size_t(e)] - mx);
+    sum += p[size_t(e)];
+  }
+  for (int e = 0; e < r.E; e++) {
+    if (!r.sigmoid) p[size_t(e)] /= sum;
+    pbal[size_t(e)] = r.sigmoid ? p[size_t(e)] / sum : p[size_t(e)];
+  }
+}
+
 RefOut ref_forward(const Ref& r, const DVec& h) {
   const int N = r.B * r.S;
   RefOut o;
   o.y.assign(size_t(N) * r.D, 0);
-  DVec p(size_t(N) * r.E);
+  DVec p(size_t(N) * r.E), pbal(size_t(N) * r.E);
   for (int t = 0; t < N; t++) {
-    DVec z(r.E);
-    double mx = -1e300, sum = 0;
-    for (int e = 0; e < r.E; e++) {
-      for (int d = 0; d < r.D; d++) z[e] += r.wg[size_t(e) * r.D + d] * h[size_t(t) * r.D + d];
-      mx = std::max(mx, z[e]);
-    }
-    for (int e = 0; e < r.E; e++) sum += std::exp(z[e] - mx);
-    for (int e = 0; e < r.E; e++) p[size_t(t) * r.E + e] = std::exp(z[e] - mx) / sum;
-    std::vector<int> c;
-    for (int k = 0; k < r.K; k++) {  // the largest remaining; ties to the lower index
-      int best = -1;
-      for (int e = 0; e < r.E; e++)
-        if (std::find(c.begin(), c.end(), e) == c.end() && (best < 0 || p[size_t(t) * r.E + e] > p[size_t(t) * r.E + best]))
-          best = e;
-      c.push_back(best);
-    }
-    o.chosen.push_back(c);
+    DVec pt(size_t(r.E)), bt(size_t(r.E));
+    ref_router(r, h.data() + size_t(t) * r.D, pt, bt);
+    std::copy(pt.begin(), pt.end(), p.begin() + size_t(t) * r.E);
+    std::copy(bt.begin(), bt.end(), pbal.begin() + size_t(t) * r.E);
+    DVec v = pt;
+    if (r.sigmoid)
+      for (int e = 0; e < r.E; e++) v[size_t(e)] = float(float(pt[size_t(e)]) + float(r.bias[size_t(e)]));
+    o.chosen.push_back(ref_choose(r, v));
   }
   for (int b = 0; b < r.B; b++) {
     std::vector<int64_t> taken(size_t(r.E), 0), cnt(size_t(r.E), 0);
     for (int t = b * r.S; t < (b + 1) * r.S; t++) {
       std::vector<bool> kept;
-      double s = 0;
+      double s = r.sigmoid ? 1e-20 : 0;
       for (int e : o.chosen[size_t(t)]) s += p[size_t(t) * r.E + e];
+      const double* x = h.data() + size_t(t) * r.D;
       for (int e : o.chosen[size_t(t)]) {
         cnt[size_t(e)]++;
         const bool keep = r.cap < 0 || taken[size_t(e)] < r.cap;
         kept.push_back(keep);
         if (!keep) continue;
         taken[size_t(e)]++;
-        const double w = p[size_t(t) * r.E + e] / s;
-        const double* x = h.data() + size_t(t) * r.D;
-        DVec a(size_t(r.F));
-        for (int f = 0; f < r.F; f++) {
-          double g = 0, u = 0;
-          for (int d = 0; d < r.D; d++) {
-            g += r.w1[size_t(e)][size_t(f) * r.D + d] * x[d];
-            u += r.w3[size_t(e)][size_t(f) * r.D + d] * x[d];
-          }
-          a[size_t(f)] = silu(g) * u;
-        }
-        for (int d = 0; d < r.D; d++) {
-          double v = 0;
-          for (int f = 0; f < r.F; f++) v += r.w2[size_t(e)][size_t(d) * r.F + f] * a[size_t(f)];
-          o.y[size_t(t) * r.D + d] += w * v;
-        }
+        const double w = r.scale * p[size_t(t) * r.E + e] / s;
+        for (int d = 0; d < r.D; d++) o.y[size_t(t) * r.D + d] += w * silu_mlp(r.w1[size_t(e)], r.w3[size_t(e)], r.w2[size_t(e)], x, r.D, d);
       }
+      if (!r.sw1.empty())
+        for (int d = 0; d < r.D; d++) o.y[size_t(t) * r.D + d] += silu_mlp(r.sw1, r.sw3, r.sw2, x, r.D, d);
       o.kept.push_back(kept);
     }
-    // Switch's aux = E · Σ_e f_e P_e with f over the sequence's S·K choices.
+    // Switch's aux = E · Σ_e f_e P_e with f over the sequence's S·K choices (DeepSeek-V3's eq. 17–20
+    // with s' for p).
     for (int e = 0; e < r.E; e++) {
       double P = 0;
-      for (int t = b * r.S; t < (b + 1) * r.S; t++) P += p[size_t(t) * r.E + e];
+      for (int t = b * r.S; t < (b + 1) * r.S; t++) P += pbal[size_t(t) * r.E + e];
       o.aux += r.E * (double(cnt[size_t(e)]) / (r.S * r.K)) * (P / r.S);
     }
   }
@@ -148,7 +197,45 @@ struct Case {
   int K;
   float capacity;
   bool one_expert;  // every token's logits favour expert E-1: the others get no rows
+  // DeepSeekMoE: the sigmoid router (8 experts of width 4, routed scaling 2.5, a bias that
+  // changes the choices) in G groups of which M are kept, S shared experts.
+  bool sigmoid = false;
+  int G = 1, M = 1, shared = 0;
 };
+
+ModelConfig block_config(const Case& cs) {
+  ModelConfig c;
+  c.dim = 8, c.layers = 1, c.heads = 2, c.kv_heads = 1, c.ffn = 6, c.vocab = 16, c.seq = 6;
+  c.experts = 4, c.top_k = cs.K, c.capacity_factor = cs.capacity, c.aux_loss_coef = 0.3f;
+  if (cs.sigmoid || cs.shared > 0) c.experts = 8, c.expert_ffn = 4, c.shared_experts = cs.shared;
+  c.sigmoid_router = cs.sigmoid, c.expert_groups = cs.G, c.group_limit = cs.M;
+  if (cs.sigmoid) c.routed_scaling = 2.5f, c.bias_update_rate = 0.001f;
+  return c;
+}
+
+// The reference holding the model's weights (the bias set to values that change the choices).
+Ref block_reference(Model& m, const Case& cs, int B) {
+  const ModelConfig& c = m.cfg;
+  Ref r{B, c.seq, c.dim, c.expert_width(), c.experts, cs.K, expert_capacity(c, c.seq),
+        double(c.aux_loss_coef) * m.loss_scale * c.seq, host(m.weight(m.entry(moe_gate_name(0)))), {}, {}, {}};
+  for (int j = 0; j < c.experts; j++) {
+    r.w1.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w1")))));
+    r.w3.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w3")))));
+    r.w2.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w2")))));
+  }
+  r.sigmoid = cs.sigmoid, r.G = cs.G, r.M = cs.M, r.scale = c.routed_scaling;
+  if (cs.sigmoid) {
+    const Tensor b = m.weight(m.entry(moe_bias_name(0)));
+    for (int e = 0; e < c.experts; e++) b.f32()[e] = 0.3f * float(e % 3) - 0.3f;
+    r.bias = host(b);
+  }
+  if (cs.shared > 0) {
+    r.sw1 = host(m.weight(m.entry(moe_shared_name(0, "gate_proj"))));
+    r.sw3 = host(m.weight(m.entry(moe_shared_name(0, "up_proj"))));
+    r.sw2 = host(m.weight(m.entry(moe_shared_name(0, "down_proj"))));
+  }
+  return r;
+}
 
 }  // namespace
 
@@ -165,6 +252,102 @@ TEST_CASE("router kernel: softmax, top-k with ties to the lower index, renormali
   for (int i = 0; i < 6; i++) CHECK(w.f32()[i] == Approx(0.5).epsilon(1e-7));
   const double s = std::exp(1.0) + 2 * std::exp(3.0) + 1;
   CHECK(probs.f32()[1] == Approx(std::exp(3.0) / s).epsilon(1e-7));
+}
+
+// DeepSeek-V3's router on hand-built rows: 8 experts in 4 groups of 2 (sigmoid is monotone, so the
+// logits order the scores).
+TEST_CASE("sigmoid router kernel: group-limited top-k, ties to the lower index, the bias only selects",
+          "[moe][kernels]") {
+  auto route = [](const std::vector<float>& z, const std::vector<float>& bias, int K, int G, int M) {
+    const int64_t N = int64_t(z.size()) / 8;
+    Tensor logits = Tensor::empty({N, 8}, DType::F32, Device::CPU, Tag::Workspace), b;
+    from_host_f32(logits, z.data());
+    if (!bias.empty()) {
+      b = Tensor::empty({8}, DType::F32, Device::CPU, Tag::Workspace);
+      from_host_f32(b, bias.data());
+    }
+    Tensor s = Tensor::empty({N, 8}, DType::F32, Device::CPU, Tag::Workspace);
+    Tensor idx = Tensor::empty({N, K}, DType::I32, Device::CPU, Tag::Workspace);
+    Tensor w = Tensor::empty({N, K}, DType::F32, Device::CPU, Tag::Workspace);
+    moe_router_sigmoid_forward(s, idx, w, logits, b, G, M, 2.5f);
+    return std::make_pair(std::vector<int32_t>(idx.i32(), idx.i32() + N * K), to_host_f32(w));
+  };
+  // Row 0: expert 0 scores highest but its group (with expert 1) sums lowest, so it is not chosen;
+  // groups 2 and 1 stay, experts 4 and 5 first, then 2 and 3 tie: 2. Row 1: groups 0, 2 and 3
+  // tie, the lower two stay; their four experts tie: 0, 1, 4.
+  auto [i0, w0] = route({3, -3, 1, 1, 2, 2, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1}, {}, 3, 4, 2);
+  CHECK(i0 == std::vector<int32_t>{4, 5, 2, 0, 1, 4});
+  const double s1 = 1 / (1 + std::exp(-1.0)), s2 = 1 / (1 + std::exp(-2.0));
+  CHECK(w0[0] == Approx(2.5 * s2 / (2 * s2 + s1)).epsilon(1e-6));
+  CHECK(w0[3] == Approx(2.5 / 3).epsilon(1e-6));
+  // Without groups the highest score wins.
+  CHECK(route({3, -3, 1, 1, 2, 2, 0, 0}, {}, 3, 1, 1).first == std::vector<int32_t>{0, 4, 5});
+  // The bias decides: every score 0.5, expert 6 biased up, so group 3 and expert 6 win, then
+  // group 0's experts; the weights are the unbiased scores, all equal.
+  auto [i2, w2] = route(std::vector<float>(8, 0.f), {0, 0, 0, 0, 0, 0, 0.5f, 0}, 3, 4, 2);
+  CHECK(i2 == std::vector<int32_t>{6, 0, 1});
+  for (float v : w2) CHECK(v == Approx(2.5 / 3).epsilon(1e-6));
+  // Hugging Face masks the dropped groups' experts with 0.0, not −∞: with the biased scores of the
+  // kept group negative, a masked expert (0.0, expert 0 the lowest index) wins. Followed exactly.
+  CHECK(route(std::vector<float>(8, 0.f), {-1, -1, -1, -1, -1, -1, -0.9f, -0.9f}, 1, 4, 1).first ==
+        std::vector<int32_t>{0});
+}
+
+TEST_CASE("sigmoid router kernel: forward against double, backward against central differences", "[moe][kernels]") {
+  const int64_t S = 5, B = 2, N = S * B, E = 8, K = 3;
+  std::vector<float> z(static_cast<size_t>(N * E)), bias(static_cast<size_t>(E)), dw(static_cast<size_t>(N * K)),
+      daux(static_cast<size_t>(B * E));
+  for (size_t i = 0; i < z.size(); i++) z[i] = 2 * rng_normal(21, i);
+  for (size_t i = 0; i < bias.size(); i++) bias[i] = 0.2f * rng_normal(22, i);
+  for (size_t i = 0; i < dw.size(); i++) dw[i] = rng_normal(23, i);
+  for (size_t i = 0; i < daux.size(); i++) daux[i] = rng_normal(24, i);
+  auto cpu = [](std::vector<int64_t> shape, const std::vector<float>& v) {
+    Tensor t = Tensor::empty(shape, DType::F32, Device::CPU, Tag::Workspace);
+    from_host_f32(t, v.data());
+    return t;
+  };
+  Tensor logits = cpu({N, E}, z), sc = cpu({N, E}, z), w = cpu({N, K}, dw), dz = cpu({N, E}, z);
+  Tensor idx = Tensor::empty({N, K}, DType::I32, Device::CPU, Tag::Workspace);
+  moe_router_sigmoid_forward(sc, idx, w, logits, cpu({E}, bias), 4, 2, 2.5f);
+  moe_router_sigmoid_backward(dz, cpu({N, K}, dw), sc, idx, cpu({B, E}, daux), S, 2.5f);
+  // L = Σ dw·w + Σ daux·s' in double, the choices held fixed (they are piecewise constant).
+  auto loss = [&](const std::vector<double>& zz, int64_t n) {
+    DVec s(static_cast<size_t>(E));
+    double sum = 0, sel = 1e-20, l = 0;
+    for (int e = 0; e < E; e++) s[size_t(e)] = 1 / (1 + std::exp(-zz[size_t(e)])), sum += s[size_t(e)];
+    for (int k = 0; k < K; k++) sel += s[size_t(idx.i32()[n * K + k])];
+    for (int k = 0; k < K; k++) l += dw[size_t(n * K + k)] * 2.5 * s[size_t(idx.i32()[n * K + k])] / sel;
+    for (int e = 0; e < E; e++) l += daux[size_t((n / S) * E + e)] * s[size_t(e)] / sum;
+    return l;
+  };
+  double worst = 0, scale = 0;
+  for (int64_t n = 0; n < N; n++) {
+    std::vector<double> zz(z.begin() + n * E, z.begin() + (n + 1) * E);
+    for (int e = 0; e < E; e++) {
+      CHECK(sc.f32()[n * E + e] == Approx(1 / (1 + std::exp(-zz[size_t(e)]))).epsilon(1e-7));
+      const double keep = zz[size_t(e)];
+      zz[size_t(e)] = keep + 1e-5;
+      const double lp = loss(zz, n);
+      zz[size_t(e)] = keep - 1e-5;
+      const double num = (lp - loss(zz, n)) / 2e-5;
+      zz[size_t(e)] = keep;
+      worst = std::max(worst, std::fabs(num - dz.f32()[n * E + e]));
+      scale = std::max(scale, std::fabs(num));
+    }
+  }
+  CHECK(worst <= 1e-6 * scale);
+  CHECK(scale > 0.01);
+}
+
+TEST_CASE("bias update: b_e += γ·sign(mean load − load_e), equal loads leave it", "[moe][kernels]") {
+  std::vector<float> b = {0.5f, 0.5f, 0.5f, 0.5f};
+  const std::vector<int64_t> load = {10, 30, 20, 20};
+  moe_bias_update(b.data(), load.data(), 4, 0.001f);
+  CHECK(b == std::vector<float>{0.5f + 0.001f, 0.5f - 0.001f, 0.5f, 0.5f});
+  const std::vector<int64_t> odd = {1, 2, 2};  // mean 5/3 is not an integer: the sign is still exact
+  std::vector<float> c(3, 0.f);
+  moe_bias_update(c.data(), odd.data(), 3, 1.f);
+  CHECK(c == std::vector<float>{1.f, -1.f, -1.f});
 }
 
 TEST_CASE("routing plan: capacity per sequence keeps the earliest tokens, grouped per expert in token order",
@@ -189,14 +372,16 @@ TEST_CASE("MoE block against the naive double reference: forward, gradients, dro
           "[moe]") {
   for (const Case& cs : {Case{"top-2 dropless", 2, 0.f, false}, Case{"top-1 dropless", 1, 0.f, false},
                          Case{"top-2 capacity 0.5 (drops)", 2, 0.5f, false}, Case{"top-1 capacity 1", 1, 1.f, false},
-                         Case{"all tokens to one expert", 1, 0.f, true}}) {
+                         Case{"all tokens to one expert", 1, 0.f, true},
+                         Case{"sigmoid top-2", 2, 0.f, false, true},
+                         Case{"sigmoid top-3, 4 groups keep 2, 1 shared expert", 3, 0.f, false, true, 4, 2, 1},
+                         Case{"sigmoid top-1, capacity 1, 2 shared experts", 1, 1.f, false, true, 1, 1, 2},
+                         Case{"softmax with 2 shared experts", 2, 0.f, false, false, 1, 1, 2}}) {
     INFO(cs.name);
-    ModelConfig c;
-    c.dim = 8, c.layers = 1, c.heads = 2, c.kv_heads = 1, c.ffn = 6, c.vocab = 16, c.seq = 6;
-    c.experts = 4, c.top_k = cs.K, c.capacity_factor = cs.capacity, c.aux_loss_coef = 0.3f;
+    const ModelConfig c = block_config(cs);
     Model m(c, Device::CPU, DType::F32, Recompute::None);
     Model::init_range(m.table, 7, 0, m.table.total, m.params);
-    const int B = 2, S = c.seq, N = B * S, D = c.dim, F = c.ffn, E = c.experts;
+    const int B = 2, S = c.seq, N = B * S, D = c.dim, E = c.experts;
     m.loss_scale = 1.f / (4 * S);  // as if the global batch had 4 sequences
     // Larger weights than the init's 0.02 so that the experts and the router matter.
     scale_inplace(m.params, 20.f);
@@ -207,12 +392,7 @@ TEST_CASE("MoE block against the naive double reference: forward, gradients, dro
       for (int t = 0; t < N; t++) hv[size_t(t) * D] = 2 + std::fabs(hv[size_t(t) * D]);
       m.weight(gate).f32()[(E - 1) * D] = 50.f;
     }
-    Ref r{B, S, D, F, E, cs.K, expert_capacity(c, S), double(c.aux_loss_coef) * m.loss_scale * S, host(m.weight(gate)), {}, {}, {}};
-    for (int j = 0; j < E; j++) {
-      r.w1.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w1")))));
-      r.w3.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w3")))));
-      r.w2.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w2")))));
-    }
+    Ref r = block_reference(m, cs, B);
     auto tensor = [&](const DVec& v) {
       Tensor t = Tensor::empty({N, D}, DType::F32, Device::CPU, Tag::Workspace);
       for (size_t i = 0; i < v.size(); i++) t.f32()[i] = float(v[i]);
@@ -251,6 +431,14 @@ TEST_CASE("MoE block against the naive double reference: forward, gradients, dro
         if (cs.one_expert && j < E - 1) CHECK(max_abs(got) == 0);
       }
     }
+    if (cs.shared > 0)
+      for (auto [w, vec] : {std::pair<const char*, DVec*>{"gate_proj", &r.sw1}, {"up_proj", &r.sw3}, {"down_proj", &r.sw2}}) {
+        INFO("shared " << w);
+        DVec n(vec->size());
+        for (size_t i = 0; i < vec->size(); i++) n[i] = numeric_grad(r, hv, R, *vec, i);
+        CHECK(rel_diff(host(m.grad(m.entry(moe_shared_name(0, w)))), n) <= 2e-6);
+      }
+    if (cs.sigmoid) CHECK(max_abs(host(m.grad(m.entry(moe_bias_name(0))))) == 0);  // the bias only selects
   }
 }
 
@@ -300,18 +488,102 @@ TEST_CASE("01 --experts: accumulation and recompute give the same losses; capaci
   CHECK(aux.steps[3].at("loss").as_double() != ref.steps[3].at("loss").as_double());  // its gradient moved the router
 }
 
+// ----- 01 with DeepSeekMoE --------------------------------------------------------------------------
+
+const std::string kDeepSeek = "--preset tiny --experts 8 --top-k 2 --ffn 64 --expert-ffn 32 --shared-experts 1 "
+                              "--router sigmoid --routed-scaling 2.5 --expert-groups 4 --group-limit 2 "
+                              "--aux-loss-coef 0.001 --bias-update-rate 0.001 --quiet --lr-schedule constant ";
+
+std::vector<float> routing_bias(const std::string& ckpt, int l) {
+  ts::SafetensorsReader st(ckpt + "/model.safetensors");
+  std::vector<float> b(8);
+  st.read(moe_bias_name(l), 0, b.data(), 8);
+  return b;
+}
+
+TEST_CASE("01 DeepSeekMoE: trains, logs the loads, the bias replays from the logged loads", "[moe][e2e]") {
+  const tst::CachedRun& run = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8");
+  const auto& steps = run.log.steps;
+  REQUIRE(steps.size() == 12);
+  CHECK(steps.back().at("loss").as_double() < steps.front().at("loss").as_double() - 1.0);
+  std::vector<float> bias(16, 0.f);  // [L, E], replayed: b += γ·sign(mean − load) after each step
+  for (const ts::Json& s : steps) {
+    CHECK(s.at("moe_load_max_over_mean").as_double() ==
+          s.at("moe_tokens_max").as_double() / s.at("moe_tokens_mean").as_double());
+    CHECK(s.at("moe_tokens_mean").as_double() == 8 * 32 * 2 / 8.0);
+    std::vector<int64_t> load;
+    for (const ts::Json& v : s.at("moe_tokens_per_expert").as_array()) load.push_back(v.as_int());
+    REQUIRE(load.size() == 16);
+    for (int l = 0; l < 2; l++) moe_bias_update(bias.data() + l * 8, load.data() + l * 8, 8, 0.001f);
+  }
+  double moved = 0;
+  for (int l = 0; l < 2; l++) {
+    const std::vector<float> b = routing_bias(run.ckpt, l);
+    for (int e = 0; e < 8; e++) {
+      CHECK(b[size_t(e)] == bias[size_t(l * 8 + e)]);  // bit for bit
+      moved = std::max(moved, double(std::fabs(b[size_t(e)])));
+    }
+  }
+  CHECK(moved > 0.005);
+  ts::SafetensorsReader st(run.ckpt + "/model.safetensors");
+  CHECK(st.entry(moe_shared_name(1, "down_proj")).shape == std::vector<int64_t>{64, 32});
+  CHECK(st.entry(moe_expert_name(1, 7, "w1")).shape == std::vector<int64_t>{32, 64});
+  CHECK(st.entry(moe_bias_name(1)).shape == std::vector<int64_t>{8});
+  // Recompute reruns the shared experts and the router (the bias unchanged within a step);
+  // accumulation sums the same loads before the one bias update.
+  const tst::Log full = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8 --recompute full").log;
+  CHECK(tst::max_rel_diff(full.losses(), run.log.losses()) == 0);
+  const tst::Log acc = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8 --micro-batch 2").log;
+  CHECK(tst::max_rel_diff(acc.losses(), run.log.losses()) <= 1e-6);
+  // The step line of a run without --quiet prints the balance measure.
+  const tst::Result r = tst::run_bin("01_single_gpu", "--preset tiny --experts 4 --top-k 2 --router sigmoid --steps 1", 1, 60);
+  CHECK(r.output.find("load max/mean") != std::string::npos);
+}
+
+TEST_CASE("01 DeepSeekMoE: a resume restores the bias; the bias moves the routing", "[moe][e2e][ckpt]") {
+  const tst::CachedRun& ref = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8");
+  const tst::CachedRun& first = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 6 --batch 8");
+  tst::check_resume("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8", first.ckpt, ref, 6);
+  for (int l = 0; l < 2; l++) CHECK(routing_bias(tst::scratch("resume_ck"), l) == routing_bias(ref.ckpt, l));
+  // Resumed without the router or the shared experts it was trained with: refused, not ignored.
+  for (auto [flags, says] : {std::pair<const char*, const char*>{"--shared-experts 1 ", "trained with the sigmoid router"},
+                             {"--router sigmoid ", "has 1 shared experts, the model 0"}}) {
+    const tst::Result bad = tst::run_bin("01_single_gpu", std::string("--preset tiny --experts 8 --top-k 2 --ffn 64 ") +
+                                                              "--expert-ffn 32 --lr-schedule constant --steps 12 --batch 8 --resume " + first.ckpt +
+                                                              " " + flags, 1, 60);
+    INFO(bad.output);
+    CHECK(bad.status != 0);
+    CHECK(bad.output.find(says) != std::string::npos);
+  }
+  const tst::CachedRun& still = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 12 --batch 8 --bias-update-rate 0");
+  CHECK(routing_bias(still.ckpt, 0) == std::vector<float>(8, 0.f));
+  CHECK(still.log.steps[0].at("loss").as_double() == ref.log.steps[0].at("loss").as_double());
+  CHECK(still.log.steps[11].at("moe_tokens_per_expert").dump() != ref.log.steps[11].at("moe_tokens_per_expert").dump());
+}
+
 TEST_CASE("01 --experts: bad input", "[moe][errors]") {
   tst::check_errors("01_single_gpu", "--preset tiny --steps 1 ", {
       {1, "--experts 4 --top-k 5", "--top-k 5 must be between 1 and --experts 4"},
       {1, "--experts 4 --top-k 0", "--top-k 0 must be between 1 and --experts 4"},
       {1, "--experts 4 --capacity-factor -1", "--capacity-factor must be >= 0"},
       {1, "--experts -2", "--experts must be >= 0"},
+      {1, "--router sigmoid", "need --experts E"},
+      {1, "--experts 4 --router tanh", "--router must be softmax or sigmoid"},
+      {1, "--experts 4 --expert-groups 2", "need --router sigmoid"},
+      {1, "--experts 6 --router sigmoid --expert-groups 4", "--expert-groups 4 must be >= 1 and divide --experts 6"},
+      {1, "--experts 4 --router sigmoid --expert-groups 4", "fewer than 2 experts per group"},
+      {1, "--experts 8 --router sigmoid --expert-groups 4 --group-limit 5", "--group-limit 5 must be between 1"},
+      {1, "--experts 8 --top-k 5 --router sigmoid --expert-groups 4 --group-limit 2", "--top-k 5 exceeds the 4 experts"},
+      {1, "--experts 4 --router sigmoid --routed-scaling 0", "--routed-scaling must be > 0"},
   });
+  // A chapter that never reports its steps' routing would train with the bias frozen: refused.
+  tst::check_errors("02_data_parallel", "--preset tiny --steps 1 --dp 2 --experts 4 --router sigmoid ",
+                    {{2, "", "02_data_parallel does not move the routing bias"}});
 }
 
 // ----- CUDA twins -----------------------------------------------------------------------------------
 
-TEST_CASE("cuda twin: MoE router, gather, combine", "[cuda]") {
+TEST_CASE("cuda twin: MoE routers (softmax and sigmoid), gather, combine", "[cuda]") {
   if (!cuda_available()) {
     WARN("no GPU visible: CUDA twin not run");
     return;
@@ -348,6 +620,18 @@ TEST_CASE("cuda twin: MoE router, gather, combine", "[cuda]") {
   Tensor gdz = gpu(dz);
   moe_router_backward(gdz, gpu(dw), gp, gidx, gpu(daux), S);
   CHECK(close(gdz, dz, 1e-6));
+  // DeepSeek-V3's router: 8 experts in 4 groups keeping 2, a bias, routed scaling 2.5.
+  Tensor bias = randn({E}, 5, DType::F32), sidx = Tensor::empty({N, K}, DType::I32, Device::CPU, Tag::Workspace);
+  Tensor s = randn({N, E}, 0, DType::F32), sw = randn({N, K}, 0, DType::F32);
+  moe_router_sigmoid_forward(s, sidx, sw, z, bias, 4, 2, 2.5f);
+  Tensor gs = gpu(s), gsidx = gpu(sidx), gsw = gpu(sw);
+  moe_router_sigmoid_forward(gs, gsidx, gsw, gpu(z), gpu(bias), 4, 2, 2.5f);
+  CHECK(close(gs, s, 0));
+  CHECK(close(gsidx, sidx, 0));
+  CHECK(close(gsw, sw, 0));
+  moe_router_sigmoid_backward(dz, dw, s, sidx, daux, S, 2.5f);
+  moe_router_sigmoid_backward(gdz, gpu(dw), gs, gsidx, gpu(daux), S, 2.5f);
+  CHECK(close(gdz, dz, 1e-7));
   for (DType dt : {DType::F32, DType::BF16}) {
     Tensor x = randn({N, D}, 4, dt), rows = Tensor::empty({N}, DType::I32, Device::CPU, Tag::Workspace);
     Tensor src = Tensor::empty({N, K}, DType::I32, Device::CPU, Tag::Workspace);

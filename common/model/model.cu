@@ -73,8 +73,9 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
 // counted on tp rank 0, as the norms): the MoE block is not split over tp (MlpBlock::split_over_tp).
 template <class Add> static void add_experts(const ModelConfig& c, const ShardSpec& sh, int l, Add& add, bool& expert) {
   if (c.experts % sh.ep) config_error("--experts %d is not divisible by --ep %d", c.experts, sh.ep);
-  const int64_t D = c.dim, F = c.ffn, per = c.experts / sh.ep;
+  const int64_t D = c.dim, F = c.expert_width(), per = c.experts / sh.ep;
   add(moe_gate_name(l), {c.experts, D}, Split::Whole, false);
+  if (c.sigmoid_router) add(moe_bias_name(l), {c.experts}, Split::Whole, false);  // DeepSeek-V3's b_e
   expert = true;
   for (int j = 0; j < c.experts; j++) {
     const Split s = j / per == sh.ep_rank ? Split::Whole : Split::None;
@@ -83,6 +84,12 @@ template <class Add> static void add_experts(const ModelConfig& c, const ShardSp
     add(moe_expert_name(l, j, "w3"), {F, D}, s, false);
   }
   expert = false;
+  // DeepSeekMoE's shared experts: dense, replicated like the router, one SwiGLU of width S·F_e.
+  const int64_t FS = int64_t(c.shared_experts) * F;
+  if (FS == 0) return;
+  add(moe_shared_name(l, "gate_proj"), {FS, D}, Split::Whole, false);
+  add(moe_shared_name(l, "up_proj"), {FS, D}, Split::Whole, false);
+  add(moe_shared_name(l, "down_proj"), {D, FS}, Split::Whole, false);
 }
 
 // The model's tensors in HF order, unit by unit. How each dense tensor is split over tp is the
@@ -168,11 +175,13 @@ ParamTable Model::make_table(const ModelConfig& c, int align, const ShardSpec& s
 }
 
 // Init: matrices N(0, 0.02) from the counter-based RNG keyed by the HF name and the
-// global element index, norm weights 1. Any block computes exactly its part of the full tensor.
+// global element index, norm weights 1, the MoE routing bias 0. Any block computes exactly its
+// part of the full tensor.
 void Model::init_range(const ParamTable& t, uint64_t seed, int64_t b, int64_t e, const Tensor& dst) {
   t.for_each_global_run(b, e, [&](const ParamEntry& p, int64_t flat, int64_t global, int64_t n) {
     const Tensor d = dst.view(flat - b, {n});
     if (p.is_norm) fill(d, 1.f);
+    else if (is_moe_bias(p)) fill(d, 0.f);  // DeepSeek-V3's routing bias starts at 0
     else init_normal(d, rng_key(seed, p.name), 0.02f, 0, global, p.global_numel);
   });
 }
@@ -192,7 +201,10 @@ int64_t local_param_count(const ParamTable& t) {
 // scores and values; N excludes the embedding lookup (no matmul) but includes the LM head. With
 // experts N counts the active parameters: a token runs K of the E experts of each layer.
 double flops_per_token(const ModelConfig& c) {
-  const double inactive = c.experts > 0 ? double(c.layers) * (c.experts - c.top_k) * 3.0 * c.ffn * c.dim : 0.0;
+  // The routing bias (E per layer) only selects: no FLOPs.
+  const double inactive = c.experts > 0 ? double(c.layers) * ((c.experts - c.top_k) * 3.0 * c.expert_width() * c.dim +
+                                                              (c.sigmoid_router ? c.experts : 0))
+                                        : 0.0;
   return 6.0 * (double(param_count(c, false)) - inactive) + 12.0 * c.layers * c.dim * double(c.seq);
 }
 
@@ -202,11 +214,35 @@ double flops_per_token(const ModelConfig& c) {
 // under selective recompute the product is dropped and rebuilt in backward (no matmul needed).
 // Under tensor parallelism gate/up hold ffn/tp rows and down ffn/tp columns: the widths below
 // come from the weights, and the output is a partial sum that g completes.
+void swiglu_mlp_forward(Model& m, const SwiGluWeights& w, const Tensor& y, const Tensor& h, Tensor& g, Tensor& u,
+                        Tensor& act) {
+  const int64_t N = h.size(0), F = m.weight(w.gate).size(0);
+  g = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+  u = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+  m.linear(w.gate, g, h);
+  m.linear(w.up, u, h);
+  act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+  swiglu_forward(act, g, u);
+  m.linear(w.down, y, act);
+}
+
+void swiglu_mlp_backward(Model& m, const SwiGluWeights& w, const Tensor& dh, const Tensor& dy, const Tensor& h,
+                         const Tensor& g, const Tensor& u, Tensor& act, bool accumulate_dh) {
+  const int64_t N = h.size(0), F = g.size(1);
+  if (!act.defined()) {  // selective recompute
+    act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
+    swiglu_forward(act, g, u);
+  }
+  auto work = [&] { return Tensor::empty({N, F}, m.dtype, m.dev, Tag::Workspace); };
+  Tensor dact = work(), dg = work(), du = work();
+  m.linear_backward(w.down, dact, dy, act);
+  swiglu_backward(dg, du, dact, g, u);
+  m.linear_backward(w.gate, dh, dg, h, accumulate_dh);
+  m.linear_backward(w.up, dh, du, h, /*accumulate_dx=*/true);
+}
+
 struct SwiGluMlp : MlpBlock {
-  struct Idx {
-    int gate, up, down;
-  };
-  std::vector<Idx> idx;
+  std::vector<SwiGluWeights> idx;
   explicit SwiGluMlp(const Model& m) {
     for (int l = 0; l < m.cfg.layers; l++) {
       std::string p = "model.layers." + std::to_string(l) + ".mlp.";
@@ -214,27 +250,10 @@ struct SwiGluMlp : MlpBlock {
     }
   }
   void forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) override {
-    const int64_t N = h.size(0), F = m.weight(idx[l].gate).size(0);
-    a.g = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-    a.u = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-    m.linear(idx[l].gate, a.g, h);
-    m.linear(idx[l].up, a.u, h);
-    a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-    swiglu_forward(a.act, a.g, a.u);
-    m.linear(idx[l].down, y, a.act);
+    swiglu_mlp_forward(m, idx[size_t(l)], y, h, a.g, a.u, a.act);
   }
   void backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) override {
-    const int64_t N = h.size(0), F = a.g.size(1);
-    if (!a.act.defined()) {  // selective recompute
-      a.act = Tensor::empty({N, F}, m.dtype, m.dev, Tag::Activations);
-      swiglu_forward(a.act, a.g, a.u);
-    }
-    auto work = [&] { return Tensor::empty({N, F}, m.dtype, m.dev, Tag::Workspace); };
-    Tensor dact = work(), dg = work(), du = work();
-    m.linear_backward(idx[l].down, dact, dy, a.act);
-    swiglu_backward(dg, du, dact, a.g, a.u);
-    m.linear_backward(idx[l].gate, dh, dg, h);
-    m.linear_backward(idx[l].up, dh, du, h, /*accumulate_dx=*/true);
+    swiglu_mlp_backward(m, idx[size_t(l)], dh, dy, h, a.g, a.u, a.act, false);
   }
   void drop_recomputable(LayerActs& a) override { a.act = Tensor(); }
 };

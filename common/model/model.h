@@ -30,6 +30,15 @@ struct ModelConfig {
   // weights the load-balancing loss. experts 0: the dense model.
   int experts = 0, top_k = 0;
   float capacity_factor = 0, aux_loss_coef = 0;
+  // DeepSeekMoE as DeepSeek-V3 trains it (moe.h): routed experts of width expert_ffn (0: ffn),
+  // shared_experts·expert_ffn of shared SwiGLU width every token passes through, and with
+  // sigmoid_router the sigmoid affinities, the selection-only bias moved by bias_update_rate
+  // after each step, the gate weights times routed_scaling, and expert_groups groups of which
+  // each token keeps group_limit. All off by default: Mixtral's block.
+  int expert_ffn = 0, shared_experts = 0, expert_groups = 1, group_limit = 1;
+  bool sigmoid_router = false;
+  float routed_scaling = 1, bias_update_rate = 0;
+  int expert_width() const { return expert_ffn > 0 ? expert_ffn : ffn; }
   int head_dim() const { return dim / heads; }
   int kv_dim() const { return kv_heads * head_dim(); }
 };
@@ -424,6 +433,19 @@ class Model {
   void layer_backward(int layer, ForwardState& st, Tensor& dx);
   void embed_backward(ForwardState& st, const Tensor& dx);
 };
+
+// The SwiGLU MLP y = down(silu(gate h) * up h) over the weights of table entries `w`, through
+// Model::linear (so under tp the widths are the held blocks'); saves g, u and their product. The
+// dense MLP block and the mixture of experts' shared experts (moe.h) both run it.
+struct SwiGluWeights {
+  int gate, up, down;
+};
+void swiglu_mlp_forward(Model& m, const SwiGluWeights& w, const Tensor& y, const Tensor& h, Tensor& g, Tensor& u,
+                        Tensor& act);
+// dh [N, D] (overwritten, or added to with accumulate_dh) from dy; act is rebuilt from g and u
+// when selective recompute dropped it.
+void swiglu_mlp_backward(Model& m, const SwiGluWeights& w, const Tensor& dh, const Tensor& dy, const Tensor& h,
+                         const Tensor& g, const Tensor& u, Tensor& act, bool accumulate_dh);
 
 // FLOPs per token of a training step: the playbook's 6·N + 12·L·h·s, N without the embedding.
 double flops_per_token(const ModelConfig& cfg);

@@ -87,6 +87,77 @@ TS_HD void router_row_backward(float* dz, const float* dw, const float* p, const
   }
 }
 
+// DeepSeek-V3's group score (Hugging Face's get_topk_indices): the sum of the group's two largest
+// biased scores, in fp32 as there.
+TS_HD float moe_group_score(const float* s, const float* bias, int j0, int per) {
+  float a = -INFINITY, b = -INFINITY;
+  for (int j = j0; j < j0 + per; j++) {
+    const float v = s[j] + (bias ? bias[j] : 0.f);
+    if (v > a) b = a, a = v;
+    else if (v > b) b = v;
+  }
+  return a + b;
+}
+
+// The M best of G groups as a bit mask (strictly larger wins: ties to the lower group).
+TS_HD uint64_t moe_group_mask(const float* s, const float* bias, int E, int G, int M) {
+  if (G == 1) return 1;
+  const int per = E / G;
+  uint64_t keep = 0;
+  for (int m = 0; m < M; m++) {
+    int best = -1;
+    float bs = 0.f;
+    for (int g = 0; g < G; g++) {
+      if ((keep >> g) & 1) continue;
+      const float v = moe_group_score(s, bias, g * per, per);
+      if (best < 0 || v > bs) best = g, bs = v;
+    }
+    keep |= uint64_t(1) << best;
+  }
+  return keep;
+}
+
+// One row of the sigmoid router: scores, the group mask, top-K of the masked biased scores (a
+// masked expert counts 0.0, as Hugging Face's masked_fill), the unbiased weights renormalised.
+TS_HD void sigmoid_router_row(float* s, int32_t* idx, float* w, const float* z, const float* bias, int E, int K,
+                              int G, int M, float scale) {
+  for (int j = 0; j < E; j++) s[j] = float(1.0 / (1.0 + exp(-double(z[j]))));
+  const uint64_t keep = moe_group_mask(s, bias, E, G, M);
+  const int per = E / G;
+  for (int k = 0; k < K; k++) {
+    int best = -1;
+    float bv = 0.f;
+    for (int j = 0; j < E; j++) {
+      bool taken = false;
+      for (int q = 0; q < k; q++) taken |= idx[q] == j;
+      const float v = ((keep >> (j / per)) & 1) ? s[j] + (bias ? bias[j] : 0.f) : 0.f;
+      if (!taken && (best < 0 || v > bv)) best = j, bv = v;
+    }
+    idx[k] = best;
+  }
+  double sum = 1e-20;
+  for (int k = 0; k < K; k++) sum += s[idx[k]];
+  for (int k = 0; k < K; k++) w[k] = float(double(scale) * (s[idx[k]] / sum));
+}
+
+// The sigmoid router's backward for one row (formulas in moe.h), no scratch.
+TS_HD void sigmoid_router_row_backward(float* dz, const float* dw, const float* s, const int32_t* idx,
+                                       const float* daux, int E, int K, float scale) {
+  double sig = 1e-20, gw = 0, tot = 0, sd = 0;
+  for (int k = 0; k < K; k++) sig += s[idx[k]];
+  for (int k = 0; k < K; k++) gw += double(dw[k]) * (s[idx[k]] / sig);
+  if (daux) {
+    for (int j = 0; j < E; j++) tot += s[j];
+    for (int j = 0; j < E; j++) sd += double(s[j]) * daux[j];
+  }
+  for (int j = 0; j < E; j++) {
+    double ds = daux ? (daux[j] - sd / tot) / tot : 0.0;
+    for (int k = 0; k < K; k++)
+      if (idx[k] == j) ds += double(scale) * (dw[k] - gw) / sig;
+    dz[j] = float(ds * s[j] * (1.0 - s[j]));
+  }
+}
+
 #ifdef TS_CUDA
 namespace cuda {
 constexpr int kMoeBlock = 256;
@@ -100,6 +171,17 @@ __global__ void router_backward_kernel(float* dz, const float* dw, const float* 
                                        const float* daux, int64_t N, int E, int K, int64_t S) {
   for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x)
     router_row_backward(dz + n * E, dw + n * K, p + n * E, idx + n * K, daux ? daux + (n / S) * E : nullptr, E, K);
+}
+__global__ void sigmoid_router_forward_kernel(float* s, int32_t* idx, float* w, const float* z, const float* bias,
+                                              int64_t N, int E, int K, int G, int M, float scale) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x)
+    sigmoid_router_row(s + n * E, idx + n * K, w + n * K, z + n * E, bias, E, K, G, M, scale);
+}
+__global__ void sigmoid_router_backward_kernel(float* dz, const float* dw, const float* s, const int32_t* idx,
+                                               const float* daux, int64_t N, int E, int K, int64_t S, float scale) {
+  for (int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x)
+    sigmoid_router_row_backward(dz + n * E, dw + n * K, s + n * E, idx + n * K, daux ? daux + (n / S) * E : nullptr, E,
+                                K, scale);
 }
 template <class T> __global__ void gather_kernel(T* out, const T* x, const int32_t* rows, const float* scale, int64_t M,
                                                  int64_t D) {
@@ -183,6 +265,61 @@ void moe_router_backward(const Tensor& dlogits, const Tensor& dw, const Tensor& 
   for (int64_t n = 0; n < N; n++)
     router_row_backward(dlogits.f32() + n * E, dw.f32() + n * K, probs.f32() + n * E, idx.i32() + n * K,
                         da ? da + (n / S) * E : nullptr, E, K);
+}
+
+void moe_router_sigmoid_forward(const Tensor& scores, const Tensor& idx, const Tensor& w, const Tensor& logits,
+                                const Tensor& bias, int G, int M, float scale) {
+  const char* op = "moe_router_sigmoid_forward";
+  const int64_t N = logits.size(0);
+  const int E = int(logits.size(1)), K = int(idx.size(1));
+  moe_check(logits.dtype == DType::F32 && scores.dtype == DType::F32 && w.dtype == DType::F32 &&
+                idx.dtype == DType::I32 && (!bias.defined() || (bias.dtype == DType::F32 && bias.numel() == E)),
+            op, "logits, scores, w, bias fp32 and idx int32");
+  moe_check(scores.shape == logits.shape && idx.size(0) == N && w.shape == idx.shape, op, "shapes");
+  moe_check(G >= 1 && G <= 64 && E % G == 0 && M >= 1 && M <= G && K <= M * (E / G), op, "groups");
+  const float* b = opt_ptr<float>(bias);
+  if (on_cuda(logits)) {
+#ifdef TS_CUDA
+    MOE_LAUNCH(sigmoid_router_forward_kernel, N, scores.f32(), idx.i32(), w.f32(), logits.f32(), b, N, E, K, G, M,
+               scale);
+#endif
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++)
+    sigmoid_router_row(scores.f32() + n * E, idx.i32() + n * K, w.f32() + n * K, logits.f32() + n * E, b, E, K, G, M,
+                       scale);
+}
+
+void moe_router_sigmoid_backward(const Tensor& dlogits, const Tensor& dw, const Tensor& scores, const Tensor& idx,
+                                 const Tensor& daux, int64_t S, float scale) {
+  const char* op = "moe_router_sigmoid_backward";
+  const int64_t N = scores.size(0);
+  const int E = int(scores.size(1)), K = int(idx.size(1));
+  moe_check(dlogits.shape == scores.shape && dw.shape == idx.shape && N % S == 0, op, "shapes");
+  moe_check(!daux.defined() || daux.numel() == N / S * E, op, "daux must be [B, E]");
+  const float* da = opt_ptr<float>(daux);
+  if (on_cuda(scores)) {
+#ifdef TS_CUDA
+    MOE_LAUNCH(sigmoid_router_backward_kernel, N, dlogits.f32(), dw.f32(), scores.f32(), idx.i32(), da, N, E, K, S,
+               scale);
+#endif
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < N; n++)
+    sigmoid_router_row_backward(dlogits.f32() + n * E, dw.f32() + n * K, scores.f32() + n * E, idx.i32() + n * K,
+                                da ? da + (n / S) * E : nullptr, E, K, scale);
+}
+
+// DeepSeek-V3 §2.1.2: an overloaded expert's bias falls by γ, an underloaded one's rises by γ.
+void moe_bias_update(float* bias, const int64_t* load, int E, float rate) {
+  int64_t total = 0;
+  for (int e = 0; e < E; e++) total += load[e];
+  for (int e = 0; e < E; e++) {
+    const int64_t d = total - int64_t(E) * load[e];  // E·(mean − load_e): the sign without rounding
+    bias[e] += d > 0 ? rate : d < 0 ? -rate : 0.f;
+  }
 }
 
 void moe_gather(const Tensor& out, const Tensor& x, const Tensor& rows, const Tensor& scale) {
@@ -289,9 +426,19 @@ std::string moe_expert_name(int l, int j, const char* w) {
   return "model.layers." + std::to_string(l) + ".block_sparse_moe.experts." + std::to_string(j) + "." + w + ".weight";
 }
 
+std::string moe_bias_name(int l) { return "model.layers." + std::to_string(l) + ".mlp.gate.e_score_correction_bias"; }
+std::string moe_shared_name(int l, const char* w) {
+  return "model.layers." + std::to_string(l) + ".mlp.shared_experts." + w + ".weight";
+}
+bool is_moe_bias(const ParamEntry& e) { return e.name.find(".e_score_correction_bias") != std::string::npos; }
+
 MoeBlock::MoeBlock(const Model& m) {
   for (int l = 0; l < m.cfg.layers; l++) {
     gate_.push_back(m.entry(moe_gate_name(l)));
+    if (m.cfg.sigmoid_router) bias_.push_back(m.entry(moe_bias_name(l)));
+    if (m.cfg.shared_experts > 0)
+      shared_.push_back({m.entry(moe_shared_name(l, "gate_proj")), m.entry(moe_shared_name(l, "up_proj")),
+                         m.entry(moe_shared_name(l, "down_proj"))});
     std::vector<Expert> ex;
     for (int j = 0; j < m.cfg.experts; j++)
       ex.push_back({m.entry(moe_expert_name(l, j, "w1")), m.entry(moe_expert_name(l, j, "w3")),
@@ -311,6 +458,17 @@ static std::vector<int32_t> host_i32(const Tensor& t) {
   Tensor h = Tensor::empty(t.shape, DType::I32, Device::CPU, Tag::Workspace);
   copy(h, t);
   return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
+}
+
+// What the balance loss averages: the softmax probabilities, or DeepSeek-V3's s' = s / Σ_e s.
+static std::vector<float> balance_probs(std::vector<float> p, int E, bool sigmoid) {
+  if (!sigmoid) return p;
+  for (size_t t = 0; t < p.size(); t += size_t(E)) {
+    double sum = 0;
+    for (int e = 0; e < E; e++) sum += p[t + size_t(e)];
+    for (int e = 0; e < E; e++) p[t + size_t(e)] = float(p[t + size_t(e)] / sum);
+  }
+  return p;
 }
 
 // aux_b = E · Σ_e f_e · P_e per sequence (Switch eq. 4), f from the choices, P the mean probability.
@@ -340,8 +498,8 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   Tensor probs = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Activations);
   Tensor idx = Tensor::empty({N, K}, DType::I32, m.dev, Tag::Activations);
   Tensor w = Tensor::empty({N, K}, DType::F32, m.dev, Tag::Workspace);
-  moe_router_forward(probs, idx, w, logits);
-  const std::vector<float> hp = to_host_f32(probs);
+  route(m, l, logits, probs, idx, w);
+  const std::vector<float> hp = balance_probs(to_host_f32(probs), E, c.sigmoid_router);
   const RoutingPlan p = make_routing_plan(host_i32(idx), to_host_f32(w), B, S, E, K, expert_capacity(c, S));
   const std::vector<float> aux = aux_per_sequence(hp, p, B, S, E, K);
   a.aux_loss = 0;
@@ -362,6 +520,51 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   moe_gather(x, h, s[kPerm], Tensor());
   s[kOut] = experts_forward(m, l, x, p.kept, a);
   moe_combine(y, s[kOut], s[kSrc], w);
+  shared_forward(m, l, y, h, a);
+}
+
+// Mixtral's softmax router, or DeepSeek-V3's sigmoid router with this layer's bias (in fp32).
+void MoeBlock::route(Model& m, int l, const Tensor& logits, const Tensor& probs, const Tensor& idx, const Tensor& w) {
+  const ModelConfig& c = m.cfg;
+  if (!c.sigmoid_router) return moe_router_forward(probs, idx, w, logits);
+  Tensor b = m.weight(bias_[size_t(l)]);
+  if (b.dtype != DType::F32) {
+    Tensor b32 = Tensor::empty({c.experts}, DType::F32, m.dev, Tag::Workspace);
+    convert(b32, b);
+    b = b32;
+  }
+  moe_router_sigmoid_forward(probs, idx, w, logits, b, c.expert_groups, c.group_limit, c.routed_scaling);
+}
+
+// The shared experts: y += down(silu(gate h) * up h), one SwiGLU of width S·F_e over every token
+// (the dense MLP's code, model.h).
+void MoeBlock::shared_forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) {
+  if (shared_.empty()) return;
+  std::vector<Tensor>& s = a.mlp_state;
+  Tensor out = Tensor::empty(y.shape, m.dtype, m.dev, Tag::Workspace);
+  swiglu_mlp_forward(m, shared_[size_t(l)], out, h, s[kShG], s[kShU], s[kShAct]);
+  add_inplace(y, out);
+}
+
+void MoeBlock::shared_backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) {
+  if (shared_.empty()) return;
+  std::vector<Tensor>& s = a.mlp_state;
+  swiglu_mlp_backward(m, shared_[size_t(l)], dh, dy, h, s[kShG], s[kShU], s[kShAct], /*accumulate_dh=*/true);
+}
+
+// b_e ← b_e + γ·sign(mean − load_e) per layer, written to the weights and to the fp32 master copy
+// when there is one (the optimizer's step would otherwise restore the old value from it).
+void MoeBlock::update_bias(Model& m, const std::vector<int64_t>& loads, const Tensor& master) {
+  const ModelConfig& c = m.cfg;
+  if (!c.sigmoid_router || c.bias_update_rate == 0) return;
+  for (int l = 0; l < c.layers; l++) {
+    const ParamEntry& e = m.table.entries[size_t(bias_[size_t(l)])];
+    const Tensor src = master.defined() ? master.view(e.offset, {e.numel}) : m.weight(bias_[size_t(l)]);
+    std::vector<float> b = to_host_f32(src);
+    moe_bias_update(b.data(), loads.data() + size_t(l) * c.experts, c.experts, c.bias_update_rate);
+    if (master.defined()) from_host_f32(master.view(e.offset, {e.numel}), b.data());
+    from_host_f32(m.weight(bias_[size_t(l)]), b.data());  // rounded to the weights' dtype
+  }
 }
 
 Tensor MoeBlock::experts_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) {
@@ -379,7 +582,7 @@ void MoeBlock::experts_backward(Model& m, int l, const Tensor& dx, const Tensor&
 // Each expert is a SwiGLU MLP over its own consecutive rows: down(silu(w1 x) * w3 x).
 void MoeBlock::run_experts(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
                            const Tensor& out, LayerActs& a) {
-  const int64_t R = x.size(0), F = m.cfg.ffn;
+  const int64_t R = x.size(0), F = m.cfg.expert_width();
   auto act = [&] { return Tensor::empty({R, F}, m.dtype, m.dev, Tag::Activations); };
   a.g = act();
   a.u = act();
@@ -401,7 +604,7 @@ void MoeBlock::run_experts(Model& m, int l, int e0, const std::vector<int64_t>& 
 
 void MoeBlock::run_experts_backward(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
                                     const Tensor& dout, const Tensor& dx, LayerActs& a) {
-  const int64_t R = x.size(0), F = m.cfg.ffn;
+  const int64_t R = x.size(0), F = m.cfg.expert_width();
   if (R == 0) return;
   if (!a.act.defined()) {  // selective recompute: the product is rebuilt, no matmul needed
     a.act = Tensor::empty({R, F}, m.dtype, m.dev, Tag::Activations);
@@ -450,13 +653,16 @@ void MoeBlock::backward(Model& m, int l, const Tensor& dh, const Tensor& dy, con
   for (size_t i = 0; i < daux.size(); i++)
     daux[i] = float(double(c.aux_loss_coef) * m.loss_scale * E * hc[i] / (double(S) * K));
   Tensor dlogits = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Workspace);
-  moe_router_backward(dlogits, dw, s[kProbs], s[kIdx], device_f32(daux, m.dev, Tag::Workspace), S);
+  const Tensor da = device_f32(daux, m.dev, Tag::Workspace);
+  if (c.sigmoid_router) moe_router_sigmoid_backward(dlogits, dw, s[kProbs], s[kIdx], da, S, c.routed_scaling);
+  else moe_router_backward(dlogits, dw, s[kProbs], s[kIdx], da, S);
   Tensor dl = dlogits;
   if (m.dtype != DType::F32) {
     dl = Tensor::empty({N, E}, m.dtype, m.dev, Tag::Workspace);
     convert(dl, dlogits);
   }
   m.linear_backward(dh, m.grad(gate_[size_t(l)]), dl, h, m.weight(gate_[size_t(l)]), /*accumulate_dx=*/true);
+  shared_backward(m, l, dh, dy, h, a);
   // Statistics here, not in forward: a full-recompute layer runs its forward twice, backward once.
   for (int b = 0; b < B; b++)
     for (int e = 0; e < E; e++) stats.counts[size_t(l) * E + e] += hc[size_t(b) * E + e];

@@ -15,6 +15,27 @@
 // router probability of e over its T tokens; the training loss adds α · mean_b Σ_layers aux.
 // Expert parallelism (07) replaces experts_forward/experts_backward: the routing, the gather and
 // the combine stay here.
+//
+// DeepSeekMoE as DeepSeek-V3 trains it (DeepSeek-V3 technical report §2.1.2; DeepSeekMoE, Dai et
+// al. 2024; Hugging Face's DeepseekV3TopkRouter/DeepseekV3MoE), all off by default:
+//   fine-grained experts  routed experts of width F_e (--expert-ffn) and S shared experts
+//                         (--shared-experts) every token passes through, added to the routed sum;
+//                         the S shared experts are one SwiGLU of width S·F_e, as Hugging Face
+//                         stores them (the same function: S experts' hidden units side by side);
+//   sigmoid router        s_{t,e} = sigmoid(u_t·e_e) in fp32; the choice ranks s + b_e, the gate
+//                         weights are the unbiased s of the chosen K over their sum, times the
+//                         routed scaling factor (--routed-scaling; DeepSeek-V3: 2.5);
+//   bias b_e              selects only (no gradient, not the optimizer's): after each step
+//                         b_e += γ·sign(mean load − load_e), loads summed over every rank that routes
+//                         (--bias-update-rate γ; DeepSeek-V3: 0.001) — auxiliary-loss-free balancing;
+//   sequence-wise loss    eq. 17–20: α Σ_e f_e P_e, f_e = E/(K·T)·(choices of e), P_e the mean of
+//                         s' = s/Σ_e s over the sequence: the Switch formula above with s' for p;
+//   group-limited routing E experts in G groups (--expert-groups), a group scored by the sum of its
+//                         two largest biased scores (Hugging Face's code; the report says the K/M
+//                         largest), each token keeps its M best groups (--group-limit) and takes its
+//                         K experts among them. The other groups' biased scores become 0.0, not −∞,
+//                         as in Hugging Face's masked_fill: with a negative bias a masked expert can
+//                         still win; that is followed here exactly.
 #pragma once
 #include <string>
 #include <vector>
@@ -34,6 +55,21 @@ void moe_router_forward(const Tensor& probs, const Tensor& idx, const Tensor& w,
 //   dp_j = [j = i_k] (dw_k − Σ_k' dw_k' w_k') / s + daux[b, j];  dz_j = p_j (dp_j − Σ_i p_i dp_i).
 void moe_router_backward(const Tensor& dlogits, const Tensor& dw, const Tensor& probs, const Tensor& idx,
                          const Tensor& daux, int64_t S);
+// DeepSeek-V3's router: logits [N, E] fp32 -> scores [N, E] fp32 = sigmoid(z) (in double); the
+// biased scores s + bias (bias [E] fp32, undefined: 0; added in fp32) pick `group_limit` of
+// `groups` groups and then idx [N, K], each the largest remaining, ties to the lower index (groups
+// likewise); w [N, K] fp32 = scale · s_{i_k} / (Σ_k s_{i_k} + 1e-20). groups ≤ 64.
+void moe_router_sigmoid_forward(const Tensor& scores, const Tensor& idx, const Tensor& w, const Tensor& logits,
+                                const Tensor& bias, int groups, int group_limit, float scale);
+// dlogits [N, E] fp32 (overwritten) from dw [N, K] and daux [B, E] (d loss / d s'_{t,e} of every
+// token of sequence b, s' = s / Σ_e s; undefined: none), S tokens per sequence. With
+// σ = Σ_k s_{i_k} + 1e-20 and Σ = Σ_e s_e:
+//   ds_j = Σ_k [j = i_k] scale·(dw_k − Σ_k' dw_k' s_{i_k'}/σ)/σ + (daux_j − Σ_i s'_i daux_i)/Σ;
+//   dz_j = ds_j · s_j (1 − s_j).
+void moe_router_sigmoid_backward(const Tensor& dlogits, const Tensor& dw, const Tensor& scores, const Tensor& idx,
+                                 const Tensor& daux, int64_t S, float scale);
+// Auxiliary-loss-free balancing, one layer: bias[e] += rate · sign(mean_e load − load[e]) (float).
+void moe_bias_update(float* bias, const int64_t* load, int E, float rate);
 // out [M, D] (T): out[a] = scale[a] · x[rows[a]] (scale undefined: 1); rows int32 [M].
 void moe_gather(const Tensor& out, const Tensor& x, const Tensor& rows, const Tensor& scale);
 // y [N, D] (T, overwritten): y[t] = Σ_k w[t,k] · x[src[t,k]] in slot order, skipping src = −1
@@ -73,6 +109,10 @@ bool is_expert_param(const ParamEntry& e);  // "...block_sparse_moe.experts.{j}.
 // HF Mixtral names of layer l: the router and expert j's w1 (gate), w3 (up), w2 (down).
 std::string moe_gate_name(int l);
 std::string moe_expert_name(int l, int j, const char* w);
+// DeepSeek-V3's names: the routing bias, and the shared experts' gate_proj/up_proj/down_proj.
+std::string moe_bias_name(int l);
+std::string moe_shared_name(int l, const char* w);
+bool is_moe_bias(const ParamEntry& e);
 
 class MoeBlock : public MlpBlock {
  public:
@@ -96,18 +136,27 @@ class MoeBlock : public MlpBlock {
   void run_experts_backward(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
                             const Tensor& dout, const Tensor& dx, LayerActs& a);
 
+  // After the optimizer step: each layer's bias moved by the step's loads [L, E] (summed over
+  // every rank that routes); master: the optimizer's fp32 copy of the flat buffer (undefined: none).
+  void update_bias(Model& m, const std::vector<int64_t>& loads, const Tensor& master);
+
   MoeStats stats;  // accumulated by backward (which runs once per micro-batch, recompute or not)
   // LayerActs::mlp_state: device tensors saved for backward (router probabilities and choices,
   // the plan, the experts' outputs and inputs), then two host tensors of bookkeeping (choices per
   // sequence and expert, rows per expert, dropped; aux per sequence). 07 appends its own.
-  enum Slot { kProbs, kIdx, kSrc, kPerm, kWa, kOut, kIn, kHostCounts, kHostAux, kNumSlots };
+  // The shared experts' gate and up outputs and their product follow.
+  enum Slot { kProbs, kIdx, kSrc, kPerm, kWa, kOut, kIn, kHostCounts, kHostAux, kShG, kShU, kShAct, kNumSlots };
 
  protected:
   bool keeps_input_ = true;  // the local experts keep their grouped input rows (07 keeps what it received)
   struct Expert {
     int w1, w3, w2;  // gate, up, down
   };
-  std::vector<int> gate_;                  // [L] router entries
+  void route(Model& m, int l, const Tensor& h, const Tensor& probs, const Tensor& idx, const Tensor& w);
+  void shared_forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a);
+  void shared_backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a);
+  std::vector<int> gate_, bias_;           // [L] router entries, routing biases (sigmoid router)
+  std::vector<SwiGluWeights> shared_;      // [L] shared experts (--shared-experts)
   std::vector<std::vector<Expert>> exp_;   // [L][E]
 };
 

@@ -55,6 +55,14 @@ Json hf_config(const ModelConfig& c) {
     j["router_aux_loss_coef"] = double(c.aux_loss_coef);
     j["output_router_logits"] = false;
   }
+  if (c.sigmoid_router || c.shared_experts > 0 || c.expert_ffn > 0) {  // HF DeepseekV3Config's names
+    j["moe_intermediate_size"] = c.expert_width();
+    j["n_shared_experts"] = c.shared_experts;
+    j["scoring_func"] = c.sigmoid_router ? "sigmoid" : "softmax";
+    j["n_group"] = c.expert_groups;
+    j["topk_group"] = c.group_limit;
+    j["routed_scaling_factor"] = double(c.routed_scaling);
+  }
   return j;
 }
 
@@ -505,6 +513,15 @@ static void check_moe_config(const Json& j, const ModelConfig& c) {
   if (experts != c.experts)
     throw FormatError("this checkpoint has " + std::to_string(experts) + " experts per layer, the model " +
                       std::to_string(c.experts) + " (--experts " + std::to_string(experts) + ")");
+  // DeepSeekMoE's tensors: the shared experts and the routing bias are there or not.
+  const int64_t shared = j.contains("n_shared_experts") ? j.at("n_shared_experts").as_int() : 0;
+  const bool sigmoid = j.contains("scoring_func") && j.at("scoring_func").as_string() == "sigmoid";
+  if (shared != c.shared_experts)
+    throw FormatError("this checkpoint has " + std::to_string(shared) + " shared experts, the model " +
+                      std::to_string(c.shared_experts) + " (--shared-experts " + std::to_string(shared) + ")");
+  if (sigmoid != c.sigmoid_router)
+    throw FormatError(std::string("this checkpoint was trained with the ") + (sigmoid ? "sigmoid" : "softmax") +
+                      " router (--router " + (sigmoid ? "sigmoid" : "softmax") + ")");
 }
 
 void check_hf_config(const Json& j, const ModelConfig& c) {

@@ -40,6 +40,25 @@ const char* recompute_name(Recompute r) {
   return r == Recompute::None ? "none" : r == Recompute::Selective ? "selective" : "full";
 }
 
+// DeepSeekMoE (DeepSeek-V3 report §2.1.2): fine-grained routed experts, shared experts, the
+// sigmoid router with its selection-only bias, node-limited (group-limited) routing.
+static void read_deepseek_moe_flags(Args& a, ModelConfig& m) {
+  m.expert_ffn = a.get_int("--expert-ffn", 0, "width F_e of each routed and shared expert (0: --ffn)", {0, 1 << 20});
+  m.shared_experts = a.get_int("--shared-experts", 0, "shared experts S every token passes through (one SwiGLU of width S·F_e)",
+                               {0, 1 << 10});
+  const std::string r = a.get_str("--router", "softmax", "softmax (Mixtral) or sigmoid (DeepSeek-V3: sigmoid affinities, "
+                                                         "selection-only bias, gate weights renormalised)");
+  if (r != "softmax" && r != "sigmoid") config_error("--router must be softmax or sigmoid (got %s)", r.c_str());
+  m.sigmoid_router = r == "sigmoid";
+  m.routed_scaling = float(a.get_double("--routed-scaling", 1, "gate weights times this factor (DeepSeek-V3: 2.5; --router sigmoid)"));
+  m.bias_update_rate = float(a.get_double("--bias-update-rate", m.sigmoid_router ? 0.001 : 0,
+                                          "γ: b_e += γ·sign(mean load − load_e) after each step (--router sigmoid)"));
+  m.expert_groups = a.get_int("--expert-groups", 1, "G groups of experts for group-limited routing (--router sigmoid)",
+                              {-HUGE_VAL, 1 << 16});
+  m.group_limit = a.get_int("--group-limit", m.expert_groups, "groups M each token may route to (--router sigmoid)",
+                            {-HUGE_VAL, 1 << 16});
+}
+
 // The model's shape: a preset, then any flag that overrides it.
 static void parse_model_flags(Args& a, RunConfig& rc) {
   a.group("model");
@@ -59,6 +78,7 @@ static void parse_model_flags(Args& a, RunConfig& rc) {
   m.top_k = a.get_int("--top-k", m.top_k > 0 ? m.top_k : 2, "experts per token K (with --experts)", {-HUGE_VAL, 1 << 16});
   m.aux_loss_coef = float(a.get_double("--aux-loss-coef", 0, "weight α of the load-balancing loss E·Σ f_e·P_e (with --experts)"));
   m.capacity_factor = float(a.get_double("--capacity-factor", 0, "tokens per expert and sequence: c·T·K/E (0: dropless)"));
+  read_deepseek_moe_flags(a, m);
 }
 
 const char* fp8_recipe_name(Fp8Recipe r) {
@@ -250,6 +270,23 @@ static void parse_numerics_flags(Args& a, RunConfig& rc) {
   }
 }
 
+static void check_deepseek_moe(const ModelConfig& m) {
+  if (m.experts == 0 && (m.expert_ffn > 0 || m.shared_experts > 0 || m.sigmoid_router))
+    config_error("--expert-ffn, --shared-experts and --router sigmoid need --experts E");
+  if (!m.sigmoid_router && (m.expert_groups != 1 || m.bias_update_rate != 0 || m.routed_scaling != 1))
+    config_error("--expert-groups, --group-limit, --bias-update-rate and --routed-scaling need --router sigmoid");
+  if (m.routed_scaling <= 0) config_error("--routed-scaling must be > 0 (got %g)", double(m.routed_scaling));
+  if (m.bias_update_rate < 0) config_error("--bias-update-rate must be >= 0 (got %g)", double(m.bias_update_rate));
+  const int G = m.expert_groups;
+  if (G < 1 || m.experts % G) config_error("--expert-groups %d must be >= 1 and divide --experts %d", G, m.experts);
+  if (G > 1 && m.experts / G < 2)
+    config_error("--expert-groups %d leaves fewer than 2 experts per group (a group scores by its top 2)", G);
+  if (m.group_limit < 1 || m.group_limit > G) config_error("--group-limit %d must be between 1 and --expert-groups %d", m.group_limit, G);
+  if (m.experts > 0 && m.top_k > m.group_limit * (m.experts / G))
+    config_error("--top-k %d exceeds the %d experts of --group-limit %d groups", m.top_k, m.group_limit * (m.experts / G),
+                 m.group_limit);
+}
+
 // The checks that need several flags at once.
 static void check_run_config(const RunConfig& rc) {
   const ModelConfig& m = rc.model;
@@ -261,6 +298,7 @@ static void check_run_config(const RunConfig& rc) {
     config_error("--top-k %d must be between 1 and --experts %d", m.top_k, m.experts);
   if (m.capacity_factor < 0) config_error("--capacity-factor must be >= 0 (got %g)", double(m.capacity_factor));
   if (m.aux_loss_coef < 0) config_error("--aux-loss-coef must be >= 0 (got %g)", double(m.aux_loss_coef));
+  check_deepseek_moe(m);
   if (rc.eval_every < 0) config_error("--eval-every must be >= 0 (got %ld)", rc.eval_every);
   if (rc.eval_batches < 1) config_error("--eval-batches must be >= 1 (got %d)", rc.eval_batches);
   if (!rc.eval_data.empty() && rc.eval_every == 0) config_error("--eval-data %s needs --eval-every N", rc.eval_data.c_str());

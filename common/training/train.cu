@@ -43,6 +43,11 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   flight::configure(rc.flight_entries, rc.flight_dir);
   rc.program = argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "";
+  // DeepSeek-V3's routing bias moves in the step report (moe_step_report) that only 01 and 07 call.
+  if (rc.model.sigmoid_router && rc.model.bias_update_rate > 0 && rc.program.rfind("01_", 0) != 0 &&
+      rc.program.rfind("07_", 0) != 0)
+    config_error("%s does not move the routing bias of --router sigmoid (01 and 07 do): pass --bias-update-rate 0",
+                 rc.program.c_str());
   own(args, rc, mc);
   args.finish();
   rc.flags = args.effective();
@@ -88,8 +93,13 @@ void print_model(RunLog& log, const ModelConfig& m) {
   if (m.experts > 0)
     log.line("mixture of experts: %d experts of ffn %d per layer, top-%d, capacity factor %g%s, aux-loss coef %g; "
              "FLOPs count the %.3fM active parameters",
-             m.experts, m.ffn, m.top_k, double(m.capacity_factor), m.capacity_factor > 0 ? "" : " (dropless)",
+             m.experts, m.expert_width(), m.top_k, double(m.capacity_factor), m.capacity_factor > 0 ? "" : " (dropless)",
              double(m.aux_loss_coef), (flops_per_token(m) - 12.0 * m.layers * m.dim * double(m.seq)) / 6e6);
+  if (m.sigmoid_router || m.shared_experts > 0 || m.expert_ffn > 0)
+    log.line("DeepSeekMoE: %d shared experts of ffn %d, %s router, routed scaling %g, bias update rate %g, each token "
+             "in %d of %d expert groups",
+             m.shared_experts, m.expert_width(), m.sigmoid_router ? "sigmoid" : "softmax", double(m.routed_scaling),
+             double(m.bias_update_rate), m.group_limit, m.expert_groups);
 }
 
 // ----- the shared loop ---------------------------------------------------------------------------
@@ -374,7 +384,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
 
 // ===== the step's report =========================================================================
 
-void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token_groups) {
+void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token_groups, const Tensor& master) {
   auto* moe = dynamic_cast<MoeBlock*>(m.mlp.get());
   if (!moe) return;
   MoeStats& st = moe->stats;
@@ -389,6 +399,7 @@ void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token
   }
   const size_t LE = st.counts.size();
   const int64_t seqs = v[LE + 2];
+  moe->update_bias(m, std::vector<int64_t>(v.begin(), v.begin() + long(LE)), master);  // every rank's loads
   int64_t lo = v[0], hi = v[0];
   Json counts = Json::array();
   for (size_t i = 0; i < LE; i++) {
@@ -406,10 +417,15 @@ void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token
   r.extra["moe_tokens_max"] = hi;
   r.extra["moe_tokens_mean"] = mean;
   r.extra["moe_dropped_fraction"] = dropped;
-  char buf[160];
+  r.extra["moe_load_max_over_mean"] = double(hi) / mean;
+  char buf[200];
   snprintf(buf, sizeof buf, " | aux %.4f | tokens/expert %lld..%lld (mean %.1f) | dropped %.2f%%", aux_mean,
            (long long)lo, (long long)hi, mean, 100 * dropped);
   r.note = buf;
+  if (m.cfg.sigmoid_router) {  // DeepSeek-V3's balance measure: the busiest expert over the mean
+    snprintf(buf, sizeof buf, " | load max/mean %.3f", double(hi) / mean);
+    r.note += buf;
+  }
   st.reset(m.cfg.layers, m.cfg.experts);
 }
 

@@ -94,8 +94,11 @@ struct StepResult {
 };
 
 // With --experts: sums the step's routing statistics over token_groups (the groups whose ranks
-// routed different tokens; none in 01) into r's log fields and note, then resets them.
-void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token_groups);
+// routed different tokens; none in 01) into r's log fields and note, then resets them. With
+// --router sigmoid it first moves the routing bias by those summed loads (call it after the
+// optimizer step; master: the optimizer's fp32 master copy, undefined when it has none).
+void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token_groups,
+                     const Tensor& master = Tensor());
 
 // The measured step times of a run, for the predicted-step-time line: the first step this process
 // runs is warm-up (allocations, the optimizer states' first touch, caches), so "measured" is the
