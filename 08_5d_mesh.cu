@@ -64,9 +64,10 @@ inline int stage_layers(const RunConfig& rc, const Plan& p, int pp_rank) {
 }
 // The pipeline stage with the most layers (the first of them; 0 without a pipeline).
 inline int busiest_stage(const RunConfig& rc, const Plan& p) {
+  const std::vector<int> split = stage_split(rc, p);
   int busy = 0;
   for (int s = 1; s < p.mesh.pp; s++)
-    if (stage_layers(rc, p, s) > stage_layers(rc, p, busy)) busy = s;
+    if (pp::rank_layers(split, p.mesh.pp, s) > pp::rank_layers(split, p.mesh.pp, busy)) busy = s;
   return busy;
 }
 
@@ -171,10 +172,10 @@ inline double largest_two_units(const ParamTable& t) {
   return sizes[0] + sizes[1];
 }
 
-// For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports);
-// `pl`: the pipeline's schedule (pp > 1).
-inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank, const pp::Plan* pl) {
-  const ParamTable t = local_table(rc, p, 0, pp_rank);
+// What the rank with table `t` (local_table) holds besides activations: parameters, gradients and
+// optimizer states, whole (02) or ZeRO's shards and unit buffers (03). The micro-batch and the
+// recomputation do not change it (the planner shares it between the meshes that differ in those).
+inline MemoryPrediction predict_states(const RunConfig& rc, const Plan& p, const ParamTable& t) {
   MemoryPrediction m;
   if (p.zero == 0) {
     const int64_t psi = local_param_count(t);
@@ -185,29 +186,29 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int p
     m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t},
                              p.mesh.pp > 1 ? largest_two_units(t) : zero::largest_consecutive_pair(t));
   }
+  return m;
+}
+// For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports), from
+// its predict_states; `pl`: the pipeline's schedule (pp > 1), `pl_holds` its pp::comm_holds. The
+// planner passes the states and schedule it shares between meshes.
+inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank, const pp::Plan* pl,
+                                       const std::string& pl_holds, MemoryPrediction m) {
   const ModelConfig local = cp::local_model(rc.model, p.mesh.cp);
   if (pl)
     m.activations = pp::predict_stage_activations(*pl, pp_rank, local, rc.micro_batch, rc.dtype, rc.recompute,
                                                   p.mesh.tp, p.sp);
   else
     m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
-  if (pl) m.comm_also_holds(pp::comm_holds(*pl));
+  m.comm_also_holds(pl_holds);
   m.comm_also_holds(cp::comm_holds(p.cp, p.mesh.cp));
   m.comm_also_holds(ep::comm_holds(p.mesh.ep));
   return m;
 }
 inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank = 0) {
-  if (p.mesh.pp == 1) return predict_memory(rc, p, pp_rank, nullptr);
+  const MemoryPrediction states = predict_states(rc, p, local_table(rc, p, 0, pp_rank));
+  if (p.mesh.pp == 1) return predict_memory(rc, p, pp_rank, nullptr, "", states);
   const pp::Plan pl = pipeline_plan(rc, p);
-  return predict_memory(rc, p, pp_rank, &pl);
-}
-// Every pipeline stage's memory, the schedule simulated once (one entry without a pipeline).
-inline std::vector<MemoryPrediction> stage_memory(const RunConfig& rc, const Plan& p) {
-  if (p.mesh.pp == 1) return {predict_memory(rc, p, 0, nullptr)};
-  const pp::Plan pl = pipeline_plan(rc, p);
-  std::vector<MemoryPrediction> m;
-  for (int s = 0; s < p.mesh.pp; s++) m.push_back(predict_memory(rc, p, s, &pl));
-  return m;
+  return predict_memory(rc, p, pp_rank, &pl, pp::comm_holds(pl), states);
 }
 
 // The name of the dense group on the mesh: dp, or dp_cp when cp ranks join it.
@@ -237,8 +238,10 @@ inline std::map<std::string, double> tp_bytes(const RunConfig& rc, const Plan& p
 // the dense Ψ only, ep_dp this rank's experts, and ep's all-to-alls are predicted for balanced
 // routing (a run reports them from its own routing counts instead).
 // A pipeline stage's share: its layers, the embedding on the first, the head on the last.
+// `table`: the rank's local_table where the caller holds it (nullptr: built here).
 inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p,
-                                                                         int pp_rank = 0) {
+                                                                         int pp_rank = 0,
+                                                                         const ParamTable* table = nullptr) {
   const double mbs = micro_batches_per_rank(rc, p);
   const int P = p.mesh.pp, layers = stage_layers(rc, p, pp_rank);
   std::map<std::string, std::map<std::string, double>> c;
@@ -248,13 +251,15 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
     stage.model.layers = layers;
     c["cp"] = cp::predict_comm(stage, p.mesh.cp, p.cp);
   }
-  if (P > 1) {
-    const pp::Plan pl = pipeline_plan(rc, p);
-    c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, P, pl.m, pl.V, pp_rank, token_share(p))},
+  if (P > 1) {  // m micro-batches of this dp rank through V chunks (pipeline_plan's m and V)
+    const int m = rc.batch / p.mesh.dp / rc.micro_batch;
+    c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, P, m, p.virtual_stages, pp_rank,
+                                               token_share(p))},
                {"recv", 0.0}};
   }
   const int n = dense_group_size(p), E = p.mesh.ep;
-  const ParamTable t = local_table(rc, p, 0, pp_rank);
+  const ParamTable built = table ? ParamTable{} : local_table(rc, p, 0, pp_rank);
+  const ParamTable& t = table ? *table : built;
   const ep::ParamSplit split = ep::param_split(t);
   if (n > 1) {
     if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(E > 1 ? split.dense : t.total, n)}};
@@ -523,6 +528,8 @@ struct Options {
 // --plan's cluster and job (and --calibration, which --gpu local also reads).
 static void declare_planner_flags(Args& a, Options& o) {
   o.planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
+  o.job.exhaustive = a.get_bool("--plan-exhaustive", "--plan: price every candidate and sort them all (the reference "
+                                "the default search's pruning is tested against; slower: minutes on large clusters)");
   o.gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
   o.calibration = read_calibration(a);  // also --plan --gpu local's
   o.gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
@@ -651,6 +658,7 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const mesh
 static void read_flags(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
   declare_planner_flags(a, o);
   declare_mesh_flags(a, mc, o);
+  if (o.job.exhaustive && !o.planning) config_error("--plan-exhaustive is a way of running --plan: pass --plan too");
   if (o.planning) set_up_plan(a, rc, mc, o);
 }
 

@@ -12,6 +12,7 @@
 // the prediction error on the playbook's multi-node runs.
 #ifndef TS_08_PLAN_H
 #define TS_08_PLAN_H
+#include <array>
 #include <set>
 
 #include "08_5d_mesh.cu"
@@ -41,6 +42,54 @@ inline int group_nodes(const Plan& p, Axis a, int per_node) {
   return int(nodes.size());
 }
 
+// ----- what many meshes share ----------------------------------------------------------------------------
+
+// A search prices thousands of meshes that share their pieces: one pipeline schedule per (pp, m, V,
+// schedule) serves every ZeRO stage, recompute mode and tp × cp that leave the same micro-batches;
+// one parameter table per shard serves every micro-batch and recompute mode. 05's simulator and its
+// rendezvous check, run once per schedule instead of once per mesh and stage, and each table built
+// once, are most of what makes a search take seconds rather than minutes. Valid for one model,
+// batch and set of options beside the mesh (a search's; step_terms alone makes its own).
+struct Shared {
+  // What the memory table's comm row holds under this schedule (pp::comm_holds, a replay of the
+  // whole schedule's messages) is left out: a plan prints no memory table.
+  struct Pipeline {
+    pp::Plan plan;
+    double bubble, busiest_share;
+  };
+  std::map<std::array<int, 4>, Pipeline> pipelines;  // by pp, m, V, schedule
+  std::map<std::array<int, 6>, ParamTable> tables;   // by ZeRO's alignment, tp, pp, V, pp rank, ep
+  std::map<std::array<int, 8>, MemoryPrediction> states;  // by the table's key, ZeRO stage, prefetch
+
+  // The schedule of plan `p` at rc's micro-batch (pp > 1): mesh5d::pipeline_plan's.
+  const Pipeline& pipeline(const RunConfig& rc, const Plan& p) {
+    const std::array<int, 4> key{p.mesh.pp, rc.batch / p.mesh.dp / rc.micro_batch, p.virtual_stages, int(p.schedule)};
+    auto it = pipelines.find(key);
+    if (it == pipelines.end()) {
+      pp::Plan pl = pipeline_plan(rc, p);
+      const double bubble = pl.bubble(), share = pl.busiest_share();
+      it = pipelines.emplace(key, Pipeline{std::move(pl), bubble, share}).first;
+    }
+    return it->second;
+  }
+  // The table of the rank at tp rank 0, ep rank 0 and pipeline stage pp_rank: mesh5d::local_table's.
+  const ParamTable& table(const RunConfig& rc, const Plan& p, int pp_rank) {
+    const std::array<int, 6> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages, pp_rank,
+                                 p.mesh.ep};
+    auto it = tables.find(key);
+    if (it == tables.end()) it = tables.emplace(key, local_table(rc, p, 0, pp_rank)).first;
+    return it->second;
+  }
+  // What that rank holds besides activations: mesh5d::predict_states of its table.
+  const MemoryPrediction& rank_states(const RunConfig& rc, const Plan& p, int pp_rank) {
+    const std::array<int, 8> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages, pp_rank,
+                                 p.mesh.ep, p.zero, p.prefetch};
+    auto it = states.find(key);
+    if (it == states.end()) it = states.emplace(key, predict_states(rc, p, table(rc, p, pp_rank))).first;
+    return it->second;
+  }
+};
+
 // ----- a candidate --------------------------------------------------------------------------------------
 
 // A mesh's step terms (common/training/step_time.h), its memory, and what they give per GPU.
@@ -54,13 +103,10 @@ struct Candidate : StepTerms {
   std::string reject;  // why it cannot run ("" = it fits)
 };
 
-// The fp32 gradients this rank holds: what plain DP reduces, in buckets.
-inline double grad_bytes(const RunConfig& rc, const Plan& p) { return 4.0 * double(local_table(rc, p, 0).total); }
-
 // The step of plan `p` on cluster `cl`: the terms of 02–07, each group's collectives (08's
 // predict_comm, from the chapters' formulas) at the bandwidth of the nodes it spans, each hidden by
 // its own chapter's rule.
-inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& p) {
+inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& p, Shared& shared) {
   const Gpu& g = *cl.gpu;
   StepTerms s = compute_terms(g, rc, p.mesh.tp, p.mesh.cp, p.mesh.pp, cl.gpus);
   const double mbs = micro_batches_per_rank(rc, p);
@@ -69,8 +115,10 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   // last backward ends the step.
   const int busy = busiest_stage(rc, p);
   const double layers = stage_layers(rc, p, busy);
-  const int units = local_table(rc, p, 0).num_units();
-  const auto comm = predict_comm(rc, p, busy), comm0 = busy == 0 ? comm : predict_comm(rc, p, 0);
+  const ParamTable& t0 = shared.table(rc, p, 0);
+  const int units = t0.num_units();
+  const auto comm = predict_comm(rc, p, busy, &shared.table(rc, p, busy));
+  const auto comm0 = busy == 0 ? comm : predict_comm(rc, p, 0, &t0);
   auto ops = [&](const std::string& group) {
     const auto& c = group == dense_group_name(p) || group == "ep_dp" ? comm0 : comm;
     const auto it = c.find(group);
@@ -85,41 +133,81 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   const int dense_nodes = nodes(p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP);
   if (p.zero == 0) {
     const bool bucketed = p.dp_mode != "naive";
-    const double grad = grad_bytes(rc, p), calls = dp::reduction_calls(bucketed, stage_layers(rc, p, 0), grad, p.bucket_mb);
+    const double grad = 4.0 * double(t0.total);  // the fp32 gradients this rank holds: what plain DP reduces
+    const double calls = dp::reduction_calls(bucketed, stage_layers(rc, p, 0), grad, p.bucket_mb);
     s.t_dp = group_seconds(g.net, ops(dense), calls, dense_nodes) + group_seconds(g.net, ops("ep_dp"), calls, nodes(Axis::EP_DP));
     s.t_dp_exposed = dp::exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), grad, p.bucket_mb);
   } else {
     zero::price_collectives(s, g.net, ops(dense), p.zero, units, mbs, p.prefetch, dense_nodes);
   }
   s.t_ep = group_seconds(g.net, ops("ep"), ep::all_to_all_calls(mbs, layers), nodes(Axis::EP));
-  if (p.mesh.pp > 1) pp::price_pipeline(s, g.net, rc, pipeline_plan(rc, p), token_share(p), mbs, nodes(Axis::PP));
+  if (p.mesh.pp > 1) pp::price_pipeline(s, g.net, rc, shared.pipeline(rc, p).plan, token_share(p), mbs, nodes(Axis::PP));
   s.total();
   return s;
 }
+inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& p) {
+  Shared shared;
+  return step_terms(rc, cl, p, shared);
+}
 
-// Memory from the same functions a run prints as "predicted"; time from step_terms.
+// No step is shorter than its compute and the bubble that idles it: step_terms' t_compute (scaled
+// to the busiest stage) and t_bubble at t_tp = 0, every other term adding >= 0 (the bubble is
+// idle over compute, >= 0). Floating-point addition and multiplication are monotone, so this holds
+// for the computed numbers too, not only for the real ones: the bound prunes exactly.
+inline double step_floor(const RunConfig& rc, const Cluster& cl, const Plan& p, Shared& shared) {
+  StepTerms s = compute_terms(*cl.gpu, rc, p.mesh.tp, p.mesh.cp, p.mesh.pp, cl.gpus);
+  if (p.mesh.pp == 1) return s.t_compute;
+  const Shared::Pipeline& pipe = shared.pipeline(rc, p);
+  s.t_compute *= pipe.busiest_share;
+  return s.t_compute + pipe.bubble * s.t_compute;
+}
+
+// The run a candidate is: the job's, at its micro-batch and recomputation.
+inline RunConfig candidate_run(const RunConfig& base, const Candidate& c) {
+  RunConfig rc = base;
+  rc.micro_batch = c.micro_batch;
+  rc.recompute = c.recompute;
+  return rc;
+}
+
+// Memory from the same functions a run prints as "predicted": the fullest pipeline stage's
+// (the first: the embedding, most micro-batches in flight; the last: head and logits; or, split
+// unevenly, a middle one with a layer more), and whether it fits.
+inline void predict_fit(Candidate& c, const RunConfig& base, const Cluster& cl, Shared& shared) {
+  const RunConfig rc = candidate_run(base, c);
+  const Plan& p = c.plan;
+  const Shared::Pipeline* pipe = p.mesh.pp > 1 ? &shared.pipeline(rc, p) : nullptr;
+  auto total = [](const MemoryPrediction& m) { return m.params + m.grads + m.optimizer + m.activations; };
+  for (int s = 0; s < p.mesh.pp; s++) {
+    const MemoryPrediction m = predict_memory(rc, p, s, pipe ? &pipe->plan : nullptr, "", shared.rank_states(rc, p, s));
+    if (s == 0 || total(m) > c.mem_total) c.mem = m, c.mem_total = total(m), c.mem_stage = s;
+  }
+  if (c.mem_total > usable_bytes(cl))
+    c.reject = "does not fit: " + human_bytes(c.mem_total) + " > " + human_bytes(usable_bytes(cl));
+}
+
+// Tokens per second per GPU at a step of `step` seconds.
+inline double tokens_per_s_gpu(const RunConfig& rc, const Cluster& cl, double step) {
+  return double(rc.batch) * rc.model.seq / step / double(cl.gpus);
+}
+
+// Time from step_terms, and what it gives per GPU.
+inline void price(Candidate& c, const RunConfig& base, const Cluster& cl, Shared& shared) {
+  const RunConfig rc = candidate_run(base, c);
+  static_cast<StepTerms&>(c) = step_terms(rc, cl, c.plan, shared);
+  c.tokens_per_s_gpu = tokens_per_s_gpu(rc, cl, c.step);
+  c.mfu = flops_per_token_of(rc.model) * c.tokens_per_s_gpu / (cl.gpu->peak_tflops * 1e12);
+}
+
+// One mesh, its memory and its time.
 inline Candidate evaluate(const RunConfig& base, const Cluster& cl, const Plan& p, int mb, Recompute r) {
   Candidate c;
   c.plan = p;
   c.micro_batch = mb;
   c.recompute = r;
-  RunConfig rc = base;
-  rc.micro_batch = mb;
-  rc.recompute = r;
-  // The fullest pipeline stage sets the memory: the first (embedding, most micro-batches in
-  // flight), the last (head and logits), or, split unevenly, a middle one with a layer more.
-  auto total = [](const MemoryPrediction& m) { return m.params + m.grads + m.optimizer + m.activations; };
-  const std::vector<MemoryPrediction> stages = stage_memory(rc, p);
-  for (size_t s = 0; s < stages.size(); s++)
-    if (s == 0 || total(stages[s]) > c.mem_total) c.mem = stages[s], c.mem_total = total(stages[s]), c.mem_stage = int(s);
-  static_cast<StepTerms&>(c) = step_terms(rc, cl, p);
-  const ModelConfig& m = rc.model;
-  const double tokens = double(rc.batch) * m.seq, gpus = double(cl.gpus);
-  const Gpu& g = *cl.gpu;
-  c.tokens_per_s_gpu = tokens / c.step / gpus;
-  c.mfu = flops_per_token(m) * c.tokens_per_s_gpu / (g.peak_tflops * 1e12);
-  if (c.mem_total > usable_bytes(cl))
-    c.reject = "does not fit: " + human_bytes(c.mem_total) + " > " + human_bytes(usable_bytes(cl));
+  Shared shared;
+  predict_fit(c, base, cl, shared);
+  price(c, base, cl, shared);
   return c;
 }
 
@@ -166,8 +254,9 @@ inline bool composes(const Plan& p, const ModelConfig& m) {
 // where it does not divide them: 05's balanced_split), 1F1B or interleaved with 2 or 4 chunks per
 // rank, dp the rest; each ZeRO stage (0–2 with pp), the micro-batches that divide the batch, each
 // recompute mode; sequence parallel with tp. With experts: each ep dividing dp and the experts
-// (ZeRO only at ep 1), no cp and no sequence parallelism (validate says why).
-inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl, const Fixed& f = {}) {
+// (ZeRO only at ep 1), no cp and no sequence parallelism (validate says why). Neither memory nor
+// time yet: Search predicts them.
+inline std::vector<Candidate> candidates(const RunConfig& rc, const Cluster& cl, const Fixed& f = {}) {
   std::vector<Candidate> all;
   const ModelConfig& m = rc.model;
   for (int tp : Fixed::values(f.tp, cl.gpus))
@@ -193,7 +282,9 @@ inline std::vector<Candidate> enumerate(const RunConfig& rc, const Cluster& cl, 
                   if ((dp * cpn) % ep || (m.experts > 0 && m.experts % ep) || (ep > 1 && zero > 0)) continue;
                   if (dp * cpn == 1 && zero > 0) continue;
                   const Plan p = make_plan(f.base, {dp, pp, cpn, tp, ep}, zero, V, m);
-                  if (composes(p, m)) all.push_back(evaluate(rc, cl, p, mb, r));
+                  if (!composes(p, m)) continue;
+                  all.emplace_back();
+                  all.back().plan = p, all.back().micro_batch = mb, all.back().recompute = r;
                 }
               }
             }
@@ -290,6 +381,7 @@ struct Ranking {
   explicit Ranking(const std::vector<Candidate>& all) {
     for (const Candidate& c : all) top = std::max(top, c.tokens_per_s_gpu);
   }
+  explicit Ranking(double fastest) : top(fastest) {}
   long level(const Candidate& c) const { return std::llround(1000.0 * c.tokens_per_s_gpu / top); }
   bool ties(const Candidate& a, const Candidate& b) const { return level(a) == level(b); }
   static bool simpler(const Candidate& a, const Candidate& b) {
@@ -311,6 +403,101 @@ struct Ranking {
 };
 
 inline void sort_ranking(std::vector<Candidate>& all) { std::stable_sort(all.begin(), all.end(), Ranking(all)); }
+
+// The search, branch and bound on step_floor: every candidate's bound, and its memory and time
+// only where they can change what the plan prints. The ranking is fitting first, then the
+// per-mille level of tokens/s against the fastest of all, fitting or not (`top`), so
+//  * top: candidates priced in order of their bound, until no bound is above the fastest priced;
+//  * the first k a filter selects: in order of the bound too, each one's memory predicted (does
+//    it fit?) and its time priced, until the bound's level falls below the k-th found — a tie on
+//    level is still priced: memory and simplicity break it — if that k-th fits; if it does not,
+//    any later one that fits ranks above it, so every one's memory is needed (its time not).
+// What is never priced cannot rank above what is printed: the output is the exhaustive search's,
+// number for number (tests/test_plan.cpp compares them; --plan-exhaustive predicts everything and
+// sorts it, the reference).
+using Filter = std::function<bool(const Candidate&)>;  // reads the mesh, micro-batch and recompute
+class Search {
+ public:
+  Search(const RunConfig& rc, const Cluster& cl, const Fixed& f, bool exhaustive)
+      : rc_(rc), cl_(cl), exhaustive_(exhaustive), all_(candidates(rc, cl, f)), done_(all_.size(), 0) {
+    for (const Candidate& c : all_)
+      bound_.push_back(tokens_per_s_gpu(rc, cl, step_floor(candidate_run(rc, c), cl, c.plan, shared_)));
+    by_bound_.resize(all_.size());
+    for (size_t i = 0; i < all_.size(); i++) by_bound_[i] = i;
+    std::stable_sort(by_bound_.begin(), by_bound_.end(), [&](size_t a, size_t b) { return bound_[a] > bound_[b]; });
+    double top = 1e-30;
+    for (size_t i : by_bound_) {
+      if (bound_[i] <= top && !exhaustive) break;
+      top = std::max(top, priced(i).tokens_per_s_gpu);
+    }
+    rank_ = Ranking(top);
+    if (exhaustive) {
+      for (size_t i = 0; i < all_.size(); i++) fitted(i);
+      sorted_ = all_;
+      sort_ranking(sorted_);
+    }
+  }
+  // Every candidate, in the order enumerated; those not yet predicted hold only their plan.
+  const std::vector<Candidate>& all() const { return all_; }
+  const Ranking& ranking() const { return rank_; }
+  size_t priced() const { return size_t(std::count_if(done_.begin(), done_.end(), [](int d) { return d & kPriced; })); }
+  // Candidate `c` of all(), its memory predicted and its time priced.
+  const Candidate& predicted(const Candidate& c) {
+    const size_t i = size_t(&c - all_.data());
+    fitted(i);
+    return priced(i);
+  }
+  // The least memory of any candidate.
+  double least_memory() {
+    double least = 0;
+    for (size_t i = 0; i < all_.size(); i++) least = i == 0 ? fitted(i).mem_total : std::min(least, fitted(i).mem_total);
+    return least;
+  }
+
+  // The first k candidates that `pick` selects (those that fit only, with `fitting`), in ranking order.
+  std::vector<const Candidate*> first(size_t k, const Filter& pick, bool fitting = false) {
+    std::vector<const Candidate*> found;
+    if (k == 0) return found;
+    if (exhaustive_) {
+      for (const Candidate& c : sorted_)
+        if (found.size() < k && pick(c) && (!fitting || c.reject.empty())) found.push_back(&c);
+      return found;
+    }
+    // Equal in the ranking: the earlier enumerated first, as sort_ranking's stable sort leaves them.
+    auto before = [&](const Candidate* a, const Candidate* b) { return rank_(*a, *b) || (!rank_(*b, *a) && a < b); };
+    for (size_t i : by_bound_) {
+      if (!pick(all_[i])) continue;
+      const bool full = found.size() == k, level_below = full && std::llround(1000.0 * bound_[i] / rank_.top) < rank_.level(*found.back());
+      if (level_below && found.back()->reject.empty()) break;  // the k-th fits: nothing later ranks above it
+      const Candidate& c = fitted(i);
+      if ((fitting && !c.reject.empty()) || (level_below && !c.reject.empty())) continue;
+      found.insert(std::upper_bound(found.begin(), found.end(), &priced(i), before), &c);
+      if (found.size() > k) found.pop_back();
+    }
+    return found;
+  }
+
+ private:
+  static constexpr int kFitted = 1, kPriced = 2;
+  const Candidate& fitted(size_t i) {
+    if (!(done_[i] & kFitted)) predict_fit(all_[i], rc_, cl_, shared_), done_[i] |= kFitted;
+    return all_[i];
+  }
+  const Candidate& priced(size_t i) {
+    if (!(done_[i] & kPriced)) price(all_[i], rc_, cl_, shared_), done_[i] |= kPriced;
+    return all_[i];
+  }
+
+  const RunConfig& rc_;
+  const Cluster& cl_;
+  bool exhaustive_;
+  Shared shared_;
+  std::vector<Candidate> all_, sorted_;
+  std::vector<int> done_;         // per candidate: kFitted (memory predicted), kPriced (time priced)
+  std::vector<double> bound_;     // per candidate: tokens/s/GPU at step_floor, >= its own
+  std::vector<size_t> by_bound_;  // the candidates by bound, highest first
+  Ranking rank_{1e-30};
+};
 
 // Warnings that make a ranking untrustworthy if unread: a batch too small to feed data parallelism
 // (the mesh is then forced, not chosen), a plan at the edge of memory, and a pipeline that idles
@@ -369,42 +556,44 @@ inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl,
   if (c.plan.mesh.ep > 1) log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
 }
 
+// The rows the ranking prints, and the candidates the summary lists without --plan-exhaustive.
+constexpr size_t kRankedShown = 8, kRankedListed = 10;
+
 // Ranks the candidates that fit by tokens/s/GPU and says, for the best of those that differ from the
 // winner on one axis, on which axes they differ and where they lose.
-inline const Candidate* print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, std::vector<Candidate>& all) {
-  sort_ranking(all);
-  const Ranking rank(all);
+inline const Candidate* print_ranking(RunLog& log, const RunConfig& rc, const Cluster& cl, Search& search) {
+  const Ranking& rank = search.ranking();
   log.line("%-4s %-58s %10s %12s %7s %10s %7s", "rank", "mesh", "memory", "tok/s/GPU", "MFU", "exposed", "bubble");
-  int shown = 0;
-  for (const Candidate& c : all) {
-    if (!c.reject.empty() || shown == 8) break;
-    log.line("%-4d %-58s %10s %12.0f %6.1f%% %8.1f ms %6.1f%%", ++shown, describe(c).c_str(),
+  const std::vector<const Candidate*> shown = search.first(kRankedShown, [](const Candidate&) { return true; }, true);
+  for (size_t i = 0; i < shown.size(); i++) {
+    const Candidate& c = *shown[i];
+    log.line("%-4zu %-58s %10s %12.0f %6.1f%% %8.1f ms %6.1f%%", i + 1, describe(c).c_str(),
              human_bytes(c.mem_total).c_str(), c.tokens_per_s_gpu, 100 * c.mfu, 1e3 * c.exposed(), 100 * c.bubble);
   }
+  const std::vector<Candidate>& all = search.all();
   if (all.empty()) {  // every factorisation broke a divisibility rule of 02–07
     log.line("no valid mesh on %d GPUs: dp must divide the %d sequences of a step, pp the %d layers, tp the %d heads "
              "and %d kv heads, cp the %d tokens of a sequence (in 2·cp chunks); change --gpus or --global-batch-tokens",
              cl.gpus, rc.batch, rc.model.layers, rc.model.heads, rc.model.kv_heads, rc.model.seq);
     return nullptr;
   }
-  if (shown == 0) {
-    double least = all.front().mem_total;
-    for (const Candidate& c : all) least = std::min(least, c.mem_total);
-    log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(least).c_str());
+  if (shown.empty()) {
+    log.line("no mesh fits: the smallest needs %s per GPU", human_bytes(search.least_memory()).c_str());
     return nullptr;
   }
-  const Candidate& best = all.front();
+  const Candidate& best = *shown.front();
   // The first candidate in ranking order that `pick` selects, preferring one that differs from the
   // best on that axis alone, and why it ranks below.
-  auto why = [&](const char* what, const std::function<bool(const Candidate&)>& pick) {
-    const Candidate *w = nullptr, *alone = nullptr;
-    for (const Candidate& c : all)
-      if (&c != &best && pick(c)) {
-        if (!w) w = &c;
-        if (!alone && differences(c, best).find(',') == std::string::npos) alone = &c;
-      }
-    if (alone && alone->reject.empty()) w = alone;
-    if (!w) return;
+  auto why = [&](const char* what, const Filter& pick) {
+    const auto other = [&](const Candidate& c) { return &c != &best && pick(c); };
+    const auto first = search.first(1, other);
+    // One that differs alone counts only if it fits: the first that fits is the first of them all
+    // when any fits (the ranking puts them first).
+    const auto alone = search.first(1, [&](const Candidate& c) {
+      return other(c) && differences(c, best).find(',') == std::string::npos;
+    }, true);
+    if (first.empty()) return;
+    const Candidate* w = alone.empty() ? first[0] : alone[0];
     const std::string reason = !w->reject.empty() ? w->reject
                                : rank.ties(*w, best) ? "as fast; ranked below for " +
                                                            std::string(w->mem_total > best.mem_total ? "its higher memory"
@@ -432,6 +621,7 @@ struct PlanJob {
   bool default_batch = false;   // no --batch or --global-batch-tokens: kDefaultBatchTokens
   double train_tokens = 0;      // 0: 20 per parameter (Chinchilla, Hoffmann et al. 2022)
   double usd_per_gpu_hour = 2;
+  bool exhaustive = false;      // --plan-exhaustive: price every candidate (Search's reference)
 };
 // The playbook's benchmark grid trains 1M tokens per step (sequences of 4096): the default batch.
 constexpr double kDefaultBatchTokens = 1048576;
@@ -447,18 +637,21 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
   print_assumptions(log, *cl.gpu);
   const std::string beyond = beyond_table(cl.gpu->net, (cl.gpus + cl.per_node - 1) / cl.per_node);
   if (!beyond.empty()) log.line("%s", beyond.c_str());
-  std::vector<Candidate> all = enumerate(rc, cl, fixed);
+  Search search(rc, cl, fixed, job.exhaustive);
+  const std::vector<Candidate>& all = search.all();
+  const auto any = [](const Candidate&) { return true; };
   const Candidate* best = nullptr;
   if (fixed.all_fixed() && all.size() == 1) {
-    best = &all[0];
+    best = &search.predicted(all[0]);
   } else {
-    best = print_ranking(log, rc, cl, all);
+    best = print_ranking(log, rc, cl, search);
   }
   if (fixed.mesh_fixed() && !all.empty()) {  // the plan priced in full: the best, or the smallest that does not fit
     const Candidate* shown = best;
-    if (!shown)
-      for (const Candidate& c : all)
-        if (!shown || c.mem_total < shown->mem_total) shown = &c;
+    if (!shown) {  // none fits: every memory is predicted (least_memory), so the filter may read it
+      const double least = search.least_memory();
+      shown = search.first(1, [&](const Candidate& c) { return c.mem_total == least; })[0];
+    }
     print_candidate(log, rc, cl, *shown);
   }
   print_warnings(log, rc, cl, best, !fixed.mesh_fixed());
@@ -466,10 +659,13 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
     const double tokens = job.train_tokens > 0 ? job.train_tokens : 20.0 * double(param_count(rc.model));
     print_cost(log, cl, *best, tokens, job.train_tokens > 0, job.usd_per_gpu_hour);
   }
+  // The ranking's head (--plan-exhaustive: every candidate, ranked).
   Json cands = Json::array();
-  for (const Candidate& c : all) cands.push_back(candidate_json(c));
+  for (const Candidate* c : search.first(job.exhaustive ? all.size() : kRankedListed, any)) cands.push_back(candidate_json(*c));
   Json s = Json::object();
   s["candidates"] = std::move(cands);
+  s["searched"] = double(all.size());
+  s["priced"] = double(search.priced());
   log.summary(s);
   return 0;
 }

@@ -14,6 +14,22 @@
 set -uo pipefail
 BUILD=${BUILD:-build}
 ROUNDS=${ROUNDS:-3}
+
+# The planner's own speed: its two largest worked examples (notes/08), the pruned search and the
+# exhaustive one it is tested against (--plan-exhaustive), wall and CPU seconds each. PLAN_ONLY=1
+# stops after this part.
+echo; echo "== the planner's search: seconds per --plan (wall, CPU), pruned and exhaustive"
+plan_time() {
+  local out start
+  start=$(date +%s.%N)
+  out=$( { /usr/bin/env time -f "%U %S" "$BUILD/08_5d_mesh" --plan "$@" >/dev/null </dev/null; } 2>&1 | tail -1)
+  awk -v s="$start" -v e="$(date +%s.%N)" -v cpu="$out" 'BEGIN {split(cpu, c, " "); printf "%7.2f %7.2f", e - s, c[1] + c[2]}'
+}
+printf "%-78s %15s %15s\n" "08_5d_mesh --plan" "pruned" "exhaustive"
+for args in "--preset 70b --gpus 256 --seq 8192 --global-batch-tokens 4194304" "--preset 8b --gpus 64"; do
+  printf "%-78s %15s %15s\n" "$args" "$(plan_time $args)" "$(plan_time $args --plan-exhaustive)"
+done
+[ "${PLAN_ONLY:-0}" = 1 ] && exit 0
 # Every run here is a program, which takes its sgemm core itself (README, Benchmarks), so the
 # calibration and the runs it predicts share one core.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1

@@ -195,7 +195,7 @@ TEST_CASE("a dp 2 × tp 2 checkpoint resumes in 01 on its curve, and on dp 1 × 
 // that mesh measures (params + grads + optimizer + activations at their peaks).
 TEST_CASE("--plan: the planner's memory per GPU equals what a run of the mesh measures", "[08][plan]") {
   const std::string log = tst::scratch("plan.jsonl");
-  tst::Result r = tst::run_bin("08_5d_mesh", kTiny + "--plan --gpus 8 --dtype fp32 --batch 8 --log-json " + log, 1, 60);
+  tst::Result r = tst::run_bin("08_5d_mesh", kTiny + "--plan --plan-exhaustive --gpus 8 --dtype fp32 --batch 8 --log-json " + log, 1, 60);
   INFO(r.output);
   REQUIRE(r.status == 0);
   CHECK(r.output.find("rank mesh") != std::string::npos);
@@ -222,7 +222,7 @@ TEST_CASE("--plan: the planner's memory per GPU equals what a run of the mesh me
   CHECK(compared >= 2);
   // And a pipeline mesh it ranks: the fuller stage's memory (here stage 0, the one a run reports).
   const std::string log4 = tst::scratch("plan4.jsonl");
-  tst::Result r4 = tst::run_bin("08_5d_mesh", kTiny + kPipe + "--plan --gpus 8 --dtype fp32 --batch 8 --log-json " + log4, 1, 60);
+  tst::Result r4 = tst::run_bin("08_5d_mesh", kTiny + kPipe + "--plan --plan-exhaustive --gpus 8 --dtype fp32 --batch 8 --log-json " + log4, 1, 60);
   REQUIRE(r4.status == 0);
   const Case& pc = kPipeCases[1];  // dp 2 × tp 2 (+ SP, as the planner pairs them) × pp 2, interleaved
   const Run& piped = mesh(pc.dp, pc.tp, kPipe + pc.flags + " " + steps(8, pc.micro), pc.cp, pc.pp);
@@ -372,7 +372,7 @@ TEST_CASE("a dp 4 × tp 2 × ep 4 checkpoint resumes in 01 --experts and on dp 2
 // The planner ranks ep for a MoE model, and its memory for a mesh is that run's own prediction.
 TEST_CASE("--plan with experts: ep is searched, its memory is the run's prediction", "[08][plan][ep]") {
   const std::string log = tst::scratch("plan_moe.jsonl");
-  tst::Result r = tst::run_bin("08_5d_mesh", kTiny + kMoe + "--plan --gpus 8 --dtype fp32 --batch 8 --log-json " + log, 1, 60);
+  tst::Result r = tst::run_bin("08_5d_mesh", kTiny + kMoe + "--plan --plan-exhaustive --gpus 8 --dtype fp32 --batch 8 --log-json " + log, 1, 60);
   INFO(r.output);
   REQUIRE(r.status == 0);
   const tst::Log plan = tst::read_log(log);

@@ -377,13 +377,99 @@ TEST_CASE("the pipeline's new terms by hand: DP in the cooldown, ZeRO-1 per unit
   CHECK(uc.t_bubble == Approx(pl.bubble() * 1.2 * even));
 }
 
+// The search prices only what can change the plan (branch and bound on step_floor); the exhaustive
+// one prices every candidate and sorts them all. Their first ten are the same candidates, in the
+// same order, with the same numbers — on clusters where most meshes fit and where memory rejects most.
+TEST_CASE("the pruned search ranks its first ten exactly as the exhaustive one", "[plan]") {
+  struct Case {
+    const char* preset;
+    int gpus, seq, batch;
+    double mem_gib;
+  };
+  const Case cases[] = {{"tiny", 8, 0, 8, 80},       {"small", 16, 0, 64, 80},   {"1b", 8, 0, 512, 80},
+                        {"1b", 64, 4096, 256, 80},   {"8b", 64, 0, 256, 80},     {"8b", 16, 8192, 32, 80},
+                        {"8b", 32, 0, 64, 24},       {"1b", 4, 0, 2, 8}};
+  int memory_bound = 0, pruned = 0;
+  for (const Case& k : cases) {
+    RunConfig rc;
+    REQUIRE(apply_preset(k.preset, rc.model));
+    if (k.seq) rc.model.seq = k.seq;
+    rc.dtype = DType::BF16;
+    rc.batch = k.batch;
+    const Cluster cl{find_gpu("h100"), k.mem_gib, k.gpus, 8};
+    Search fast(rc, cl, {}, false), full(rc, cl, {}, true);
+    INFO(k.preset << " on " << k.gpus << " GPUs of " << k.mem_gib << " GiB, seq " << rc.model.seq << ", batch " << k.batch);
+    const auto any = [](const Candidate&) { return true; };
+    const std::vector<const Candidate*> a = fast.first(10, any), b = full.first(10, any);
+    REQUIRE(a.size() == std::min<size_t>(10, full.all().size()));
+    REQUIRE(a.size() == b.size());
+    CHECK(fast.ranking().top == full.ranking().top);
+    for (size_t i = 0; i < a.size(); i++) {
+      INFO("rank " << i + 1 << ": " << describe(*a[i]) << " vs " << describe(*b[i]));
+      CHECK(describe(*a[i]) == describe(*b[i]));
+      CHECK(a[i]->plan.virtual_stages == b[i]->plan.virtual_stages);
+      CHECK(a[i]->step == b[i]->step);
+      CHECK(a[i]->tokens_per_s_gpu == b[i]->tokens_per_s_gpu);
+      CHECK(a[i]->mem_total == b[i]->mem_total);
+      CHECK(a[i]->reject == b[i]->reject);
+    }
+    pruned += fast.priced() < full.priced();
+    int rejected = 0;
+    for (const Candidate& c : full.all()) rejected += !c.reject.empty();
+    memory_bound += rejected > int(full.all().size()) * 3 / 4;
+  }
+  CHECK(memory_bound >= 1);  // a case where memory rejects most meshes
+  CHECK(pruned >= 4);        // and the search left candidates unpriced (tiny's few it prices all)
+}
+
+// What makes the pruning exact: no candidate's step is shorter than its floor, in floating point too.
+TEST_CASE("step_floor is below every candidate's step", "[plan]") {
+  RunConfig rc;
+  REQUIRE(apply_preset("8b", rc.model));
+  rc.dtype = DType::BF16;
+  rc.batch = 128;
+  const Cluster cl{find_gpu("h100"), 80, 64, 8};
+  Search full(rc, cl, {}, true);
+  Shared shared;
+  int pipelines = 0;
+  for (const Candidate& c : full.all()) {
+    const double floor = step_floor(candidate_run(rc, c), cl, c.plan, shared);
+    INFO(describe(c) << ", V " << c.plan.virtual_stages);
+    CHECK(floor <= c.step);
+    // The compute at the busiest stage, and under a pipeline the bubble that idles it.
+    CHECK(floor == (c.plan.mesh.pp > 1 ? c.t_compute + c.bubble * c.t_compute : c.t_compute));
+    pipelines += c.plan.mesh.pp > 1 && c.bubble > 0;
+  }
+  CHECK(pipelines > 10);
+}
+
+// The planner's output, not only its first ten: the same text with and without --plan-exhaustive
+// (the alternatives it names, the warnings, a mesh given, nothing that fits).
+TEST_CASE("--plan prints what --plan-exhaustive prints", "[plan][e2e]") {
+  for (const char* args : {"--preset 8b --gpus 64 --batch 8", "--preset 8x7b --gpus 64",
+                           "--preset 70b --gpus 8 --seq 4096 --global-batch-tokens 1048576",
+                           "--preset 70b --gpus 8 --seq 4096 --global-batch-tokens 1048576 --dp 1 --tp 8",
+                           "--preset 1b --gpus 32 --pp 4 --global-batch-tokens 262144"}) {
+    const tst::Result fast = tst::run_bin("08_5d_mesh", std::string("--plan ") + args, 1, 120);
+    const tst::Result full = tst::run_bin("08_5d_mesh", std::string("--plan --plan-exhaustive ") + args, 1, 120);
+    INFO(args << "\n" << fast.output << full.output);
+    REQUIRE(fast.status == 0);
+    REQUIRE(full.status == 0);
+    CHECK(fast.output.find("\nrank mesh") != std::string::npos);
+    CHECK(fast.output == full.output);
+  }
+  const tst::Result bad = tst::run_bin("08_5d_mesh", "--plan-exhaustive --preset tiny", 1, 60);
+  CHECK(bad.status != 0);
+  CHECK(bad.output.find("--plan-exhaustive is a way of running --plan: pass --plan too") != std::string::npos);
+}
+
 // 126 layers on tp 8 × pp 16, the mesh of Llama 3 405B's runs (Dubey et al. 2024, table 4): the
 // planner splits the layers 7, 8 × 14, 7, fills in micro-batch, virtual stages, ZeRO stage and
 // recomputation, and finds a plan that fits in 80 GB; every candidate it ranks has the mesh given.
 TEST_CASE("--plan fills in what a given mesh leaves open: 405b on 8,192 GPUs at tp 8 × pp 16", "[plan][e2e]") {
   const std::string log = tst::scratch("plan_405b.jsonl");
   const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 405b --gpus 8192 --global-batch-tokens 16777216 "
-                                     "--tp 8 --pp 16 --dp 64 --log-json " + log, 1, 120);
+                                     "--tp 8 --pp 16 --dp 64 --plan-exhaustive --log-json " + log, 1, 120);
   INFO(r.output);
   REQUIRE(r.status == 0);
   CHECK(r.output.find("plan: 405b on 8192 × h100: dp 64 pp 16") != std::string::npos);

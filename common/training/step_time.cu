@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <filesystem>
 #include <fstream>
 
@@ -188,6 +190,15 @@ double group_seconds(const Network& n, const std::map<std::string, double>& ops,
   return t;
 }
 
+// Equal bytes are an equal model: ModelConfig is plain numbers (a mismatch of bytes only recounts).
+double flops_per_token_of(const ModelConfig& m) {
+  static_assert(std::is_trivially_copyable_v<ModelConfig>, "compared bytewise");
+  thread_local ModelConfig last;
+  thread_local double flops = -1;
+  if (flops < 0 || std::memcmp(&last, &m, sizeof m) != 0) last = m, flops = flops_per_token(m);
+  return flops;
+}
+
 // The roofline (Williams, Waterman & Patterson 2009): a matmul of m×k by k×n runs at
 // min(achievable peak, arithmetic intensity × memory bandwidth).
 double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes) {
@@ -213,7 +224,7 @@ double layer_efficiency(const Gpu& g, const ModelConfig& m, double tokens, int t
 // 2022); selective the attention core (its 4·s·h of the 12·s·h FLOPs per layer and token that run
 // forward).
 double recompute_factor(const ModelConfig& m, Recompute r) {
-  const double F = flops_per_token(m), attn_forward = 4.0 * m.layers * m.dim * double(m.seq);
+  const double F = flops_per_token_of(m), attn_forward = 4.0 * m.layers * m.dim * double(m.seq);
   return r == Recompute::Full ? 1 + (F / 3) / F : r == Recompute::Selective ? 1 + attn_forward / F : 1.0;
 }
 
@@ -223,7 +234,7 @@ double reduction_exposed(double t_reduce, double t_window, double last_bucket_sh
   return std::max(t_reduce - t_window, t_reduce * std::min(1.0, last_bucket_share));
 }
 
-double attention_share(const ModelConfig& m) { return 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token(m); }
+double attention_share(const ModelConfig& m) { return 12.0 * m.layers * m.dim * double(m.seq) / flops_per_token_of(m); }
 
 StepTerms compute_terms(const Gpu& g, const RunConfig& rc, int tp, int cp, int pp, int gpus) {
   const ModelConfig& m = rc.model;
@@ -231,7 +242,7 @@ StepTerms compute_terms(const Gpu& g, const RunConfig& rc, int tp, int cp, int p
   s.pipeline = pp > 1;
   s.efficiency = layer_efficiency(g, m, double(rc.micro_batch) * m.seq / cp, tp, dtype_size(rc.dtype));
   const double tokens = double(rc.batch) * m.seq;
-  s.t_compute = flops_per_token(m) * tokens * recompute_factor(m, rc.recompute) / gpus /
+  s.t_compute = flops_per_token_of(m) * tokens * recompute_factor(m, rc.recompute) / gpus /
                 (g.peak_tflops * 1e12 * s.efficiency);
   return s;
 }

@@ -102,6 +102,9 @@ Collective collective_of(const std::string& op);
 double group_seconds(const Network& n, const std::map<std::string, double>& ops, double calls, int nodes,
                      const char* only = nullptr);
 
+// flops_per_token(m), the last model's remembered: it builds the model's parameter table to count
+// Ψ, and a planner prices thousands of meshes of one model (every term below asks for it).
+double flops_per_token_of(const ModelConfig& m);
 // The roofline fraction of the peak for one m×k by k×n matmul.
 double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes);
 // The FLOP-weighted efficiency of one rank's layer matmuls at `tokens` rows after tp's splits.
