@@ -26,6 +26,7 @@
 // several times pp for a small bubble ((p − 1)/m):
 //   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --layers 4 --schedule 1f1b --batch 16 --micro-batch 2
 //   ./build/05_pipeline_parallel --dry-run --pp 4 --layers 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
+//   ./build/05_pipeline_parallel --dry-run --pp 4 --layers 8 --schedule dualpipev --batch 8 --micro-batch 1 --schedule-chart
 #ifndef TS_05_PIPELINE_PARALLEL_CU
 #define TS_05_PIPELINE_PARALLEL_CU
 #include <algorithm>
@@ -81,7 +82,7 @@ inline int virtual_stage(Schedule sched, int p, int s, int c) {
 enum class Op { F, B, W, SendAct, RecvAct, SendGrad, RecvGrad };
 struct Action {
   Op op;
-  int mb, chunk;  // micro-batch; this rank's chunk c (virtual stage c·p + rank)
+  int mb, chunk;  // micro-batch; this rank's chunk c (virtual stage c·p + rank, or the V: virtual_stage)
   bool operator==(const Action& o) const { return op == o.op && mb == o.mb && chunk == o.chunk; }
 };
 inline bool is_compute(Op o) { return o == Op::F || o == Op::B || o == Op::W; }
@@ -253,8 +254,8 @@ inline std::vector<Action> compute_order(Schedule sched, int p, int m, int V, in
 // ----- the simulator ------------------------------------------------------------------------------
 
 // Each virtual stage's cost in slots: its F takes cost_k slots and its B 2·cost_k (the input and
-// the weight gradients, each a matmul the size of the forward's), or, split under ZB-H1, B and W
-// cost_k each. cost_k is stage k's layer count over g, the greatest common divisor of all the
+// the weight gradients, each a matmul the size of the forward's), or, split (ZB-H1, DualPipeV), B
+// and W cost_k each. cost_k is stage k's layer count over g, the greatest common divisor of all the
 // counts, so an even split costs one slot per F: the playbook's unit-cost charts.
 inline std::vector<int> stage_costs(const std::vector<int>& layers) {
   int g = 0;
@@ -267,10 +268,11 @@ inline std::vector<int> stage_costs(const std::vector<int>& layers) {
 // The simulator plays every rank's compute order on one clock, slot by slot: at each slot an idle
 // rank starts its next action if that action's inputs have finished. F(mb, k) needs F(mb, k − 1);
 // B(mb, k) needs F(mb, k) and B(mb, k + 1); W(mb, k) needs B(mb, k). AFAB, 1F1B, interleaved and
-// DualPipeV (its W's in its order) follow their orders. ZB-H1 follows 1F1B's order of F and B and fits the W's in: when the next F
-// or B cannot start, the rank runs its oldest pending W instead (what would be a bubble), and an F
-// waits, the W's going first, while p micro-batches hold activations (F done, W not: 1F1B's bound
-// at stage 0). A slot in which a rank neither computes nor can start anything is a bubble.
+// DualPipeV (its W's in its order) follow their orders. ZB-H1 follows 1F1B's order of F and B and
+// fits the W's in: when the next F or B cannot start, the rank runs its oldest pending W instead
+// (what would be a bubble), and an F waits, the W's going first, while p micro-batches hold
+// activations (F done, W not: 1F1B's bound at stage 0). A slot in which a rank neither computes nor
+// can start anything is a bubble.
 class Simulator {
  public:
   Simulator(int p, int m, int V, Schedule sched, const std::vector<int>& layers)
@@ -521,7 +523,8 @@ inline void validate_dualpipev(const RunConfig& rc, int p, int V) {
     config_error("--schedule dualpipev places two stages on each rank (stage s and stage 2·pp − 1 − s), not "
                  "--virtual-stages %d", V);
   if (rc.model.layers % (2 * p))
-    config_error("--schedule dualpipev needs --layers %d divisible by 2 × --pp %d = %d stages", rc.model.layers, p, 2 * p);
+    config_error("--schedule dualpipev needs --layers %d divisible by 2 × --pp %d = %d stages", rc.model.layers, p,
+                 2 * p);
   if (m < 2 * p)
     config_error("--schedule dualpipev needs at least 2 × --pp %d = %d micro-batches per step (got %d = batch %d / "
                  "micro-batch %d)", p, 2 * p, m, rc.batch, rc.micro_batch);
@@ -544,7 +547,7 @@ inline void validate(const RunConfig& rc, int p, int V, Schedule sched) {
 
 // ----- predict: memory and p2p bytes per stage (notes/05 derives each line) ------------------------
 
-// What one layer still holds between its B and its W under ZB-H1, per token: the snapshotted
+// What one layer still holds between its B and its W (ZB-H1, DualPipeV), per token: the snapshotted
 // output gradients of its seven matmuls (q D, k and v KV each, o D, gate and up F, down D) and
 // the inputs they multiply (h1, y, h2, silu(g)·u).
 inline double deferred_bytes_per_token(const ModelConfig& c, DType dt) {
@@ -680,14 +683,15 @@ inline int peak_in_flight(const Plan& pl, int rank) {
 // (idle slots per rank, chunks in flight) and beside 1F1B's and ZB-H1's at the same p and m, whose
 // stages hold twice the layers (a slot there is two of DualPipeV's): the ratios compare.
 inline void log_bubble(RunLog& log, const Plan& pl) {
-  log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(), bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(),
+           bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
   if (pl.schedule != Schedule::DualPipeV) return;
   const Plan one = build_plan(pl.p, pl.m, 1, Schedule::OneFOneB), zb = build_plan(pl.p, pl.m, 1, Schedule::ZBH1);
   log.line("  beside it: 1f1b simulated %.4f, formula %.4f; zb-h1 simulated %.4f, formula %.4f", one.bubble(),
            bubble_formula(one.schedule, pl.p, pl.m, 1), zb.bubble(), bubble_formula(zb.schedule, pl.p, pl.m, 1));
   log.line("  idle slots per rank: simulated %d, DualPipe's (PP/2 - 1)(F&B + B - 3W) = %d (F = W = 1, B = 2, F&B = 3); "
-           "chunks in flight on rank 0: %d, its table's PP + 1 = %d", pl.makespan - pl.busiest(), dualpipev_idle_slots(pl.p),
-           peak_in_flight(pl, 0), 2 * pl.p + 1);
+           "chunks in flight on rank 0: %d, its table's PP + 1 = %d", pl.makespan - pl.busiest(),
+           dualpipev_idle_slots(pl.p), peak_in_flight(pl, 0), 2 * pl.p + 1);
 }
 
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool chart) {
@@ -715,7 +719,8 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool ch
 // What the memory table's comm row holds: copies of sends not yet known to be received, which
 // only lists that cannot post each send with its receive keep (the executor's flush()).
 inline std::string comm_holds(const Plan& pl) {
-  return completes_under_rendezvous(pl) ? "" : "copies of the sends still in flight (" + std::string(schedule_name(pl.schedule)) + ")";
+  if (completes_under_rendezvous(pl)) return "";
+  return "copies of the sends still in flight (" + std::string(schedule_name(pl.schedule)) + ")";
 }
 
 // ----- the executor -------------------------------------------------------------------------------
