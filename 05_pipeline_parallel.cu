@@ -1,4 +1,4 @@
-// 05_pipeline_parallel.cu — pipeline parallelism: AFAB (GPipe), 1F1B, interleaved 1F1B and ZB-H1.
+// 05_pipeline_parallel.cu — pipeline parallelism: AFAB (GPipe), 1F1B, interleaved 1F1B, ZB-H1 and DualPipeV.
 //
 // The playbook's pipeline chapter, runnable. The decoder layers are cut into p·V contiguous
 // virtual stages (L/(p·V) layers each, or an uneven split); virtual stage k = c·p + s is chunk c
@@ -13,7 +13,11 @@
 //   interleaved  1F1B over V chunks per rank (Megatron's order; m a multiple of p);
 //   zb-h1        each backward split into B (input gradient, on the critical path) and W (weight
 //                gradient), W moved into the bubbles (Qi et al. 2023, "Zero Bubble Pipeline
-//                Parallelism"), with 1F1B's bound on the micro-batches in flight.
+//                Parallelism"), with 1F1B's bound on the micro-batches in flight;
+//   dualpipev    2p stages in a V, rank s holding stage s and stage 2p − 1 − s (so the first and
+//                the last on rank 0): a forward chunk of one micro-batch paired with a backward
+//                chunk of another, B and W split so that W fills the bubbles (DeepSeek-V3
+//                technical report §3.2.1; deepseek-ai/DualPipe's dualpipev.py, "cut in half").
 // A schedule is data: build_plan() turns (p, m, V, schedule) into one list of actions per rank
 // (F, B, W, send, recv); the executor runs the list; --schedule-chart prints its timeline.
 //
@@ -22,6 +26,7 @@
 // several times pp for a small bubble ((p − 1)/m):
 //   mpirun -np 4 ./build/05_pipeline_parallel --pp 4 --layers 4 --schedule 1f1b --batch 16 --micro-batch 2
 //   ./build/05_pipeline_parallel --dry-run --pp 4 --layers 4 --schedule zb-h1 --batch 8 --micro-batch 1 --schedule-chart
+//   ./build/05_pipeline_parallel --dry-run --pp 4 --layers 8 --schedule dualpipev --batch 8 --micro-batch 1 --schedule-chart
 #ifndef TS_05_PIPELINE_PARALLEL_CU
 #define TS_05_PIPELINE_PARALLEL_CU
 #include <algorithm>
@@ -51,23 +56,33 @@ using namespace ts;
 
 // ----- the schedule as data ---------------------------------------------------------------------
 
-enum class Schedule { AFAB, OneFOneB, Interleaved, ZBH1 };
+enum class Schedule { AFAB, OneFOneB, Interleaved, ZBH1, DualPipeV };
 inline const char* schedule_name(Schedule s) {
-  const char* n[] = {"afab", "1f1b", "interleaved", "zb-h1"};
+  const char* n[] = {"afab", "1f1b", "interleaved", "zb-h1", "dualpipev"};
   return n[int(s)];
 }
-inline bool parse_schedule(const std::string& name, Schedule& s) {
-  for (Schedule c : {Schedule::AFAB, Schedule::OneFOneB, Schedule::Interleaved, Schedule::ZBH1})
-    if (name == schedule_name(c)) return s = c, true;
+// v_shape: the caller places a rank's stages by the plan (shard_spec(const Plan&, …)), so it can
+// run DualPipeV's V; a caller that places them round robin knows only the other four.
+inline bool parse_schedule(const std::string& name, Schedule& s, bool v_shape = false) {
+  for (Schedule c : {Schedule::AFAB, Schedule::OneFOneB, Schedule::Interleaved, Schedule::ZBH1, Schedule::DualPipeV})
+    if (name == schedule_name(c) && (v_shape || c != Schedule::DualPipeV)) return s = c, true;
   return false;
+}
+// ZB-H1 and DualPipeV split each backward into B (input gradient) and W (weight gradients).
+inline bool splits_backward(Schedule s) { return s == Schedule::ZBH1 || s == Schedule::DualPipeV; }
+// The virtual stage of rank s's chunk c: Megatron's round robin c·p + s, or DualPipeV's V, chunk 0
+// the stage s on the way down and chunk 1 the stage 2p − 1 − s on the way back up.
+inline int virtual_stage(Schedule sched, int p, int s, int c) {
+  if (sched == Schedule::DualPipeV) return c == 0 ? s : 2 * p - 1 - s;
+  return c * p + s;
 }
 
 // F: forward of a chunk (at the last virtual stage also the head's backward); B: its backward
-// (input gradient only under ZB-H1); W: the deferred weight gradients (ZB-H1).
+// (input gradient only under ZB-H1 and DualPipeV); W: the deferred weight gradients.
 enum class Op { F, B, W, SendAct, RecvAct, SendGrad, RecvGrad };
 struct Action {
   Op op;
-  int mb, chunk;  // micro-batch; this rank's chunk c (virtual stage c·p + rank)
+  int mb, chunk;  // micro-batch; this rank's chunk c (virtual stage c·p + rank, or the V: virtual_stage)
   bool operator==(const Action& o) const { return op == o.op && mb == o.mb && chunk == o.chunk; }
 };
 inline bool is_compute(Op o) { return o == Op::F || o == Op::B || o == Op::W; }
@@ -90,7 +105,7 @@ struct Plan {
   int makespan = 0;       // the slot at which the last action of any rank finishes
   bool complete = false;  // the simulation ran every action (false: the order deadlocks)
   int K() const { return p * V; }  // virtual stages in all
-  int stage(int rank, int chunk) const { return chunk * p + rank; }
+  int stage(int rank, int chunk) const { return virtual_stage(schedule, p, rank, chunk); }
   // A rank's compute slots; the busiest rank's set the pace of the pipeline.
   int busy(int rank) const {
     int b = 0;
@@ -158,10 +173,15 @@ inline std::vector<int> stage_split(const std::string& text, int L, int K) {
   return text.empty() ? balanced_split(L, K) : parse_split(text, L, K);
 }
 
-// The playbook's bubble formulas: (p − 1)/m, (p − 1)/(V·m), and ZB-H1's (p − 1)/(3m).
+// The playbook's bubble formulas: (p − 1)/m, (p − 1)/(V·m), and ZB-H1's (p − 1)/(3m). DualPipeV:
+// the DualPipe README's (PP/2 − 1)(F&B + B − 3W) idle per rank, PP = 2p stages, B the full
+// backward; with unit costs F = W = 1, B = 2 and no overlap inside a pair (F&B = F + B = 3) that is
+// 2(p − 1) slots over a rank's 2m·(F + B) = 6m: (p − 1)/(3m), ZB-H1's.
+inline int dualpipev_idle_slots(int p) { return (p - 1) * ((1 + 2) + 2 - 3 * 1); }
 inline double bubble_formula(Schedule s, int p, int m, int V) {
   if (s == Schedule::Interleaved) return (p - 1.0) / (double(V) * m);
   if (s == Schedule::ZBH1) return (p - 1.0) / (3.0 * m);
+  if (s == Schedule::DualPipeV) return dualpipev_idle_slots(p) / (6.0 * m);
   return (p - 1.0) / m;
 }
 
@@ -197,11 +217,45 @@ inline std::vector<Action> one_f_one_b_order(int p, int m, int V, int s) {
   return o;
 }
 
+// DualPipeV's order on rank s, step by step as DualPipeV.step() in deepseek-ai/DualPipe runs it
+// (chunk 0 = its phase 0, the stage on the way down; chunk 1 = phase 1, on the way up). Every
+// backward is a B followed by a W: a zero-bubble one's W waits in a queue (the repository's
+// WeightGradStore, first in first out) for a later W; a full one's W comes at once. Where the
+// repository pairs a forward with a backward ("F&B", overlapped on a GPU) the pair is adjacent.
+inline std::vector<Action> dualpipev_order(int p, int m, int s) {
+  std::vector<Action> o;
+  int f[2] = {0, 0}, b[2] = {0, 0};  // per chunk: the next micro-batch to run F / B on
+  std::vector<Action> queued;        // the deferred W's, oldest first
+  auto F = [&](int c) { o.push_back({Op::F, f[c]++, c}); };
+  auto B = [&](int c, bool zero_bubble) {
+    o.push_back({Op::B, b[c], c});
+    (zero_bubble ? queued : o).push_back({Op::W, b[c]++, c});
+  };
+  auto W = [&] { o.push_back(queued.front()), queued.erase(queued.begin()); };
+  const int below = p - s - 1, upto = s + 1;  // ranks below s; ranks 0..s
+  for (int i = 0; i < 2 * below; i++) F(0);                      // 1: nF0, the warm-up
+  for (int i = 0; i < upto; i++) F(0), F(1);                      // 2: nF0F1
+  for (int i = 0; i < below; i++) B(1, true), W(), F(1);          // 3: nB1W1F1, zero bubble
+  for (int i = 0; i < m - 2 * p + upto; i++)                      // 4: nF0B1F1B0, the pairs
+    F(0), B(1, false), F(1), B(0, false);
+  for (int i = 0; i < below; i++) B(1, false), F(1), B(0, false);  // 5: nB1F1B0
+  for (int i = 0; i < upto; i++)                                   // 6: nB1B0, its second half
+    B(1, i > upto / 2 || (i == upto / 2 && s % 2 == 1)), B(0, i >= upto / 2);  // zero bubble
+  for (int i = 0; i < below; i++) W(), B(0, true);                 // 7: nWB0
+  while (!queued.empty()) W();                                     // 8: nW, the s + 1 left
+  return o;
+}
+inline std::vector<Action> compute_order(Schedule sched, int p, int m, int V, int s) {
+  if (sched == Schedule::AFAB) return afab_order(m);
+  if (sched == Schedule::DualPipeV) return dualpipev_order(p, m, s);
+  return one_f_one_b_order(p, m, V, s);
+}
+
 // ----- the simulator ------------------------------------------------------------------------------
 
 // Each virtual stage's cost in slots: its F takes cost_k slots and its B 2·cost_k (the input and
-// the weight gradients, each a matmul the size of the forward's), or, split under ZB-H1, B and W
-// cost_k each. cost_k is stage k's layer count over g, the greatest common divisor of all the
+// the weight gradients, each a matmul the size of the forward's), or, split (ZB-H1, DualPipeV), B
+// and W cost_k each. cost_k is stage k's layer count over g, the greatest common divisor of all the
 // counts, so an even split costs one slot per F: the playbook's unit-cost charts.
 inline std::vector<int> stage_costs(const std::vector<int>& layers) {
   int g = 0;
@@ -213,15 +267,17 @@ inline std::vector<int> stage_costs(const std::vector<int>& layers) {
 
 // The simulator plays every rank's compute order on one clock, slot by slot: at each slot an idle
 // rank starts its next action if that action's inputs have finished. F(mb, k) needs F(mb, k − 1);
-// B(mb, k) needs F(mb, k) and B(mb, k + 1); W(mb, k) needs B(mb, k). AFAB, 1F1B and interleaved
-// follow their orders. ZB-H1 follows 1F1B's order of F and B and fits the W's in: when the next F
-// or B cannot start, the rank runs its oldest pending W instead (what would be a bubble), and an F
-// waits, the W's going first, while p micro-batches hold activations (F done, W not: 1F1B's bound
-// at stage 0). A slot in which a rank neither computes nor can start anything is a bubble.
+// B(mb, k) needs F(mb, k) and B(mb, k + 1); W(mb, k) needs B(mb, k). AFAB, 1F1B, interleaved and
+// DualPipeV (its W's in its order) follow their orders. ZB-H1 follows 1F1B's order of F and B and
+// fits the W's in: when the next F or B cannot start, the rank runs its oldest pending W instead
+// (what would be a bubble), and an F waits, the W's going first, while p micro-batches hold
+// activations (F done, W not: 1F1B's bound at stage 0). A slot in which a rank neither computes nor
+// can start anything is a bubble.
 class Simulator {
  public:
-  Simulator(int p, int m, int V, bool split_backward, const std::vector<int>& layers)
-      : p_(p), m_(m), V_(V), split_(split_backward), stage_cost_(stage_costs(layers)),
+  Simulator(int p, int m, int V, Schedule sched, const std::vector<int>& layers)
+      : p_(p), m_(m), V_(V), sched_(sched), split_(splits_backward(sched)), fill_(sched == Schedule::ZBH1),
+        stage_cost_(stage_costs(layers)),
         forward_finish_(size_t(m * p * V), -1), backward_finish_(size_t(m * p * V), -1) {}
 
   Plan run(Schedule sched) {
@@ -229,7 +285,7 @@ class Simulator {
     pl.p = p_, pl.m = m_, pl.V = V_, pl.schedule = sched;
     pl.timeline.resize(size_t(p_));
     std::vector<std::vector<Action>> order{size_t(p_)};
-    for (int s = 0; s < p_; s++) order[s] = sched == Schedule::AFAB ? afab_order(m_) : one_f_one_b_order(p_, m_, V_, s);
+    for (int s = 0; s < p_; s++) order[s] = compute_order(sched, p_, m_, V_, s);
     // Per rank: the slot it is busy until, its place in its order, and the F, B and W it started.
     std::vector<int> busy_until(size_t(p_), 0), next(size_t(p_), 0);
     std::vector<int> forwards(size_t(p_), 0), backwards(size_t(p_), 0), weight_grads(size_t(p_), 0);
@@ -243,11 +299,11 @@ class Simulator {
         Action a{};
         const bool in_order = next[s] < int(order[s].size());
         const bool too_many_in_flight =
-            split_ && in_order && order[s][next[s]].op == Op::F && forwards[s] - weight_grads[s] >= in_flight_limit;
+            fill_ && in_order && order[s][next[s]].op == Op::F && forwards[s] - weight_grads[s] >= in_flight_limit;
         if (in_order && !too_many_in_flight && inputs_ready(order[s][next[s]], s, t)) {
           a = order[s][next[s]++];
-          (a.op == Op::B ? backwards : forwards)[s]++;
-        } else if (split_ && weight_grads[s] < backwards[s] &&
+          (a.op == Op::B ? backwards : a.op == Op::F ? forwards : weight_grads)[s]++;
+        } else if (fill_ && weight_grads[s] < backwards[s] &&
                    finished_by(backward_finish_[at(weight_grads[s], s)], t)) {
           a = {Op::W, weight_grads[s]++, 0};  // ZB-H1 has V = 1: chunk 0, micro-batches in order
         } else {
@@ -282,7 +338,7 @@ class Simulator {
   int at(int mb, int k) const { return mb * p_ * V_ + k; }  // (micro-batch, virtual stage) in the finish tables
   static bool finished_by(int finish, int t) { return finish >= 0 && finish <= t; }
   bool inputs_ready(const Action& a, int s, int t) const {
-    const int k = a.chunk * p_ + s, K = p_ * V_;
+    const int k = virtual_stage(sched_, p_, s, a.chunk), K = p_ * V_;
     if (a.op == Op::F) return k == 0 || finished_by(forward_finish_[at(a.mb, k - 1)], t);
     if (a.op == Op::B)
       return finished_by(forward_finish_[at(a.mb, k)], t) &&
@@ -290,7 +346,9 @@ class Simulator {
     return finished_by(backward_finish_[at(a.mb, k)], t);  // W
   }
   int p_, m_, V_;
-  bool split_;                      // ZB-H1: B is the input gradient only, W the weight gradients
+  Schedule sched_;
+  bool split_;                      // B is the input gradient only, W the weight gradients
+  bool fill_;                       // ZB-H1: the W's fill the slots where nothing else can start
   std::vector<int> stage_cost_;     // per virtual stage: the slots of its F (stage_costs)
   std::vector<int> forward_finish_, backward_finish_;  // per (micro-batch, virtual stage): the slot its
                                                        // F / B finishes; -1 before it starts
@@ -299,8 +357,10 @@ class Simulator {
 // The rank that runs virtual stage k, and the p2p actions around each compute action: an F
 // past the first virtual stage receives its input, one before the last sends its output; a B
 // before the last receives its output gradient, one past the first sends its input gradient.
-// Nothing travels between two virtual stages of one rank (p = 1).
-inline int stage_rank(const Plan& pl, int k) { return k % pl.p; }  // k = c·p + s
+// Nothing travels between two virtual stages of one rank (p = 1; DualPipeV's turn at rank p − 1).
+inline int stage_rank(const Plan& pl, int k) {
+  return pl.schedule == Schedule::DualPipeV ? std::min(k, 2 * pl.p - 1 - k) : k % pl.p;  // the V, or k = c·p + s
+}
 inline void add_p2p(Plan& pl) {
   pl.actions.assign(size_t(pl.p), {});
   for (int s = 0; s < pl.p; s++)
@@ -406,7 +466,7 @@ inline std::string split_text(const std::vector<int>& split) {
 // `layers`: the decoder layers of each virtual stage (empty: p·V equal stages of one slot each).
 inline Plan build_plan(int p, int m, int V, Schedule sched, std::vector<int> layers = {}) {
   if (layers.empty()) layers.assign(size_t(p * V), 1);
-  Plan pl = Simulator(p, m, V, sched == Schedule::ZBH1, layers).run(sched);
+  Plan pl = Simulator(p, m, V, sched, layers).run(sched);
   pl.layers = std::move(layers);
   add_p2p(pl);
   return pl;
@@ -441,12 +501,12 @@ inline std::pair<int, int> stage_units(const std::vector<int>& split, int k) {
   const int K = int(split.size());
   return {k == 0 ? 0 : 1 + first, k == K - 1 ? L + 2 : 1 + first + split[size_t(k)]};
 }
-inline ShardSpec shard_spec(const std::vector<int>& split, int p, int V, int rank) {
+inline ShardSpec shard_spec(const std::vector<int>& split, int p, int V, int rank, Schedule sched = Schedule::OneFOneB) {
   ShardSpec s;
-  for (int ch = 0; ch < V; ch++) s.unit_runs.push_back(stage_units(split, ch * p + rank));
+  for (int ch = 0; ch < V; ch++) s.unit_runs.push_back(stage_units(split, virtual_stage(sched, p, rank, ch)));
   return s;
 }
-inline ShardSpec shard_spec(const Plan& pl, int rank) { return shard_spec(pl.layers, pl.p, pl.V, rank); }
+inline ShardSpec shard_spec(const Plan& pl, int rank) { return shard_spec(pl.layers, pl.p, pl.V, rank, pl.schedule); }
 // The decoder layers rank `rank` holds over its V chunks.
 inline int rank_layers(const std::vector<int>& split, int p, int rank) {
   int n = 0;
@@ -454,11 +514,27 @@ inline int rank_layers(const std::vector<int>& split, int p, int rank) {
   return n;
 }
 
+// DualPipeV: two stages per rank, 2p equal ones (the V pairs a stage's forward with another's
+// backward, which balances only when they cost the same), and at least 2p micro-batches (its step 4
+// runs m − 2p + s + 1 times; DualPipeV.step() asserts num_chunks >= 2 · num_ranks).
+inline void validate_dualpipev(const RunConfig& rc, int p, int V) {
+  const int m = rc.batch / rc.micro_batch;
+  if (V != 2)
+    config_error("--schedule dualpipev places two stages on each rank (stage s and stage 2·pp − 1 − s), not "
+                 "--virtual-stages %d", V);
+  if (rc.model.layers % (2 * p))
+    config_error("--schedule dualpipev needs --layers %d divisible by 2 × --pp %d = %d stages", rc.model.layers, p,
+                 2 * p);
+  if (m < 2 * p)
+    config_error("--schedule dualpipev needs at least 2 × --pp %d = %d micro-batches per step (got %d = batch %d / "
+                 "micro-batch %d)", p, 2 * p, m, rc.batch, rc.micro_batch);
+}
 inline void validate(const RunConfig& rc, int p, int V, Schedule sched) {
   if (p < 1) config_error("--pp must be >= 1 (got %d)", p);
   if (V < 1) config_error("--virtual-stages must be >= 1 (got %d)", V);
-  if (V > 1 && sched != Schedule::Interleaved)
+  if (V > 1 && sched != Schedule::Interleaved && sched != Schedule::DualPipeV)
     config_error("--virtual-stages %d needs --schedule interleaved (got %s)", V, schedule_name(sched));
+  if (sched == Schedule::DualPipeV) validate_dualpipev(rc, p, V);
   if (rc.model.layers < p * V)
     config_error("--layers %d is fewer than --pp %d × --virtual-stages %d: every virtual stage holds at least one layer",
                  rc.model.layers, p, V);
@@ -471,7 +547,7 @@ inline void validate(const RunConfig& rc, int p, int V, Schedule sched) {
 
 // ----- predict: memory and p2p bytes per stage (notes/05 derives each line) ------------------------
 
-// What one layer still holds between its B and its W under ZB-H1, per token: the snapshotted
+// What one layer still holds between its B and its W (ZB-H1, DualPipeV), per token: the snapshotted
 // output gradients of its seven matmuls (q D, k and v KV each, o D, gate and up F, down D) and
 // the inputs they multiply (h1, y, h2, silu(g)·u).
 inline double deferred_bytes_per_token(const ModelConfig& c, DType dt) {
@@ -508,12 +584,17 @@ inline double predict_stage_activations(const Plan& pl, int rank, const ModelCon
   for (const TimedAction& t : pl.timeline[rank]) {
     const Action& a = t.action;
     const bool last = pl.stage(rank, a.chunk) == pl.K() - 1;
-    const double n = pl.layers[size_t(pl.stage(rank, a.chunk))];
+    const int k = pl.stage(rank, a.chunk);
+    const double n = pl.layers[size_t(k)];
     if (a.op == Op::F) {
+      // An output the stage before left on this rank (DualPipeV's turn) is now the first layer's input.
+      if (k > 0 && stage_rank(pl, k - 1) == rank) held -= output;
       peak = std::max(peak, held + (n - 1) * saved + complete + output);
       if (last) peak = std::max(peak, held + n * saved + head_activation_bytes(c, dt, tp, sp));
       held += n * saved;
-    } else if (a.op == Op::B && pl.schedule == Schedule::ZBH1) {
+      // Not sent: the output waits here for the next stage's F, whatever runs in between.
+      if (!last && stage_rank(pl, k + 1) == rank) held += output;
+    } else if (a.op == Op::B && splits_backward(pl.schedule)) {
       held -= n * saved;
       // Inside the B of the chunk's i-th layer from the top: n − 1 − i layers still saved, i deferred.
       for (int i = 0; i < int(n); i++)
@@ -531,14 +612,25 @@ inline double predict_stage_activations(const Plan& pl, int rank, const ModelCon
 // micro-batch each way), except past the ends of the pipeline.
 // token_share: the part of a micro-batch's tokens a rank's residual stream holds (1/tp under
 // 04's sequence parallelism).
+inline double p2p_tensor_bytes(const ModelConfig& c, int64_t b, DType dt, double token_share) {
+  return double(b) * c.seq * token_share * c.dim * dtype_size(dt);  // [b·s, h]
+}
 inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, int p, int m, int V, int rank,
                                  double token_share = 1.0) {
   if (p == 1) return 0;
-  const double tensor_bytes = double(b) * c.seq * token_share * c.dim * dtype_size(dt);  // [b·s, h]
+  const double tensor_bytes = p2p_tensor_bytes(c, b, dt, token_share);
   // m·V of each, less the last virtual stage's activations and the first's gradients (rank p − 1's
   // and rank 0's last and first chunks: they have no next or previous stage).
   const double acts = double(m) * V - (rank == p - 1 ? m : 0), grads = double(m) * V - (rank == 0 ? m : 0);
   return (acts + grads) * tensor_bytes;
+}
+// The same counted off the plan's lists, which any placement has: under DualPipeV the ranks at the
+// ends send 2m tensors (rank 0's last stage and rank p − 1's turn send nothing on), the others 4m.
+inline double predict_send_bytes(const ModelConfig& c, int64_t b, DType dt, const Plan& pl, int rank,
+                                 double token_share = 1.0) {
+  int sends = 0;
+  for (const Action& a : pl.actions[size_t(rank)]) sends += is_send(a.op);
+  return sends * p2p_tensor_bytes(c, b, dt, token_share);
 }
 
 // ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
@@ -557,7 +649,7 @@ inline void price_pipeline(StepTerms& s, const Network& net, const RunConfig& rc
   s.t_bubble = s.bubble * (s.t_compute + s.t_tp);
   double send = 0;
   for (int r = 0; r < pl.p; r++)
-    send = std::max(send, predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, r, token_share));
+    send = std::max(send, predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl, r, token_share));
   s.t_pp = collective_seconds(net, Collective::P2P, send, p2p_calls(micro_batches, pl.V), nodes);
 }
 
@@ -577,6 +669,31 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& pl, int 
   return p;
 }
 
+// The most micro-batch chunks a rank holds saved activations for at once (F run, B not yet).
+inline int peak_in_flight(const Plan& pl, int rank) {
+  int held = 0, peak = 0;
+  for (const TimedAction& t : pl.timeline[size_t(rank)]) {
+    held += t.action.op == Op::F ? 1 : t.action.op == Op::B ? -1 : 0;
+    peak = std::max(peak, held);
+  }
+  return peak;
+}
+
+// The simulated bubble against its formula; DualPipeV's also against the DualPipe README's table
+// (idle slots per rank, chunks in flight) and beside 1F1B's and ZB-H1's at the same p and m, whose
+// stages hold twice the layers (a slot there is two of DualPipeV's): the ratios compare.
+inline void log_bubble(RunLog& log, const Plan& pl) {
+  log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(),
+           bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  if (pl.schedule != Schedule::DualPipeV) return;
+  const Plan one = build_plan(pl.p, pl.m, 1, Schedule::OneFOneB), zb = build_plan(pl.p, pl.m, 1, Schedule::ZBH1);
+  log.line("  beside it: 1f1b simulated %.4f, formula %.4f; zb-h1 simulated %.4f, formula %.4f", one.bubble(),
+           bubble_formula(one.schedule, pl.p, pl.m, 1), zb.bubble(), bubble_formula(zb.schedule, pl.p, pl.m, 1));
+  log.line("  idle slots per rank: simulated %d, DualPipe's (PP/2 - 1)(F&B + B - 3W) = %d (F = W = 1, B = 2, F&B = 3); "
+           "chunks in flight on rank 0: %d, its table's PP + 1 = %d", pl.makespan - pl.busiest(),
+           dualpipev_idle_slots(pl.p), peak_in_flight(pl, 0), 2 * pl.p + 1);
+}
+
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool chart) {
   print_model(log, rc.model);
   log.line("pp %d, schedule %s, %d virtual stage%s per rank, layers per virtual stage %s; m = %d micro-batch%s of %d",
@@ -587,10 +704,9 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool ch
     log.line("  stage %d: params %s, grads %s, optimizer %s, activations %s; p2p sent per step %s", s,
              human_bytes(mp.params).c_str(), human_bytes(mp.grads).c_str(), human_bytes(mp.optimizer).c_str(),
              human_bytes(mp.activations).c_str(),
-             human_bytes(predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, s)).c_str());
+             human_bytes(predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl, s)).c_str());
   }
-  log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(),
-           bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  log_bubble(log, pl);
   // The default micro-batch is the whole batch (m = 1): the stages then take turns.
   const int most = pl.m * rc.micro_batch;  // micro-batches of one sequence each
   if (pl.p > 1 && pl.m < pl.p && rc.micro_batch > 1)
@@ -603,7 +719,8 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool ch
 // What the memory table's comm row holds: copies of sends not yet known to be received, which
 // only lists that cannot post each send with its receive keep (the executor's flush()).
 inline std::string comm_holds(const Plan& pl) {
-  return completes_under_rendezvous(pl) ? "" : "copies of the sends still in flight (interleaved)";
+  if (completes_under_rendezvous(pl)) return "";
+  return "copies of the sends still in flight (" + std::string(schedule_name(pl.schedule)) + ")";
 }
 
 // ----- the executor -------------------------------------------------------------------------------
@@ -677,7 +794,7 @@ class Pipeline {
         acts_[key(a.mb, k + 1)] = x;
       }
     } else if (a.op == Op::B) {
-      const bool defer = pl_.schedule == Schedule::ZBH1;
+      const bool defer = splits_backward(pl_.schedule);
       TraceScope ts((defer ? "B (input grad)" : "B") + what);
       Tensor dx = take(grads_, key(a.mb, k));
       // The head (unit L + 1) ran its backward inside its F; the other units go top down.
@@ -703,8 +820,8 @@ class Pipeline {
 
   // Rendezvous-safe lists (AFAB, 1F1B, ZB-H1): a group's sends and receives are posted together
   // (a send and a receive as one send_recv, which NCCL groups) and waited for together.
-  // Otherwise (interleaved: one link carries both directions of several chunks in orders that
-  // differ at its two ends) a send goes out from a copy (Tag::Comm) without waiting, and only
+  // Otherwise (interleaved and DualPipeV: one link carries both directions of several chunks in
+  // orders that differ at its two ends) a send goes out from a copy (Tag::Comm) without waiting, and only
   // receives block. Every receive's message was sent at an earlier slot of the simulation, whose
   // order each list keeps, so by induction over the slots every receive completes. That needs MPI's
   // semantics (tags, sends that complete unmatched), so such a list's messages travel by MPI even
@@ -772,8 +889,9 @@ class Pipeline {
 using namespace ts;
 
 static const char* kDoc =
-    "05_pipeline_parallel: pipeline parallelism with the AFAB (GPipe), 1F1B, interleaved 1F1B and ZB-H1 schedules.\n"
-    "usage: mpirun -np P 05_pipeline_parallel --pp P --schedule afab|1f1b|interleaved|zb-h1 [--virtual-stages V] [flags]";
+    "05_pipeline_parallel: pipeline parallelism with the AFAB (GPipe), 1F1B, interleaved 1F1B, ZB-H1 and DualPipeV schedules.\n"
+    "usage: mpirun -np P 05_pipeline_parallel --pp P --schedule afab|1f1b|interleaved|zb-h1|dualpipev [--virtual-stages V] "
+    "[flags]";
 
 // Every stage runs its list; the last holds the loss (the others add 0), every stage holds
 // different parameters, so the gradient norm is summed over the pp group.
@@ -796,7 +914,7 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
   const double mine[6] = {double(mem_stats(mesh.device).peak[int(Tag::Activations)]),
                           pp::predict_stage_activations(pl, mesh.pp_rank, rc.model, rc.micro_batch, rc.dtype, rc.recompute),
                           sent / double(std::max(1L, steps)),
-                          pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl.p, pl.m, pl.V, mesh.pp_rank),
+                          pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl, mesh.pp_rank),
                           pipe.idle_us(), pipe.busy_us()};
   std::vector<double> all(size_t(6 * pl.p));
   watched_gather(mine, 6, MPI_DOUBLE, all.data(), 0, g.mpi(), "gather (the stage report)");
@@ -814,7 +932,7 @@ static Json stage_report(RunLog& log, Mesh& mesh, const RunConfig& rc, const pp:
              human_bytes(v[2]).c_str(), human_bytes(v[3]).c_str(), v[5] > 0 ? v[4] / v[5] : 0.0);
     stages.push_back(std::move(j));
   }
-  log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
+  pp::log_bubble(log, pl);
   const ThreadChoice& t = thread_choice();
   const bool crowded = t.local_ranks * t.threads > t.cores;
   if (crowded)
@@ -839,12 +957,14 @@ struct PipeFlags {
 };
 static pp::Plan make_plan(const RunConfig& rc, const PipeFlags& f) {
   pp::Schedule sched;
-  if (!pp::parse_schedule(f.schedule, sched))
-    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", f.schedule.c_str());
-  pp::validate(rc, f.p, f.V, sched);
+  if (!pp::parse_schedule(f.schedule, sched, true))
+    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved, zb-h1 or dualpipev)", f.schedule.c_str());
+  // DualPipeV's V is two stages per rank: the default --virtual-stages 1 means its own 2.
+  const int V = sched == pp::Schedule::DualPipeV && f.V == 1 ? 2 : f.V;
+  pp::validate(rc, f.p, V, sched);
   const pp::Plan plan =
-      pp::build_plan(f.p, rc.batch / rc.micro_batch, f.V, sched, pp::stage_split(f.split, rc.model.layers, f.p * f.V));
-  TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks", pp::schedule_name(sched), f.p, plan.m, f.V);
+      pp::build_plan(f.p, rc.batch / rc.micro_batch, V, sched, pp::stage_split(f.split, rc.model.layers, f.p * V));
+  TS_CHECK(plan.complete, "schedule %s at pp %d, m %d, V %d deadlocks", pp::schedule_name(sched), f.p, plan.m, V);
   return plan;
 }
 
@@ -865,7 +985,7 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
   loop.comm = [&, steps_run](long n) {
     *steps_run = n;
     std::map<std::string, double> pred = {
-        {"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, plan.p, plan.m, plan.V, 0)}, {"recv", 0.0}};
+        {"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, plan, 0)}, {"recv", 0.0}};
     return comm_report(log, mesh.pp(), n, pred);
   };
   loop.extra = [&, steps_run](Json& s) { s["pp"] = stage_report(log, mesh, rc, plan, pipe, *steps_run); };
@@ -875,8 +995,8 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
 static PipeFlags read_pipe_flags(Args& args, MeshConfig& mc) {
   PipeFlags f;
   f.p = mc.pp = args.get_int("--pp", 1, "pipeline-parallel degree (= number of ranks)", degree_range());
-  f.schedule = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1");
-  f.V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved): V·pp virtual stages");
+  f.schedule = args.get_str("--schedule", "1f1b", "afab | 1f1b | interleaved | zb-h1 | dualpipev");
+  f.V = args.get_int("--virtual-stages", 1, "chunks per rank (interleaved; dualpipev: 2): V·pp virtual stages");
   f.split = args.get_str("--stage-layers", "", "layers per virtual stage a,b,… (default: even, or the ends lighter)");
   f.chart = args.get_bool("--schedule-chart", "print each rank's timeline of the schedule (unit costs)");
   return f;

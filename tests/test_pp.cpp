@@ -29,6 +29,7 @@ std::string args(int layers, int batch, const std::string& extra = "") {
 const Run& single(int layers, int batch, const std::string& extra = "") {
   return tst::cached_run("01_single_gpu", 1, args(layers, batch, extra));
 }
+const pp::Schedule kDual = pp::Schedule::DualPipeV;
 const Run& pipe(int p, pp::Schedule s, int layers, int batch, const std::string& extra = "") {
   const std::string v = s == pp::Schedule::Interleaved ? " --virtual-stages 2 " : " ";
   return tst::cached_run("05_pipeline_parallel", p,
@@ -43,42 +44,93 @@ const Json& stage(const Run& r, int s) { return r.log.summary.at("pp").at("stage
 
 // ----- the action lists ------------------------------------------------------------------------------
 
+// A plan that completes runs one action at a time per rank, each (op, micro-batch, virtual stage)
+// exactly once (per: 2 for F and B, 3 with W), and each after the actions it needs.
+void check_once_in_order(const pp::Plan& pl, int per) {
+  REQUIRE(pl.complete);
+  std::map<std::tuple<int, int, int>, int> finish;  // (op, mb, virtual stage) -> finish slot
+  int count = 0;
+  for (int r = 0; r < pl.p; r++) {
+    int free = 0;
+    for (const pp::TimedAction& t : pl.timeline[r]) {
+      CHECK(t.start >= free);  // one action at a time per rank
+      free = t.start + t.slots;
+      const int k = pl.stage(r, t.action.chunk);
+      CHECK(finish.emplace(std::make_tuple(int(t.action.op), t.action.mb, k), free).second);  // exactly once
+      count++;
+    }
+  }
+  CHECK(count == per * pl.m * pl.K());
+  for (int r = 0; r < pl.p; r++)
+    for (const pp::TimedAction& t : pl.timeline[r]) {
+      const int k = pl.stage(r, t.action.chunk), K = pl.K();
+      auto done_by = [&](pp::Op op, int kk) { return finish.at(std::make_tuple(int(op), t.action.mb, kk)) <= t.start; };
+      if (t.action.op == pp::Op::F && k > 0) CHECK(done_by(pp::Op::F, k - 1));
+      if (t.action.op == pp::Op::B) CHECK(done_by(pp::Op::F, k));
+      if (t.action.op == pp::Op::B && k < K - 1) CHECK(done_by(pp::Op::B, k + 1));
+      if (t.action.op == pp::Op::W) CHECK(done_by(pp::Op::B, k));
+    }
+}
+
 TEST_CASE("every micro-batch gets one F and one B (and one W) per chunk, in dependency order", "[05][schedule]") {
   for (pp::Schedule s : kAll)
     for (int p = 1; p <= 5; p++)
       for (int m = 1; m <= 12; m++) {
         const int V = s == pp::Schedule::Interleaved ? 2 : 1;
         if (s == pp::Schedule::Interleaved && m % p) continue;
-        const pp::Plan pl = pp::build_plan(p, m, V, s);
         INFO(pp::schedule_name(s) << " p " << p << " m " << m);
-        REQUIRE(pl.complete);
-        std::map<std::tuple<int, int, int>, int> finish;  // (op, mb, virtual stage) -> finish slot
-        int count = 0;
-        for (int r = 0; r < p; r++) {
-          int free = 0;
-          for (const pp::TimedAction& t : pl.timeline[r]) {
-            CHECK(t.start >= free);  // one action at a time per rank
-            free = t.start + t.slots;
-            const int k = pl.stage(r, t.action.chunk);
-            CHECK(finish.emplace(std::make_tuple(int(t.action.op), t.action.mb, k), free).second);  // exactly once
-            count++;
-          }
-        }
-        const int per = s == pp::Schedule::ZBH1 ? 3 : 2;
-        CHECK(count == per * m * V * p);
-        for (int r = 0; r < p; r++)
-          for (const pp::TimedAction& t : pl.timeline[r]) {
-            const int k = pl.stage(r, t.action.chunk), K = pl.K();
-            auto done_by = [&](pp::Op op, int kk) {
-              return finish.at(std::make_tuple(int(op), t.action.mb, kk)) <= t.start;
-            };
-            if (t.action.op == pp::Op::F && k > 0) CHECK(done_by(pp::Op::F, k - 1));
-            if (t.action.op == pp::Op::B) CHECK(done_by(pp::Op::F, k));
-            if (t.action.op == pp::Op::B && k < K - 1) CHECK(done_by(pp::Op::B, k + 1));
-            if (t.action.op == pp::Op::W) CHECK(done_by(pp::Op::B, k));
-          }
+        check_once_in_order(pp::build_plan(p, m, V, s), s == pp::Schedule::ZBH1 ? 3 : 2);
       }
 }
+
+// DualPipeV (deepseek-ai/DualPipe's dualpipev.py): rank r holds stages r and 2p − 1 − r; its lists
+// complete for every p and m >= 2p, with each B's W (deferred or at once) once per stage.
+TEST_CASE("DualPipeV: the V placement; F, B and W once per stage, in dependency order, for p 1..8", "[05][schedule][dualpipev]") {
+  for (int p : {1, 2, 3, 4, 8})
+    for (int m = 2 * p; m <= 4 * p + 1; m++) {
+      const pp::Plan pl = pp::build_plan(p, m, 2, kDual);
+      INFO("p " << p << " m " << m);
+      check_once_in_order(pl, 3);
+      for (int r = 0; r < p; r++) {
+        CHECK(pl.stage(r, 0) == r);
+        CHECK(pl.stage(r, 1) == 2 * p - 1 - r);
+        CHECK(pp::stage_rank(pl, r) == r);
+        CHECK(pp::stage_rank(pl, 2 * p - 1 - r) == r);
+      }
+      // Both directions of each link carry two chunks' messages, in orders that differ at its two
+      // ends: the executor's buffered sends, as for interleaved (at p 1 nothing travels).
+      CHECK(pp::completes_under_rendezvous(pl) == (p == 1));
+      CHECK(pp::comm_holds(pl) == (p == 1 ? "" : "copies of the sends still in flight (dualpipev)"));
+    }
+  // Rank 0 holds the embedding with stage 0 and the head with stage 2p − 1 (units 0 and L + 1).
+  const pp::Plan pl = pp::build_plan(4, 8, 2, kDual, std::vector<int>(8, 1));
+  CHECK(pp::shard_spec(pl, 0).unit_runs == std::vector<std::pair<int, int>>{{0, 2}, {8, 10}});
+  CHECK(pp::shard_spec(pl, 3).unit_runs == std::vector<std::pair<int, int>>{{4, 5}, {5, 6}});
+}
+
+// The DualPipe README's table charges (PP/2 − 1)(F&B + B − 3W) idle per rank: 2(p − 1) slots with
+// F = W = 1, B = 2 and a pair F&B = F + B = 3. Here a pair is only an order, so its F runs as soon as
+// its own input is there: rank s idles s slots before its first forward arrives and p − 1 − s after
+// its last, waiting for the backwards of the last micro-batch to come back down: p − 1 in all, half
+// the table's, over 6m busy slots. 1F1B idles 3(p − 1) of its slots (twice as long: 6(p − 1) of
+// DualPipeV's), ZB-H1 p − 1 (2(p − 1)).
+TEST_CASE("DualPipeV's bubble: p − 1 idle slots per rank, (p − 1)/(6m); 2p + 1 chunks in flight on rank 0",
+          "[05][schedule][dualpipev]") {
+  for (int p : {1, 2, 4, 8})
+    for (int m = 2 * p; m <= 4 * p; m++) {
+      const pp::Plan pl = pp::build_plan(p, m, 2, kDual);
+      INFO("p " << p << " m " << m);
+      CHECK(pl.makespan == 6 * m + p - 1);
+      for (int r = 0; r < p; r++) CHECK(pl.busy(r) == 6 * m);
+      CHECK(pl.bubble() == Approx((p - 1.0) / (6.0 * m)).epsilon(1e-12));
+      CHECK(pp::dualpipev_idle_slots(p) == 2 * (p - 1));
+      CHECK(pp::bubble_formula(kDual, p, m, 2) == Approx(2 * pl.bubble()).epsilon(1e-12));
+      CHECK(pp::bubble_formula(kDual, p, m, 2) == pp::bubble_formula(pp::Schedule::ZBH1, p, m, 1));
+      CHECK(pp::peak_in_flight(pl, 0) == 2 * p + 1);  // the table's PP + 1, PP = 2p stages
+      if (p > 1) CHECK(pl.bubble() < pp::build_plan(p, m, 1, pp::Schedule::ZBH1).bubble());
+    }
+}
+
 
 TEST_CASE("simulated bubbles: (p−1)/m for AFAB and 1F1B, (p−1)/(V·m) interleaved, ZB-H1 below 1F1B", "[05][schedule]") {
   for (int p = 2; p <= 8; p++)
@@ -135,9 +187,33 @@ TEST_CASE("p2p lists: rendezvous-safe for AFAB, 1F1B and ZB-H1; message counts e
           // One unit of b·s·h·bytes per message.
           const ModelConfig c;
           CHECK(sends * double(c.seq) * c.dim * 4 == pp::predict_send_bytes(c, 1, DType::F32, p, m, V, r));
+          CHECK(pp::predict_send_bytes(c, 1, DType::F32, pl, r) == pp::predict_send_bytes(c, 1, DType::F32, p, m, V, r));
         }
         CHECK(sent == received);  // every message sent is received once
       }
+}
+
+// DualPipeV: the ranks at the ends send 2m tensors, the others 4m (rank p − 1 turns the V on itself).
+TEST_CASE("DualPipeV's p2p: every message sent is received; 2m tensors sent at the ends, 4m between", "[05][schedule][dualpipev]") {
+  const ModelConfig c;
+  const double tensor = double(c.seq) * c.dim * 4;
+  for (int p : {1, 2, 3, 4, 8})
+    for (int m : {2 * p, 2 * p + 3}) {
+      const pp::Plan pl = pp::build_plan(p, m, 2, kDual);
+      INFO("p " << p << " m " << m);
+      std::multiset<std::pair<int, int>> sent, received;
+      for (int r = 0; r < p; r++) {
+        for (const pp::Action& a : pl.actions[r]) {
+          if (pp::is_compute(a.op)) continue;
+          const pp::Message msg = pp::message_of(pl, r, a);
+          CHECK(std::abs(pp::peer_of(pl, r, a) - r) == 1);  // only neighbours talk
+          (pp::is_send(a.op) ? sent : received).insert({msg.dir, msg.mb * pl.K() + msg.from});
+        }
+        const int tensors = p == 1 ? 0 : r == 0 || r == p - 1 ? 2 * m : 4 * m;
+        CHECK(pp::predict_send_bytes(c, 1, DType::F32, pl, r) == tensors * tensor);
+      }
+      CHECK(sent == received);
+    }
 }
 
 TEST_CASE("--schedule-chart prints the timeline: 1F1B at p 4, m 8", "[05][schedule]") {
@@ -152,6 +228,20 @@ TEST_CASE("--schedule-chart prints the timeline: 1F1B at p 4, m 8", "[05][schedu
   CHECK(r.output.find("simulated 0.1250, formula 0.1250") != std::string::npos);
 }
 
+TEST_CASE("--schedule-chart draws DualPipeV: pp 2, m 4, with 1F1B and ZB-H1 beside it", "[05][schedule][dualpipev]") {
+  tst::Result r = tst::run_bin("05_pipeline_parallel",
+                               "--dry-run --pp 2 --layers 4 --schedule dualpipev --batch 4 --micro-batch 1 --schedule-chart", 1, 60);
+  CHECK(r.status == 0);
+  for (const char* line : {"stage 0 |FFFfbwfFbwfBWbwfBWbwBW.BW|", "stage 1 |.FfFfFbwfBWFbwfBWbwBWbBwW|",
+                           "simulated 0.0417, formula 0.0833",
+                           "1f1b simulated 0.2500, formula 0.2500; zb-h1 simulated 0.0833, formula 0.0833",
+                           "idle slots per rank: simulated 1, DualPipe's (PP/2 - 1)(F&B + B - 3W) = 2",
+                           "chunks in flight on rank 0: 5, its table's PP + 1 = 5"}) {
+    INFO(line << "\n" << r.output);
+    CHECK(r.output.find(line) != std::string::npos);
+  }
+}
+
 // ----- end to end against 01 ---------------------------------------------------------------------------
 
 // Equal to 01 by the one criterion of tests/test_util.h (check_equivalent), and more: each stage
@@ -162,6 +252,17 @@ TEST_CASE("--schedule-chart prints the timeline: 1F1B at p 4, m 8", "[05][schedu
 // by stage, which may move the clip coefficient by an ulp of its double: the losses are held to
 // 1e-12 relative and the weights to 1e-6 absolute.
 const double kSameKernelsLoss = 1e-12, kSameKernelsWeight = 1e-6;
+// Every stage's activations and sends, and rank 0's states, measured equal to predicted.
+void check_predicted(const Run& t, int p) {
+  for (int st = 0; st < p; st++) {
+    INFO("stage " << st);
+    CHECK(stage(t, st).at("activations_measured").as_double() == stage(t, st).at("activations_predicted").as_double());
+    CHECK(stage(t, st).at("send_bytes").as_double() == stage(t, st).at("send_predicted").as_double());
+  }
+  for (const char* cat : {"params", "grads", "optimizer"})
+    CHECK(t.log.summary.at("memory").at(cat).at("measured").as_double() ==
+          t.log.summary.at("memory").at(cat).at("predicted").as_double());
+}
 void check_same_kernels(const Run& t, const Run& ref) {
   tst::check_equivalent(t, ref);
   CHECK(tst::max_rel_diff(t.log.losses(), ref.log.losses()) <= kSameKernelsLoss);
@@ -185,6 +286,27 @@ TEST_CASE("pp 2 and 4 × every schedule × m ∈ {p, 2p, not a multiple of p} re
           CHECK(t.log.steps[size_t(i)].at("grad_norm").as_double() ==
                 Approx(ref.log.steps[size_t(i)].at("grad_norm").as_double()).epsilon(1e-12));
       }
+}
+
+// DualPipeV at pp 2 (4 layers: 4 stages of 1) and pp 4 (8 layers: 8 stages of 1), m = 2p and 2p + 1:
+// 01's losses and weights (every W of a unit in micro-batch order, as 01 accumulates), each rank's
+// activations, sends and states as predicted: rank 0 holds the embedding, the head and two layers.
+TEST_CASE("DualPipeV at pp 2 and 4 reproduces 01; activations, sends and states as predicted",
+          "[05][e2e][equiv][dualpipev]") {
+  for (int p : {2, 4})
+    for (int m : {2 * p, 2 * p + 1}) {
+      if (p == 4 && m != 2 * p) continue;  // one pp 4 run keeps the test short
+      const Run& ref = single(2 * p, m);
+      const Run& t = pipe(p, kDual, 2 * p, m);
+      INFO("dualpipev pp " << p << " m " << m);
+      REQUIRE(t.log.steps.size() == size_t(kSteps));
+      check_same_kernels(t, ref);
+      check_predicted(t, p);
+      // Tiny: dim 64, kv dim 32, ffn 160; the embedding and the head 256 × 64 each, the final norm 64.
+      const double layer = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64 + 2 * 64, head_norm = 64;
+      CHECK(t.log.summary.at("memory").at("params").at("measured").as_double() == 4 * (2 * 256 * 64 + 2 * layer + head_norm));
+      CHECK(t.log.summary.at("pp").at("bubble_simulated").as_double() == Approx((p - 1.0) / (6.0 * m)).epsilon(1e-12));
+    }
 }
 
 TEST_CASE("recompute full and selective under 1F1B, interleaved and ZB-H1 reproduce 01", "[05][e2e][equiv]") {
@@ -320,14 +442,7 @@ TEST_CASE("uneven stages under every schedule reproduce 01; each stage's memory 
     INFO(pp::schedule_name(c.s) << " pp " << c.p << " layers " << c.layers << " " << flag);
     REQUIRE(t.log.steps.size() == size_t(kSteps));
     check_same_kernels(t, ref);
-    for (int st = 0; st < c.p; st++) {
-      INFO("stage " << st);
-      CHECK(stage(t, st).at("activations_measured").as_double() == stage(t, st).at("activations_predicted").as_double());
-      CHECK(stage(t, st).at("send_bytes").as_double() == stage(t, st).at("send_predicted").as_double());
-    }
-    for (const char* cat : {"params", "grads", "optimizer"})
-      CHECK(t.log.summary.at("memory").at(cat).at("measured").as_double() ==
-            t.log.summary.at("memory").at(cat).at("predicted").as_double());
+    check_predicted(t, c.p);
   }
   // Stage 0 of "1,4" holds the embedding and one layer (params on rank 0, what the table reports).
   const double layer = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64 + 2 * 64;
@@ -358,6 +473,9 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {4, "--pp 4 --layers 8 --schedule interleaved --virtual-stages 2 --batch 6", "to be a multiple of --pp 4"},
       {2, "--pp 2 --layers 4 --schedule gpipe", "unknown --schedule 'gpipe'"},
       {2, "--pp 2 --layers 4 --virtual-stages 2", "--virtual-stages 2 needs --schedule interleaved"},
+      {2, "--pp 2 --layers 6 --schedule dualpipev", "--schedule dualpipev needs --layers 6 divisible by 2 × --pp 2 = 4 stages"},
+      {2, "--pp 2 --layers 4 --schedule dualpipev --batch 3", "needs at least 2 × --pp 2 = 4 micro-batches per step (got 3 = batch 3 / micro-batch 1)"},
+      {2, "--pp 2 --layers 4 --schedule dualpipev --virtual-stages 3", "--schedule dualpipev places two stages on each rank"},
       {2, "--pp 4 --layers 4", "needs 4 ranks but the job has 2"},
   });
 }
