@@ -602,10 +602,7 @@ std::string waits_for(const Op& o) {
 void report_stuck(const Launch& L, double waited) {
   const Op* first = nullptr;
   for (auto& o : L.ops)
-    if (o->state == Op::Running && !o->broken) {
-      if (!first) first = o.get();
-      o->comm->fail(ncclRemoteError);
-    }
+    if (o->state == Op::Running && !o->broken && !first) first = o.get();
   if (!first) return;  // every waiting operation was already named as a mismatch
   std::string later;
   {
@@ -615,6 +612,10 @@ void report_stuck(const Launch& L, double waited) {
   std::string group = L.ops.size() > 1 ? " (in a group of " + std::to_string(L.ops.size()) + " operations)" : "";
   emu::report("%s on %s%s waited %.0f s %s%s", first->what.c_str(), first->comm->label().c_str(), group.c_str(),
               waited, waits_for(*first).c_str(), later.c_str());
+  // The errors only after the report: a host thread that sees one (ncclCommGetAsyncError) then finds
+  // the report written, however the threads are scheduled.
+  for (auto& o : L.ops)
+    if (o->state == Op::Running && !o->broken) o->comm->fail(ncclRemoteError);
 }
 
 void start(Op& o) {
