@@ -149,6 +149,10 @@ class ExpertParallelMoe : public MoeBlock {
   // Wire bytes this rank's all-to-alls send, from the routing counts (the measured bytes exactly);
   // over predict_balanced_bytes it is the routing's imbalance factor.
   double routed_bytes = 0;
+  // Of routed_bytes, those to and from ep ranks on another node (nodes: the node of each ep rank,
+  // mesh.h's node_of_ranks): what would cross the inter-node network (InfiniBand) on a cluster.
+  double inter_node_bytes = 0;
+  std::vector<int> nodes;
   // The most rows this rank's experts received in one layer's forward, over balanced routing's N·K:
   // the expert activations it saves grow by this factor over the balanced prediction.
   double busiest_rows = 0;
@@ -175,11 +179,13 @@ class ExpertParallelMoe : public MoeBlock {
   // One dispatch and one combine: the rows sent to and received from the other ranks, each a row
   // of D elements; plus the counts exchange (E/ep int32 to each other rank) when count_ints = E.
   void tally(const Exchange& xc, const Model& m, int count_ints) {
-    double rows_out = 0;
-    for (int p = 0; p < ep_.size(); p++)
-      if (p != ep_.rank()) rows_out += double(xc.send_rows[size_t(p)] + xc.recv_rows[size_t(p)]);
-    routed_bytes += rows_out * m.cfg.dim * dtype_size(m.dtype);
-    routed_bytes += double(count_ints) / ep_.size() * (ep_.size() - 1) * 4;
+    for (int p = 0; p < ep_.size(); p++) {
+      if (p == ep_.rank()) continue;
+      const double rows_out = double(xc.send_rows[size_t(p)] + xc.recv_rows[size_t(p)]);
+      const double b = rows_out * m.cfg.dim * dtype_size(m.dtype) + double(count_ints) / ep_.size() * 4;
+      routed_bytes += b;
+      if (!nodes.empty() && nodes[size_t(p)] != nodes[size_t(ep_.rank())]) inter_node_bytes += b;
+    }
   }
   Comm& ep_;
   int per_ = 1;
@@ -295,6 +301,18 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
   log.line("per-rank all_to_all per step (balanced): %s", human_bytes(predict_balanced_bytes(rc, dp, ep)).c_str());
 }
 
+// The nodes the ep group spans, as MPI reports them (mesh.h's node_of_ranks; collective over the
+// world): an all-to-all between ranks of two nodes crosses the inter-node network, one inside a
+// node stays on its NVLink.
+inline std::vector<int> report_nodes(RunLog& log, Comm& group) {
+  const std::vector<int> nodes = node_of_ranks(group);
+  std::string each;
+  for (int n : nodes) each += " " + std::to_string(n);
+  log.line("ep group: %d ranks on %d node(s) (MPI_COMM_TYPE_SHARED); node of each ep rank:%s", group.size(),
+           *std::max_element(nodes.begin(), nodes.end()) + 1, each.c_str());
+  return nodes;
+}
+
 // The predictions above assume balanced routing; a real router is not. Its imbalance, from this
 // run's routing counts (rank 0's): the all-to-all bytes over the balanced prediction, and the most
 // rows rank 0's experts received in a layer over the balanced N·K (its MoE activations grow so).
@@ -368,6 +386,7 @@ static StepResult train_step(Model& model, AdamW& opt, Reducers& reducers, const
 static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
                         ep::ExpertParallelMoe& moe) {
   loop.predicted = ep::predict_memory(rc, mesh.cfg.ep);
+  moe.nodes = ep::report_nodes(log, mesh.ep());
   loop.save = [&](long step) {
     std::vector<CheckpointSlice> mine;
     if (mesh.dp_rank < mesh.cfg.ep) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
@@ -381,8 +400,13 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
     const ep::ParamSplit split = ep::param_split(rc, mesh.cfg.ep);
     const double balanced = ep::predict_balanced_bytes(rc, mesh.cfg.dp, mesh.cfg.ep), routed = moe.routed_bytes / n;
     Json c = comm_report(log, mesh.ep(), steps_run, {{"all_to_all", balanced}});
-    if (c.at("ep").contains("all_to_all")) c["ep"]["all_to_all"]["from_routing"] = routed;
+    if (c.at("ep").contains("all_to_all")) {
+      c["ep"]["all_to_all"]["from_routing"] = routed;
+      c["ep"]["all_to_all"]["inter_node"] = moe.inter_node_bytes / n;
+    }
     ep::print_imbalance(log, balanced, routed, moe.busiest_rows);
+    log.line("  of it across nodes (rank 0): %s per step, inside its node: %s", human_bytes(moe.inter_node_bytes / n).c_str(),
+             human_bytes(routed - moe.inter_node_bytes / n).c_str());
     Json d = comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::allreduce_bytes(split.dense, mesh.cfg.dp)}});
     Json x = comm_report(log, mesh.ep_dp(), steps_run,
                          {{"all_reduce", dp::allreduce_bytes(split.experts, mesh.ep_dp().size())}});

@@ -177,6 +177,30 @@ TEST_CASE("seeded bugs: a bias moved by one rank's loads, a skipped shared exper
   }
 }
 
+// Nodes as MPI reports them: MPICH's MPIR_CVAR_NUM_CLIQUES=2 makes two simulated nodes of one host
+// (world rank r on node r mod 2), which MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) then reports. The
+// run is unchanged by them (it still reproduces 01); the bytes to ranks of the other node are
+// counted apart: at ep 4 rank 0 shares its node with ep rank 2 only, so its all-to-all bytes to and
+// from ranks 1 and 3 cross nodes, those to rank 2 do not. One node: none cross.
+TEST_CASE("ep over two simulated nodes: node discovery and the bytes that cross nodes", "[07][e2e][comm]") {
+  const Run& ref = tst::cached_run("01_single_gpu", 1, kDeepSeek + "--steps 6");
+  const std::string args = kDeepSeek + "--steps 6 --dp 4 --ep 4 --micro-batch 2";
+  const Run& one = tst::cached_run("07_expert_parallel", 4, args);
+  const Run& two = tst::cached_run("07_expert_parallel", 4, args, 180, "MPIR_CVAR_NUM_CLIQUES=2");
+  INFO(two.output);
+  CHECK(one.output.find("ep group: 4 ranks on 1 node(s) (MPI_COMM_TYPE_SHARED); node of each ep rank: 0 0 0 0") !=
+        std::string::npos);
+  CHECK(two.output.find("ep group: 4 ranks on 2 node(s) (MPI_COMM_TYPE_SHARED); node of each ep rank: 0 1 0 1") !=
+        std::string::npos);
+  tst::check_equivalent(two, ref);
+  CHECK(routing_biases(two.ckpt) == routing_biases(ref.ckpt));
+  CHECK(comm(one, "ep", "all_to_all", "inter_node") == 0);
+  const double all = comm(two, "ep", "all_to_all", "from_routing"), inter = comm(two, "ep", "all_to_all", "inter_node");
+  CHECK(all == comm(two, "ep", "all_to_all", "bytes"));
+  CHECK(inter > 0);
+  CHECK(inter < all);
+}
+
 TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang", "[07][errors]") {
   tst::check_errors("07_expert_parallel", "--preset tiny --steps 1 ", {
       {2, "--dp 2 --ep 2", "needs a mixture of experts"},
