@@ -344,10 +344,9 @@ class ExpertParallelMoe : public MoeBlock {
   // Wire bytes this rank's all-to-alls send, from the routing counts (the measured bytes exactly);
   // over predict_balanced_bytes it is the routing's imbalance factor.
   double routed_bytes = 0;
-  // Of routed_bytes, those to and from ep ranks on another node (nodes: the node of each ep rank,
-  // mesh.h's node_of_ranks): what would cross the inter-node network (InfiniBand) on a cluster.
+  // Of routed_bytes, those to and from ep ranks on another node (the topology's, from mesh.h's
+  // node_of_ranks): what would cross the inter-node network (InfiniBand) on a cluster.
   double inter_node_bytes = 0;
-  std::vector<int> nodes;
   // The most rows this rank's experts received in one layer's forward, over balanced routing's N·K:
   // the expert activations it saves grow by this factor over the balanced prediction.
   double busiest_rows = 0;
@@ -501,7 +500,7 @@ class ExpertParallelMoe : public MoeBlock {
       const double rows_out = double(xc.send_rows[size_t(p)] + xc.recv_rows[size_t(p)]);
       const double b = rows_out * m.cfg.dim * dtype_size(m.dtype) + double(count_ints) / ep_.size() * 4;
       routed_bytes += b;
-      if (!nodes.empty() && nodes[size_t(p)] != nodes[size_t(ep_.rank())]) inter_node_bytes += b;
+      if (topo_.node[size_t(p)] != topo_.node[size_t(ep_.rank())]) inter_node_bytes += b;
     }
   }
   Comm& ep_;
@@ -771,7 +770,6 @@ static void levels_report(Json& c, RunLog& log, const RunConfig& rc, Mesh& mesh,
 static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
                         ep::ExpertParallelMoe& moe) {
   loop.predicted = ep::predict_memory(rc, mesh.cfg.ep);
-  moe.nodes = moe.topology().node;
   loop.save = [&](long step) {
     std::vector<CheckpointSlice> mine;
     if (mesh.dp_rank < mesh.cfg.ep) mine.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
