@@ -27,6 +27,13 @@
 // one rank, so a token's rows go to at most M ranks); and the selection-only bias moves after each
 // step by the loads summed over every dp rank (moe_step_report, MoeBlock::update_bias), the same
 // on every rank and every mesh.
+// --dispatch two-level is DeepSeek-V3's node-limited dispatch (technical report §3.2.2), on the nodes
+// MPI reports (mesh.h's node_of_ranks): the experts are placed by node (node n holds group n of
+// --expert-groups = nodes), a token goes once to each node it routes to (over the rail: the ranks
+// with its rank's local index, one per node), and that node's rank fans it out to its experts'
+// ranks; every (token, expert) output row comes back the same way, since the block sums them in
+// 01's slot order and keeps them for the gate weights' gradient. Bytes per level are counted from
+// the routing and printed against the communicators' and the balanced prediction.
 // Backward mirrors it: the output gradients are dispatched, the input gradients combined. Dense
 // gradients are averaged over all dp ranks; an expert's over the dp/ep ranks that hold it (the
 // mesh's ep_dp group), both with 02's bucketed reducer.
@@ -93,16 +100,203 @@ inline Exchange plan_exchange(const std::vector<int64_t>& counts, const std::vec
   return x;
 }
 
+// ----- two-level dispatch (DeepSeek-V3 technical report §3.2.2) -------------------------------------
+
+// The ep group as nodes × ranks per node (mesh.h's node_of_ranks says which ranks share a node).
+// Under --dispatch two-level the experts are placed by node: the rank with index l among node n's
+// ep ranks holds slot n·Q + l, experts [slot·per, (slot+1)·per), so node n holds the n-th E/nodes
+// consecutive experts, group n of --expert-groups nodes. Flat: slot = ep rank.
+struct Topology {
+  bool two_level = false;
+  int nodes = 1, per_node = 1;   // Nn, Q
+  std::vector<int> node, local;  // [P] each ep rank's node (0.. in order of the nodes' ids) and index on it
+  std::vector<int> rank_at;      // [Nn·Q] the ep rank of each slot
+  int slot(int r) const { return two_level ? node[size_t(r)] * per_node + local[size_t(r)] : r; }
+};
+
+inline Topology make_topology(const std::vector<int>& node_ids, bool two_level) {
+  Topology t;
+  t.two_level = two_level;
+  std::vector<int> ids = node_ids;
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  t.nodes = int(ids.size());
+  std::vector<int> seen(ids.size(), 0);
+  for (int id : node_ids) {
+    const int n = int(std::lower_bound(ids.begin(), ids.end(), id) - ids.begin());
+    t.node.push_back(n);
+    t.local.push_back(seen[size_t(n)]++);
+  }
+  t.per_node = *std::max_element(seen.begin(), seen.end());
+  t.rank_at.assign(size_t(t.nodes) * t.per_node, -1);
+  for (size_t r = 0; r < node_ids.size(); r++) t.rank_at[size_t(t.node[r] * t.per_node + t.local[r])] = int(r);
+  return t;
+}
+
+// Why the two-level dispatch cannot run on `t`, or "": every node must hold as many of the ep
+// group's ranks, and the routing's groups must be the nodes (--group-limit then bounds the nodes a
+// token reaches).
+inline std::string two_level_problem(const Topology& t, const ModelConfig& m) {
+  char b[256];
+  for (int r : t.rank_at)
+    if (r < 0) {
+      snprintf(b, sizeof b, "--dispatch two-level needs as many ep ranks on every node: the ep group's %d ranks are "
+               "on %d nodes unevenly", int(t.node.size()), t.nodes);
+      return b;
+    }
+  if (m.expert_groups != t.nodes) {
+    snprintf(b, sizeof b, "--dispatch two-level puts expert group g on node g: --expert-groups must equal the %d "
+             "node(s) the ep group spans (got %d)", t.nodes, m.expert_groups);
+    return b;
+  }
+  return "";
+}
+
+// One layer's two-level routes: built by the forward's dispatch (with the lists the tokens' ranks
+// send), reused by its combine and by the backward. Three roles, every rank all of them:
+//   source  this rank's tokens: to node n (its rank with our local index, over the rail group of
+//           the ranks with our local index) one copy of each token with a row for n's experts
+//           (copies, the dispatch) and each (token, expert) row (pairs, the combine and backward);
+//           pair order: node, token, expert;
+//   entry   the tokens that arrive from every node, fanned out inside the node, one row per
+//           (token, expert) to the expert's rank: fan order: rank, expert, source node, token;
+//   owner   the rows of its experts from every entry, grouped [expert][source ep rank] as flat is.
+struct TwoLevelPlan {
+  std::vector<int64_t> copies_out, pairs_out, copies_in, pairs_in;  // [Nn] over the rail group
+  std::vector<int32_t> copy_rows, pair_rows, row_pair;  // x row of each copy, of each pair; pair of each x row
+  std::vector<int32_t> fan_copy, fan_pair, pair_fan;    // each fanned row's copy and pair; inverse
+  std::vector<int64_t> fan_out, fan_in;                 // [Q] rows to / from each rank of the node
+  std::vector<int32_t> grouped, ungrouped;              // as in Exchange
+  std::vector<int64_t> local_counts;                    // [per]
+  int64_t remote_pairs_in = 0, remote_fan_out = 0, remote_fan_in = 0;  // rows to / from other ranks
+  int64_t routed_copies = 0, routed_pairs = 0;  // the same two from the router's choices (count_routed)
+};
+
+// The source's side, from the rows per expert (x is grouped by expert) and the token of each row.
+// K ints per copy name its experts (−1 past the last): what the entry fans out by.
+inline void plan_sources(TwoLevelPlan& p, std::vector<int32_t>& lists, const std::vector<int64_t>& counts,
+                         const std::vector<int32_t>& token, const Topology& t, int K) {
+  const int E = int(counts.size()), per_node_experts = E / t.nodes;
+  int32_t N = 0;
+  for (int32_t v : token) N = std::max(N, v + 1);
+  std::vector<std::vector<std::pair<int, int32_t>>> rows_of(static_cast<size_t>(N));  // (expert, x row), experts ascending
+  int32_t r = 0;
+  for (int e = 0; e < E; e++)
+    for (int64_t i = 0; i < counts[size_t(e)]; i++, r++) rows_of[size_t(token[size_t(r)])].push_back({e, r});
+  p.copies_out.assign(size_t(t.nodes), 0);
+  p.pairs_out.assign(size_t(t.nodes), 0);
+  for (int n = 0; n < t.nodes; n++)
+    for (const auto& rows : rows_of) {
+      size_t k0 = 0;
+      while (k0 < rows.size() && rows[k0].first / per_node_experts < n) k0++;
+      size_t k1 = k0;
+      while (k1 < rows.size() && rows[k1].first / per_node_experts == n) k1++;
+      if (k1 == k0) continue;
+      p.copy_rows.push_back(rows[k0].second);
+      for (size_t k = k0; k < k0 + size_t(K); k++) lists.push_back(k < k1 ? rows[k].first : -1);
+      for (size_t k = k0; k < k1; k++) p.pair_rows.push_back(rows[k].second);
+      p.copies_out[size_t(n)]++;
+      p.pairs_out[size_t(n)] += int64_t(k1 - k0);
+    }
+  p.row_pair.assign(p.pair_rows.size(), 0);
+  for (size_t i = 0; i < p.pair_rows.size(); i++) p.row_pair[size_t(p.pair_rows[i])] = int32_t(i);
+}
+
+// The entry's side, from the lists that arrived (copies_in[m] from node m): which rank of the node
+// each (token, expert) row goes to, in fan order; counts[q][i][m]: rows for local expert i of rank
+// q from node m, what the owners need to group them.
+inline std::vector<int32_t> plan_entries(TwoLevelPlan& p, const std::vector<int32_t>& lists, const Topology& t,
+                                         int me, int K, int per) {
+  const int Q = t.per_node, Nn = t.nodes, first = t.node[size_t(me)] * Q * per;  // this node's first expert
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> bucket(size_t(Q) * per * Nn);  // (copy, pair)
+  p.pairs_in.assign(size_t(Nn), 0);
+  int32_t c = 0, pair = 0;
+  for (int m = 0; m < Nn; m++)
+    for (int64_t j = 0; j < p.copies_in[size_t(m)]; j++, c++)
+      for (int k = 0; k < K && lists[size_t(c) * K + k] >= 0; k++, pair++) {
+        const int e = lists[size_t(c) * K + k] - first;  // q·per + i
+        bucket[size_t(e) * Nn + m].push_back({c, pair});
+        p.pairs_in[size_t(m)]++;
+      }
+  std::vector<int32_t> counts(bucket.size());
+  p.fan_out.assign(size_t(Q), 0);
+  p.pair_fan.assign(size_t(pair), 0);
+  for (size_t b = 0; b < bucket.size(); b++) {
+    counts[b] = int32_t(bucket[b].size());
+    p.fan_out[b / size_t(per * Nn)] += counts[b];
+    for (auto [copy, pr] : bucket[b]) {
+      p.pair_fan[size_t(pr)] = int32_t(p.fan_copy.size());
+      p.fan_copy.push_back(copy);
+      p.fan_pair.push_back(pr);
+    }
+  }
+  p.remote_pairs_in = pair - p.pairs_in[size_t(t.node[size_t(me)])];
+  p.remote_fan_out = int64_t(p.fan_copy.size()) - p.fan_out[size_t(t.local[size_t(me)])];
+  return counts;
+}
+
+// The owner's side, from counts_in[q][i][m] (rows of its expert i that entry q fanned from node m):
+// [expert][source ep rank] order, the ep rank at (m, q) being the source; global token order, as flat.
+inline void plan_owner(TwoLevelPlan& p, const std::vector<int32_t>& counts_in, const Topology& t, int me, int per) {
+  const int Q = t.per_node, Nn = t.nodes;
+  std::vector<int64_t> at(counts_in.size());
+  int64_t off = 0;
+  p.fan_in.assign(size_t(Q), 0);
+  for (size_t b = 0; b < counts_in.size(); b++) {
+    at[b] = off;
+    off += counts_in[b];
+    p.fan_in[b / size_t(per * Nn)] += counts_in[b];
+  }
+  p.local_counts.assign(size_t(per), 0);
+  p.ungrouped.assign(size_t(off), 0);
+  for (int i = 0; i < per; i++)
+    for (size_t r = 0; r < t.node.size(); r++) {
+      const size_t b = (size_t(t.local[r]) * per + i) * Nn + size_t(t.node[r]);
+      for (int64_t j = 0; j < counts_in[b]; j++) {
+        p.ungrouped[size_t(at[b] + j)] = int32_t(p.grouped.size());
+        p.grouped.push_back(int32_t(at[b] + j));
+      }
+      p.local_counts[size_t(i)] += counts_in[b];
+    }
+  p.remote_fan_in = off - p.fan_in[size_t(t.local[size_t(me)])];
+}
+
+// Downloads an int32 tensor (routing bookkeeping the host plans with).
+inline std::vector<int32_t> host_ints(const Tensor& t, Tag tag) {
+  Tensor h = Tensor::empty(t.shape, DType::I32, Device::CPU, tag);
+  copy(h, t);
+  return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
+}
+
+// What the two levels moved, summed over the layers' calls: rows crossing nodes (copies: token
+// rows of the forward dispatch; pairs: (token, expert) rows, out from this rank's tokens and in
+// for other nodes' tokens), counted from the router's choices, and the bytes each level's
+// all-to-alls put on the wire by those counts.
+struct LevelCounts {
+  double copies = 0, pairs_out = 0, pairs_in = 0, fan_out = 0, fan_in = 0;
+  double inter_bytes = 0, intra_bytes = 0;
+};
+
 // The MoE block with its experts behind two all-to-alls. Routing, capacity, the aux loss and the
 // combine's weighting are the base block's: only where the experts run changes.
 class ExpertParallelMoe : public MoeBlock {
  public:
-  ExpertParallelMoe(const Model& m, Comm& group) : MoeBlock(m), ep_(group) {
+  ExpertParallelMoe(const Model& m, Comm& group, const Topology& topo) : MoeBlock(m), ep_(group), topo_(topo) {
     keeps_input_ = false;  // the owner keeps the rows it received instead
     per_ = m.cfg.experts / group.size();
+    if (!topo_.two_level) return;
+    plans_.resize(size_t(m.cfg.layers));
+    // The rail: the ranks with this rank's local index, one per node (what crosses nodes); the
+    // node: the ep ranks that share this one's (what stays on NVLink).
+    const int r = ep_.rank();
+    inter_ = std::make_unique<Comm>("ep_inter", watched_split(ep_.mpi(), topo_.local[size_t(r)], topo_.node[size_t(r)],
+                                                              "the ep group's ranks of one local index"));
+    intra_ = std::make_unique<Comm>("ep_intra", watched_split(ep_.mpi(), topo_.node[size_t(r)], topo_.local[size_t(r)],
+                                                              "the ep group's ranks of one node"));
   }
 
   Tensor experts_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) override {
+    if (topo_.two_level) return two_level_forward(m, l, x, counts, a);
     const int P = ep_.size(), E = m.cfg.experts;
     Tensor send_c = Tensor::empty({E}, DType::I32, Device::CPU, Tag::Comm);
     Tensor recv_c = Tensor::empty({E}, DType::I32, Device::CPU, Tag::Comm);
@@ -133,6 +327,7 @@ class ExpertParallelMoe : public MoeBlock {
 
   void experts_backward(Model& m, int l, const Tensor& dx, const Tensor& dout, const std::vector<int64_t>& counts,
                         LayerActs& a) override {
+    if (topo_.two_level) return two_level_backward(m, l, dx, dout, a);
     const int E = m.cfg.experts;
     const Tensor& rc = a.mlp_state[kNumSlots];
     const Exchange xc = plan_exchange(counts, std::vector<int32_t>(rc.i32(), rc.i32() + E), ep_.size(), per_);
@@ -149,11 +344,140 @@ class ExpertParallelMoe : public MoeBlock {
   // Wire bytes this rank's all-to-alls send, from the routing counts (the measured bytes exactly);
   // over predict_balanced_bytes it is the routing's imbalance factor.
   double routed_bytes = 0;
+  // Of routed_bytes, those to and from ep ranks on another node (the topology's, from mesh.h's
+  // node_of_ranks): what would cross the inter-node network (InfiniBand) on a cluster.
+  double inter_node_bytes = 0;
   // The most rows this rank's experts received in one layer's forward, over balanced routing's N·K:
   // the expert activations it saves grow by this factor over the balanced prediction.
   double busiest_rows = 0;
+  LevelCounts levels;  // --dispatch two-level
+  const Topology& topology() const { return topo_; }
+  Comm& inter() { return *inter_; }
+  Comm& intra() { return *intra_; }
 
  private:
+  // Dispatch: each token once to each node with its experts (the rail), then one row per (token,
+  // expert) to the expert's rank inside the node; the owner groups them as the flat dispatch does.
+  Tensor two_level_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) {
+    TwoLevelPlan& p = plans_[size_t(l)] = TwoLevelPlan();
+    plan_levels(p, m, counts, a);
+    busiest_rows = std::max(busiest_rows, double(p.grouped.size()) / double(std::max<int64_t>(1, x.size(0))));
+    Tensor arrived = rows(m, size_t(sum(p.copies_in)), Tag::Workspace);
+    exchange(*inter_, arrived, p.copies_in, gathered(m, x, p.copy_rows), p.copies_out, "dispatch");
+    Tensor recv = rows(m, size_t(sum(p.fan_in)), Tag::Workspace);
+    exchange(*intra_, recv, p.fan_in, gathered(m, arrived, p.fan_copy), p.fan_out, "dispatch");
+    Tensor xr = gathered(m, recv, p.grouped, Tag::Activations);
+    a.mlp_state[kIn] = xr;
+    Tensor outr = rows(m, xr.size(0), Tag::Workspace);
+    run_experts(m, l, topo_.slot(ep_.rank()) * per_, p.local_counts, xr, outr, a);
+    Tensor out = rows(m, x.size(0), Tag::Activations);
+    combine_levels(m, p, outr, out, "combine");
+    return out;
+  }
+  // Backward: the output gradients differ per (token, expert) (each is scaled by its gate weight),
+  // so pairs travel both ways.
+  void two_level_backward(Model& m, int l, const Tensor& dx, const Tensor& dout, LayerActs& a) {
+    const TwoLevelPlan& p = plans_[size_t(l)];
+    tally_levels(p, m, false);
+    Tensor arrived = rows(m, size_t(sum(p.pairs_in)), Tag::Workspace);
+    exchange(*inter_, arrived, p.pairs_in, gathered(m, dout, p.pair_rows), p.pairs_out, "dispatch backward");
+    Tensor recv = rows(m, size_t(sum(p.fan_in)), Tag::Workspace);
+    exchange(*intra_, recv, p.fan_in, gathered(m, arrived, p.fan_pair), p.fan_out, "dispatch backward");
+    Tensor dxr = rows(m, recv.size(0), Tag::Workspace);
+    run_experts_backward(m, l, topo_.slot(ep_.rank()) * per_, p.local_counts, a.mlp_state[kIn],
+                         gathered(m, recv, p.grouped), dxr, a);
+    combine_levels(m, p, dxr, dx, "combine backward");
+  }
+  // The owners' rows back to their tokens' ranks, one per (token, expert), so that the block sums
+  // them in 01's slot order (moe_combine) and keeps them for the gate weights' gradient.
+  void combine_levels(const Model& m, const TwoLevelPlan& p, const Tensor& owned, const Tensor& out, const char* what) {
+    Tensor fan = rows(m, p.fan_copy.size(), Tag::Workspace);
+    exchange(*intra_, fan, p.fan_out, gathered(m, owned, p.ungrouped), p.fan_in, what);
+    Tensor mine = rows(m, p.pair_rows.size(), Tag::Workspace);
+    exchange(*inter_, mine, p.pairs_out, gathered(m, fan, p.pair_fan), p.pairs_in, what);
+    moe_gather(out, mine, from_host_i32(p.row_pair, m.dev), Tensor());
+  }
+  // The three sides of the plan, with the lists and counts they exchange: K expert ids per copy
+  // over the rail (after the copies per node), rows per (rank, expert, node) inside the node.
+  void plan_levels(TwoLevelPlan& p, const Model& m, const std::vector<int64_t>& counts, const LayerActs& a) {
+    const int K = m.cfg.top_k, me = ep_.rank();
+    std::vector<int32_t> lists;
+    plan_sources(p, lists, counts, host_ints(a.mlp_state[kPerm], Tag::Comm), topo_, K);
+    const std::vector<int32_t> copies_in = ints_all_to_all(*inter_, std::vector<int32_t>(p.copies_out.begin(), p.copies_out.end()));
+    p.copies_in.assign(copies_in.begin(), copies_in.end());
+    Tensor lists_in = Tensor::empty({sum(p.copies_in) * K}, DType::I32, Device::CPU, Tag::Comm);
+    {
+      TraceScope t("ep_inter all_to_all_v (expert lists)", Lane::Comm);
+      inter_->all_to_all_v(lists_in, elems(p.copies_in, K), from_host_i32(lists, Device::CPU, Tag::Comm),
+                           elems(p.copies_out, K));
+    }
+    const std::vector<int32_t> fan_counts =
+        plan_entries(p, std::vector<int32_t>(lists_in.i32(), lists_in.i32() + lists_in.numel()), topo_, me, K, per_);
+    plan_owner(p, ints_all_to_all(*intra_, fan_counts), topo_, me, per_);
+    count_routed(p, a, m.cfg.experts);
+    tally_levels(p, m, true);
+  }
+  // From the router's choices, not the plan (the check on it): the copies (a token's other nodes)
+  // and the pairs (its kept choices on other nodes) this rank's tokens send across nodes.
+  void count_routed(TwoLevelPlan& p, const LayerActs& a, int E) {
+    const std::vector<int32_t> idx = host_ints(a.mlp_state[kIdx], Tag::Workspace);
+    const std::vector<int32_t> src = host_ints(a.mlp_state[kSrc], Tag::Workspace);
+    const size_t K = size_t(a.mlp_state[kIdx].size(1));
+    const int mine = topo_.node[size_t(ep_.rank())], per_node = E / topo_.nodes;
+    p.routed_copies = p.routed_pairs = 0;
+    for (size_t t = 0; t < idx.size() / K; t++) {
+      uint64_t seen = 0;
+      for (size_t k = 0; k < K; k++) {
+        const int n = idx[t * K + k] / per_node;
+        if (src[t * K + k] < 0 || n == mine) continue;
+        p.routed_pairs++;
+        if (!(seen >> n & 1)) p.routed_copies++;
+        seen |= uint64_t(1) << n;
+      }
+    }
+  }
+  // Bytes on the wire per level. Forward, across nodes: the copies with their K-int lists and the
+  // counts (one int to each other node), then the pairs that come back; backward: the pairs out and
+  // back. Inside the node: the rows fanned out and back, plus (forward) the counts per (rank,
+  // expert, node) to each other rank of the node.
+  void tally_levels(const TwoLevelPlan& p, const Model& m, bool forward) {
+    const double row = double(m.cfg.dim) * dtype_size(m.dtype), Nn = topo_.nodes, Q = topo_.per_node;
+    levels.fan_out += double(p.remote_fan_out);
+    levels.fan_in += double(p.remote_fan_in);
+    levels.inter_bytes += double(p.remote_pairs_in) * row;
+    levels.intra_bytes += double(p.remote_fan_out + p.remote_fan_in) * row;
+    if (forward) {
+      levels.pairs_in += double(p.remote_pairs_in);
+      levels.copies += double(p.routed_copies);
+      levels.inter_bytes += double(p.routed_copies) * (row + 4.0 * m.cfg.top_k) + (Nn - 1) * 4;
+      levels.intra_bytes += (Q - 1) * per_ * Nn * 4;
+    } else {
+      levels.pairs_out += double(p.routed_pairs);
+      levels.inter_bytes += double(p.routed_pairs) * row;
+    }
+  }
+  std::vector<int32_t> ints_all_to_all(Comm& c, const std::vector<int32_t>& v) {
+    Tensor in = from_host_i32(v, Device::CPU, Tag::Comm), out = Tensor::empty({int64_t(v.size())}, DType::I32, Device::CPU, Tag::Comm);
+    TraceScope t(c.name() + " all_to_all (counts)", Lane::Comm);
+    c.all_to_all(out, in);
+    return std::vector<int32_t>(out.i32(), out.i32() + out.numel());
+  }
+  Tensor gathered(const Model& m, const Tensor& x, const std::vector<int32_t>& idx, Tag tag = Tag::Workspace) const {
+    Tensor out = rows(m, idx.size(), tag);
+    moe_gather(out, x, from_host_i32(idx, m.dev), Tensor());
+    return out;
+  }
+  static int64_t sum(const std::vector<int64_t>& v) {
+    int64_t n = 0;
+    for (int64_t x : v) n += x;
+    return n;
+  }
+  void exchange(Comm& c, const Tensor& out, const std::vector<int64_t>& out_rows, const Tensor& in,
+                const std::vector<int64_t>& in_rows, const char* what) {
+    TraceScope t(c.name() + " all_to_all_v (" + what + ")", Lane::Comm);
+    const int64_t D = in.size(1);
+    c.all_to_all_v(out, elems(out_rows, D), in, elems(in_rows, D));
+  }
   Tensor rows(const Model& m, size_t n, Tag tag) const {
     return Tensor::empty({int64_t(n), m.cfg.dim}, m.dtype, m.dev, tag);
   }
@@ -163,31 +487,32 @@ class ExpertParallelMoe : public MoeBlock {
     return v;
   }
   void dispatch(const Tensor& recv, const Tensor& send, const Exchange& xc, const char* what) {
-    TraceScope t(std::string("ep all_to_all_v (") + what + ")", Lane::Comm);
-    const int64_t D = send.size(1);
-    ep_.all_to_all_v(recv, elems(xc.recv_rows, D), send, elems(xc.send_rows, D));
+    exchange(ep_, recv, xc.recv_rows, send, xc.send_rows, what);
   }
   void combine(const Tensor& out, const Tensor& back, const Exchange& xc, const char* what) {
-    TraceScope t(std::string("ep all_to_all_v (") + what + ")", Lane::Comm);
-    const int64_t D = back.size(1);
-    ep_.all_to_all_v(out, elems(xc.send_rows, D), back, elems(xc.recv_rows, D));
+    exchange(ep_, out, xc.send_rows, back, xc.recv_rows, what);
   }
   // One dispatch and one combine: the rows sent to and received from the other ranks, each a row
   // of D elements; plus the counts exchange (E/ep int32 to each other rank) when count_ints = E.
   void tally(const Exchange& xc, const Model& m, int count_ints) {
-    double rows_out = 0;
-    for (int p = 0; p < ep_.size(); p++)
-      if (p != ep_.rank()) rows_out += double(xc.send_rows[size_t(p)] + xc.recv_rows[size_t(p)]);
-    routed_bytes += rows_out * m.cfg.dim * dtype_size(m.dtype);
-    routed_bytes += double(count_ints) / ep_.size() * (ep_.size() - 1) * 4;
+    for (int p = 0; p < ep_.size(); p++) {
+      if (p == ep_.rank()) continue;
+      const double rows_out = double(xc.send_rows[size_t(p)] + xc.recv_rows[size_t(p)]);
+      const double b = rows_out * m.cfg.dim * dtype_size(m.dtype) + double(count_ints) / ep_.size() * 4;
+      routed_bytes += b;
+      if (topo_.node[size_t(p)] != topo_.node[size_t(ep_.rank())]) inter_node_bytes += b;
+    }
   }
   Comm& ep_;
+  const Topology topo_;
+  std::unique_ptr<Comm> inter_, intra_;  // --dispatch two-level: across nodes (one rank each), inside one
+  std::vector<TwoLevelPlan> plans_;      // [L] the last forward's routes of each layer
   int per_ = 1;
 };
 
 // Installs the expert-parallel MoE block into a model built with the ep shard spec.
-inline ExpertParallelMoe& install(Model& m, Comm& group) {
-  auto* b = new ExpertParallelMoe(m, group);
+inline ExpertParallelMoe& install(Model& m, Comm& group, const Topology& topo) {
+  auto* b = new ExpertParallelMoe(m, group, topo);
   m.mlp.reset(b);
   return *b;
 }
@@ -295,6 +620,66 @@ inline void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
   log.line("per-rank all_to_all per step (balanced): %s", human_bytes(predict_balanced_bytes(rc, dp, ep)).c_str());
 }
 
+// The nodes the ep group spans, as MPI reports them (mesh.h's node_of_ranks; collective over the
+// world): an all-to-all between ranks of two nodes crosses the inter-node network, one inside a
+// node stays on its NVLink.
+inline std::vector<int> report_nodes(RunLog& log, Comm& group) {
+  const std::vector<int> nodes = node_of_ranks(group);
+  std::string each;
+  for (int n : nodes) each += " " + std::to_string(n);
+  log.line("ep group: %d ranks on %d node(s) (MPI_COMM_TYPE_SHARED); node of each ep rank:%s", group.size(),
+           *std::max_element(nodes.begin(), nodes.end()) + 1, each.c_str());
+  return nodes;
+}
+
+// The ep group's nodes (collective over the world), reported; --dispatch two-level refused, on
+// every rank alike, where they cannot carry it.
+inline Topology discover_topology(RunLog& log, Mesh& mesh, const ModelConfig& m, bool two_level) {
+  Topology t = make_topology(report_nodes(log, mesh.ep()), two_level);
+  std::string err = two_level ? two_level_problem(t, m) : "";
+  // The ranks that hold the same experts (ep_dp) reduce their gradients together: alike laid out.
+  int slot = err.empty() ? t.slot(mesh.ep_rank) : mesh.ep_rank, lo = 0, hi = 0;
+  watched_allreduce(&slot, &lo, 1, MPI_INT, MPI_MIN, mesh.ep_dp().mpi(), "all_reduce (the expert slot, least)");
+  watched_allreduce(&slot, &hi, 1, MPI_INT, MPI_MAX, mesh.ep_dp().mpi(), "all_reduce (the expert slot, most)");
+  if (err.empty() && lo != hi) err = "--dispatch two-level needs every ep group on its nodes alike";
+  err = first_error(err, MPI_COMM_WORLD, "the two-level dispatch");
+  if (!err.empty()) config_error("%s", err.c_str());
+  if (two_level)
+    log.line("two-level dispatch: %d node(s) × %d ep rank(s); node n holds experts [n·%d, (n+1)·%d), group n", t.nodes,
+             t.per_node, m.experts / t.nodes, m.experts / t.nodes);
+  return t;
+}
+
+// Balanced routing over Nn nodes of Q ep ranks, per step and rank, of the two levels' bytes: of a
+// micro-batch's N tokens each reaches r = min(M, K, Nn) nodes (M = --group-limit), (Nn−1)/Nn of
+// them others: N·r·(Nn−1)/Nn copies cross (each a row of D and its K ints), and N·K·(Nn−1)/Nn pairs
+// come back, then go out and back again in backward; plus one int to each other node. Inside the
+// node an entry fans out N·K pairs, (Q−1)/Q of them to other ranks, and as many come back, forward
+// and backward; plus per·Nn ints to each other rank. Full recompute repeats the forward.
+inline std::pair<double, double> predict_two_level_bytes(const RunConfig& rc, int dp, int ep, int Nn) {
+  const ModelConfig& m = rc.model;
+  const double N = double(rc.micro_batch) * m.seq, K = m.top_k, row = m.dim * dtype_size(rc.dtype), Q = double(ep) / Nn;
+  const double f = (Nn - 1.0) / Nn, r = std::min({double(m.group_limit), K, double(Nn)}), fwd = 1 + (rc.recompute == Recompute::Full);
+  const double pairs = N * K * f, fan = N * K * (Q - 1) / Q;
+  const double inter = fwd * (N * r * f * (row + 4 * K) + pairs * row + (Nn - 1) * 4) + 2 * pairs * row;
+  const double intra = fwd * (2 * fan * row + (Q - 1) * (m.experts / ep) * Nn * 4) + 2 * fan * row;
+  const double steps = double(rc.batch / dp) / rc.micro_batch * m.layers;
+  return {steps * inter, steps * intra};
+}
+
+// This run's counts per step (rank 0's) next to the balanced prediction and to what the flat
+// dispatch would send across nodes for the same routing: every (token, expert) row, both ways.
+inline void print_levels(RunLog& log, const LevelCounts& c, double n, const RunConfig& rc) {
+  const double row = rc.model.dim * dtype_size(rc.dtype);
+  log.line("ep two-level (this run's routing, rank 0, per step): across nodes %.0f token copies out (dispatch), "
+           "%.0f (token, expert) rows out (backward's dispatch), %.0f in for other nodes' tokens (each combine): %s",
+           c.copies / n, c.pairs_out / n, c.pairs_in / n, human_bytes(c.inter_bytes / n).c_str());
+  log.line("  a flat dispatch of the same routing moves every (token, expert) row across, both ways: %s of rows",
+           human_bytes(2 * (c.pairs_out + c.pairs_in) / n * row).c_str());
+  log.line("  inside nodes (forward and backward): %.0f rows fanned out, %.0f back: %s", c.fan_out / n, c.fan_in / n,
+           human_bytes(c.intra_bytes / n).c_str());
+}
+
 // The predictions above assume balanced routing; a real router is not. Its imbalance, from this
 // run's routing counts (rank 0's): the all-to-all bytes over the balanced prediction, and the most
 // rows rank 0's experts received in a layer over the balanced N·K (its MoE activations grow so).
@@ -361,6 +746,23 @@ static StepResult train_step(Model& model, AdamW& opt, Reducers& reducers, const
   return r;
 }
 
+// The two levels' bytes: measured by their communicators, counted from the routing, predicted.
+static void levels_report(Json& c, RunLog& log, const RunConfig& rc, Mesh& mesh, ep::ExpertParallelMoe& moe, long steps) {
+  const double n = double(std::max(1L, steps));
+  const auto [inter, intra] = ep::predict_two_level_bytes(rc, mesh.cfg.dp, mesh.cfg.ep, moe.topology().nodes);
+  const ep::LevelCounts& l = moe.levels;
+  for (auto [comm, predicted, routed] : {std::tuple<Comm*, double, double>{&moe.inter(), inter, l.inter_bytes / n},
+                                         {&moe.intra(), intra, l.intra_bytes / n}}) {
+    Json j = comm_report(log, *comm, steps, {{"all_to_all", predicted}});
+    if (j.at(comm->name()).contains("all_to_all")) j[comm->name()]["all_to_all"]["from_routing"] = routed;
+    c[comm->name()] = j.at(comm->name());
+  }
+  c["ep_inter"]["all_to_all"]["copies"] = l.copies / n;
+  c["ep_inter"]["all_to_all"]["pairs_out"] = l.pairs_out / n;
+  c["ep_inter"]["all_to_all"]["pairs_in"] = l.pairs_in / n;
+  ep::print_levels(log, l, n, rc);
+}
+
 // The loop's predicted memory (balanced routing), checkpoint and reports: the first ep group
 // writes (each expert by its owner, the dense tensors by ep rank 0, the copies that count, all at
 // their global offsets); the all-to-all bytes against the balanced prediction and this run's
@@ -381,8 +783,14 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
     const ep::ParamSplit split = ep::param_split(rc, mesh.cfg.ep);
     const double balanced = ep::predict_balanced_bytes(rc, mesh.cfg.dp, mesh.cfg.ep), routed = moe.routed_bytes / n;
     Json c = comm_report(log, mesh.ep(), steps_run, {{"all_to_all", balanced}});
-    if (c.at("ep").contains("all_to_all")) c["ep"]["all_to_all"]["from_routing"] = routed;
-    ep::print_imbalance(log, balanced, routed, moe.busiest_rows);
+    if (c.at("ep").contains("all_to_all")) {
+      c["ep"]["all_to_all"]["from_routing"] = routed;
+      c["ep"]["all_to_all"]["inter_node"] = moe.inter_node_bytes / n;
+    }
+    if (!moe.topology().two_level) ep::print_imbalance(log, balanced, routed, moe.busiest_rows);
+    if (!moe.topology().two_level) log.line("  of it across nodes (rank 0): %s per step, inside its node: %s", human_bytes(moe.inter_node_bytes / n).c_str(),
+             human_bytes(routed - moe.inter_node_bytes / n).c_str());
+    if (moe.topology().two_level) levels_report(c, log, rc, mesh, moe, steps_run);
     Json d = comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::allreduce_bytes(split.dense, mesh.cfg.dp)}});
     Json x = comm_report(log, mesh.ep_dp(), steps_run,
                          {{"all_reduce", dp::allreduce_bytes(split.experts, mesh.ep_dp().size())}});
@@ -392,31 +800,43 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
   };
 }
 
-// The chapter's flags: the dp degree, the ep degree within it, the bucket size; returns the last.
-static double read_ep_flags(Args& args, MeshConfig& mc) {
+// The chapter's flags: the dp degree, the ep degree within it, the bucket size, the dispatch.
+struct EpFlags {
+  double bucket_mb = 25;
+  bool two_level = false;
+};
+static EpFlags read_ep_flags(Args& args, MeshConfig& mc) {
   mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
   mc.ep = args.get_int("--ep", 1, "expert-parallel degree: experts sharded over groups of this many dp ranks",
                        degree_range());
-  return args.get_double("--bucket-mb", 25, "gradient bucket size in MiB", dp::bucket_mb_range());
+  EpFlags f;
+  f.bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB", dp::bucket_mb_range());
+  const std::string d = args.get_str("--dispatch", "flat", "flat: one all-to-all over the ep group; two-level: a "
+                                     "token once to each node it routes to, then to its experts inside the node "
+                                     "(DeepSeek-V3 §3.2.2; needs --expert-groups = the nodes)");
+  if (d != "flat" && d != "two-level") config_error("--dispatch must be flat or two-level (got '%s')", d.c_str());
+  f.two_level = d == "two-level";
+  return f;
 }
 
 int main(int argc, char** argv) {
-  double bucket_mb = 0;
-  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { bucket_mb = read_ep_flags(a, mc); });
+  EpFlags f;
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_ep_flags(a, mc); });
   RunConfig& rc = run.rc;
   const MeshConfig& mc = run.mc;
   ep::validate(rc, mc);
   if (!run.start([&] { ep::print_plan(run.log(), rc, mc.dp, mc.ep); }, [&] { return ep::predict_memory(rc, mc.ep); }))
     return 0;
-  Model& model = run.build_model({ep::shard_spec(mc.ep, run.mesh.ep_rank)});  // its experts, every dense weight
-  ep::ExpertParallelMoe& moe = ep::install(model, run.mesh.ep());
+  const ep::Topology topo = ep::discover_topology(run.log(), run.mesh, rc.model, f.two_level);
+  Model& model = run.build_model({ep::shard_spec(mc.ep, topo.slot(run.mesh.ep_rank))});  // its experts, every dense weight
+  ep::ExpertParallelMoe& moe = ep::install(model, run.mesh.ep(), topo);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   run.init(model, opt);  // each rank initialises (or loads) its experts and the dense weights
-  Reducers reducers(model, run.mesh, bucket_mb);
+  Reducers reducers(model, run.mesh, f.bucket_mb);
   Loop loop;
   loop.step = [&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step); };
   add_reports(loop, run.log(), rc, run.mesh, model, opt, moe);
-  return run.train(loop, [&](const Gpu& g) { return ep::predict_step_time(g, rc, mc.dp, mc.ep, bucket_mb); }, "dp");
+  return run.train(loop, [&](const Gpu& g) { return ep::predict_step_time(g, rc, mc.dp, mc.ep, f.bucket_mb); }, "dp");
 }
 #endif  // TS_PROGRAM == 7
 #endif  // TS_07_EXPERT_PARALLEL_CU

@@ -1,6 +1,7 @@
 // mesh.cu — rank <-> coordinates, group membership, and the communicators of each group.
 #include "comm/mesh.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 #include <set>
@@ -172,6 +173,22 @@ Mesh make_mesh(const MeshConfig& cfg, Device dev) {
     m.groups[a] = std::make_shared<Comm>(axis_name(Axis(a)), mc, nc);
   }
   return m;
+}
+
+std::vector<int> node_of_ranks(Comm& group) {
+  int rank = 0, world = 1, leader = 0;
+  MPI_CHECK(MPI_Comm_rank(MPI_COMM_WORLD, &rank));
+  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
+  MPI_Comm node = node_comm("the node of each rank");
+  watched_allreduce(&rank, &leader, 1, MPI_INT, MPI_MIN, node, "all_reduce (the lowest world rank on this node)");
+  MPI_CHECK(MPI_Comm_free(&node));
+  std::vector<int> leaders(size_t(world), 0);
+  watched_allgather(&leader, 1, MPI_INT, leaders.data(), MPI_COMM_WORLD, "all_gather (the node of each rank)");
+  std::sort(leaders.begin(), leaders.end());
+  int mine = int(std::lower_bound(leaders.begin(), std::unique(leaders.begin(), leaders.end()), leader) - leaders.begin());
+  std::vector<int> nodes(size_t(group.size()), 0);
+  watched_allgather(&mine, 1, MPI_INT, nodes.data(), group.mpi(), "all_gather (the node of each rank of a group)");
+  return nodes;
 }
 
 void print_mesh(const Mesh& m) {
