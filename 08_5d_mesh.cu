@@ -330,7 +330,7 @@ class Composed {
       : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
         model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)), plan_(pipeline_plan(rc, p)) {
     tp::install(model_, mesh.tp(), p.sp);
-    if (p.mesh.ep > 1) moe_ = &ep::install(model_, mesh.ep());
+    if (p.mesh.ep > 1) moe_ = &ep::install(model_, mesh.ep(), ep::make_topology(node_of_ranks(mesh.ep()), false));
     if (p.mesh.cp > 1) {
       cp::install(model_, mesh.cp(), p.cp);
       mine_ = cp::positions(rc.model.seq, p.mesh.cp, mesh.cp_rank, p.cp.zigzag);
