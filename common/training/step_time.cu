@@ -36,7 +36,11 @@ const Gpu* find_gpu(const std::string& name) {
   static const std::vector<Gpu> kGpus = {
       {"h100", 80, 989, 3350, kH100Achievable, h100_network()},
       {"h200", 141, 989, 4800, kH100Achievable, h100_network()},
-      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)}};
+      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)},
+      // The H800: an H100 SXM with NVLink cut to 400 GB/s (NVIDIA's H800 datasheet), the same
+      // compute and HBM3; across nodes DeepSeek-V3's cluster has the H100's 400 Gb/s InfiniBand
+      // per GPU (technical report §3.1: "IB (50 GB/s)").
+      {"h800", 80, 989, 3350, kH100Achievable, scaled(h100_network(), 400.0 / 900, 1.0)}};
   for (const Gpu& g : kGpus)
     if (name == g.name) return &g;
   return nullptr;

@@ -60,7 +60,7 @@ constexpr double kH100Achievable = 0.47;
 
 // `n` with its in-node bandwidths scaled by `intra` and its cross-node ones by `inter`.
 Network scaled(const Network& n, double intra, double inter);
-// h100, h200, a100; nullptr for another name.
+// h100, h200, h800, a100; nullptr for another name.
 const Gpu* find_gpu(const std::string& name);
 // This machine, as `make bench` measured it (scripts/bench.sh writes the file).
 Gpu local_gpu(const std::string& path);
