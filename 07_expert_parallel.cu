@@ -583,22 +583,91 @@ inline double predict_balanced_bytes(const RunConfig& rc, int dp, int ep) {
 // All-to-all calls per step: per layer a dispatch and a combine forward, and both again backward.
 inline double all_to_all_calls(double micro_batches, double layers) { return micro_batches * layers * 4; }
 
-// This run's step: the dp ranks compute 1/dp of the tokens each; the all-to-alls wait on the
-// critical path (balanced routing); the dense gradients are all-reduced over dp and each expert's
-// over the ep_dp ranks that hold it, bucketed as 02 does, behind the last micro-batch's backward.
-inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, int ep, double bucket_mb) {
+// 07's dispatch as the MoE term's levels: one flat all-to-all over the ep group, `bytes` per rank
+// and step (predict_balanced_bytes' for the layers priced), 4 calls per layer and micro-batch.
+inline std::vector<DispatchLevel> flat_dispatch(double bytes, double micro_batches, double layers, int nodes) {
+  return {{bytes, all_to_all_calls(micro_batches, layers), nodes}};
+}
+
+// The MoE term's shape (common/training/step_time.h) for a rank of dp that runs `layers` of the
+// model's MoE layers: its tokens, the routing imbalance its experts are priced at, its dispatch.
+inline MoeShape moe_shape(const RunConfig& rc, int dp, int ep, double layers, double imbalance,
+                          std::vector<DispatchLevel> dispatch) {
+  MoeShape x;
+  x.tokens = double(rc.batch) / dp * rc.model.seq;
+  x.layers = layers;
+  x.ep = ep;
+  x.imbalance = imbalance;
+  x.dispatch = std::move(dispatch);
+  return x;
+}
+
+// The routing imbalance as the step feels it, from the loads every step's report sums over the dp
+// ranks (moe_tokens_per_expert, [layer][expert]): each layer's all-to-all waits for the ep rank
+// whose experts received the most rows, so per step Σ_l max_p rows(l, p) / Σ_l mean_p rows(l, p),
+// averaged over the steps after this process's first (the warm-up the measured median leaves
+// out). With dp > ep the dp/ep groups' loads are summed first: their sum stands for each group.
+struct RoutedLoads {
+  RoutedLoads(const ModelConfig& m, int ep) : m(m), ep(ep) {}
+  const ModelConfig& m;
+  const int ep;
+  double sum = 0;
+  long steps = 0, seen = 0;
+  // A training step that also tallies its loads.
+  std::function<StepResult(long)> tally(std::function<StepResult(long)> step) {
+    return [this, step](long s) {
+      StepResult r = step(s);
+      add(r);
+      return r;
+    };
+  }
+  void add(const StepResult& r) {
+    if (seen++ == 0 || !r.extra.contains("moe_tokens_per_expert")) return;
+    const auto& v = r.extra.at("moe_tokens_per_expert").as_array();
+    const int E = m.experts, per = E / ep;
+    double busiest = 0, balanced = 0;
+    for (int l = 0; l < m.layers; l++) {
+      double most = 0, all = 0;
+      for (int p = 0; p < ep; p++) {
+        double rows = 0;
+        for (int i = 0; i < per; i++) rows += v[size_t(l * E + p * per + i)].as_double();
+        most = std::max(most, rows);
+        all += rows;
+      }
+      busiest += most;
+      balanced += all / ep;
+    }
+    if (balanced > 0) sum += busiest / balanced, steps++;
+  }
+  double imbalance() const { return steps > 0 ? sum / double(steps) : kAssumedImbalance; }
+};
+
+// This run's step: the dp ranks compute 1/dp of the tokens each, the MoE blocks as the MoE term
+// prices them (the busiest rank's experts at `imbalance`; the all-to-alls on the critical path);
+// the dense gradients are all-reduced over dp and each expert's over the ep_dp ranks that hold
+// it, bucketed as 02 does, behind the last micro-batch's backward.
+inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, int ep, double bucket_mb,
+                                   double imbalance = kAssumedImbalance) {
   StepTerms s = compute_terms(g, rc, 1, 1, 1, dp);
+  const int L = rc.model.layers;
+  const double mbs = double(rc.batch) / dp / rc.micro_batch;
+  add_moe_term(s, g, rc, moe_shape(rc, dp, ep, L, imbalance, flat_dispatch(predict_balanced_bytes(rc, dp, ep), mbs, L, 1)));
   const ParamTable t = Model::make_table(rc.model, 1, shard_spec(ep, 0));
   const ParamSplit split = param_split(t);
-  const double mbs = double(rc.batch) / dp / rc.micro_batch, grad_bytes = 4.0 * double(t.total);
-  const int L = rc.model.layers;
+  const double grad_bytes = 4.0 * double(t.total);
   const double calls = dp::reduction_calls(true, L, grad_bytes, bucket_mb);
   s.t_dp = dp::reduction_seconds(g.net, split.dense, dp, calls, 1) + dp::reduction_seconds(g.net, split.experts, dp / ep, calls, 1);
   s.t_dp_exposed = dp::exposed_seconds(true, s.t_dp, s.last_backward(mbs), grad_bytes, bucket_mb);
-  if (ep > 1)
-    s.t_ep = group_seconds(g.net, {{"all_to_all", predict_balanced_bytes(rc, dp, ep)}}, all_to_all_calls(mbs, L), 1);
   s.total();
   return s;
+}
+
+// The run's prediction, priced at the imbalance its routing has shown by the time it is asked.
+inline std::function<StepTerms(const Gpu&)> predictor(const RunConfig& rc, int dp, int ep, double bucket_mb,
+                                                       const RoutedLoads& loads) {
+  return [&rc, dp, ep, bucket_mb, &loads](const Gpu& g) {
+    return predict_step_time(g, rc, dp, ep, bucket_mb, loads.imbalance());
+  };
 }
 
 inline void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
@@ -834,9 +903,10 @@ int main(int argc, char** argv) {
   run.init(model, opt);  // each rank initialises (or loads) its experts and the dense weights
   Reducers reducers(model, run.mesh, f.bucket_mb);
   Loop loop;
-  loop.step = [&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step); };
+  ep::RoutedLoads loads(rc.model, mc.ep);  // the step-time prediction's imbalance, from this run's routing
+  loop.step = loads.tally([&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step); });
   add_reports(loop, run.log(), rc, run.mesh, model, opt, moe);
-  return run.train(loop, [&](const Gpu& g) { return ep::predict_step_time(g, rc, mc.dp, mc.ep, f.bucket_mb); }, "dp");
+  return run.train(loop, ep::predictor(rc, mc.dp, mc.ep, f.bucket_mb, loads), "dp");
 }
 #endif  // TS_PROGRAM == 7
 #endif  // TS_07_EXPERT_PARALLEL_CU

@@ -530,7 +530,7 @@ static void declare_planner_flags(Args& a, Options& o) {
   o.planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
   o.job.exhaustive = a.get_bool("--plan-exhaustive", "--plan: price every candidate and sort them all (the reference "
                                 "the default search's pruning is tested against; slower: minutes on large clusters)");
-  o.gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | a100 | local (this machine, as make bench measured it)");
+  o.gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | h800 | a100 | local (this machine, as make bench measured it)");
   o.calibration = read_calibration(a);  // also --plan --gpu local's
   o.gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
   o.network = a.get_str("--network", "", "--plan: the cluster's bus bandwidths by collective and node count (JSON, the "
@@ -578,7 +578,7 @@ static void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
   static mesh5d::Gpu local;
   if (gpu == "local") local = o.calibration.found ? o.calibration.gpu : local_gpu(o.calibration.path);
   cluster.gpu = gpu == "local" ? &local : find_gpu(gpu);
-  if (!cluster.gpu) config_error("--gpu must be h100, h200, a100 or local (got '%s')", gpu.c_str());
+  if (!cluster.gpu) config_error("--gpu must be h100, h200, h800, a100 or local (got '%s')", gpu.c_str());
   static mesh5d::Gpu on_network;  // the GPU on the cluster's own network
   if (!o.network.empty()) {
     on_network = *cluster.gpu;

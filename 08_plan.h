@@ -103,6 +103,19 @@ struct Candidate : StepTerms {
   std::string reject;  // why it cannot run ("" = it fits)
 };
 
+// A MoE model's term (07's, common/training/step_time.h): every rank of an ep group routes its dp
+// share of the tokens through the experts of every layer of its stage, whole on each tp rank
+// (expert tensor parallel 1), at the even stage's layers (price_pipeline scales the compute to the
+// busiest stage); the all-to-all is 07's flat one, the busiest stage's `ep_ops` over its layers.
+// Routing priced balanced: kAssumedImbalance. A dense model: no MoE term.
+inline MoeShape moe_shape(const RunConfig& rc, const Plan& p, double mbs, const std::map<std::string, double>& ep_ops,
+                          double busiest_layers, int ep_nodes) {
+  const auto a2a = ep_ops.find("all_to_all");
+  const double bytes = a2a == ep_ops.end() ? 0 : a2a->second;
+  return ep::moe_shape(rc, p.mesh.dp, p.mesh.ep, double(rc.model.layers) / p.mesh.pp, kAssumedImbalance,
+                       ep::flat_dispatch(bytes, mbs, busiest_layers, ep_nodes));
+}
+
 // The step of plan `p` on cluster `cl`: the terms of 02–07, each group's collectives (08's
 // predict_comm, from the chapters' formulas) at the bandwidth of the nodes it spans, each hidden by
 // its own chapter's rule.
@@ -140,7 +153,7 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   } else {
     zero::price_collectives(s, g.net, ops(dense), p.zero, units, mbs, p.prefetch, dense_nodes);
   }
-  s.t_ep = group_seconds(g.net, ops("ep"), ep::all_to_all_calls(mbs, layers), nodes(Axis::EP));
+  add_moe_term(s, g, rc, moe_shape(rc, p, mbs, ops("ep"), layers, nodes(Axis::EP)));
   if (p.mesh.pp > 1) pp::price_pipeline(s, g.net, rc, shared.pipeline(rc, p).plan, token_share(p), mbs, nodes(Axis::PP));
   s.total();
   return s;
@@ -156,6 +169,7 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
 // for the computed numbers too, not only for the real ones: the bound prunes exactly.
 inline double step_floor(const RunConfig& rc, const Cluster& cl, const Plan& p, Shared& shared) {
   StepTerms s = compute_terms(*cl.gpu, rc, p.mesh.tp, p.mesh.cp, p.mesh.pp, cl.gpus);
+  add_moe_term(s, *cl.gpu, rc, moe_shape(rc, p, micro_batches_per_rank(rc, p), {}, 0, 1));  // step_terms' compute
   if (p.mesh.pp == 1) return s.t_compute;
   const Shared::Pipeline& pipe = shared.pipeline(rc, p);
   s.t_compute *= pipe.busiest_share;
@@ -554,6 +568,10 @@ inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl,
            100 * c.efficiency, c.t_tp, c.t_cp, c.t_cp_exposed, c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp,
            c.tokens_per_s_gpu, 100 * c.mfu);
   if (c.plan.mesh.ep > 1) log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
+  if (c.t_moe > 0)
+    log.line("  of compute, the MoE blocks %.3f s: router %.3f + experts %.3f (routing priced at %.2f × balanced) + "
+             "shared experts %.3f + row copies %.3f", c.t_moe, c.moe.router_s, c.moe.experts_s, c.moe.imbalance,
+             c.moe.shared_s, c.moe.copies_s);
 }
 
 // The rows the ranking prints, and the candidates the summary lists without --plan-exhaustive.

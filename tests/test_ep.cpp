@@ -8,6 +8,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -266,4 +270,131 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {2, "--dp 4 --ep 2 --experts 4", "needs 4 ranks but the job has 2"},
       {2, "--dp 2 --ep 2 --experts 4 --dispatch ring", "--dispatch must be flat or two-level (got 'ring')"},
   });
+}
+
+// ----- DeepSeekMoE's memory, and the MoE term of the step time ------------------------------------------
+
+// The routed experts' width is --expert-ffn and the shared experts save their g, u and act for
+// every token: measured = predicted under each recompute mode, in 01 and in 07 wherever routing
+// moves no rows unevenly (ep 1; 2 experts, top-2: every token to both), and one more shared expert
+// adds exactly tokens · L · 3·F_e·e bytes (a formula without them would add nothing).
+TEST_CASE("DeepSeekMoE: activations measured = predicted, the expert width and the shared experts counted",
+          "[07][e2e][mem]") {
+  const std::string args = kDeepSeek + "--steps 2 ";
+  auto mem = [](const Run& r, const char* cat, const char* which) {
+    return r.log.summary.at("memory").at(cat).at(which).as_double();
+  };
+  auto check_equal = [&](const Run& r) {
+    for (const char* cat : {"params", "grads", "optimizer", "activations"})
+      CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
+  };
+  for (const char* rc : {"none", "selective", "full"}) {
+    INFO("01 --recompute " << rc);
+    check_equal(tst::cached_run("01_single_gpu", 1, args + "--micro-batch 2 --recompute " + rc));
+  }
+  check_equal(tst::cached_run("07_expert_parallel", 2, args + "--dp 2 --ep 1"));
+  const std::string two = " --experts 2 --expert-groups 1 --group-limit 1";  // flags after kDeepSeek's override them
+  const Run& one_shared = tst::cached_run("07_expert_parallel", 2, args + "--dp 2 --ep 2" + two);
+  check_equal(one_shared);
+  const Run& two_shared = tst::cached_run("07_expert_parallel", 2, args + "--dp 2 --ep 2 --shared-experts 2" + two);
+  check_equal(two_shared);
+  const double tokens = 4 * 32, L = 2, Fe = 32;  // a rank's micro-batch: 8 sequences over dp 2
+  CHECK(mem(two_shared, "activations", "predicted") - mem(one_shared, "activations", "predicted") == tokens * L * 3 * Fe * 4);
+}
+
+namespace {
+
+// The shape make bench calibrates on (scripts/bench_plan.sh): 01's step there, F = 6N + 12·L·h·s.
+const std::string kBenchShape = "--dim 256 --layers 4 --heads 8 --kv-heads 4 --ffn 688 --vocab 256 --seq 256";
+
+// A calibration of this machine as scripts/bench_plan.sh writes it, measured now: 01's rate on
+// the bench shape, two copies side by side in sessions of their own (each with the share of the
+// cores a rank of a 2-rank run has), and bench_comm's bus bandwidths at 2 ranks. On a shared
+// machine the rate moves with the load, so, as bench_plan.sh does, it is measured right before
+// each run it predicts.
+void calibrate(const std::string& path) {
+  const tst::Result dry = tst::run_bin("01_single_gpu", kBenchShape + " --dry-run", 1, 60);
+  const size_t at = dry.output.find("M without the embedding");
+  REQUIRE(at != std::string::npos);
+  const double n = std::atof(dry.output.c_str() + dry.output.rfind('(', at) + 1);
+  const std::string one = tst::bin_command("01_single_gpu", kBenchShape + " --batch 8 --steps 8 --quiet");
+  const tst::Result both = tst::run("sh -c 'setsid -w " + one + " & setsid -w " + one + " & wait'", 300);
+  std::vector<double> rates;
+  for (size_t p = both.output.find("median "); p != std::string::npos; p = both.output.find("median ", p + 1))
+    rates.push_back(std::atof(both.output.c_str() + p + 7));
+  REQUIRE(rates.size() == 2);
+  const double gflops = (6 * n * 1e6 + 12.0 * 4 * 256 * 256) * (rates[0] + rates[1]) / 2 / 1e9;
+  const tst::Result comm = tst::run_bin("bench/bench_comm", "--min-bytes 4096 --max-bytes 4194304", 2, 120);
+  REQUIRE(comm.status == 0);
+  std::map<std::string, double> busbw;
+  double latency = 0;
+  std::istringstream lines(comm.output);
+  for (std::string line; std::getline(lines, line);) {
+    std::istringstream f(line);
+    std::string op;
+    double bytes = 0, iters = 0, us = 0, algbw = 0, bus = 0;
+    if (!(f >> op >> bytes >> iters >> us >> algbw >> bus)) continue;
+    if (bytes >= 4e6) busbw[op] = bus;
+    if (op == "all_reduce" && bytes == 4096) latency = us * 1e-6;
+  }
+  REQUIRE(busbw.size() >= 3);
+  char json[400];
+  snprintf(json, sizeof json,
+           R"({"gflops": %.3f, "memory_gib": 8, "all_reduce_gbs": %g, "all_gather_gbs": %g, "reduce_scatter_gbs": %g, "latency_s": %g})",
+           gflops, busbw["all_reduce"], busbw["all_gather"], busbw["reduce_scatter"], latency);
+  tst::write_bytes(path, json);
+}
+
+// The imbalance the prediction prices the experts at, recomputed from the log's loads: per step
+// after the first, Σ_l max over the 2 ep ranks of their experts' rows over Σ_l the mean.
+double imbalance_of(const tst::Log& l, int layers, int experts) {
+  double sum = 0;
+  for (size_t s = 1; s < l.steps.size(); s++) {
+    const auto& v = l.steps[s].at("moe_tokens_per_expert").as_array();
+    double busiest = 0, balanced = 0;
+    for (int i = 0; i < layers; i++) {
+      double rank[2] = {0, 0};
+      for (int e = 0; e < experts; e++) rank[2 * e / experts] += v[size_t(i * experts + e)].as_double();
+      busiest += std::max(rank[0], rank[1]);
+      balanced += (rank[0] + rank[1]) / 2;
+    }
+    sum += busiest / balanced;
+  }
+  return sum / double(l.steps.size() - 1);
+}
+
+}  // namespace
+
+// 07's step-time prediction with its MoE term, calibrated as make bench calibrates it, at the bench
+// shape the calibration is measured on: the term's pieces add up to it, its imbalance is the one
+// the log's loads give, and the step is the sum of its parts. How close the prediction comes to the
+// measured step is a measurement of the machine, not a test: every run prints both, and
+// notes/07 ("The MoE term of the step time") quotes them.
+static void check_moe_term(const std::string& routing, int experts) {
+  const std::string cal = tst::scratch("calibration_moe.json");
+  INFO(routing);
+  calibrate(cal);
+  const std::string log = tst::scratch("moe_term.jsonl");
+  const tst::Result r = tst::run_bin("07_expert_parallel", kBenchShape + " --batch 8 --steps 5 --dp 2 --ep 2 --quiet " +
+                                                               routing + " --calibration " + cal + " --log-json " + log, 2, 300);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  const tst::Log l = tst::read_log(log);
+  const ts::Json& t = l.summary.at("step_time");
+  double moe = 0;
+  for (const char* k : {"moe_router_s", "moe_experts_s", "moe_shared_s", "moe_copies_s"}) moe += t.at(k).as_double();
+  CHECK(moe == Approx(t.at("moe_s").as_double()).epsilon(1e-12));
+  CHECK(t.at("moe_s").as_double() > 0);
+  CHECK(t.at("moe_s").as_double() < t.at("compute_s").as_double());
+  CHECK(t.at("moe_imbalance").as_double() == Approx(imbalance_of(l, 4, experts)).epsilon(1e-12));
+  CHECK(t.at("compute_s").as_double() + t.at("dp_exposed_s").as_double() + t.at("ep_s").as_double() ==
+        Approx(t.at("predicted_s").as_double()));
+}
+
+TEST_CASE("the MoE term of 07's step prediction: a softmax router", "[07][e2e]") {
+  check_moe_term("--experts 4 --top-k 2", 4);
+}
+
+TEST_CASE("the MoE term of 07's step prediction: DeepSeek's routing, with a shared expert", "[07][e2e]") {
+  check_moe_term("--experts 8 --top-k 2 --expert-ffn 172 --shared-experts 1 --router sigmoid", 8);
 }

@@ -157,7 +157,7 @@ TEST_CASE("--save over a checkpoint this run did not resume from is refused unle
 }
 
 TEST_CASE("--preset: the error and --help list the same names", "[newcomer][flags]") {
-  const std::string names = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b, 405b, 8x7b";
+  const std::string names = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b, 405b, 8x7b, deepseek-v3";
   tst::Result bad = tst::run_bin("01_single_gpu", "--preset 2b", 1, 60);
   INFO(bad.output);
   CHECK(bad.status == 2);

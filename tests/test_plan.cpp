@@ -560,3 +560,73 @@ TEST_CASE("every run prints its predicted step time next to the measured one, te
     CHECK(r.output.find("--calibration") != std::string::npos);
   }
 }
+
+// The MoE term by hand (common/training/step_time.h): on an H100, Mixtral's shape at ep 8, bf16,
+// one micro-batch of 4096 tokens. Every piece is its formula; a dense model is left as it was, bit
+// for bit; a second dispatch level adds its own time; 08 prices a MoE plan with the same term.
+TEST_CASE("the MoE term: router, busiest experts, shared experts, row copies, dispatch levels", "[plan][moe]") {
+  const Gpu& g = *find_gpu("h100");
+  RunConfig rc;
+  REQUIRE(apply_preset("8x7b", rc.model));
+  rc.dtype = DType::BF16;
+  rc.batch = 8, rc.micro_batch = 1;
+  const ModelConfig& m = rc.model;
+  const double D = 4096, F = 14336, E = 8, K = 2, tokens = 4096, L = 32, peak = 989e12;
+  CHECK(moe_flops_per_token(m) == 6 * L * D * (E + 3 * F * K));
+  MoeShape x;
+  x.tokens = tokens, x.layers = L, x.ep = 8, x.imbalance = 1.25;
+  x.dispatch = {{1e9, 128, 1}, {2e9, 128, 2}};
+  const MoeTerms t = moe_terms(g, rc, x);
+  CHECK(t.router_s == Approx(6 * D * E * tokens * L / (peak * matmul_efficiency(g, 4096, D, E, 2))).epsilon(1e-12));
+  // An expert's rows: 4096 · 2 · 8 / 8 = 8192, large enough for the achievable fraction.
+  CHECK(matmul_efficiency(g, 8192, D, 2 * F, 2) == kH100Achievable);
+  CHECK(t.experts_s == Approx(1.25 * 18 * D * F * K * tokens * L / (peak * kH100Achievable)).epsilon(1e-12));
+  CHECK(t.shared_s == 0);
+  CHECK(t.copies_s == Approx(16 * D * 2 * K * tokens * L * 1.25 / 3350e9).epsilon(1e-12));
+  CHECK(t.dispatch_s == Approx(collective_seconds(g.net, Collective::P2P, 1e9, 128, 1) +
+                               collective_seconds(g.net, Collective::P2P, 2e9, 128, 2)).epsilon(1e-12));
+  // Shared experts: one SwiGLU of width S·F_e over every token.
+  rc.model.shared_experts = 2, rc.model.expert_ffn = 1024;
+  CHECK(moe_terms(g, rc, x).shared_s == Approx(18 * D * 2048 * tokens * L / (peak * kH100Achievable)).epsilon(1e-12));
+  // A dense model: add_moe_term changes nothing.
+  RunConfig dense = rc;
+  dense.model.experts = 0;
+  const StepTerms before = compute_terms(g, dense, 1, 1, 1, 8);
+  StepTerms after = before;
+  add_moe_term(after, g, dense, x);
+  CHECK(after.t_compute == before.t_compute);
+  CHECK(after.t_ep == 0);
+  CHECK(after.t_moe == 0);
+  // 07's step at ep 8 is compute − the MoE share + the MoE term: balanced, on the GPU, the experts
+  // at the achievable fraction where the dense layer reached it too.
+  rc.model = m;
+  const StepTerms s = ep::predict_step_time(g, rc, 8, 8, 25, 1.0);
+  CHECK(s.t_moe == Approx(s.moe.compute()).epsilon(1e-12));
+  CHECK(s.t_ep == Approx(s.moe.dispatch_s).epsilon(1e-12));
+  CHECK(ep::predict_step_time(g, rc, 8, 8, 25, 2.0).t_compute > s.t_compute + s.moe.experts_s * 0.99);
+}
+
+// The H800: an H100 with NVLink at 400 of 900 GB/s, the same network across nodes; DeepSeek-V3's
+// preset, its plan priced with the MoE term.
+TEST_CASE("h800 and the deepseek-v3 preset", "[plan][moe]") {
+  const Gpu* h800 = find_gpu("h800");
+  REQUIRE(h800 != nullptr);
+  CHECK(h800->peak_tflops == 989);
+  CHECK(bus_bandwidth(h800->net, Collective::AllReduce, 1) == Approx(436.0 * 400 / 900).epsilon(1e-12));
+  CHECK(bus_bandwidth(h800->net, Collective::AllReduce, 8) == 99.6);
+  CHECK(bus_bandwidth(h800->net, Collective::P2P, 2) == 50);
+  ModelConfig m;
+  REQUIRE(apply_preset("deepseek-v3", m));
+  CHECK(m.experts == 256);
+  CHECK(m.expert_width() == 2048);
+  CHECK(m.shared_experts == 1);
+  CHECK(double(param_count(m)) == Approx(704.92e9).epsilon(1e-4));
+  const tst::Result p = tst::run_bin("08_5d_mesh", "--plan --preset deepseek-v3 --bias-update-rate 0 --gpu h800 --gpus 2048 "
+                                                   "--dp 128 --pp 16 --tp 1 --ep 64 --global-batch-tokens 62914560 "
+                                                   "--train-tokens 14.8e12 --dtype bf16", 1, 120);
+  INFO(p.output);
+  REQUIRE(p.status == 0);
+  CHECK(p.output.find("plan: deepseek-v3 on 2048 × h800") != std::string::npos);
+  CHECK(p.output.find("of compute, the MoE blocks") != std::string::npos);
+  CHECK(p.output.find("GPU-hours") != std::string::npos);
+}

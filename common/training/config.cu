@@ -31,7 +31,19 @@ bool apply_preset(const std::string& name, ModelConfig& m) {
     m = {4096, 32, 32, 8, 14336, 32000, 4096};
     m.experts = 8;
     m.top_k = 2;
+  } else if (name == "deepseek-v3") {
+    // DeepSeek-V3 (technical report §4.2): 61 layers, h 7168, 128 heads, 256 routed experts of
+    // width 2048 and 1 shared, top-8 within 4 of 8 groups, the sigmoid router scaled by 2.5, the
+    // bias moved by 0.001, vocabulary 129,280, sequences of 4096. Not expressible here: MLA (an
+    // approximation: 128 full heads of 56, kv 128 — its projections within 10% of MLA's, its
+    // attention core narrower, notes/07) and the first 3 layers dense of ffn 18,432 (here every
+    // layer is MoE; 9 × 2048 = 18,432, so a token's FLOPs are the same).
+    m = {7168, 61, 128, 128, 18432, 129280, 4096};
+    m.experts = 256, m.top_k = 8, m.expert_ffn = 2048, m.shared_experts = 1;
+    m.sigmoid_router = true, m.routed_scaling = 2.5f, m.bias_update_rate = 0.001f;
+    m.expert_groups = 8, m.group_limit = 4;
   } else return false;
+  if (name == "deepseek-v3") return true;  // rope θ 10000 (the default), YaRN later
   if (name != "tiny" && name != "small" && name != "124m") m.rope_theta = name == "8x7b" ? 1e6f : 500000.f;
   return true;
 }
@@ -41,28 +53,30 @@ const char* recompute_name(Recompute r) {
 }
 
 // DeepSeekMoE (DeepSeek-V3 report §2.1.2): fine-grained routed experts, shared experts, the
-// sigmoid router with its selection-only bias, node-limited (group-limited) routing.
+// sigmoid router with its selection-only bias, node-limited (group-limited) routing. Each flag
+// defaults to the preset's value (deepseek-v3 sets them; the others leave Mixtral's block).
 static void read_deepseek_moe_flags(Args& a, ModelConfig& m) {
-  m.expert_ffn = a.get_int("--expert-ffn", 0, "width F_e of each routed and shared expert (0: --ffn)", {0, 1 << 20});
-  m.shared_experts = a.get_int("--shared-experts", 0, "shared experts S every token passes through (one SwiGLU of width S·F_e)",
+  m.expert_ffn = a.get_int("--expert-ffn", m.expert_ffn, "width F_e of each routed and shared expert (0: --ffn)", {0, 1 << 20});
+  m.shared_experts = a.get_int("--shared-experts", m.shared_experts, "shared experts S every token passes through (one SwiGLU of width S·F_e)",
                                {0, 1 << 10});
-  const std::string r = a.get_str("--router", "softmax", "softmax (Mixtral) or sigmoid (DeepSeek-V3: sigmoid affinities, "
+  const std::string r = a.get_str("--router", m.sigmoid_router ? "sigmoid" : "softmax", "softmax (Mixtral) or sigmoid (DeepSeek-V3: sigmoid affinities, "
                                                          "selection-only bias, gate weights renormalised)");
   if (r != "softmax" && r != "sigmoid") config_error("--router must be softmax or sigmoid (got %s)", r.c_str());
   m.sigmoid_router = r == "sigmoid";
-  m.routed_scaling = float(a.get_double("--routed-scaling", 1, "gate weights times this factor (DeepSeek-V3: 2.5; --router sigmoid)"));
-  m.bias_update_rate = float(a.get_double("--bias-update-rate", m.sigmoid_router ? 0.001 : 0,
+  m.routed_scaling = float(a.get_double("--routed-scaling", m.routed_scaling, "gate weights times this factor (DeepSeek-V3: 2.5; --router sigmoid)"));
+  m.bias_update_rate = float(a.get_double("--bias-update-rate", m.bias_update_rate > 0 ? m.bias_update_rate : m.sigmoid_router ? 0.001 : 0,
                                           "γ: b_e += γ·sign(mean load − load_e) after each step (--router sigmoid)"));
-  m.expert_groups = a.get_int("--expert-groups", 1, "G groups of experts for group-limited routing (--router sigmoid)",
+  const int preset_limit = m.expert_groups > 1 ? m.group_limit : 0;
+  m.expert_groups = a.get_int("--expert-groups", m.expert_groups, "G groups of experts for group-limited routing (--router sigmoid)",
                               {-HUGE_VAL, 1 << 16});
-  m.group_limit = a.get_int("--group-limit", m.expert_groups, "groups M each token may route to (--router sigmoid)",
+  m.group_limit = a.get_int("--group-limit", preset_limit > 0 ? preset_limit : m.expert_groups, "groups M each token may route to (--router sigmoid)",
                             {-HUGE_VAL, 1 << 16});
 }
 
 // The model's shape: a preset, then any flag that overrides it.
 static void parse_model_flags(Args& a, RunConfig& rc) {
   a.group("model");
-  const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b, 405b, 8x7b";  // apply_preset's names, in --help and the error
+  const char* presets = "tiny, small, 124m, 1b, 3b, 8b, 70b, 80b, 405b, 8x7b, deepseek-v3";  // apply_preset's names, in --help and the error
   rc.preset = a.get_str("--preset", "tiny", std::string("model shape: ") + presets + " (explicit flags override)");
   if (!apply_preset(rc.preset, rc.model)) config_error("unknown --preset '%s' (%s)", rc.preset.c_str(), presets);
   ModelConfig& m = rc.model;

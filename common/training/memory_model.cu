@@ -29,11 +29,14 @@ static double layer_saved_per_token(const ModelConfig& c, double e, Recompute rc
   const double region = r * (4 * D * e + 8);                      // x, h1, x_mid, h2 + rstd1, rstd2
   const double split = ((2 * D + 2 * KV + 3 * F) * e + 4 * H) / t;  // q, y, k, v, g, u, act + lse
   if (c.experts > 0) {  // dropless MoE (moe.h): probs, choices, src per token; per routed row its
-    const double E = c.experts, K = c.top_k;  // token, weight, g, u, act, input and output rows
+    // token, weight, g, u, act (width F_e), input and output rows; the S shared experts' g, u, act
+    // (one SwiGLU of width S·F_e over every token; its act is kept under selective recompute).
+    const double E = c.experts, K = c.top_k, Fe = c.expert_width(), Fs = double(c.shared_experts) * Fe;
     // Attention is split over tp; the MoE block is replicated (every tp rank routes every token).
-    const double moe = ((2 * D + 2 * KV) * e + 4 * H) / t + 4 * E + 8 * K + K * (8 + (3 * F + 2 * D) * e);
+    const double moe =
+        ((2 * D + 2 * KV) * e + 4 * H) / t + 4 * E + 8 * K + K * (8 + (3 * Fe + 2 * D) * e) + 3 * Fs * e;
     if (rc == Recompute::None) return region + moe;
-    if (rc == Recompute::Selective) return region + moe - r * 2 * D * e - K * F * e;
+    if (rc == Recompute::Selective) return region + moe - r * 2 * D * e - K * Fe * e;
   }
   if (rc == Recompute::None) return region + split;
   if (rc == Recompute::Selective) return region + split - r * 2 * D * e - F * e / t;  // minus h1, h2, act

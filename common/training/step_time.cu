@@ -36,7 +36,11 @@ const Gpu* find_gpu(const std::string& name) {
   static const std::vector<Gpu> kGpus = {
       {"h100", 80, 989, 3350, kH100Achievable, h100_network()},
       {"h200", 141, 989, 4800, kH100Achievable, h100_network()},
-      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)}};
+      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)},
+      // The H800: an H100 SXM with NVLink cut to 400 GB/s (NVIDIA's H800 datasheet), the same
+      // compute and HBM3; across nodes DeepSeek-V3's cluster has the H100's 400 Gb/s InfiniBand
+      // per GPU (technical report §3.1: "IB (50 GB/s)").
+      {"h800", 80, 989, 3350, kH100Achievable, scaled(h100_network(), 400.0 / 900, 1.0)}};
   for (const Gpu& g : kGpus)
     if (name == g.name) return &g;
   return nullptr;
@@ -247,6 +251,64 @@ StepTerms compute_terms(const Gpu& g, const RunConfig& rc, int tp, int cp, int p
   return s;
 }
 
+// ----- the MoE term ---------------------------------------------------------------------------------------
+
+// Per layer: the router's D×E matmul and K routed plus S shared SwiGLU experts of width F_e
+// (gate, up, down: 3·D·F_e parameters each), 6 FLOPs per parameter and token (flops_per_token's).
+double moe_flops_per_token(const ModelConfig& m) {
+  if (m.experts == 0) return 0;
+  const double D = m.dim, F = m.expert_width();
+  return 6.0 * m.layers * D * (m.experts + 3.0 * F * (m.top_k + m.shared_experts));
+}
+
+// Full recomputation runs every MoE block's forward again (2 of its 6 FLOPs: 8/6); selective
+// reruns only the attention core.
+static double moe_recompute(Recompute r) { return r == Recompute::Full ? 4.0 / 3 : 1.0; }
+
+// A SwiGLU of width F over `rows` rows: gate and up (D → 2F, 2/3 of its FLOPs), down (F → D, 1/3),
+// each at its roofline efficiency; the seconds for `flops` of it.
+static double swiglu_seconds(const Gpu& g, double flops, double rows, double D, double F, double e) {
+  const double up = matmul_efficiency(g, rows, D, 2 * F, e), down = matmul_efficiency(g, rows, F, D, e);
+  return flops * (2.0 / 3 / up + 1.0 / 3 / down) / (g.peak_tflops * 1e12);
+}
+
+// Row passes of D elements per routed row and layer, read or written, outside the matmuls
+// (common/model/moe.cu): forward, the gather into expert order (2) and the weighted combine
+// (1); backward, the weighted gather of dy (2), the gate weights' dot products (2) and the
+// combine of dx (1). Expert parallelism adds the owner's grouping and ungrouping gathers, 2 + 2
+// each way.
+static double row_passes(int ep) { return ep > 1 ? 16 : 8; }
+
+MoeTerms moe_terms(const Gpu& g, const RunConfig& rc, const MoeShape& x) {
+  const ModelConfig& m = rc.model;
+  MoeTerms t;
+  if (m.experts == 0) return t;
+  const double D = m.dim, E = m.experts, K = m.top_k, F = m.expert_width(), e = dtype_size(rc.dtype);
+  const double work = x.tokens * x.layers * moe_recompute(rc.recompute);  // token-layers, forward reruns in
+  const double mb = double(rc.micro_batch) * m.seq;                       // one micro-batch's tokens
+  t.imbalance = x.imbalance;
+  t.router_s = 6 * D * E * work / (g.peak_tflops * 1e12 * matmul_efficiency(g, mb, D, E, e));
+  // Balanced, an expert receives K/E of the micro-batch tokens of each of the ep ranks.
+  t.experts_s = x.imbalance * swiglu_seconds(g, 18 * D * F * K * work, mb * K * x.ep / E, D, F, e);
+  if (m.shared_experts > 0) t.shared_s = swiglu_seconds(g, 18 * D * F * m.shared_experts * work, mb, D, F * m.shared_experts, e);
+  t.copies_s = row_passes(x.ep) * D * e * K * work * x.imbalance / (g.hbm_gbs * 1e9);
+  for (const DispatchLevel& l : x.dispatch) t.dispatch_s += collective_seconds(g.net, Collective::P2P, l.bytes, l.calls, l.nodes);
+  return t;
+}
+
+void add_moe_term(StepTerms& s, const Gpu& g, const RunConfig& rc, const MoeShape& x) {
+  if (rc.model.experts == 0) return;
+  s.moe = moe_terms(g, rc, x);
+  // compute_terms priced every FLOP at the dense layer's efficiency, spread over every rank:
+  // take out the MoE blocks' share of it, forward reruns counted alike, and put in their own.
+  const ModelConfig& m = rc.model;
+  const double share = moe_flops_per_token(m) * moe_recompute(rc.recompute) /
+                       (flops_per_token_of(m) * recompute_factor(m, rc.recompute));
+  s.t_moe = s.moe.compute();
+  s.t_compute += s.t_moe - share * s.t_compute;
+  s.t_ep = s.moe.dispatch_s;
+}
+
 void print_assumptions(RunLog& log, const Gpu& g) {
   if (g.name == "local") {
     log.line("assumed (measured here by make bench): a training step's FLOPs at %.1f GFLOP/s per rank; bus bandwidth "
@@ -292,6 +354,14 @@ static std::string terms_text(const StepTerms& c, const std::string& dense) {
   return terms;
 }
 
+// The MoE blocks' part of the compute term, piece by piece.
+static void print_moe(RunLog& log, const StepTerms& c) {
+  const MoeTerms& t = c.moe;
+  log.line("  of compute, the MoE blocks %.1f ms = router %.1f + experts %.1f (the busiest ep rank's rows, %.3f × "
+           "balanced routing's) + shared experts %.1f + row copies %.1f",
+           1e3 * c.t_moe, 1e3 * t.router_s, 1e3 * t.experts_s, t.imbalance, 1e3 * t.shared_s, 1e3 * t.copies_s);
+}
+
 // Every run that prints it is a test of the model: a miss names the term that missed.
 Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, Device dev, const std::string& dense,
                       const std::function<StepTerms(const Gpu&)>& predict, const StepTimes& t) {
@@ -312,6 +382,7 @@ Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, 
            terms_text(c, dense).c_str(), measured.c_str(), t.median_s / c.step);
   log.line("  %.0f tokens/s predicted, %.0f measured: the step-time model (common/training/step_time.h) with %s",
            tokens / c.step, tokens / t.median_s, cal.path.c_str());
+  if (c.t_moe > 0) print_moe(log, c);
   print_assumptions(log, cal.gpu);
   j["calibration"] = cal.path;
   const std::pair<const char*, double> terms_json[] = {
@@ -321,6 +392,11 @@ Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, 
       {"ep_s", c.t_ep},               {"predicted_tokens_per_s", tokens / c.step},
       {"measured_tokens_per_s", tokens / t.median_s}};
   for (const auto& [key, v] : terms_json) j[key] = v;
+  if (c.t_moe > 0)  // of compute_s; only a MoE run has these keys
+    for (const auto& [key, v] : {std::pair{"moe_s", c.t_moe}, {"moe_router_s", c.moe.router_s},
+                                 {"moe_experts_s", c.moe.experts_s}, {"moe_shared_s", c.moe.shared_s},
+                                 {"moe_copies_s", c.moe.copies_s}, {"moe_imbalance", c.moe.imbalance}})
+      j[key] = v;
   return j;
 }
 

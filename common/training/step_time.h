@@ -60,7 +60,7 @@ constexpr double kH100Achievable = 0.47;
 
 // `n` with its in-node bandwidths scaled by `intra` and its cross-node ones by `inter`.
 Network scaled(const Network& n, double intra, double inter);
-// h100, h200, a100; nullptr for another name.
+// h100, h200, h800, a100; nullptr for another name.
 const Gpu* find_gpu(const std::string& name);
 // This machine, as `make bench` measured it (scripts/bench.sh writes the file).
 Gpu local_gpu(const std::string& path);
@@ -117,10 +117,19 @@ double reduction_exposed(double t_reduce, double t_window, double last_bucket_sh
 // Attention's share of a token's FLOPs: 12·L·h·s of 6N + 12·L·h·s (what cp's ring hides behind).
 double attention_share(const ModelConfig& m);
 
+// The MoE blocks of one rank's step (add_moe_term; all 0 for a dense model): the compute pieces,
+// the dispatch, and the routing imbalance the experts were priced at.
+struct MoeTerms {
+  double router_s = 0, experts_s = 0, shared_s = 0, copies_s = 0, dispatch_s = 0, imbalance = 0;
+  double compute() const { return router_s + experts_s + shared_s + copies_s; }
+};
+
 // The terms of one step (seconds), as the chapters and the planner compose them.
 struct StepTerms {
   double efficiency = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0,
          bubble = 0, t_bubble = 0, t_pp = 0, t_ep = 0, step = 0;
+  double t_moe = 0;  // of t_compute: the MoE blocks' compute (add_moe_term; 0 for a dense model)
+  MoeTerms moe;
   bool pipeline = false;  // pp > 1: the bubble is a term (printed even where it is 0)
   double exposed() const { return t_tp + t_cp_exposed + t_dp_exposed + t_pp + t_ep; }
   // step = compute + bubble + what the collectives leave exposed.
@@ -135,6 +144,47 @@ struct StepTerms {
 // The compute term of a step of `rc` on `gpus` ranks whose matmuls are split tp ways, whose
 // sequences cp ways and whose layers over pp stages: efficiency, t_compute and pipeline set.
 StepTerms compute_terms(const Gpu& g, const RunConfig& rc, int tp, int cp, int pp, int gpus);
+
+// ----- the MoE term ---------------------------------------------------------------------------------------
+//
+// compute_terms prices a mixture of experts as if its active parameters were one dense layer's
+// matmuls (6N over the active N). What a MoE block does differently (notes/07, "The MoE term"):
+//   router      a D×E matmul per token, 6·D·E FLOPs with backward;
+//   experts     K routed SwiGLU experts per token, 18·D·F_e FLOPs each with backward, at the height
+//               an expert gets (rows = micro-batch tokens · K · ep / E) and paced by the busiest
+//               rank: each layer's all-to-all waits for the rank whose experts received the most rows;
+//   shared      S shared experts, one dense SwiGLU of width S·F_e over every token (DeepSeekMoE);
+//   row copies  gathering rows into expert order and back, the weighted combine: memory traffic;
+//   dispatch    the all-to-alls, one level (flat) or several (across nodes, then inside one).
+
+// One level of a dispatch: the wire bytes each rank sends per step at that level (dispatch and
+// combine, forward and backward), its calls, and the nodes its group spans. A flat all-to-all is
+// one level over the ep group; a two-level dispatch lists one entry per level.
+struct DispatchLevel {
+  double bytes = 0, calls = 0;
+  int nodes = 1;
+};
+
+// The busiest ep rank's routed rows over balanced routing's, summed over the layers, where a run
+// has no routing loads of its own: balanced. DeepSeek-V3 reports its auxiliary-loss-free bias
+// keeps every batch balanced (technical report §2.1.2, figure 9); a learned softmax router without
+// the loss is not (notes/07), and a run passes its measured factor instead.
+constexpr double kAssumedImbalance = 1.0;
+
+struct MoeShape {
+  double tokens = 0;     // tokens this rank routes per step (every MoE layer it runs)
+  double layers = 0;     // the MoE layers it runs (its pipeline stage's)
+  int ep = 1;            // the expert-parallel degree
+  double imbalance = 1;  // busiest rank's routed rows over balanced (measured, or kAssumedImbalance)
+  std::vector<DispatchLevel> dispatch;
+};
+// The part of flops_per_token the MoE blocks are: L·6·D·(E + 3·F_e·(K + S)).
+double moe_flops_per_token(const ModelConfig& m);
+// The MoE blocks of one rank's step, term by term.
+MoeTerms moe_terms(const Gpu& g, const RunConfig& rc, const MoeShape& x);
+// Replaces the MoE blocks' share of s.t_compute (priced at the dense layer's efficiency) by the
+// MoE term's compute (s.t_moe records it) and prices the dispatch as s.t_ep. A dense model: no change.
+void add_moe_term(StepTerms& s, const Gpu& g, const RunConfig& rc, const MoeShape& x);
 
 // ----- every run: its own step time, predicted ---------------------------------------------------------
 
