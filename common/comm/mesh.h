@@ -63,8 +63,8 @@ struct Mesh {
 // CUDA it also selects this rank's GPU (local rank modulo the GPUs visible). TS_NCCL=0 in the
 // environment forces the staged MPI path even when NCCL could run.
 Mesh make_mesh(const MeshConfig& cfg, Device dev);
-// Which node each rank of `group` runs on, in group-rank order: the ranks that
-// MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) puts together share a node, named by their lowest world
+// Which node each rank of `group` runs on, in group-rank order: the ranks that MPI's shared-memory
+// split (MPI_COMM_TYPE_SHARED) puts together share a node, named by their lowest world
 // rank, numbered 0, 1, … in that order. Collective over the world. A cluster's nodes are its
 // hosts; MPICH simulates several on one host for debugging (MPIR_CVAR_NUM_CLIQUES=n: world rank r
 // goes to node r mod n, so the nodes are round-robin, not blocks of consecutive ranks).
