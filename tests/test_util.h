@@ -44,7 +44,7 @@ inline std::string build_dir() {
   return b ? b : "build";
 }
 
-// A scratch directory unique to this process.
+// A scratch directory unique to this process; catch_main.cpp removes it when every case has passed.
 inline std::string scratch(const std::string& name) {
   std::string d = "/tmp/ts_test_" + std::to_string(getpid());
   std::filesystem::create_directories(d);  // throws, and so fails the test, if it cannot
