@@ -287,10 +287,12 @@ TEST_CASE("sigmoid router kernel: group-limited top-k, ties to the lower index, 
   auto [i2, w2] = route(std::vector<float>(8, 0.f), {0, 0, 0, 0, 0, 0, 0.5f, 0}, 3, 4, 2);
   CHECK(i2 == std::vector<int32_t>{6, 0, 1});
   for (float v : w2) CHECK(v == Approx(2.5 / 3).epsilon(1e-6));
-  // Hugging Face masks the dropped groups' experts with 0.0, not −∞: with the biased scores of the
-  // kept group negative, a masked expert (0.0, expert 0 the lowest index) wins. Followed exactly.
-  CHECK(route(std::vector<float>(8, 0.f), {-1, -1, -1, -1, -1, -1, -0.9f, -0.9f}, 1, 4, 1).first ==
-        std::vector<int32_t>{0});
+  // The dropped groups' experts are −∞, not 0.0 (older transformers' masked_fill): with the biased
+  // scores of the kept group negative, its experts still win over the masked ones, in score order.
+  CHECK(route(std::vector<float>(8, 0.f), {-1, -1, -1, -1, -1, -1, -0.9f, -0.95f}, 1, 4, 1).first ==
+        std::vector<int32_t>{6});
+  CHECK(route(std::vector<float>(8, 0.f), {-1, -1, -1, -1, -1, -1, -0.9f, -0.95f}, 3, 4, 2).first ==
+        std::vector<int32_t>{6, 7, 0});
 }
 
 TEST_CASE("sigmoid router kernel: forward against double, backward against central differences", "[moe][kernels]") {

@@ -117,8 +117,9 @@ TS_HD uint64_t moe_group_mask(const float* s, const float* bias, int E, int G, i
   return keep;
 }
 
-// One row of the sigmoid router: scores, the group mask, top-K of the masked biased scores (a
-// masked expert counts 0.0, as Hugging Face's masked_fill), the unbiased weights renormalised.
+// One row of the sigmoid router: scores, the group mask, top-K of the biased scores of the kept
+// groups' experts (a masked expert is −∞: never chosen, since K ≤ M·E/G), the unbiased weights
+// renormalised.
 TS_HD void sigmoid_router_row(float* s, int32_t* idx, float* w, const float* z, const float* bias, int E, int K,
                               int G, int M, float scale) {
   for (int j = 0; j < E; j++) s[j] = float(1.0 / (1.0 + exp(-double(z[j]))));
@@ -130,7 +131,7 @@ TS_HD void sigmoid_router_row(float* s, int32_t* idx, float* w, const float* z, 
     for (int j = 0; j < E; j++) {
       bool taken = false;
       for (int q = 0; q < k; q++) taken |= idx[q] == j;
-      const float v = ((keep >> (j / per)) & 1) ? s[j] + (bias ? bias[j] : 0.f) : 0.f;
+      const float v = ((keep >> (j / per)) & 1) ? s[j] + (bias ? bias[j] : 0.f) : -INFINITY;
       if (!taken && (best < 0 || v > bv)) best = j, bv = v;
     }
     idx[k] = best;

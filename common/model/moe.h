@@ -33,9 +33,9 @@
 //   group-limited routing E experts in G groups (--expert-groups), a group scored by the sum of its
 //                         two largest biased scores (Hugging Face's code; the report says the K/M
 //                         largest), each token keeps its M best groups (--group-limit) and takes its
-//                         K experts among them. The other groups' biased scores become 0.0, not −∞,
-//                         as in Hugging Face's masked_fill: with a negative bias a masked expert can
-//                         still win; that is followed here exactly.
+//                         K experts among them: the other groups' experts are masked to −∞ (as
+//                         transformers' DeepseekV3, Glm4Moe and Dots1 routers do), so a token's
+//                         experts lie in at most M groups whatever the bias.
 #pragma once
 #include <string>
 #include <vector>
