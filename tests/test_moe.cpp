@@ -14,9 +14,11 @@
 
 #include "tensor/core.h"
 #include "tensor/rng.h"
+#include "formats/safetensors.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
 #include "model/moe.h"
+#include "training/checkpoint.h"
 #include "test_util.h"
 
 using namespace ts;
@@ -217,11 +219,11 @@ ModelConfig block_config(const Case& cs) {
 Ref block_reference(Model& m, const Case& cs, int B) {
   const ModelConfig& c = m.cfg;
   Ref r{B, c.seq, c.dim, c.expert_width(), c.experts, cs.K, expert_capacity(c, c.seq),
-        double(c.aux_loss_coef) * m.loss_scale * c.seq, host(m.weight(m.entry(moe_gate_name(0)))), {}, {}, {}};
+        double(c.aux_loss_coef) * m.loss_scale * c.seq, host(m.weight(m.entry(moe_gate_name(m.cfg, 0)))), {}, {}, {}};
   for (int j = 0; j < c.experts; j++) {
-    r.w1.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w1")))));
-    r.w3.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w3")))));
-    r.w2.push_back(host(m.weight(m.entry(moe_expert_name(0, j, "w2")))));
+    r.w1.push_back(host(m.weight(m.entry(moe_expert_name(m.cfg, 0, j, "gate_proj")))));
+    r.w3.push_back(host(m.weight(m.entry(moe_expert_name(m.cfg, 0, j, "up_proj")))));
+    r.w2.push_back(host(m.weight(m.entry(moe_expert_name(m.cfg, 0, j, "down_proj")))));
   }
   r.sigmoid = cs.sigmoid, r.G = cs.G, r.M = cs.M, r.scale = c.routed_scaling;
   if (cs.sigmoid) {
@@ -389,7 +391,7 @@ TEST_CASE("MoE block against the naive double reference: forward, gradients, dro
     scale_inplace(m.params, 20.f);
     DVec hv(size_t(N) * D), R(size_t(N) * D);
     for (size_t i = 0; i < hv.size(); i++) hv[i] = rng_normal(11, i), R[i] = rng_normal(12, i);
-    const int gate = m.entry(moe_gate_name(0));
+    const int gate = m.entry(moe_gate_name(m.cfg, 0));
     if (cs.one_expert) {
       for (int t = 0; t < N; t++) hv[size_t(t) * D] = 2 + std::fabs(hv[size_t(t) * D]);
       m.weight(gate).f32()[(E - 1) * D] = 50.f;
@@ -423,11 +425,11 @@ TEST_CASE("MoE block against the naive double reference: forward, gradients, dro
     CHECK(rel_diff(host(m.grad(gate)), ng) <= 2e-6);
     for (int j = 0; j < E; j++) {
       INFO("expert " << j);
-      for (auto [w, vec] : {std::pair<const char*, DVec*>{"w1", &r.w1[size_t(j)]}, {"w3", &r.w3[size_t(j)]},
-                            {"w2", &r.w2[size_t(j)]}}) {
+      for (auto [w, vec] : {std::pair<const char*, DVec*>{"gate_proj", &r.w1[size_t(j)]}, {"up_proj", &r.w3[size_t(j)]},
+                            {"down_proj", &r.w2[size_t(j)]}}) {
         DVec n(vec->size());
         for (size_t i = 0; i < vec->size(); i++) n[i] = numeric_grad(r, hv, R, *vec, i);
-        const DVec got = host(m.grad(m.entry(moe_expert_name(0, j, w))));
+        const DVec got = host(m.grad(m.entry(moe_expert_name(m.cfg, 0, j, w))));
         if (max_abs(n) == 0) CHECK(max_abs(got) == 0);  // an expert without rows gets no gradient
         else CHECK(rel_diff(got, n) <= 2e-6);
         if (cs.one_expert && j < E - 1) CHECK(max_abs(got) == 0);
@@ -529,7 +531,14 @@ TEST_CASE("01 DeepSeekMoE: trains, logs the loads, the bias replays from the log
   CHECK(moved > 0.005);
   ts::SafetensorsReader st(run.ckpt + "/model.safetensors");
   CHECK(st.entry(moe_shared_name(1, "down_proj")).shape == std::vector<int64_t>{64, 32});
-  CHECK(st.entry(moe_expert_name(1, 7, "w1")).shape == std::vector<int64_t>{32, 64});
+  // transformers' Glm4Moe (the DeepseekV3 layout, checkpoint.cu's hf_config) names.
+  CHECK(st.entry("model.layers.1.mlp.experts.7.gate_proj.weight").shape == std::vector<int64_t>{32, 64});
+  CHECK(st.entry("model.layers.1.mlp.gate.weight").shape == std::vector<int64_t>{8, 64});
+  CHECK(!st.has("model.layers.1.block_sparse_moe.gate.weight"));
+  const ts::Json cfg = ts::Json::parse(tst::run("cat " + run.ckpt + "/config.json").output);
+  CHECK(cfg.at("architectures").as_array().at(0).as_string() == "Glm4MoeForCausalLM");
+  CHECK(cfg.at("n_routed_experts").as_int() == 8);
+  CHECK(cfg.at("first_k_dense_replace").as_int() == 0);
   CHECK(st.entry(moe_bias_name(1)).shape == std::vector<int64_t>{8});
   // Recompute reruns the shared experts and the router (the bias unchanged within a step);
   // accumulation sums the same loads before the one bias update.
@@ -584,6 +593,64 @@ TEST_CASE("01 --experts: bad input", "[moe][errors]") {
 }
 
 // ----- CUDA twins -----------------------------------------------------------------------------------
+
+// ----- transformers' Glm4MoeForCausalLM (tests/reference/make_moe_fixture.py) ----------------------
+
+// A checkpoint 01 wrote (tests/reference/tiny_moe: sigmoid router, a trained bias, 4 groups keep
+// 2, one shared expert) loaded by transformers' Glm4MoeForCausalLM, which computed the loss of a
+// batch, every gradient and the router's choices; here through tinyscale's loader and model.
+TEST_CASE("DeepSeekMoE checkpoint: loss, every gradient and the routing match transformers' Glm4Moe",
+          "[moe][reference]") {
+  SafetensorsReader f{"tests/reference/moe_fixture.safetensors"};
+  auto get = [&](const std::string& name) {
+    std::vector<float> v(size_t(f.entry(name).numel()));
+    f.read(name, 0, v.data(), int64_t(v.size()));
+    return v;
+  };
+  ModelConfig c{64, 2, 4, 2, 64, 256, 32};
+  c.experts = 8, c.top_k = 2, c.expert_ffn = 32, c.shared_experts = 1, c.sigmoid_router = true;
+  c.routed_scaling = 2.5f, c.expert_groups = 4, c.group_limit = 2;
+  Model m(c, Device::CPU, DType::F32, Recompute::None);
+  Tensor w = Tensor::empty({m.table.total}, DType::F32, m.dev, Tag::Workspace);
+  load_checkpoint("tests/reference/tiny_moe", c, m.table, 0, m.table.total, w, nullptr);
+  copy(m.params, w);
+  const int B = 4, T = 32;
+  const std::vector<float> tok = get("tokens");  // [1, B, T+1]
+  std::vector<float> in(B * T), tg(B * T);
+  for (int b = 0; b < B; b++)
+    for (int s = 0; s < T; s++) in[size_t(b * T + s)] = tok[size_t(b * (T + 1) + s)], tg[size_t(b * T + s)] = tok[size_t(b * (T + 1) + s + 1)];
+  Tensor tin = Tensor::empty({B * T}, DType::I32, m.dev, Tag::Workspace), ttg = Tensor::empty({B * T}, DType::I32, m.dev, Tag::Workspace);
+  from_host_f32(tin, in.data());
+  from_host_f32(ttg, tg.data());
+  zero(m.grads);
+  m.forward_backward(tin, ttg, B, 1.f / (B * T));
+  const double loss = m.take_loss() / (B * T), ref = get("loss0")[0];
+  CHECK(std::fabs(loss - ref) / ref <= 1e-5);
+  // The same experts chosen: each layer's load per expert from transformers' choices.
+  const auto& stats = dynamic_cast<MoeBlock&>(*m.mlp).stats;
+  for (int l = 0; l < 2; l++) {
+    std::vector<int64_t> load(8, 0);
+    for (float e : get("topk." + std::to_string(l))) load[size_t(e)]++;
+    INFO("layer " << l);
+    CHECK(std::vector<int64_t>(stats.counts.begin() + l * 8, stats.counts.begin() + (l + 1) * 8) == load);
+  }
+  int compared = 0;
+  for (size_t i = 0; i < m.table.entries.size(); i++) {
+    const ParamEntry& e = m.table.entries[i];
+    const std::vector<float> g = to_host_f32(m.grad(int(i)));
+    INFO(e.name);
+    if (is_moe_bias(e)) {  // selects only: no gradient
+      CHECK(!f.has("grad." + e.name));
+      continue;
+    }
+    const std::vector<float> r = get("grad." + e.name);
+    double worst = 0;
+    for (size_t k = 0; k < g.size(); k++) worst = std::max(worst, std::fabs(g[k] - r[k]) - (1e-5 + 1e-4 * std::fabs(r[k])));
+    CHECK(worst <= 0);
+    compared++;
+  }
+  CHECK(compared == 71);
+}
 
 TEST_CASE("cuda twin: MoE routers (softmax and sigmoid), gather, combine", "[cuda]") {
   if (!cuda_available()) {

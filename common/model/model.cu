@@ -67,21 +67,21 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
   fatal("no parameter named '%s'", name.c_str());
 }
 
-// Mixtral's sparse MoE block in HF names: the router, then each expert's w1 (gate), w2 (down),
-// w3 (up). Expert j lives on ep rank j / (E/ep); elsewhere its entries hold nothing. Under
+// The sparse MoE block in HF names (moe.h: Mixtral's or Glm4Moe's): the router (and DeepSeek-V3's
+// bias), then each expert's gate, down and up matrices, the order of Mixtral's w1, w2, w3. Expert j lives on ep rank j / (E/ep); elsewhere its entries hold nothing. Under
 // tensor parallelism the router and the experts are whole on every tp rank (replicated over tp,
 // counted on tp rank 0, as the norms): the MoE block is not split over tp (MlpBlock::split_over_tp).
 template <class Add> static void add_experts(const ModelConfig& c, const ShardSpec& sh, int l, Add& add, bool& expert) {
   if (c.experts % sh.ep) config_error("--experts %d is not divisible by --ep %d", c.experts, sh.ep);
   const int64_t D = c.dim, F = c.expert_width(), per = c.experts / sh.ep;
-  add(moe_gate_name(l), {c.experts, D}, Split::Whole, false);
+  add(moe_gate_name(c, l), {c.experts, D}, Split::Whole, false);
   if (c.sigmoid_router) add(moe_bias_name(l), {c.experts}, Split::Whole, false);  // DeepSeek-V3's b_e
   expert = true;
   for (int j = 0; j < c.experts; j++) {
     const Split s = j / per == sh.ep_rank ? Split::Whole : Split::None;
-    add(moe_expert_name(l, j, "w1"), {F, D}, s, false);
-    add(moe_expert_name(l, j, "w2"), {D, F}, s, false);
-    add(moe_expert_name(l, j, "w3"), {F, D}, s, false);
+    add(moe_expert_name(c, l, j, "gate_proj"), {F, D}, s, false);
+    add(moe_expert_name(c, l, j, "down_proj"), {D, F}, s, false);
+    add(moe_expert_name(c, l, j, "up_proj"), {F, D}, s, false);
   }
   expert = false;
   // DeepSeekMoE's shared experts: dense, replicated like the router, one SwiGLU of width S·F_e.

@@ -421,10 +421,18 @@ RoutingPlan make_routing_plan(const std::vector<int32_t>& idx, const std::vector
 
 // ===== the block =================================================================================
 
-bool is_expert_param(const ParamEntry& e) { return e.name.find(".block_sparse_moe.experts.") != std::string::npos; }
-std::string moe_gate_name(int l) { return "model.layers." + std::to_string(l) + ".block_sparse_moe.gate.weight"; }
-std::string moe_expert_name(int l, int j, const char* w) {
-  return "model.layers." + std::to_string(l) + ".block_sparse_moe.experts." + std::to_string(j) + "." + w + ".weight";
+bool is_expert_param(const ParamEntry& e) {
+  return e.name.find(".block_sparse_moe.experts.") != std::string::npos || e.name.find(".mlp.experts.") != std::string::npos;
+}
+static std::string moe_prefix(const ModelConfig& c, int l) {
+  return "model.layers." + std::to_string(l) + (c.sigmoid_router ? ".mlp." : ".block_sparse_moe.");
+}
+std::string moe_gate_name(const ModelConfig& c, int l) { return moe_prefix(c, l) + "gate.weight"; }
+std::string moe_expert_name(const ModelConfig& c, int l, int j, const char* role) {
+  const std::string r = role;
+  // Mixtral numbers SwiGLU's matrices as the Mixtral paper does: w1 gate, w3 up, w2 down.
+  const std::string w = c.sigmoid_router ? r : r == "gate_proj" ? "w1" : r == "up_proj" ? "w3" : "w2";
+  return moe_prefix(c, l) + "experts." + std::to_string(j) + "." + w + ".weight";
 }
 
 std::string moe_bias_name(int l) { return "model.layers." + std::to_string(l) + ".mlp.gate.e_score_correction_bias"; }
@@ -435,15 +443,15 @@ bool is_moe_bias(const ParamEntry& e) { return e.name.find(".e_score_correction_
 
 MoeBlock::MoeBlock(const Model& m) {
   for (int l = 0; l < m.cfg.layers; l++) {
-    gate_.push_back(m.entry(moe_gate_name(l)));
+    gate_.push_back(m.entry(moe_gate_name(m.cfg, l)));
     if (m.cfg.sigmoid_router) bias_.push_back(m.entry(moe_bias_name(l)));
     if (m.cfg.shared_experts > 0)
       shared_.push_back({m.entry(moe_shared_name(l, "gate_proj")), m.entry(moe_shared_name(l, "up_proj")),
                          m.entry(moe_shared_name(l, "down_proj"))});
     std::vector<Expert> ex;
     for (int j = 0; j < m.cfg.experts; j++)
-      ex.push_back({m.entry(moe_expert_name(l, j, "w1")), m.entry(moe_expert_name(l, j, "w3")),
-                    m.entry(moe_expert_name(l, j, "w2"))});
+      ex.push_back({m.entry(moe_expert_name(m.cfg, l, j, "gate_proj")), m.entry(moe_expert_name(m.cfg, l, j, "up_proj")),
+                    m.entry(moe_expert_name(m.cfg, l, j, "down_proj"))});
     exp_.push_back(ex);
   }
   stats.reset(m.cfg.layers, m.cfg.experts);

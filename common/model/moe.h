@@ -105,10 +105,13 @@ struct MoeStats {
   void reset(int L, int E) { *this = MoeStats(); counts.assign(size_t(L) * E, 0); }
 };
 
-bool is_expert_param(const ParamEntry& e);  // "...block_sparse_moe.experts.{j}..."
-// HF Mixtral names of layer l: the router and expert j's w1 (gate), w3 (up), w2 (down).
-std::string moe_gate_name(int l);
-std::string moe_expert_name(int l, int j, const char* w);
+bool is_expert_param(const ParamEntry& e);  // "...block_sparse_moe.experts.{j}..." or "...mlp.experts.{j}..."
+// The router and expert j's matrices of layer l, `role` gate_proj, up_proj or down_proj, in the
+// names of the transformers class that computes the same function (checkpoint.cu: hf_config):
+// Mixtral's (block_sparse_moe.gate, experts.{j}.w1/w3/w2) for the softmax router, Glm4Moe's (the
+// DeepseekV3 layout: mlp.gate, mlp.experts.{j}.gate_proj/up_proj/down_proj) for the sigmoid one.
+std::string moe_gate_name(const ModelConfig& c, int l);
+std::string moe_expert_name(const ModelConfig& c, int l, int j, const char* role);
 // DeepSeek-V3's names: the routing bias, and the shared experts' gate_proj/up_proj/down_proj.
 std::string moe_bias_name(int l);
 std::string moe_shared_name(int l, const char* w);

@@ -47,21 +47,43 @@ Json hf_config(const ModelConfig& c) {
   j["attention_bias"] = false;
   j["mlp_bias"] = false;
   j["torch_dtype"] = "float32";
-  if (c.experts > 0) {  // HF MixtralConfig: the same fields plus the sparse MoE block's
+  if (c.experts > 0 && c.sigmoid_router) {
+    // transformers' Glm4MoeConfig: DeepSeek-V3's MoE block (sigmoid router, selection bias, groups,
+    // shared experts, its tensor names) on the GQA attention of this model, as DeepseekV3's own
+    // class is not (it needs multi-head latent attention).
+    j["architectures"] = Json::array({Json("Glm4MoeForCausalLM")});
+    j["model_type"] = "glm4_moe";
+    j["n_routed_experts"] = c.experts;
+    j["num_experts_per_tok"] = c.top_k;
+    j["moe_intermediate_size"] = c.expert_width();
+    j["n_shared_experts"] = c.shared_experts;
+    j["n_group"] = c.expert_groups;
+    j["topk_group"] = c.group_limit;
+    j["routed_scaling_factor"] = double(c.routed_scaling);
+    j["norm_topk_prob"] = true;
+    j["first_k_dense_replace"] = 0;      // every layer is a MoE layer
+    j["num_nextn_predict_layers"] = 0;   // no multi-token prediction module
+    j["use_qk_norm"] = false;
+    j["partial_rotary_factor"] = 1.0;    // RoPE turns the whole head (GLM-4.5 turns half)
+    Json rope = Json::object();
+    rope["rope_type"] = "default";
+    rope["rope_theta"] = shortest_decimal(c.rope_theta);
+    rope["partial_rotary_factor"] = 1.0;
+    j["rope_parameters"] = rope;
+    j["router_aux_loss_coef"] = double(c.aux_loss_coef);
+    j["output_router_logits"] = false;
+  } else if (c.experts > 0) {  // HF MixtralConfig: the same fields plus the sparse MoE block's
     j["architectures"] = Json::array({Json("MixtralForCausalLM")});
     j["model_type"] = "mixtral";
     j["num_local_experts"] = c.experts;
     j["num_experts_per_tok"] = c.top_k;
     j["router_aux_loss_coef"] = double(c.aux_loss_coef);
     j["output_router_logits"] = false;
-  }
-  if (c.sigmoid_router || c.shared_experts > 0 || c.expert_ffn > 0) {  // HF DeepseekV3Config's names
-    j["moe_intermediate_size"] = c.expert_width();
-    j["n_shared_experts"] = c.shared_experts;
-    j["scoring_func"] = c.sigmoid_router ? "sigmoid" : "softmax";
-    j["n_group"] = c.expert_groups;
-    j["topk_group"] = c.group_limit;
-    j["routed_scaling_factor"] = double(c.routed_scaling);
+    // DeepSeekMoE's expert shape under the softmax router: no transformers class computes it.
+    if (c.shared_experts > 0 || c.expert_ffn > 0) {
+      j["moe_intermediate_size"] = c.expert_width();
+      j["n_shared_experts"] = c.shared_experts;
+    }
   }
   return j;
 }
@@ -503,8 +525,8 @@ void save_checkpoint(const std::string& save_dir, const RunConfig& rc, const Par
 // Dense and mixture-of-experts checkpoints differ in kind, not in one number: say which is which
 // and the flags that match, rather than a missing key.
 static void check_moe_config(const Json& j, const ModelConfig& c) {
-  const int64_t experts = j.contains("num_local_experts") ? j.at("num_local_experts").as_int() : 0;
-  const int64_t top_k = j.contains("num_experts_per_tok") ? j.at("num_experts_per_tok").as_int() : 0;
+  auto get = [&](const char* key, int64_t def) { return j.contains(key) ? j.at(key).as_int() : def; };
+  const int64_t experts = get("n_routed_experts", get("num_local_experts", 0)), top_k = get("num_experts_per_tok", 0);
   if (experts == 0 && c.experts > 0)
     throw FormatError("this checkpoint is dense; it has no experts (resume it without --experts)");
   if (experts > 0 && c.experts == 0)
@@ -514,14 +536,20 @@ static void check_moe_config(const Json& j, const ModelConfig& c) {
     throw FormatError("this checkpoint has " + std::to_string(experts) + " experts per layer, the model " +
                       std::to_string(c.experts) + " (--experts " + std::to_string(experts) + ")");
   // DeepSeekMoE's tensors: the shared experts and the routing bias are there or not.
-  const int64_t shared = j.contains("n_shared_experts") ? j.at("n_shared_experts").as_int() : 0;
-  const bool sigmoid = j.contains("scoring_func") && j.at("scoring_func").as_string() == "sigmoid";
+  const int64_t shared = get("n_shared_experts", 0);
+  const bool sigmoid = j.contains("model_type") && j.at("model_type").as_string() == "glm4_moe";
   if (shared != c.shared_experts)
     throw FormatError("this checkpoint has " + std::to_string(shared) + " shared experts, the model " +
                       std::to_string(c.shared_experts) + " (--shared-experts " + std::to_string(shared) + ")");
   if (sigmoid != c.sigmoid_router)
     throw FormatError(std::string("this checkpoint was trained with the ") + (sigmoid ? "sigmoid" : "softmax") +
                       " router (--router " + (sigmoid ? "sigmoid" : "softmax") + ")");
+  if (!sigmoid) return;
+  // Which experts a token may reach: --expert-groups and --group-limit.
+  if (get("n_group", 1) != c.expert_groups || get("topk_group", 1) != c.group_limit)
+    throw FormatError("this checkpoint routes within the best " + std::to_string(get("topk_group", 1)) + " of " +
+                      std::to_string(get("n_group", 1)) + " expert groups (--expert-groups " +
+                      std::to_string(get("n_group", 1)) + " --group-limit " + std::to_string(get("topk_group", 1)) + ")");
 }
 
 void check_hf_config(const Json& j, const ModelConfig& c) {
