@@ -83,6 +83,7 @@ enum class Op { F, B, W, SendAct, RecvAct, SendGrad, RecvGrad };
 struct Action {
   Op op;
   int mb, chunk;  // micro-batch; this rank's chunk c (virtual stage c·p + rank, or the V: virtual_stage)
+  bool pair = false;  // DualPipeV: this F and the full backward after it are one of dualpipev.py's F&B pairs
   bool operator==(const Action& o) const { return op == o.op && mb == o.mb && chunk == o.chunk; }
 };
 inline bool is_compute(Op o) { return o == Op::F || o == Op::B || o == Op::W; }
@@ -173,17 +174,20 @@ inline std::vector<int> stage_split(const std::string& text, int L, int K) {
   return text.empty() ? balanced_split(L, K) : parse_split(text, L, K);
 }
 
-// The playbook's bubble formulas: (p − 1)/m, (p − 1)/(V·m), and ZB-H1's (p − 1)/(3m). DualPipeV:
-// the DualPipe README's (PP/2 − 1)(F&B + B − 3W) idle per rank, PP = 2p stages, B the full
-// backward; with unit costs F = W = 1, B = 2 and no overlap inside a pair (F&B = F + B = 3) that is
-// 2(p − 1) slots over a rank's 2m·(F + B) = 6m: (p − 1)/(3m), ZB-H1's.
-inline int dualpipev_idle_slots(int p) { return (p - 1) * ((1 + 2) + 2 - 3 * 1); }
+// The playbook's bubble formulas: (p − 1)/m, (p − 1)/(V·m), and ZB-H1's (p − 1)/(3m). DualPipeV,
+// a slot one stage's F (= its B = its W), each rank busy 2m·(F + B + W) = 6m slots: with each pair
+// run as an F then a full backward, each sending when it ends (this executor), rank s idles s slots
+// before its first activation arrives and p − 1 − s after its last: (p − 1)/(6m).
 inline double bubble_formula(Schedule s, int p, int m, int V) {
   if (s == Schedule::Interleaved) return (p - 1.0) / (double(V) * m);
   if (s == Schedule::ZBH1) return (p - 1.0) / (3.0 * m);
-  if (s == Schedule::DualPipeV) return dualpipev_idle_slots(p) / (6.0 * m);
+  if (s == Schedule::DualPipeV) return (p - 1.0) / (6.0 * m);
   return (p - 1.0) / m;
 }
+// The DualPipe README's (PP/2 − 1)(F&B + B − 3W) idle per rank, PP = 2p stages, B a full backward
+// (2 slots), F&B a pair run as one block whose outputs leave at its end: F + B = 3 slots when
+// nothing overlaps. 2(p − 1) slots, what the simulator finds with pair_blocks (see Simulator).
+inline int dualpipe_table_idle_slots(int p) { return (p - 1) * ((1 + 2) + 2 - 3 * 1); }
 
 // Fixed compute orders. AFAB: every F, then every B, micro-batches in order.
 inline std::vector<Action> afab_order(int m) {
@@ -221,12 +225,13 @@ inline std::vector<Action> one_f_one_b_order(int p, int m, int V, int s) {
 // (chunk 0 = its phase 0, the stage on the way down; chunk 1 = phase 1, on the way up). Every
 // backward is a B followed by a W: a zero-bubble one's W waits in a queue (the repository's
 // WeightGradStore, first in first out) for a later W; a full one's W comes at once. Where the
-// repository pairs a forward with a backward ("F&B", overlapped on a GPU) the pair is adjacent.
+// repository pairs a forward with a backward ("F&B", overlapped on a GPU) the pair is adjacent and
+// its F marked; not on the last rank at step 4's first turn, which the repository leaves unpaired.
 inline std::vector<Action> dualpipev_order(int p, int m, int s) {
   std::vector<Action> o;
   int f[2] = {0, 0}, b[2] = {0, 0};  // per chunk: the next micro-batch to run F / B on
   std::vector<Action> queued;        // the deferred W's, oldest first
-  auto F = [&](int c) { o.push_back({Op::F, f[c]++, c}); };
+  auto F = [&](int c, bool pair = false) { o.push_back({Op::F, f[c]++, c, pair}); };
   auto B = [&](int c, bool zero_bubble) {
     o.push_back({Op::B, b[c], c});
     (zero_bubble ? queued : o).push_back({Op::W, b[c]++, c});
@@ -237,8 +242,8 @@ inline std::vector<Action> dualpipev_order(int p, int m, int s) {
   for (int i = 0; i < upto; i++) F(0), F(1);                      // 2: nF0F1
   for (int i = 0; i < below; i++) B(1, true), W(), F(1);          // 3: nB1W1F1, zero bubble
   for (int i = 0; i < m - 2 * p + upto; i++)                      // 4: nF0B1F1B0, the pairs
-    F(0), B(1, false), F(1), B(0, false);
-  for (int i = 0; i < below; i++) B(1, false), F(1), B(0, false);  // 5: nB1F1B0
+    F(0, i > 0 || s < p - 1), B(1, false), F(1, true), B(0, false);
+  for (int i = 0; i < below; i++) B(1, false), F(1, true), B(0, false);  // 5: nB1F1B0
   for (int i = 0; i < upto; i++)                                   // 6: nB1B0, its second half
     B(1, i > upto / 2 || (i == upto / 2 && s % 2 == 1)), B(0, i >= upto / 2);  // zero bubble
   for (int i = 0; i < below; i++) W(), B(0, true);                 // 7: nWB0
@@ -273,11 +278,14 @@ inline std::vector<int> stage_costs(const std::vector<int>& layers) {
 // (what would be a bubble), and an F waits, the W's going first, while p micro-batches hold
 // activations (F done, W not: 1F1B's bound at stage 0). A slot in which a rank neither computes nor
 // can start anything is a bubble.
+// DualPipeV's F&B pairs run as this executor runs them, an F then a full backward, each sending as
+// soon as it ends; or, with pair_blocks, as dualpipev.py's _forward_backward_chunk runs them: one
+// block that waits for both inputs (one _commit_and_wait_comm) and sends both outputs after it ends.
 class Simulator {
  public:
-  Simulator(int p, int m, int V, Schedule sched, const std::vector<int>& layers)
+  Simulator(int p, int m, int V, Schedule sched, const std::vector<int>& layers, bool pair_blocks = false)
       : p_(p), m_(m), V_(V), sched_(sched), split_(splits_backward(sched)), fill_(sched == Schedule::ZBH1),
-        stage_cost_(stage_costs(layers)),
+        blocks_(pair_blocks), stage_cost_(stage_costs(layers)),
         forward_finish_(size_t(m * p * V), -1), backward_finish_(size_t(m * p * V), -1) {}
 
   Plan run(Schedule sched) {
@@ -300,7 +308,8 @@ class Simulator {
         const bool in_order = next[s] < int(order[s].size());
         const bool too_many_in_flight =
             fill_ && in_order && order[s][next[s]].op == Op::F && forwards[s] - weight_grads[s] >= in_flight_limit;
-        if (in_order && !too_many_in_flight && inputs_ready(order[s][next[s]], s, t)) {
+        if (in_order && !too_many_in_flight && inputs_ready(order[s][next[s]], s, t) &&
+            !(blocks_ && order[s][next[s]].pair && !inputs_ready(order[s][next[s] + 1], s, t))) {
           a = order[s][next[s]++];
           (a.op == Op::B ? backwards : a.op == Op::F ? forwards : weight_grads)[s]++;
         } else if (fill_ && weight_grads[s] < backwards[s] &&
@@ -309,20 +318,35 @@ class Simulator {
         } else {
           continue;  // nothing can start: a bubble slot
         }
-        const int k = pl.stage(s, a.chunk);
-        const int slots = stage_cost_[size_t(k)] * (a.op == Op::B && !split_ ? 2 : 1);
-        if (a.op == Op::F) forward_finish_[at(a.mb, k)] = t + slots;
-        if (a.op == Op::B) backward_finish_[at(a.mb, k)] = t + slots;
-        pl.timeline[s].push_back({a, t, slots});
-        pl.makespan = std::max(pl.makespan, t + slots);
-        busy_until[s] = t + slots;
+        busy_until[s] = place(pl, a, s, t);
         started++;
+        if (blocks_ && a.pair)  // the pair's full backward (its B and W) in the same block
+          busy_until[s] = place_pair_rest(pl, a, order[s], next[s], s, busy_until[s]), next[s] += 2, started += 2;
       }
     pl.complete = started == actions_per_rank * p_;
     return pl;
   }
 
  private:
+  // Action a on rank s from slot t: its finish, its place on the timeline; returns its end.
+  int place(Plan& pl, const Action& a, int s, int t) {
+    const int k = pl.stage(s, a.chunk);
+    const int slots = stage_cost_[size_t(k)] * (a.op == Op::B && !split_ ? 2 : 1);
+    if (a.op == Op::F) forward_finish_[at(a.mb, k)] = t + slots;
+    if (a.op == Op::B) backward_finish_[at(a.mb, k)] = t + slots;
+    pl.timeline[s].push_back({a, t, slots});
+    pl.makespan = std::max(pl.makespan, t + slots);
+    return t + slots;
+  }
+  // The rest of the block that pair head f opened: order[i] is its B, order[i + 1] that B's W, from
+  // slot t. Both outputs (f's activation, the B's gradient) leave at the block's end.
+  int place_pair_rest(Plan& pl, const Action& f, const std::vector<Action>& order, int i, int s, int t) {
+    const Action& b = order[size_t(i)];
+    const int end = place(pl, order[size_t(i) + 1], s, place(pl, b, s, t));
+    forward_finish_[at(f.mb, pl.stage(s, f.chunk))] = end;
+    backward_finish_[at(b.mb, pl.stage(s, b.chunk))] = end;
+    return end;
+  }
   // The slot by which every schedule that can finish has finished: all ranks' work added up,
   // m·Σ_k 3·cost_k (per micro-batch and virtual stage F + B = 1 + 2, or F + B + W = 1 + 1 + 1,
   // times the stage's cost). Until the last action finishes some rank computes in every slot: a
@@ -349,6 +373,7 @@ class Simulator {
   Schedule sched_;
   bool split_;                      // B is the input gradient only, W the weight gradients
   bool fill_;                       // ZB-H1: the W's fill the slots where nothing else can start
+  bool blocks_;                     // DualPipeV: each F&B pair one block (see the class comment)
   std::vector<int> stage_cost_;     // per virtual stage: the slots of its F (stage_costs)
   std::vector<int> forward_finish_, backward_finish_;  // per (micro-batch, virtual stage): the slot its
                                                        // F / B finishes; -1 before it starts
@@ -464,9 +489,10 @@ inline std::string split_text(const std::vector<int>& split) {
 
 // The one function that makes a schedule: (p, m, V, schedule, split) -> per-rank action lists.
 // `layers`: the decoder layers of each virtual stage (empty: p·V equal stages of one slot each).
-inline Plan build_plan(int p, int m, int V, Schedule sched, std::vector<int> layers = {}) {
+// `pair_blocks`: DualPipeV's pairs as dualpipev.py runs them (see Simulator), for the bubble only.
+inline Plan build_plan(int p, int m, int V, Schedule sched, std::vector<int> layers = {}, bool pair_blocks = false) {
   if (layers.empty()) layers.assign(size_t(p * V), 1);
-  Plan pl = Simulator(p, m, V, sched, layers).run(sched);
+  Plan pl = Simulator(p, m, V, sched, layers, pair_blocks).run(sched);
   pl.layers = std::move(layers);
   add_p2p(pl);
   return pl;
@@ -679,9 +705,9 @@ inline int peak_in_flight(const Plan& pl, int rank) {
   return peak;
 }
 
-// The simulated bubble against its formula; DualPipeV's also against the DualPipe README's table
-// (idle slots per rank, chunks in flight) and beside 1F1B's and ZB-H1's at the same p and m, whose
-// stages hold twice the layers (a slot there is two of DualPipeV's): the ratios compare.
+// The simulated bubble against its formula; DualPipeV's also beside 1F1B's and ZB-H1's at the same p
+// and m, whose stages hold twice the layers (a slot there is two of DualPipeV's: the ratios
+// compare), and, with its pairs run as dualpipev.py's blocks, against the DualPipe README's table.
 inline void log_bubble(RunLog& log, const Plan& pl) {
   log.line("bubble (idle / compute): simulated %.4f, formula %.4f", pl.bubble(),
            bubble_formula(pl.schedule, pl.p, pl.m, pl.V));
@@ -689,9 +715,13 @@ inline void log_bubble(RunLog& log, const Plan& pl) {
   const Plan one = build_plan(pl.p, pl.m, 1, Schedule::OneFOneB), zb = build_plan(pl.p, pl.m, 1, Schedule::ZBH1);
   log.line("  beside it: 1f1b simulated %.4f, formula %.4f; zb-h1 simulated %.4f, formula %.4f", one.bubble(),
            bubble_formula(one.schedule, pl.p, pl.m, 1), zb.bubble(), bubble_formula(zb.schedule, pl.p, pl.m, 1));
-  log.line("  idle slots per rank: simulated %d, DualPipe's (PP/2 - 1)(F&B + B - 3W) = %d (F = W = 1, B = 2, F&B = 3); "
-           "chunks in flight on rank 0: %d, its table's PP + 1 = %d", pl.makespan - pl.busiest(),
-           dualpipev_idle_slots(pl.p), peak_in_flight(pl, 0), 2 * pl.p + 1);
+  log.line("  idle slots per rank: simulated %d = p - 1; chunks in flight on rank 0: %d, the table's PP + 1 = %d",
+           pl.makespan - pl.busiest(), peak_in_flight(pl, 0), 2 * pl.p + 1);
+  const Plan blocks = build_plan(pl.p, pl.m, 2, Schedule::DualPipeV, {}, true);
+  const int table = dualpipe_table_idle_slots(pl.p);
+  log.line("  each F&B pair one block, its outputs sent at its end (dualpipev.py): simulated %d idle slots, bubble "
+           "%.4f; DualPipe's (PP/2 - 1)(F&B + B - 3W) = %d (F = W = 1, B = 2, F&B = F + B = 3), bubble %.4f",
+           blocks.makespan - blocks.busiest(), blocks.bubble(), table, table / (6.0 * pl.m));
 }
 
 inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool chart) {
@@ -712,8 +742,11 @@ inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& pl, bool ch
   if (pl.p > 1 && pl.m < pl.p && rc.micro_batch > 1)
     log.line("hint: with m = %d the stages mostly wait for one another; split the batch with --micro-batch "
              "(--micro-batch 1 gives m = %d, bubble formula %.4f)", pl.m, most, bubble_formula(pl.schedule, pl.p, most, pl.V));
-  if (chart)
-    for (const std::string& r : schedule_chart(pl)) log.line("%s", r.c_str());
+  if (!chart) return;
+  for (const std::string& r : schedule_chart(pl)) log.line("%s", r.c_str());
+  if (pl.schedule != Schedule::DualPipeV) return;
+  log.line("the same lists, each F&B pair one block (dualpipev.py):");
+  for (const std::string& r : schedule_chart(build_plan(pl.p, pl.m, 2, Schedule::DualPipeV, {}, true))) log.line("%s", r.c_str());
 }
 
 // What the memory table's comm row holds: copies of sends not yet known to be received, which

@@ -108,29 +108,62 @@ TEST_CASE("DualPipeV: the V placement; F, B and W once per stage, in dependency 
   CHECK(pp::shard_spec(pl, 3).unit_runs == std::vector<std::pair<int, int>>{{4, 5}, {5, 6}});
 }
 
-// The DualPipe README's table charges (PP/2 − 1)(F&B + B − 3W) idle per rank: 2(p − 1) slots with
-// F = W = 1, B = 2 and a pair F&B = F + B = 3. Here a pair is only an order, so its F runs as soon as
-// its own input is there: rank s idles s slots before its first forward arrives and p − 1 − s after
-// its last, waiting for the backwards of the last micro-batch to come back down: p − 1 in all, half
-// the table's, over 6m busy slots. 1F1B idles 3(p − 1) of its slots (twice as long: 6(p − 1) of
-// DualPipeV's), ZB-H1 p − 1 (2(p − 1)).
-TEST_CASE("DualPipeV's bubble: p − 1 idle slots per rank, (p − 1)/(6m); 2p + 1 chunks in flight on rank 0",
+// DualPipeV's bubble in slots (one stage's F = its B = its W; a rank busy 2m·(F + B + W) = 6m). Run
+// as this executor runs a pair, its F and then its full backward each sending when they end, rank s
+// idles s slots before its first activation and p − 1 − s after its last: p − 1, (p − 1)/(6m). Run
+// as dualpipev.py runs a pair, one block that waits for both inputs and sends both outputs at its
+// end, every hop through a pair costs the whole pair: 2(p − 1), the DualPipe README's
+// (PP/2 − 1)(F&B + B − 3W) with PP = 2p, F = W = 1, B = 2, F&B = F + B = 3. Integers throughout.
+TEST_CASE("DualPipeV's bubble: p − 1 idle slots per rank, the README's 2(p − 1) with its pairs as blocks",
           "[05][schedule][dualpipev]") {
-  for (int p : {1, 2, 4, 8})
-    for (int m = 2 * p; m <= 4 * p; m++) {
+  for (int p : {1, 2, 3, 4, 5, 6, 8})
+    for (int m = 2 * p; m <= 4 * p + 1; m++) {
       const pp::Plan pl = pp::build_plan(p, m, 2, kDual);
+      const pp::Plan blocks = pp::build_plan(p, m, 2, kDual, {}, true);
       INFO("p " << p << " m " << m);
+      REQUIRE(pl.complete);
+      REQUIRE(blocks.complete);
+      for (int r = 0; r < p; r++) {
+        CHECK(pl.busy(r) == 6 * m);
+        CHECK(blocks.busy(r) == 6 * m);
+      }
       CHECK(pl.makespan == 6 * m + p - 1);
-      for (int r = 0; r < p; r++) CHECK(pl.busy(r) == 6 * m);
-      CHECK(pl.bubble() == Approx((p - 1.0) / (6.0 * m)).epsilon(1e-12));
-      CHECK(pp::dualpipev_idle_slots(p) == 2 * (p - 1));
-      CHECK(pp::bubble_formula(kDual, p, m, 2) == Approx(2 * pl.bubble()).epsilon(1e-12));
-      CHECK(pp::bubble_formula(kDual, p, m, 2) == pp::bubble_formula(pp::Schedule::ZBH1, p, m, 1));
+      CHECK(blocks.makespan == 6 * m + pp::dualpipe_table_idle_slots(p));
+      CHECK(pp::dualpipe_table_idle_slots(p) == 2 * (p - 1));
+      CHECK(pl.bubble() == Approx(pp::bubble_formula(kDual, p, m, 2)).epsilon(1e-12));
+      CHECK(pp::bubble_formula(kDual, p, m, 2) == Approx((p - 1.0) / (6.0 * m)).epsilon(1e-12));
+      // The table's value is ZB-H1's bubble at the same p: the blocks cost DualPipeV its half stages.
+      CHECK(blocks.bubble() == Approx(pp::bubble_formula(pp::Schedule::ZBH1, p, m, 1)).epsilon(1e-12));
       CHECK(pp::peak_in_flight(pl, 0) == 2 * p + 1);  // the table's PP + 1, PP = 2p stages
       if (p > 1) CHECK(pl.bubble() < pp::build_plan(p, m, 1, pp::Schedule::ZBH1).bubble());
     }
 }
 
+// The pairs marked in the order are dualpipev.py's _forward_backward_chunk calls: two per turn of
+// step 4 (m − 2p + s + 1 turns) but the last rank's first F, which the repository leaves unpaired,
+// and one per turn of step 5 (p − s − 1); each an F followed by a full backward (its W at once).
+// The blocks change when things run, never the order.
+TEST_CASE("DualPipeV's F&B pairs: as many as dualpipev.py's, each an F then a full backward", "[05][schedule][dualpipev]") {
+  for (int p : {1, 2, 3, 4, 8})
+    for (int m = 2 * p; m <= 3 * p + 1; m++)
+      for (int s = 0; s < p; s++) {
+        INFO("p " << p << " m " << m << " rank " << s);
+        const std::vector<pp::Action> o = pp::compute_order(kDual, p, m, 2, s);
+        int pairs = 0;
+        for (size_t i = 0; i < o.size(); i++) {
+          if (!o[i].pair) continue;
+          pairs++;
+          REQUIRE(i + 2 < o.size());
+          CHECK(o[i].op == pp::Op::F);
+          CHECK((o[i + 1].op == pp::Op::B && o[i + 1].chunk != o[i].chunk));
+          CHECK((o[i + 2].op == pp::Op::W && o[i + 2].mb == o[i + 1].mb && o[i + 2].chunk == o[i + 1].chunk));
+        }
+        CHECK(pairs == 2 * (m - 2 * p + s + 1) + (p - s - 1) - (s == p - 1 ? 1 : 0));
+        const pp::Plan pl = pp::build_plan(p, m, 2, kDual), blocks = pp::build_plan(p, m, 2, kDual, {}, true);
+        REQUIRE(pl.timeline[s].size() == blocks.timeline[s].size());
+        for (size_t i = 0; i < pl.timeline[s].size(); i++) CHECK(pl.timeline[s][i].action == blocks.timeline[s][i].action);
+      }
+}
 
 TEST_CASE("simulated bubbles: (p−1)/m for AFAB and 1F1B, (p−1)/(V·m) interleaved, ZB-H1 below 1F1B", "[05][schedule]") {
   for (int p = 2; p <= 8; p++)
@@ -232,11 +265,15 @@ TEST_CASE("--schedule-chart draws DualPipeV: pp 2, m 4, with 1F1B and ZB-H1 besi
   tst::Result r = tst::run_bin("05_pipeline_parallel",
                                "--dry-run --pp 2 --layers 4 --schedule dualpipev --batch 4 --micro-batch 1 --schedule-chart", 1, 60);
   CHECK(r.status == 0);
+  // Below the chart, the pairs as blocks: rank 0 waits at slots 10 and 16 for rank 1's pairs to end.
   for (const char* line : {"stage 0 |FFFfbwfFbwfBWbwfBWbwBW.BW|", "stage 1 |.FfFfFbwfBWFbwfBWbwBWbBwW|",
-                           "simulated 0.0417, formula 0.0833",
+                           "each F&B pair one block (dualpipev.py):\nstage 0 |FFFfbwfFbw.fBWbw.fBWbwBWBW|",
+                           "stage 1 |.FfFfFbwfBWFbwfBWbwBWbBwW.|",
+                           "simulated 0.0417, formula 0.0417",
                            "1f1b simulated 0.2500, formula 0.2500; zb-h1 simulated 0.0833, formula 0.0833",
-                           "idle slots per rank: simulated 1, DualPipe's (PP/2 - 1)(F&B + B - 3W) = 2",
-                           "chunks in flight on rank 0: 5, its table's PP + 1 = 5"}) {
+                           "idle slots per rank: simulated 1 = p - 1; chunks in flight on rank 0: 5, the table's PP + 1 = 5",
+                           "(dualpipev.py): simulated 2 idle slots, bubble 0.0833; DualPipe's (PP/2 - 1)(F&B + B - 3W) = 2 "
+                           "(F = W = 1, B = 2, F&B = F + B = 3), bubble 0.0833"}) {
     INFO(line << "\n" << r.output);
     CHECK(r.output.find(line) != std::string::npos);
   }
