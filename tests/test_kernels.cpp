@@ -968,6 +968,28 @@ TEST_CASE("allocator: reserved counts rounded blocks and cached free ones, the c
   CHECK(s.reserved_peak == s.reserved);
 }
 
+TEST_CASE("allocator: sizes of one block share it; eight block sizes per power of two above 64 KiB", "[memory]") {
+  CHECK(mem_block_size(1) == 256);
+  CHECK(mem_block_size(65536) == 65536);
+  CHECK(mem_block_size(65537) == 65536 + 8192);            // octave 64 KiB: steps of 8 KiB
+  CHECK(mem_block_size(300000) == 327680);                  // octave 256 KiB: steps of 32 KiB
+  CHECK(mem_block_size(310000) == 327680);
+  CHECK(mem_block_size((size_t(1) << 30) + 1) == (size_t(1) << 30) + (size_t(1) << 27));
+  for (size_t b = 1; b < (size_t(1) << 24); b = b * 3 / 2 + 7) {  // never smaller, at most 12.5% (or 255 B) more
+    INFO(b);
+    CHECK(mem_block_size(b) >= b);
+    CHECK(mem_block_size(b) <= std::max(b + 255, b + b / 8));
+  }
+  // Two tensors of different sizes in one block: the second takes the block the first freed.
+  const MemStats& s = mem_stats(Device::CPU);
+  const size_t held0 = s.reserved;
+  { Tensor a = Tensor::empty({75001}, DType::F32, Device::CPU, Tag::Workspace); }  // 300004 B
+  const size_t held1 = s.reserved;  // a new block, or one an earlier case freed
+  CHECK((held1 == held0 || held1 - held0 == 327680));
+  { Tensor b = Tensor::empty({77003}, DType::F32, Device::CPU, Tag::Workspace); }  // 308012 B
+  CHECK(s.reserved == held1);
+}
+
 // ===== every op at once: determinism, thread counts, bf16 ========================================
 
 namespace {

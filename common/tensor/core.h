@@ -167,6 +167,9 @@ struct MemStats {
 
 void* mem_alloc(size_t bytes, Device dev, Tag tag);
 void mem_free(void* p, size_t bytes, Device dev, Tag tag);
+// The block an allocation of `bytes` takes (and a freed one returns to the cache): 256-B multiples
+// to 64 KiB, then eight sizes per power of two.
+size_t mem_block_size(size_t bytes);
 const MemStats& mem_stats(Device dev);
 void mem_reset_peaks(Device dev);  // peaks := current (used between measured phases)
 
