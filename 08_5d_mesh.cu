@@ -108,8 +108,10 @@ inline void validate_bias_update(const RunConfig& rc, const Plan& p) {
                  p.zero == 3 ? "" : " and fp32 master weights");
 }
 
-inline void validate(const RunConfig& rc, const Plan& p) {
-  validate_bias_update(rc, p);
+// `training`: a run, not a --plan (which trains nothing, so prices DeepSeek-V3 with its bias moving
+// on any mesh: the update costs nothing the planner counts).
+inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
+  if (training) validate_bias_update(rc, p);
   cp::validate(rc, p.mesh.cp, p.cp);
   tp::validate(local_run(rc, p), p.mesh.tp, p.sp);
   if (p.cp.mode == cp::Mode::Ulysses && p.mesh.tp > 1 &&
@@ -634,7 +636,7 @@ static int plan_only(RunLog& log, const RunConfig& rc, Options& o) {
     if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != o.cluster.gpus)
       config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
                    plan.mesh.tp, o.cluster.gpus);
-    mesh5d::validate(rc, plan);
+    mesh5d::validate(rc, plan, /*training=*/false);
   }
   o.fixed.base = plan;
   return mesh5d::plan_only(log, rc, o.cluster, o.fixed, o.job);

@@ -449,6 +449,12 @@ TEST_CASE("bad input with experts: a one-line message, a non-zero exit on every 
   tst::check_errors("04_tensor_parallel", kTiny + "--steps 2 ", {
       {2, "--tp 2 --experts 4 --router sigmoid --bias-update-rate 0.001", "(01, 07 and 08 do)"},
   });
+  // --plan trains nothing: the mesh a run refuses for the bias update is still planned.
+  const tst::Result plan = tst::run_bin("08_5d_mesh", kTiny + "--layers 4 --experts 4 --router sigmoid "
+                                        "--bias-update-rate 0.001 --plan --gpus 4 --dp 2 --pp 2 --cp 1 --tp 1", 1, 60);
+  INFO(plan.output);
+  CHECK(plan.status == 0);
+  CHECK(plan.output.find("error") == std::string::npos);
   // One line for the whole job: rank 0 prints it, the other ranks exit with it unprinted.
   tst::Result r = tst::run_bin("08_5d_mesh", kTiny + "--steps 2 --dp 4 --ep 2 --experts 4 --zero 1", 4, 60);
   int lines = 0;
