@@ -92,7 +92,26 @@ inline RunConfig tp_share(const RunConfig& rc, const Plan& p) {
 // different tokens: dp × cp.
 inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
 
-inline void validate(const RunConfig& rc, const Plan& p) {
+// DeepSeek-V3's routing bias (--router sigmoid --bias-update-rate γ > 0) is moved in the weights
+// every rank holds whole after the step (MoeBlock::update_bias, and in the optimizer's fp32 master
+// copy of the flat buffer). Where a rank does not hold all of them it is refused: a pipeline stage
+// holds only its layers' biases, which update_bias does not skip; ZeRO-3 holds no weights outside
+// a unit's gather, and ZeRO-1/2's fp32 master copies are per-rank shards the update cannot reach.
+inline void validate_bias_update(const RunConfig& rc, const Plan& p) {
+  if (!rc.model.sigmoid_router || rc.model.bias_update_rate == 0) return;
+  if (p.mesh.pp > 1)
+    config_error("--bias-update-rate with --pp %d is not composed: a stage holds only its layers' routing biases, and "
+                 "the update moves every layer's; pass --bias-update-rate 0 or --pp 1", p.mesh.pp);
+  if (p.zero == 3 || (p.zero > 0 && rc.dtype != DType::F32 && rc.master_weights))
+    config_error("--bias-update-rate with --zero %d%s is not composed: the routing bias is moved in whole weights and "
+                 "master copies, and ZeRO shards them; pass --bias-update-rate 0 or --zero 0", p.zero,
+                 p.zero == 3 ? "" : " and fp32 master weights");
+}
+
+// `training`: a run, not a --plan (which trains nothing, so prices DeepSeek-V3 with its bias moving
+// on any mesh: the update costs nothing the planner counts).
+inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
+  if (training) validate_bias_update(rc, p);
   cp::validate(rc, p.mesh.cp, p.cp);
   tp::validate(local_run(rc, p), p.mesh.tp, p.sp);
   if (p.cp.mode == cp::Mode::Ulysses && p.mesh.tp > 1 &&
@@ -431,9 +450,13 @@ class Composed {
       opt_->step(model_, model_.params, model_.grads, lr_at(rc_, step), step + 1, clip_coefficient(norm, rc_.clip), rc_);
     }
     // The last stage holds the loss (the others add 0); each stage its layers' routing statistics.
+    // A layer's loads are summed over the ranks that route different tokens through it: dp (and
+    // the ep ranks cut from dp, each routing its own sequences) and cp, not tp (its ranks route
+    // the same tokens, the MoE block being whole over tp); pp adds the other stages' layers (zeros
+    // here). So DeepSeek-V3's bias moves by 01's loads, on every tp rank alike (notes/08).
     const std::vector<MPI_Comm> token_groups = {dense_.mpi(), mesh_.pp().mpi()};
     StepResult r{global_mean_loss(model_.take_loss(), double(rc_.batch) * T, token_groups), norm};
-    if (rc_.model.experts > 0) moe_step_report(model_, r, token_groups);
+    if (rc_.model.experts > 0) moe_step_report(model_, r, token_groups, opt_ ? opt_->master : Tensor());
     return r;
   }
 
@@ -613,7 +636,7 @@ static int plan_only(RunLog& log, const RunConfig& rc, Options& o) {
     if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != o.cluster.gpus)
       config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
                    plan.mesh.tp, o.cluster.gpus);
-    mesh5d::validate(rc, plan);
+    mesh5d::validate(rc, plan, /*training=*/false);
   }
   o.fixed.base = plan;
   return mesh5d::plan_only(log, rc, o.cluster, o.fixed, o.job);

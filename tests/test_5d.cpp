@@ -4,6 +4,7 @@
 // equal the predictions; checkpoints cross between meshes and 01; bad input.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <map>
 #include <string>
 
@@ -391,6 +392,44 @@ TEST_CASE("--plan with experts: ep is searched, its memory is the run's predicti
   CHECK(found == 1);
 }
 
+// ----- DeepSeekMoE on the mesh ---------------------------------------------------------------------
+
+namespace {
+// test_ep's DeepSeekMoE: fine-grained routed experts, a shared expert, the sigmoid router with its
+// bias moved after every step, group-limited routing, the sequence-wise balance loss.
+const std::string kDeepSeek = "--experts 8 --top-k 2 --ffn 64 --expert-ffn 32 --shared-experts 1 --router sigmoid "
+                              "--routed-scaling 2.5 --expert-groups 4 --group-limit 2 --aux-loss-coef 0.001 "
+                              "--bias-update-rate 0.002 ";
+// Every layer's routing bias in a checkpoint (model.layers.{l}.mlp.gate.e_score_correction_bias).
+std::vector<std::pair<std::string, std::vector<float>>> routing_biases(const Run& r) {
+  std::vector<std::pair<std::string, std::vector<float>>> b;
+  for (auto& t : tst::read_tensors(r.ckpt + "/model.safetensors"))
+    if (t.first.find(".e_score_correction_bias") != std::string::npos) b.push_back(t);
+  return b;
+}
+}  // namespace
+
+// The bias moves by each layer's loads summed over the ranks that route different tokens (dp, the
+// ep ranks cut from it), once per tp group: the routing counts of every step and the final bias
+// equal 01's bit for bit, the rest by notes/00's fp32 criterion. (dp, tp, ep) = (2, 2, 2), and
+// ZeRO-1 over dp (fp32: no master copies to shard) with the MoE block replicated over dp and tp.
+TEST_CASE("DeepSeekMoE with the bias update under tp (with ep, with ZeRO-1) reproduces 01; the bias bit for bit",
+          "[08][e2e][equiv][ep]") {
+  const Run& ref = single(kDeepSeek + steps(8, 8));
+  const auto bias = routing_biases(ref);
+  REQUIRE(bias.size() == 2);
+  CHECK(*std::max_element(bias[1].second.begin(), bias[1].second.end()) > 0);  // the bias moved
+  for (const char* flags : {"--ep 2 ", "--zero 1 "}) {
+    const Run& r = mesh(2, 2, kDeepSeek + flags + steps(8, 2));
+    INFO("dp 2 tp 2 " << flags);
+    REQUIRE(r.log.steps.size() == size_t(kSteps));
+    tst::check_equivalent(r, ref);
+    for (size_t s = 0; s < size_t(kSteps); s++)
+      CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref.log.steps[s].at("moe_tokens_per_expert").dump());
+    CHECK(routing_biases(r) == bias);
+  }
+}
+
 TEST_CASE("bad input with experts: a one-line message, a non-zero exit on every rank, no hang", "[08][errors][ep]") {
   tst::check_errors("08_5d_mesh", kTiny + "--steps 2 ", {
       {4, "--dp 4 --ep 2", "--ep 2 needs a mixture of experts"},
@@ -399,7 +438,23 @@ TEST_CASE("bad input with experts: a one-line message, a non-zero exit on every 
       {4, "--dp 4 --ep 2 --experts 4 --zero 1", "expert weights differ across the dp ranks of an ep group"},
       {4, "--dp 2 --tp 2 --experts 4 --sequence-parallel", "--sequence-parallel with --experts is not composed"},
       {4, "--dp 2 --cp 2 --experts 4", "--experts with --cp 2 is not composed"},
+      {4, "--dp 2 --pp 2 --layers 4 --experts 4 --router sigmoid --bias-update-rate 0.001",
+       "--bias-update-rate with --pp 2 is not composed"},
+      {4, "--dp 4 --experts 4 --router sigmoid --bias-update-rate 0.001 --zero 3",
+       "--bias-update-rate with --zero 3 is not composed"},
+      {4, "--dp 4 --experts 4 --router sigmoid --bias-update-rate 0.001 --zero 2 --dtype bf16",
+       "--bias-update-rate with --zero 2 and fp32 master weights is not composed"},
   });
+  // The chapters that do not move the bias name those that do.
+  tst::check_errors("04_tensor_parallel", kTiny + "--steps 2 ", {
+      {2, "--tp 2 --experts 4 --router sigmoid --bias-update-rate 0.001", "(01, 07 and 08 do)"},
+  });
+  // --plan trains nothing: the mesh a run refuses for the bias update is still planned.
+  const tst::Result plan = tst::run_bin("08_5d_mesh", kTiny + "--layers 4 --experts 4 --router sigmoid "
+                                        "--bias-update-rate 0.001 --plan --gpus 4 --dp 2 --pp 2 --cp 1 --tp 1", 1, 60);
+  INFO(plan.output);
+  CHECK(plan.status == 0);
+  CHECK(plan.output.find("error") == std::string::npos);
   // One line for the whole job: rank 0 prints it, the other ranks exit with it unprinted.
   tst::Result r = tst::run_bin("08_5d_mesh", kTiny + "--steps 2 --dp 4 --ep 2 --experts 4 --zero 1", 4, 60);
   int lines = 0;

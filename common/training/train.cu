@@ -43,10 +43,10 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   flight::configure(rc.flight_entries, rc.flight_dir);
   rc.program = argc > 0 ? std::string(argv[0]).substr(std::string(argv[0]).find_last_of('/') + 1) : "";
-  // DeepSeek-V3's routing bias moves in the step report (moe_step_report) that only 01 and 07 call.
-  if (rc.model.sigmoid_router && rc.model.bias_update_rate > 0 && rc.program.rfind("01_", 0) != 0 &&
-      rc.program.rfind("07_", 0) != 0)
-    config_error("%s does not move the routing bias of --router sigmoid (01 and 07 do): pass --bias-update-rate 0",
+  // DeepSeek-V3's routing bias moves in the step report (moe_step_report) that only 01, 07 and 08 call.
+  const auto is = [&](const char* prefix) { return rc.program.rfind(prefix, 0) == 0; };
+  if (rc.model.sigmoid_router && rc.model.bias_update_rate > 0 && !is("01_") && !is("07_") && !is("08_"))
+    config_error("%s does not move the routing bias of --router sigmoid (01, 07 and 08 do): pass --bias-update-rate 0",
                  rc.program.c_str());
   own(args, rc, mc);
   args.finish();
