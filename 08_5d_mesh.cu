@@ -93,15 +93,12 @@ inline RunConfig tp_share(const RunConfig& rc, const Plan& p) {
 inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
 
 // DeepSeek-V3's routing bias (--router sigmoid --bias-update-rate γ > 0) is moved in the weights
-// every rank holds whole after the step (MoeBlock::update_bias, and in the optimizer's fp32 master
-// copy of the flat buffer). Where a rank does not hold all of them it is refused: a pipeline stage
-// holds only its layers' biases, which update_bias does not skip; ZeRO-3 holds no weights outside
-// a unit's gather, and ZeRO-1/2's fp32 master copies are per-rank shards the update cannot reach.
+// a rank holds whole after the step (MoeBlock::update_bias, and in the optimizer's fp32 master
+// copy of the flat buffer; a pipeline stage moves its own layers'). Where a rank's are not whole
+// it is refused: ZeRO-3 holds no weights outside a unit's gather, and ZeRO-1/2's fp32 master
+// copies are per-rank shards the update cannot reach.
 inline void validate_bias_update(const RunConfig& rc, const Plan& p) {
   if (!rc.model.sigmoid_router || rc.model.bias_update_rate == 0) return;
-  if (p.mesh.pp > 1)
-    config_error("--bias-update-rate with --pp %d is not composed: a stage holds only its layers' routing biases, and "
-                 "the update moves every layer's; pass --bias-update-rate 0 or --pp 1", p.mesh.pp);
   if (p.zero == 3 || (p.zero > 0 && rc.dtype != DType::F32 && rc.master_weights))
     config_error("--bias-update-rate with --zero %d%s is not composed: the routing bias is moved in whole weights and "
                  "master copies, and ZeRO shards them; pass --bias-update-rate 0 or --zero 0", p.zero,

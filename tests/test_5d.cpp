@@ -412,8 +412,9 @@ std::vector<std::pair<std::string, std::vector<float>>> routing_biases(const Run
 // The bias moves by each layer's loads summed over the ranks that route different tokens (dp, the
 // ep ranks cut from it), once per tp group: the routing counts of every step and the final bias
 // equal 01's bit for bit, the rest by notes/00's fp32 criterion. (dp, tp, ep) = (2, 2, 2), and
-// ZeRO-1 over dp (fp32: no master copies to shard) with the MoE block replicated over dp and tp.
-TEST_CASE("DeepSeekMoE with the bias update under tp (with ep, with ZeRO-1) reproduces 01; the bias bit for bit",
+// ZeRO-1 over dp (fp32: no master copies to shard) with the MoE block replicated over dp and tp;
+// and dp 2 × pp 2 × ep 2, each stage moving its own layers' biases.
+TEST_CASE("DeepSeekMoE with the bias update under tp (with ep, with ZeRO-1) and pp reproduces 01; the bias bit for bit",
           "[08][e2e][equiv][ep]") {
   const Run& ref = single(kDeepSeek + steps(8, 8));
   const auto bias = routing_biases(ref);
@@ -428,6 +429,17 @@ TEST_CASE("DeepSeekMoE with the bias update under tp (with ep, with ZeRO-1) repr
       CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref.log.steps[s].at("moe_tokens_per_expert").dump());
     CHECK(routing_biases(r) == bias);
   }
+  // Under a pipeline each stage moves its own layers' biases, from the loads summed over pp too.
+  const Run& ref4 = single(kDeepSeek + "--layers 4 " + steps(8, 8));
+  const Run& r = mesh(2, 1, kDeepSeek + "--pp 2 --layers 4 --ep 2 " + steps(8, 2), 1, 2);
+  INFO("dp 2 pp 2 ep 2");
+  REQUIRE(r.log.steps.size() == size_t(kSteps));
+  tst::check_equivalent(r, ref4);
+  for (size_t s = 0; s < size_t(kSteps); s++)
+    CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref4.log.steps[s].at("moe_tokens_per_expert").dump());
+  const auto bias4 = routing_biases(ref4);
+  REQUIRE(bias4.size() == 4);
+  CHECK(routing_biases(r) == bias4);
 }
 
 TEST_CASE("bad input with experts: a one-line message, a non-zero exit on every rank, no hang", "[08][errors][ep]") {
@@ -438,8 +450,6 @@ TEST_CASE("bad input with experts: a one-line message, a non-zero exit on every 
       {4, "--dp 4 --ep 2 --experts 4 --zero 1", "expert weights differ across the dp ranks of an ep group"},
       {4, "--dp 2 --tp 2 --experts 4 --sequence-parallel", "--sequence-parallel with --experts is not composed"},
       {4, "--dp 2 --cp 2 --experts 4", "--experts with --cp 2 is not composed"},
-      {4, "--dp 2 --pp 2 --layers 4 --experts 4 --router sigmoid --bias-update-rate 0.001",
-       "--bias-update-rate with --pp 2 is not composed"},
       {4, "--dp 4 --experts 4 --router sigmoid --bias-update-rate 0.001 --zero 3",
        "--bias-update-rate with --zero 3 is not composed"},
       {4, "--dp 4 --experts 4 --router sigmoid --bias-update-rate 0.001 --zero 2 --dtype bf16",

@@ -568,6 +568,7 @@ void MoeBlock::update_bias(Model& m, const std::vector<int64_t>& loads, const Te
   if (!c.sigmoid_router || c.bias_update_rate == 0) return;
   for (int l = 0; l < c.layers; l++) {
     const ParamEntry& e = m.table.entries[size_t(bias_[size_t(l)])];
+    if (!e.held()) continue;  // another pipeline stage's layer: that stage moves it, from the same loads
     const Tensor src = master.defined() ? master.view(e.offset, {e.numel}) : m.weight(bias_[size_t(l)]);
     std::vector<float> b = to_host_f32(src);
     moe_bias_update(b.data(), loads.data() + size_t(l) * c.experts, c.experts, c.bias_update_rate);
