@@ -197,7 +197,8 @@ inline void plan_sources(TwoLevelPlan& p, std::vector<int32_t>& lists, std::vect
   for (int32_t v : token) keys = std::max(keys, v + 1);
   std::vector<std::vector<int32_t>> rows_of(static_cast<size_t>(keys));  // x rows per key, in slot order
   for (size_t r = 0; r < token.size(); r++) rows_of[size_t(token[r])].push_back(int32_t(r));
-  for (auto& rows : rows_of) std::sort(rows.begin(), rows.end(), [&](int32_t a, int32_t b) { return slot[size_t(a)] < slot[size_t(b)]; });
+  for (auto& rows : rows_of)
+    std::sort(rows.begin(), rows.end(), [&](int32_t a, int32_t b) { return slot[size_t(a)] < slot[size_t(b)]; });
   p.copies_out.assign(size_t(t.nodes), 0);
   p.token_copies.assign(src.size(), -1);
   p.dw_at.assign(src.size(), -1);

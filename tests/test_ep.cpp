@@ -237,14 +237,20 @@ TEST_CASE("two-level dispatch over two simulated nodes reproduces 01; bytes per 
   }
 }
 
+// A seeded bug's variant of 07 (tests/bugs/), run as the two-level cases above at --group-limit M.
+const Run& two_level_bug(const std::string& bug, int M) {
+  const Run& r = tst::cached_run("tests/bugs/07_expert_parallel+" + bug, 4, two_node_args(M) + kEp4 +
+                                 "--dispatch two-level", 180, kTwoNodes);
+  CHECK(r.output.find("deliberate bug " + bug) != std::string::npos);
+  return r;
+}
+
 // A token sent across once per expert instead of once per node (tests/bugs/per_expert_copies.cpp):
 // the run still reproduces 01, but the bytes across nodes exceed what the routing calls for.
 TEST_CASE("seeded bug: a token across nodes once per expert", "[07][e2e][comm]") {
   const Run& ref = tst::cached_run("01_single_gpu", 1, two_node_args(1));
-  const Run& r = tst::cached_run("tests/bugs/07_expert_parallel+per_expert_copies", 4,
-                                 two_node_args(1) + kEp4 + "--dispatch two-level", 180, kTwoNodes);
+  const Run& r = two_level_bug("per_expert_copies", 1);
   INFO(r.output);
-  CHECK(r.output.find("deliberate bug per_expert_copies") != std::string::npos);
   tst::check_equivalent(r, ref);
   const double bytes = comm(r, "ep_inter", "all_to_all", "bytes");
   const double routed = comm(r, "ep_inter", "all_to_all", "from_routing");
@@ -261,10 +267,8 @@ TEST_CASE("seeded bug: a token across nodes once per expert", "[07][e2e][comm]")
 // than the criterion's bound (about 10 times it: the first step's experts add little).
 TEST_CASE("seeded bug: a lost partial sum", "[07][e2e][equiv]") {
   const Run& ref = tst::cached_run("01_single_gpu", 1, two_node_args(2));
-  const Run& r = tst::cached_run("tests/bugs/07_expert_parallel+lost_partial", 4,
-                                 two_node_args(2) + kEp4 + "--dispatch two-level", 180, kTwoNodes);
+  const Run& r = two_level_bug("lost_partial", 2);
   INFO(r.output);
-  CHECK(r.output.find("deliberate bug lost_partial") != std::string::npos);
   REQUIRE(r.log.steps.size() == 6);
   const tst::Equivalence e = tst::compare(r, ref);
   INFO(e);
