@@ -237,6 +237,21 @@ TEST_CASE("two-level dispatch over two simulated nodes reproduces 01; bytes per 
   }
 }
 
+// The same on the GPU (the emulated one in make CUDA=emu): the entry's weighted sums, the fp32 dw
+// scalars and their scatter run as CUDA kernels and the exchanges carry device tensors; top-k 3 at
+// --group-limit 2 gives copies of one and of two experts and tokens on both nodes.
+TEST_CASE("two-level dispatch on the device reproduces 01 --device cuda", "[07][e2e][equiv][cuda]") {
+  const std::string args = two_node_args(2) + "--top-k 3 --steps 3 --device cuda ";
+  const Run& ref = tst::cached_run("01_single_gpu", 1, args);
+  const Run& r = tst::cached_run("07_expert_parallel", 4, args + kEp4 + "--dispatch two-level", 300, kTwoNodes);
+  INFO(r.output);
+  REQUIRE(r.log.steps.size() == 3);
+  tst::check_equivalent(r, ref);
+  for (size_t s = 0; s < 3; s++)
+    CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref.log.steps[s].at("moe_tokens_per_expert").dump());
+  CHECK(comm(r, "ep_inter", "all_to_all", "bytes") == comm(r, "ep_inter", "all_to_all", "from_routing"));
+}
+
 // A seeded bug's variant of 07 (tests/bugs/), run as the two-level cases above at --group-limit M.
 const Run& two_level_bug(const std::string& bug, int M) {
   const Run& r = tst::cached_run("tests/bugs/07_expert_parallel+" + bug, 4, two_node_args(M) + kEp4 +
