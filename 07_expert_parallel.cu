@@ -30,10 +30,13 @@
 // --dispatch two-level is DeepSeek-V3's node-limited dispatch (technical report §3.2.2), on the nodes
 // MPI reports (mesh.h's node_of_ranks): the experts are placed by node (node n holds group n of
 // --expert-groups = nodes), a token goes once to each node it routes to (over the rail: the ranks
-// with its rank's local index, one per node), and that node's rank fans it out to its experts'
-// ranks; every (token, expert) output row comes back the same way, since the block sums them in
-// 01's slot order and keeps them for the gate weights' gradient. Bytes per level are counted from
-// the routing and printed against the communicators' and the balanced prediction.
+// with its rank's local index, one per node) with its experts' ids and gate weights, and that
+// node's rank (the entry) fans it out to its experts' ranks; the outputs return to the entry, which
+// sends one gate-weighted partial sum per (token, node) back (the block's weighting, MoeBlock's
+// routed_forward hook). Backward, dy crosses once per (token, node) and is scaled per expert at the
+// entry, the input gradients come back summed per node, and the gate weights' gradient is formed
+// at the entry from the outputs it kept, K floats per copy. Bytes per level are counted from the
+// routing and printed against the communicators' and the balanced prediction.
 // Backward mirrors it: the output gradients are dispatched, the input gradients combined. Dense
 // gradients are averaged over all dp ranks; an expert's over the dp/ep ranks that hold it (the
 // mesh's ep_dp group), both with 02's bucketed reducer.
@@ -155,82 +158,111 @@ inline std::string two_level_problem(const Topology& t, const ModelConfig& m) {
 // One layer's two-level routes: built by the forward's dispatch (with the lists the tokens' ranks
 // send), reused by its combine and by the backward. Three roles, every rank all of them:
 //   source  this rank's tokens: to node n (its rank with our local index, over the rail group of
-//           the ranks with our local index) one copy of each token with a row for n's experts
-//           (copies, the dispatch) and each (token, expert) row (pairs, the combine and backward);
-//           pair order: node, token, expert;
-//   entry   the tokens that arrive from every node, fanned out inside the node, one row per
-//           (token, expert) to the expert's rank: fan order: rank, expert, source node, token;
+//           the ranks with our local index) one copy of each token that has experts there, with
+//           their ids and gate weights (K each, in 01's slot order); copy order: node, token. What
+//           comes back is one row per copy too (the node's partial sum), summed per token;
+//   entry   the copies that arrive from every node, fanned out inside the node, one row per
+//           (token, expert) to the expert's rank: fan order: rank, expert, source node, token; the
+//           rows that return are weighted and summed per copy here;
 //   owner   the rows of its experts from every entry, grouped [expert][source ep rank] as flat is.
 struct TwoLevelPlan {
-  std::vector<int64_t> copies_out, pairs_out, copies_in, pairs_in;  // [Nn] over the rail group
-  std::vector<int32_t> copy_rows, pair_rows, row_pair;  // x row of each copy, of each pair; pair of each x row
-  std::vector<int32_t> fan_copy, fan_pair, pair_fan;    // each fanned row's copy and pair; inverse
-  std::vector<int64_t> fan_out, fan_in;                 // [Q] rows to / from each rank of the node
-  std::vector<int32_t> grouped, ungrouped;              // as in Exchange
-  std::vector<int64_t> local_counts;                    // [per]
-  int64_t remote_pairs_in = 0, remote_fan_out = 0, remote_fan_in = 0;  // rows to / from other ranks
-  int64_t routed_copies = 0, routed_pairs = 0;  // the same two from the router's choices (count_routed)
+  std::vector<int64_t> copies_out, copies_in;  // [Nn] over the rail group
+  std::vector<int32_t> copy_rows, copy_token;  // x row (its token's h) and token (its dy) of each copy sent
+  std::vector<int32_t> token_copies;           // [N, K] each token's copies, nodes ascending, −1 past the last
+  std::vector<int32_t> dw_at;                  // [N·K] where (t, k)'s dw arrives (Σ copies_out·K: a zero, dropped)
+  std::vector<float> copy_w;                   // [Σ copies_in, K] the arrived gate weights (0 past the last)
+  std::vector<int32_t> fan_copy, copy_fan;     // each fanned row's copy; [Σ copies_in, K] each slot's fanned row or −1
+  std::vector<float> fan_w;                    // each fanned row's gate weight
+  std::vector<int64_t> fan_out, fan_in;        // [Q] rows to / from each rank of the node
+  std::vector<int32_t> grouped, ungrouped;     // as in Exchange
+  std::vector<int64_t> local_counts;           // [per]
+  int64_t remote_copies_in = 0, remote_pairs_in = 0, remote_fan_out = 0, remote_fan_in = 0;  // from / to other ranks
+  int64_t routed_copies = 0, routed_pairs = 0;  // this rank's copies and (token, expert) rows to other nodes, from
+                                                // the router's choices (count_routed)
 };
 
-// The source's side, from the rows per expert (x is grouped by expert) and the token of each row.
-// K ints per copy name its experts (−1 past the last): what the entry fans out by.
-inline void plan_sources(TwoLevelPlan& p, std::vector<int32_t>& lists, const std::vector<int64_t>& counts,
-                         const std::vector<int32_t>& token, const Topology& t, int K) {
-  const int E = int(counts.size()), per_node_experts = E / t.nodes;
-  int32_t N = 0;
-  for (int32_t v : token) N = std::max(N, v + 1);
-  std::vector<std::vector<std::pair<int, int32_t>>> rows_of(static_cast<size_t>(N));  // (expert, x row), experts ascending
-  int32_t r = 0;
-  for (int e = 0; e < E; e++)
-    for (int64_t i = 0; i < counts[size_t(e)]; i++, r++) rows_of[size_t(token[size_t(r)])].push_back({e, r});
+// The source's side. x is grouped by expert (counts[e] rows of expert e); token: the token of each
+// x row (the key a copy is made per); src [N·K]: the x row of each (token, slot), −1 if dropped;
+// wa: each x row's gate weight. Per copy, K expert ids (−1 past the last) and K weights (0) go
+// with it: what the entry fans out by and weights with.
+inline void plan_sources(TwoLevelPlan& p, std::vector<int32_t>& lists, std::vector<float>& weights,
+                         const std::vector<int64_t>& counts, const std::vector<int32_t>& token,
+                         const std::vector<int32_t>& src, const std::vector<float>& wa, const Topology& t, int K) {
+  const int per_node_experts = int(counts.size()) / t.nodes;
+  std::vector<int32_t> expert, slot(token.size());  // each x row's expert and (token, slot) index t·K + k
+  for (size_t e = 0; e < counts.size(); e++) expert.insert(expert.end(), size_t(counts[e]), int32_t(e));
+  for (size_t a = 0; a < src.size(); a++)
+    if (src[a] >= 0) slot[size_t(src[a])] = int32_t(a);
+  int32_t keys = 0;
+  for (int32_t v : token) keys = std::max(keys, v + 1);
+  std::vector<std::vector<int32_t>> rows_of(static_cast<size_t>(keys));  // x rows per key, in slot order
+  for (size_t r = 0; r < token.size(); r++) rows_of[size_t(token[r])].push_back(int32_t(r));
+  for (auto& rows : rows_of)
+    std::sort(rows.begin(), rows.end(), [&](int32_t a, int32_t b) { return slot[size_t(a)] < slot[size_t(b)]; });
   p.copies_out.assign(size_t(t.nodes), 0);
-  p.pairs_out.assign(size_t(t.nodes), 0);
+  p.token_copies.assign(src.size(), -1);
+  p.dw_at.assign(src.size(), -1);
+  std::vector<int> seen(src.size() / size_t(K), 0);  // copies of each token so far
   for (int n = 0; n < t.nodes; n++)
     for (const auto& rows : rows_of) {
-      size_t k0 = 0;
-      while (k0 < rows.size() && rows[k0].first / per_node_experts < n) k0++;
-      size_t k1 = k0;
-      while (k1 < rows.size() && rows[k1].first / per_node_experts == n) k1++;
-      if (k1 == k0) continue;
-      p.copy_rows.push_back(rows[k0].second);
-      for (size_t k = k0; k < k0 + size_t(K); k++) lists.push_back(k < k1 ? rows[k].first : -1);
-      for (size_t k = k0; k < k1; k++) p.pair_rows.push_back(rows[k].second);
+      const int32_t c = int32_t(p.copy_rows.size());
+      int j = 0;
+      for (int32_t r : rows) {
+        if (expert[size_t(r)] / per_node_experts != n) continue;
+        const int32_t tok = slot[size_t(r)] / K;
+        if (j == 0) {
+          p.copy_rows.push_back(r);
+          p.copy_token.push_back(tok);
+        }
+        int32_t* mine = &p.token_copies[size_t(tok) * K];
+        int& had = seen[size_t(tok)];
+        if (had == 0 || mine[had - 1] != c) mine[had++] = c;
+        p.dw_at[size_t(slot[size_t(r)])] = c * K + j;
+        lists.push_back(expert[size_t(r)]);
+        weights.push_back(wa[size_t(r)]);
+        j++;
+      }
+      if (j == 0) continue;
+      lists.insert(lists.end(), size_t(K - j), -1);
+      weights.insert(weights.end(), size_t(K - j), 0.f);
       p.copies_out[size_t(n)]++;
-      p.pairs_out[size_t(n)] += int64_t(k1 - k0);
     }
-  p.row_pair.assign(p.pair_rows.size(), 0);
-  for (size_t i = 0; i < p.pair_rows.size(); i++) p.row_pair[size_t(p.pair_rows[i])] = int32_t(i);
+  for (int32_t& at : p.dw_at)
+    if (at < 0) at = int32_t(p.copy_rows.size()) * K;
 }
 
-// The entry's side, from the lists that arrived (copies_in[m] from node m): which rank of the node
-// each (token, expert) row goes to, in fan order; counts[q][i][m]: rows for local expert i of rank
-// q from node m, what the owners need to group them.
-inline std::vector<int32_t> plan_entries(TwoLevelPlan& p, const std::vector<int32_t>& lists, const Topology& t,
-                                         int me, int K, int per) {
+// The entry's side, from the lists and weights that arrived (copies_in[m] from node m): which rank
+// of the node each (token, expert) row goes to, in fan order; counts[q][i][m]: rows for local
+// expert i of rank q from node m, what the owners need to group them.
+inline std::vector<int32_t> plan_entries(TwoLevelPlan& p, const std::vector<int32_t>& lists,
+                                         const std::vector<float>& weights, const Topology& t, int me, int K, int per) {
   const int Q = t.per_node, Nn = t.nodes, first = t.node[size_t(me)] * Q * per;  // this node's first expert
-  std::vector<std::vector<std::pair<int32_t, int32_t>>> bucket(size_t(Q) * per * Nn);  // (copy, pair)
-  p.pairs_in.assign(size_t(Nn), 0);
-  int32_t c = 0, pair = 0;
+  std::vector<std::vector<int32_t>> bucket(size_t(Q) * per * Nn);  // slots c·K + j
+  std::vector<int64_t> pairs_in(size_t(Nn), 0);
+  int32_t c = 0;
   for (int m = 0; m < Nn; m++)
-    for (int64_t j = 0; j < p.copies_in[size_t(m)]; j++, c++)
-      for (int k = 0; k < K && lists[size_t(c) * K + k] >= 0; k++, pair++) {
-        const int e = lists[size_t(c) * K + k] - first;  // q·per + i
-        bucket[size_t(e) * Nn + m].push_back({c, pair});
-        p.pairs_in[size_t(m)]++;
+    for (int64_t i = 0; i < p.copies_in[size_t(m)]; i++, c++)
+      for (int j = 0; j < K && lists[size_t(c) * K + j] >= 0; j++) {
+        const int e = lists[size_t(c) * K + j] - first;  // q·per + i
+        bucket[size_t(e) * Nn + m].push_back(c * K + j);
+        pairs_in[size_t(m)]++;
       }
   std::vector<int32_t> counts(bucket.size());
   p.fan_out.assign(size_t(Q), 0);
-  p.pair_fan.assign(size_t(pair), 0);
+  p.copy_w = weights;
+  p.copy_fan.assign(lists.size(), -1);
   for (size_t b = 0; b < bucket.size(); b++) {
     counts[b] = int32_t(bucket[b].size());
     p.fan_out[b / size_t(per * Nn)] += counts[b];
-    for (auto [copy, pr] : bucket[b]) {
-      p.pair_fan[size_t(pr)] = int32_t(p.fan_copy.size());
-      p.fan_copy.push_back(copy);
-      p.fan_pair.push_back(pr);
+    for (int32_t s : bucket[b]) {
+      p.copy_fan[size_t(s)] = int32_t(p.fan_copy.size());
+      p.fan_copy.push_back(s / K);
+      p.fan_w.push_back(weights[size_t(s)]);
     }
   }
-  p.remote_pairs_in = pair - p.pairs_in[size_t(t.node[size_t(me)])];
+  const int mine = t.node[size_t(me)];
+  p.remote_copies_in = c - p.copies_in[size_t(mine)];
+  for (int m = 0; m < Nn; m++) p.remote_pairs_in += m == mine ? 0 : pairs_in[size_t(m)];
   p.remote_fan_out = int64_t(p.fan_copy.size()) - p.fan_out[size_t(t.local[size_t(me)])];
   return counts;
 }
@@ -268,17 +300,19 @@ inline std::vector<int32_t> host_ints(const Tensor& t, Tag tag) {
   return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
 }
 
-// What the two levels moved, summed over the layers' calls: rows crossing nodes (copies: token
-// rows of the forward dispatch; pairs: (token, expert) rows, out from this rank's tokens and in
-// for other nodes' tokens), counted from the router's choices, and the bytes each level's
-// all-to-alls put on the wire by those counts.
+// What the two levels moved, summed over the layers' calls: rows crossing nodes (copies: one per
+// (token, node), out from this rank's tokens (counted from the router's choices) and in from other
+// nodes' (from the plan), per forward; every inter-node hop carries one row per copy), the
+// (token, expert) pairs those copies stand for (what a flat dispatch would move), and the bytes
+// each level's all-to-alls put on the wire by those counts.
 struct LevelCounts {
-  double copies = 0, pairs_out = 0, pairs_in = 0, fan_out = 0, fan_in = 0;
+  double copies = 0, copies_in = 0, pairs_out = 0, pairs_in = 0, fan_out = 0, fan_in = 0;
   double inter_bytes = 0, intra_bytes = 0;
 };
 
-// The MoE block with its experts behind two all-to-alls. Routing, capacity, the aux loss and the
-// combine's weighting are the base block's: only where the experts run changes.
+// The MoE block with its experts behind two all-to-alls. Routing, capacity and the aux loss are the
+// base block's; the flat dispatch leaves the combine's weighting to it too (only where the experts
+// run changes), the two-level one weights and sums on the experts' nodes.
 class ExpertParallelMoe : public MoeBlock {
  public:
   ExpertParallelMoe(const Model& m, Comm& group, const Topology& topo) : MoeBlock(m), ep_(group), topo_(topo) {
@@ -295,8 +329,19 @@ class ExpertParallelMoe : public MoeBlock {
                                                               "the ep group's ranks of one node"));
   }
 
+  // --dispatch two-level owns the gate weighting too (MoeBlock's hook): it sums on the experts' nodes.
+  void routed_forward(Model& m, int l, const Tensor& y, const Tensor& x, const Tensor& w,
+                      const std::vector<int64_t>& counts, LayerActs& a) override {
+    if (topo_.two_level) return two_level_forward(m, l, y, x, counts, a);
+    MoeBlock::routed_forward(m, l, y, x, w, counts, a);
+  }
+  void routed_backward(Model& m, int l, const Tensor& dh, const Tensor& dw, const Tensor& dy,
+                       const std::vector<int64_t>& counts, LayerActs& a) override {
+    if (topo_.two_level) return two_level_backward(m, l, dh, dw, dy, a);
+    MoeBlock::routed_backward(m, l, dh, dw, dy, counts, a);
+  }
+
   Tensor experts_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) override {
-    if (topo_.two_level) return two_level_forward(m, l, x, counts, a);
     const int P = ep_.size(), E = m.cfg.experts;
     Tensor send_c = Tensor::empty({E}, DType::I32, Device::CPU, Tag::Comm);
     Tensor recv_c = Tensor::empty({E}, DType::I32, Device::CPU, Tag::Comm);
@@ -327,7 +372,6 @@ class ExpertParallelMoe : public MoeBlock {
 
   void experts_backward(Model& m, int l, const Tensor& dx, const Tensor& dout, const std::vector<int64_t>& counts,
                         LayerActs& a) override {
-    if (topo_.two_level) return two_level_backward(m, l, dx, dout, a);
     const int E = m.cfg.experts;
     const Tensor& rc = a.mlp_state[kNumSlots];
     const Exchange xc = plan_exchange(counts, std::vector<int32_t>(rc.i32(), rc.i32() + E), ep_.size(), per_);
@@ -356,9 +400,12 @@ class ExpertParallelMoe : public MoeBlock {
   Comm& intra() { return *intra_; }
 
  private:
-  // Dispatch: each token once to each node with its experts (the rail), then one row per (token,
-  // expert) to the expert's rank inside the node; the owner groups them as the flat dispatch does.
-  Tensor two_level_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) {
+  // Forward (DeepSeek-V3 §3.2.2): each token once to each node with its experts (the rail), then
+  // one row per (token, expert) to the expert's rank inside the node; the owner groups them as the
+  // flat dispatch does. The outputs come back to the entry, which keeps them (for dw) and weights
+  // and sums each copy's: one row per (token, node) crosses back (sum_levels).
+  void two_level_forward(Model& m, int l, const Tensor& y, const Tensor& x, const std::vector<int64_t>& counts,
+                         LayerActs& a) {
     TwoLevelPlan& p = plans_[size_t(l)] = TwoLevelPlan();
     plan_levels(p, m, counts, a);
     busiest_rows = std::max(busiest_rows, double(p.grouped.size()) / double(std::max<int64_t>(1, x.size(0))));
@@ -367,61 +414,92 @@ class ExpertParallelMoe : public MoeBlock {
     Tensor recv = rows(m, size_t(sum(p.fan_in)), Tag::Workspace);
     exchange(*intra_, recv, p.fan_in, gathered(m, arrived, p.fan_copy), p.fan_out, "dispatch");
     Tensor xr = gathered(m, recv, p.grouped, Tag::Activations);
+    a.mlp_state.resize(kNumSlots + 1);
     a.mlp_state[kIn] = xr;
     Tensor outr = rows(m, xr.size(0), Tag::Workspace);
     run_experts(m, l, topo_.slot(ep_.rank()) * per_, p.local_counts, xr, outr, a);
-    Tensor out = rows(m, x.size(0), Tag::Activations);
-    combine_levels(m, p, outr, out, "combine");
-    return out;
+    Tensor kept = a.mlp_state[kNumSlots] = rows(m, p.fan_copy.size(), Tag::Activations);  // o_k[t], fan order
+    exchange(*intra_, kept, p.fan_out, gathered(m, outr, p.ungrouped), p.fan_in, "combine");
+    sum_levels(m, p, y, kept, floats(p.copy_w, m.dev).reshape({sum(p.copies_in), m.cfg.top_k}), "combine");
   }
-  // Backward: the output gradients differ per (token, expert) (each is scaled by its gate weight),
-  // so pairs travel both ways.
-  void two_level_backward(Model& m, int l, const Tensor& dx, const Tensor& dout, LayerActs& a) {
+  // Backward: dL/dy_n[t] = dy[t] for each node n, so dy's row travels as the forward's copy did,
+  // once per (token, node); the entry scales it per expert, dO_k = w[t,k]·dy[t] (01's moe_gather,
+  // the same product), fans it out, sums the input gradients that return per copy (sum_levels), and
+  // forms dw[t,k] = dy[t]·o_k[t] from the output rows it kept (gate_weight_grads).
+  void two_level_backward(Model& m, int l, const Tensor& dh, const Tensor& dw, const Tensor& dy, LayerActs& a) {
     const TwoLevelPlan& p = plans_[size_t(l)];
     tally_levels(p, m, false);
-    Tensor arrived = rows(m, size_t(sum(p.pairs_in)), Tag::Workspace);
-    exchange(*inter_, arrived, p.pairs_in, gathered(m, dout, p.pair_rows), p.pairs_out, "dispatch backward");
+    Tensor arrived = rows(m, size_t(sum(p.copies_in)), Tag::Workspace);
+    exchange(*inter_, arrived, p.copies_in, gathered(m, dy, p.copy_token), p.copies_out, "dispatch backward");
+    Tensor fan = rows(m, p.fan_copy.size(), Tag::Workspace);
+    moe_gather(fan, arrived, from_host_i32(p.fan_copy, m.dev), floats(p.fan_w, m.dev));
     Tensor recv = rows(m, size_t(sum(p.fan_in)), Tag::Workspace);
-    exchange(*intra_, recv, p.fan_in, gathered(m, arrived, p.fan_pair), p.fan_out, "dispatch backward");
+    exchange(*intra_, recv, p.fan_in, fan, p.fan_out, "dispatch backward");
     Tensor dxr = rows(m, recv.size(0), Tag::Workspace);
     run_experts_backward(m, l, topo_.slot(ep_.rank()) * per_, p.local_counts, a.mlp_state[kIn],
                          gathered(m, recv, p.grouped), dxr, a);
-    combine_levels(m, p, dxr, dx, "combine backward");
+    exchange(*intra_, fan, p.fan_out, gathered(m, dxr, p.ungrouped), p.fan_in, "combine backward");
+    sum_levels(m, p, dh, fan, Tensor(), "combine backward");
+    gate_weight_grads(m, p, dw, arrived, a.mlp_state[kNumSlots]);
   }
-  // The owners' rows back to their tokens' ranks, one per (token, expert), so that the block sums
-  // them in 01's slot order (moe_combine) and keeps them for the gate weights' gradient.
-  void combine_levels(const Model& m, const TwoLevelPlan& p, const Tensor& owned, const Tensor& out, const char* what) {
-    Tensor fan = rows(m, p.fan_copy.size(), Tag::Workspace);
-    exchange(*intra_, fan, p.fan_out, gathered(m, owned, p.ungrouped), p.fan_in, what);
-    Tensor mine = rows(m, p.pair_rows.size(), Tag::Workspace);
-    exchange(*inter_, mine, p.pairs_out, gathered(m, fan, p.pair_fan), p.pairs_in, what);
-    moe_gather(out, mine, from_host_i32(p.row_pair, m.dev), Tensor());
+  // The combine, per (token, node): the entry sums each copy's fanned rows (weighted by w: the
+  // forward; unweighted: dh), y_n[t] = Σ_{k on n} w[t,k]·o_k[t] in 01's slot order, one row per copy
+  // crosses back, and the token's rank sums its copies in node order: y[t] = Σ_n y_n[t]. fp32 sums
+  // so grouped by node rather than 01's k = 0..K−1: a reordering of K terms, inside notes/00's
+  // criterion (and the same bits at K = 2 where both experts share a node).
+  void sum_levels(const Model& m, const TwoLevelPlan& p, const Tensor& out, const Tensor& fanned, const Tensor& w,
+                  const char* what) {
+    const int64_t C = sum(p.copies_in), K = m.cfg.top_k;
+    Tensor partial = rows(m, size_t(C), Tag::Workspace), mine = rows(m, p.copy_rows.size(), Tag::Workspace);
+    moe_combine(partial, fanned, from_host_i32(p.copy_fan, m.dev).reshape({C, K}), w);
+    exchange(*inter_, mine, p.copies_out, partial, p.copies_in, what);
+    moe_combine(out, mine, from_host_i32(p.token_copies, m.dev).reshape({out.size(0), K}), Tensor());
   }
-  // The three sides of the plan, with the lists and counts they exchange: K expert ids per copy
-  // over the rail (after the copies per node), rows per (rank, expert, node) inside the node.
+  // dw[t,k] = dy[t]·o_k[t], formed where o_k is (the entry, 01's moe_combine_backward_weights over the
+  // same rows: the same bits), K fp32 per copy back over the rail, scattered to (t, k); a dropped
+  // slot reads the zero after the last.
+  void gate_weight_grads(const Model& m, const TwoLevelPlan& p, const Tensor& dw, const Tensor& dy_copies,
+                         const Tensor& kept) {
+    const int64_t C = sum(p.copies_in), U = int64_t(p.copy_rows.size()), K = m.cfg.top_k;
+    Tensor here = Tensor::empty({C, K}, DType::F32, m.dev, Tag::Workspace);
+    moe_combine_backward_weights(here, dy_copies, kept, from_host_i32(p.copy_fan, m.dev).reshape({C, K}));
+    Tensor back = Tensor::empty({U * K + 1, 1}, DType::F32, m.dev, Tag::Workspace);
+    ts::zero(back);
+    exchange(*inter_, back.view(0, {U, K}), p.copies_out, here, p.copies_in, "gate weights' gradient");
+    moe_gather(dw.reshape({dw.numel(), 1}), back, from_host_i32(p.dw_at, m.dev), Tensor());
+  }
+  // The three sides of the plan, with the lists and counts they exchange: K expert ids and K gate
+  // weights per copy over the rail (after the copies per node), rows per (rank, expert, node)
+  // inside the node.
   void plan_levels(TwoLevelPlan& p, const Model& m, const std::vector<int64_t>& counts, const LayerActs& a) {
     const int K = m.cfg.top_k, me = ep_.rank();
+    const std::vector<int32_t> src = host_ints(a.mlp_state[kSrc], Tag::Workspace);
     std::vector<int32_t> lists;
-    plan_sources(p, lists, counts, host_ints(a.mlp_state[kPerm], Tag::Comm), topo_, K);
+    std::vector<float> weights;
+    plan_sources(p, lists, weights, counts, host_ints(a.mlp_state[kPerm], Tag::Comm), src,
+                 to_host_f32(a.mlp_state[kWa]), topo_, K);
     const std::vector<int32_t> copies_in = ints_all_to_all(*inter_, std::vector<int32_t>(p.copies_out.begin(), p.copies_out.end()));
     p.copies_in.assign(copies_in.begin(), copies_in.end());
     Tensor lists_in = Tensor::empty({sum(p.copies_in) * K}, DType::I32, Device::CPU, Tag::Comm);
+    Tensor weights_in = Tensor::empty({sum(p.copies_in) * K}, DType::F32, Device::CPU, Tag::Comm);
     {
-      TraceScope t("ep_inter all_to_all_v (expert lists)", Lane::Comm);
+      TraceScope t("ep_inter all_to_all_v (expert lists, gate weights)", Lane::Comm);
       inter_->all_to_all_v(lists_in, elems(p.copies_in, K), from_host_i32(lists, Device::CPU, Tag::Comm),
+                           elems(p.copies_out, K));
+      inter_->all_to_all_v(weights_in, elems(p.copies_in, K), floats(weights, Device::CPU, Tag::Comm),
                            elems(p.copies_out, K));
     }
     const std::vector<int32_t> fan_counts =
-        plan_entries(p, std::vector<int32_t>(lists_in.i32(), lists_in.i32() + lists_in.numel()), topo_, me, K, per_);
+        plan_entries(p, std::vector<int32_t>(lists_in.i32(), lists_in.i32() + lists_in.numel()),
+                     std::vector<float>(weights_in.f32(), weights_in.f32() + weights_in.numel()), topo_, me, K, per_);
     plan_owner(p, ints_all_to_all(*intra_, fan_counts), topo_, me, per_);
-    count_routed(p, a, m.cfg.experts);
+    count_routed(p, src, a, m.cfg.experts);
     tally_levels(p, m, true);
   }
   // From the router's choices, not the plan (the check on it): the copies (a token's other nodes)
   // and the pairs (its kept choices on other nodes) this rank's tokens send across nodes.
-  void count_routed(TwoLevelPlan& p, const LayerActs& a, int E) {
+  void count_routed(TwoLevelPlan& p, const std::vector<int32_t>& src, const LayerActs& a, int E) {
     const std::vector<int32_t> idx = host_ints(a.mlp_state[kIdx], Tag::Workspace);
-    const std::vector<int32_t> src = host_ints(a.mlp_state[kSrc], Tag::Workspace);
     const size_t K = size_t(a.mlp_state[kIdx].size(1));
     const int mine = topo_.node[size_t(ep_.rank())], per_node = E / topo_.nodes;
     p.routed_copies = p.routed_pairs = 0;
@@ -436,24 +514,27 @@ class ExpertParallelMoe : public MoeBlock {
       }
     }
   }
-  // Bytes on the wire per level. Forward, across nodes: the copies with their K-int lists and the
-  // counts (one int to each other node), then the pairs that come back; backward: the pairs out and
-  // back. Inside the node: the rows fanned out and back, plus (forward) the counts per (rank,
-  // expert, node) to each other rank of the node.
+  // Bytes this rank puts on the wire per level, every inter-node hop one row per (token, node).
+  // Across nodes, forward: the counts (one int to each other node), each copy with its K ids and K
+  // gate weights (row + 8K), then a partial row per copy from another node (the combine);
+  // backward: each copy's dy row out, and per copy from another node a partial dh row and its K
+  // dw floats back. Inside the node: the rows fanned out and back, plus (forward) the counts per
+  // (rank, expert, node) to each other rank of the node.
   void tally_levels(const TwoLevelPlan& p, const Model& m, bool forward) {
-    const double row = double(m.cfg.dim) * dtype_size(m.dtype), Nn = topo_.nodes, Q = topo_.per_node;
+    const double row = double(m.cfg.dim) * dtype_size(m.dtype), Nn = topo_.nodes, Q = topo_.per_node, K = m.cfg.top_k;
+    const double out = double(p.routed_copies), in = double(p.remote_copies_in);
     levels.fan_out += double(p.remote_fan_out);
     levels.fan_in += double(p.remote_fan_in);
-    levels.inter_bytes += double(p.remote_pairs_in) * row;
     levels.intra_bytes += double(p.remote_fan_out + p.remote_fan_in) * row;
     if (forward) {
+      levels.copies += out;
+      levels.copies_in += in;
       levels.pairs_in += double(p.remote_pairs_in);
-      levels.copies += double(p.routed_copies);
-      levels.inter_bytes += double(p.routed_copies) * (row + 4.0 * m.cfg.top_k) + (Nn - 1) * 4;
+      levels.inter_bytes += out * (row + 8 * K) + in * row + (Nn - 1) * 4;
       levels.intra_bytes += (Q - 1) * per_ * Nn * 4;
     } else {
       levels.pairs_out += double(p.routed_pairs);
-      levels.inter_bytes += double(p.routed_pairs) * row;
+      levels.inter_bytes += out * row + in * (row + 4 * K);
     }
   }
   std::vector<int32_t> ints_all_to_all(Comm& c, const std::vector<int32_t>& v) {
@@ -477,6 +558,11 @@ class ExpertParallelMoe : public MoeBlock {
     TraceScope t(c.name() + " all_to_all_v (" + what + ")", Lane::Comm);
     const int64_t D = in.size(1);
     c.all_to_all_v(out, elems(out_rows, D), in, elems(in_rows, D));
+  }
+  static Tensor floats(const std::vector<float>& v, Device dev, Tag tag = Tag::Workspace) {
+    Tensor t = Tensor::empty({int64_t(v.size())}, DType::F32, dev, tag);
+    from_host_f32(t, v.data());
+    return t;
   }
   Tensor rows(const Model& m, size_t n, Tag tag) const {
     return Tensor::empty({int64_t(n), m.cfg.dim}, m.dtype, m.dev, tag);
@@ -721,16 +807,17 @@ inline Topology discover_topology(RunLog& log, Mesh& mesh, const ModelConfig& m,
 
 // Balanced routing over Nn nodes of Q ep ranks, per step and rank, of the two levels' bytes: of a
 // micro-batch's N tokens each reaches r = min(M, K, Nn) nodes (M = --group-limit), (Nn−1)/Nn of
-// them others: N·r·(Nn−1)/Nn copies cross (each a row of D and its K ints), and N·K·(Nn−1)/Nn pairs
-// come back, then go out and back again in backward; plus one int to each other node. Inside the
-// node an entry fans out N·K pairs, (Q−1)/Q of them to other ranks, and as many come back, forward
-// and backward; plus per·Nn ints to each other rank. Full recompute repeats the forward.
+// them others, so U = N·r·(Nn−1)/Nn copies go out and as many come in. Across nodes, forward:
+// U·(row + 8K) (each copy with its K ids and K gate weights), U rows back (the combine's partial
+// sums), one int to each other node; backward: U dy rows out, U dh rows and U·K dw floats back.
+// Inside the node an entry fans out N·K pairs, (Q−1)/Q of them to other ranks, and as many come
+// back, forward and backward; plus per·Nn ints to each other rank. Full recompute repeats the forward.
 inline std::pair<double, double> predict_two_level_bytes(const RunConfig& rc, int dp, int ep, int Nn) {
   const ModelConfig& m = rc.model;
   const double N = double(rc.micro_batch) * m.seq, K = m.top_k, row = m.dim * dtype_size(rc.dtype), Q = double(ep) / Nn;
   const double f = (Nn - 1.0) / Nn, r = std::min({double(m.group_limit), K, double(Nn)}), fwd = 1 + (rc.recompute == Recompute::Full);
-  const double pairs = N * K * f, fan = N * K * (Q - 1) / Q;
-  const double inter = fwd * (N * r * f * (row + 4 * K) + pairs * row + (Nn - 1) * 4) + 2 * pairs * row;
+  const double U = N * r * f, fan = N * K * (Q - 1) / Q;
+  const double inter = fwd * (U * (row + 8 * K) + U * row + (Nn - 1) * 4) + U * row + U * (row + 4 * K);
   const double intra = fwd * (2 * fan * row + (Q - 1) * (m.experts / ep) * Nn * 4) + 2 * fan * row;
   const double steps = double(rc.batch / dp) / rc.micro_batch * m.layers;
   return {steps * inter, steps * intra};
@@ -740,11 +827,12 @@ inline std::pair<double, double> predict_two_level_bytes(const RunConfig& rc, in
 // dispatch would send across nodes for the same routing: every (token, expert) row, both ways.
 inline void print_levels(RunLog& log, const LevelCounts& c, double n, const RunConfig& rc) {
   const double row = rc.model.dim * dtype_size(rc.dtype);
-  log.line("ep two-level (this run's routing, rank 0, per step): across nodes %.0f token copies out (dispatch), "
-           "%.0f (token, expert) rows out (backward's dispatch), %.0f in for other nodes' tokens (each combine): %s",
-           c.copies / n, c.pairs_out / n, c.pairs_in / n, human_bytes(c.inter_bytes / n).c_str());
-  log.line("  a flat dispatch of the same routing moves every (token, expert) row across, both ways: %s of rows",
-           human_bytes(2 * (c.pairs_out + c.pairs_in) / n * row).c_str());
+  log.line("ep two-level (this run's routing, rank 0, per step): across nodes %.0f token copies out, %.0f in, one row "
+           "each on every hop (dispatch, combine, and both backward): %s",
+           c.copies / n, c.copies_in / n, human_bytes(c.inter_bytes / n).c_str());
+  log.line("  they stand for %.0f (token, expert) rows out and %.0f in; a flat dispatch of the same routing moves each "
+           "of those across, both ways: %s of rows",
+           c.pairs_out / n, c.pairs_in / n, human_bytes(2 * (c.pairs_out + c.pairs_in) / n * row).c_str());
   log.line("  inside nodes (forward and backward): %.0f rows fanned out, %.0f back: %s", c.fan_out / n, c.fan_in / n,
            human_bytes(c.intra_bytes / n).c_str());
 }
@@ -827,6 +915,7 @@ static void levels_report(Json& c, RunLog& log, const RunConfig& rc, Mesh& mesh,
     c[comm->name()] = j.at(comm->name());
   }
   c["ep_inter"]["all_to_all"]["copies"] = l.copies / n;
+  c["ep_inter"]["all_to_all"]["copies_in"] = l.copies_in / n;
   c["ep_inter"]["all_to_all"]["pairs_out"] = l.pairs_out / n;
   c["ep_inter"]["all_to_all"]["pairs_in"] = l.pairs_in / n;
   ep::print_levels(log, l, n, rc);

@@ -167,7 +167,7 @@ $(BUILD)/tests/comm_error_prog: $(BUILD)/tests/comm_error_prog.o $(BUILD)/common
 SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_parallel+swap_fg \
                04_tensor_parallel+no_split_table 02_data_parallel+skip_collective 02_data_parallel+short_collective \
                07_expert_parallel+local_bias_loads 07_expert_parallel+skip_shared_expert \
-               07_expert_parallel+per_expert_copies
+               07_expert_parallel+per_expert_copies 07_expert_parallel+lost_partial
 BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant
@@ -181,7 +181,8 @@ $(BUILD)/tests/test_equivalence: | $(BUG_BIN)
 $(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
 $(BUILD)/tests/test_ep: | $(BUILD)/tests/bugs/07_expert_parallel+local_bias_loads \
                           $(BUILD)/tests/bugs/07_expert_parallel+skip_shared_expert \
-                          $(BUILD)/tests/bugs/07_expert_parallel+per_expert_copies
+                          $(BUILD)/tests/bugs/07_expert_parallel+per_expert_copies \
+                          $(BUILD)/tests/bugs/07_expert_parallel+lost_partial
 $(BUILD)/tests/test_operations: | $(BUILD)/tests/bugs/02_data_parallel+skip_collective \
                                  $(BUILD)/tests/bugs/02_data_parallel+short_collective
 

@@ -527,9 +527,15 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   s[kHostAux] = device_f32(aux, Device::CPU, Tag::Workspace);
   Tensor x = Tensor::empty({M, D}, m.dtype, m.dev, keeps_input_ ? Tag::Activations : Tag::Workspace);
   moe_gather(x, h, s[kPerm], Tensor());
-  s[kOut] = experts_forward(m, l, x, p.kept, a);
-  moe_combine(y, s[kOut], s[kSrc], w);
+  routed_forward(m, l, y, x, w, p.kept, a);
   shared_forward(m, l, y, h, a);
+}
+
+void MoeBlock::routed_forward(Model& m, int l, const Tensor& y, const Tensor& x, const Tensor& w,
+                              const std::vector<int64_t>& counts, LayerActs& a) {
+  std::vector<Tensor>& s = a.mlp_state;
+  s[kOut] = experts_forward(m, l, x, counts, a);
+  moe_combine(y, s[kOut], s[kSrc], w);
 }
 
 // Mixtral's softmax router, or DeepSeek-V3's sigmoid router with this layer's bias (in fp32).
@@ -641,22 +647,29 @@ void MoeBlock::run_experts_backward(Model& m, int l, int e0, const std::vector<i
 }
 
 // Backward of y = Σ_k w_k · expert(h): the experts' rows get w · dy, the weights get dy · out,
-// h gets the experts' input gradients summed back per token plus the router's.
+// h gets the experts' input gradients summed back per token (slot order).
+void MoeBlock::routed_backward(Model& m, int l, const Tensor& dh, const Tensor& dw, const Tensor& dy,
+                               const std::vector<int64_t>& counts, LayerActs& a) {
+  std::vector<Tensor>& s = a.mlp_state;
+  const int64_t M = s[kOut].size(0), D = m.cfg.dim;
+  auto work = [&] { return Tensor::empty({M, D}, m.dtype, m.dev, Tag::Workspace); };
+  Tensor dout = work(), dx = work();
+  moe_gather(dout, dy, s[kPerm], s[kWa]);
+  moe_combine_backward_weights(dw, dy, s[kOut], s[kSrc]);
+  experts_backward(m, l, dx, dout, counts, a);
+  moe_combine(dh, dx, s[kSrc], Tensor());
+}
+
+// The routed experts (routed_backward), then the router's part of h's gradient and the shared experts'.
 void MoeBlock::backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) {
   const ModelConfig& c = m.cfg;
-  const int64_t N = h.size(0), D = c.dim;
+  const int64_t N = h.size(0);
   const int S = c.seq, E = c.experts, K = c.top_k, B = int(N / S);
   std::vector<Tensor>& s = a.mlp_state;
-  const Tensor& out = s[kOut];
   const int32_t* hc = s[kHostCounts].i32();
   const std::vector<int64_t> kept(hc + size_t(B) * E, hc + size_t(B) * E + E);
-  auto work = [&](int64_t rows) { return Tensor::empty({rows, D}, m.dtype, m.dev, Tag::Workspace); };
-  Tensor dout = work(out.size(0)), dx = work(out.size(0));
-  moe_gather(dout, dy, s[kPerm], s[kWa]);
   Tensor dw = Tensor::empty({N, K}, DType::F32, m.dev, Tag::Workspace);
-  moe_combine_backward_weights(dw, dy, out, s[kSrc]);
-  experts_backward(m, l, dx, dout, kept, a);
-  moe_combine(dh, dx, s[kSrc], Tensor());
+  routed_backward(m, l, dh, dw, dy, kept, a);
   // The aux term of the loss is α · aux_b / B_global = α · aux_b · loss_scale · T per sequence;
   // d aux_b / d p_{t,e} = E · f_e / T (f, a count, carries no gradient): daux = α·loss_scale·E·f_e.
   std::vector<float> daux(size_t(B) * E);

@@ -14,7 +14,8 @@
 // fraction of the sequence's T·K routing choices that picked e (before capacity), P_e the mean
 // router probability of e over its T tokens; the training loss adds α · mean_b Σ_layers aux.
 // Expert parallelism (07) replaces experts_forward/experts_backward: the routing, the gather and
-// the combine stay here.
+// the combine stay here (its two-level dispatch replaces routed_forward/routed_backward: the
+// combine's weighting and sum move to the experts' nodes).
 //
 // DeepSeekMoE as DeepSeek-V3 trains it (DeepSeek-V3 technical report §2.1.2; DeepSeekMoE, Dai et
 // al. 2024; Hugging Face's DeepseekV3TopkRouter/DeepseekV3MoE), all off by default:
@@ -131,6 +132,18 @@ class MoeBlock : public MlpBlock {
   // dx [M, D] (overwritten) from dout [M, D]; expert weight gradients accumulate.
   virtual void experts_backward(Model& m, int l, const Tensor& dx, const Tensor& dout,
                                 const std::vector<int64_t>& counts, LayerActs& a);
+
+  // The routed experts with their gate weighting, the part a subclass may own whole (07's two-level
+  // dispatch weights and sums a token's experts on their node, DeepSeek-V3 §3.2.2).
+  // Forward: y [N, D] (overwritten) = Σ_k w[t,k] · expert_{i(t,k)}(h[t]) from the expert-grouped
+  // rows x and w [N, K] fp32; here experts_forward, then moe_combine in slot order k = 0..K−1.
+  virtual void routed_forward(Model& m, int l, const Tensor& y, const Tensor& x, const Tensor& w,
+                              const std::vector<int64_t>& counts, LayerActs& a);
+  // Backward, from dy [N, D]: dh [N, D] (overwritten) = Σ_k dx_k[t] (each expert's input gradient
+  // for its row w[t,k]·dy[t]), dw [N, K] fp32 (overwritten) = dy[t] · expert_{i(t,k)}(h[t]) (0 where
+  // dropped); the experts' weight gradients accumulate.
+  virtual void routed_backward(Model& m, int l, const Tensor& dh, const Tensor& dw, const Tensor& dy,
+                               const std::vector<int64_t>& counts, LayerActs& a);
 
   // Runs n consecutive experts e0.. over rows x (counts[i] rows of expert e0 + i): saves g, u,
   // act in `a`, writes out [rows, D]. The piece 01 and 07 share.

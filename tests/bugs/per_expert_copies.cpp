@@ -2,8 +2,10 @@
 // expert it has there instead of once per node (tests/test_ep.cpp, "seeded bugs"). The plan tells
 // a token's rows apart by the token of each row (the routing plan's perm, which 07 downloads into a
 // one-dimensional int32 host tensor of Tag::Comm); this wraps that download and numbers every row
-// as a token of its own. Each copy still carries its token's row to its one expert, so the run
-// computes what it did, and only the bytes that cross nodes give the bug away.
+// as a token of its own. Each copy still carries its token's row to its one expert, and its partial
+// sum back (one expert's weighted output, added at the token's rank with the token's others), so
+// the run computes what it did; only the bytes that cross nodes, on every hop one row per
+// (token, expert) instead of per (token, node), give the bug away.
 #include "bug.h"
 
 void real_copy(const ts::Tensor& dst, const ts::Tensor& src) __asm__("__real__ZN2ts4copyERKNS_6TensorES2_");
