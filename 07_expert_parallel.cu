@@ -675,6 +675,39 @@ inline std::vector<DispatchLevel> flat_dispatch(double bytes, double micro_batch
   return {{bytes, all_to_all_calls(micro_batches, layers), nodes}};
 }
 
+// The nodes a token's K rows reach under balanced routing over Nn nodes: where the routing's groups
+// are the nodes (--expert-groups = Nn, as 07's two-level dispatch requires) min(M, K, Nn), M the
+// --group-limit; otherwise K experts drawn uniformly reach Nn·(1 − (1 − 1/Nn)^K) of them.
+inline double nodes_per_token(const ModelConfig& m, int Nn) {
+  if (m.expert_groups == Nn) return std::min({double(m.group_limit), double(m.top_k), double(Nn)});
+  return Nn * (1 - std::pow(1 - 1.0 / Nn, m.top_k));
+}
+
+// Balanced routing over Nn nodes of Q ep ranks, per step and rank, of the two levels' bytes: of a
+// micro-batch's N tokens each reaches r nodes (nodes_per_token), (Nn−1)/Nn of them others, so U = N·r·(Nn−1)/Nn copies go out and as many come in. Across nodes, forward:
+// U·(row + 8K) (each copy with its K ids and K gate weights), U rows back (the combine's partial
+// sums), one int to each other node; backward: U dy rows out, U dh rows and U·K dw floats back.
+// Inside the node an entry fans out N·K pairs, (Q−1)/Q of them to other ranks, and as many come
+// back, forward and backward; plus per·Nn ints to each other rank. Full recompute repeats the forward.
+inline std::pair<double, double> predict_two_level_bytes(const RunConfig& rc, int dp, int ep, int Nn) {
+  const ModelConfig& m = rc.model;
+  const double N = double(rc.micro_batch) * m.seq, K = m.top_k, row = m.dim * dtype_size(rc.dtype), Q = double(ep) / Nn;
+  const double f = (Nn - 1.0) / Nn, r = nodes_per_token(m, Nn), fwd = 1 + (rc.recompute == Recompute::Full);
+  const double U = N * r * f, fan = N * K * (Q - 1) / Q;
+  const double inter = fwd * (U * (row + 8 * K) + U * row + (Nn - 1) * 4) + U * row + U * (row + 4 * K);
+  const double intra = fwd * (2 * fan * row + (Q - 1) * (m.experts / ep) * Nn * 4) + 2 * fan * row;
+  const double steps = double(rc.batch / dp) / rc.micro_batch * m.layers;
+  return {steps * inter, steps * intra};
+}
+
+// 07's two-level dispatch as the MoE term's levels: across the Nn nodes (the rail) and inside one
+// (NVLink), each with a dispatch and a combine per layer and micro-batch, forward and backward.
+inline std::vector<DispatchLevel> two_level_dispatch(const RunConfig& rc, int dp, int ep, int Nn, double micro_batches) {
+  const auto [inter, intra] = predict_two_level_bytes(rc, dp, ep, Nn);
+  const double calls = all_to_all_calls(micro_batches, rc.model.layers);
+  return {{inter, calls, Nn}, {intra, calls, 1}};
+}
+
 // The MoE term's shape (common/training/step_time.h) for a rank of dp that runs `layers` of the
 // model's MoE layers: its tokens, the routing imbalance its experts are priced at, its dispatch.
 inline MoeShape moe_shape(const RunConfig& rc, int dp, int ep, double layers, double imbalance,
@@ -733,11 +766,13 @@ struct RoutedLoads {
 // the dense gradients are all-reduced over dp and each expert's over the ep_dp ranks that hold
 // it, bucketed as 02 does, behind the last micro-batch's backward.
 inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, int ep, double bucket_mb,
-                                   double imbalance = kAssumedImbalance) {
+                                   double imbalance = kAssumedImbalance, int two_level_nodes = 0) {
   StepTerms s = compute_terms(g, rc, 1, 1, 1, dp);
   const int L = rc.model.layers;
   const double mbs = double(rc.batch) / dp / rc.micro_batch;
-  add_moe_term(s, g, rc, moe_shape(rc, dp, ep, L, imbalance, flat_dispatch(predict_balanced_bytes(rc, dp, ep), mbs, L, 1)));
+  const std::vector<DispatchLevel> levels = two_level_nodes > 1 ? two_level_dispatch(rc, dp, ep, two_level_nodes, mbs)
+                                                                 : flat_dispatch(predict_balanced_bytes(rc, dp, ep), mbs, L, 1);
+  add_moe_term(s, g, rc, moe_shape(rc, dp, ep, L, imbalance, levels));
   const ParamTable t = Model::make_table(rc.model, 1, shard_spec(ep, 0));
   const ParamSplit split = param_split(t);
   const double grad_bytes = 4.0 * double(t.total);
@@ -748,11 +783,12 @@ inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, in
   return s;
 }
 
-// The run's prediction, priced at the imbalance its routing has shown by the time it is asked.
+// The run's prediction, priced at the imbalance its routing has shown by the time it is asked, its
+// dispatch flat or (two_level_nodes > 1) over that many nodes.
 inline std::function<StepTerms(const Gpu&)> predictor(const RunConfig& rc, int dp, int ep, double bucket_mb,
-                                                       const RoutedLoads& loads) {
-  return [&rc, dp, ep, bucket_mb, &loads](const Gpu& g) {
-    return predict_step_time(g, rc, dp, ep, bucket_mb, loads.imbalance());
+                                                       const RoutedLoads& loads, int two_level_nodes) {
+  return [&rc, dp, ep, bucket_mb, &loads, two_level_nodes](const Gpu& g) {
+    return predict_step_time(g, rc, dp, ep, bucket_mb, loads.imbalance(), two_level_nodes);
   };
 }
 
@@ -803,24 +839,6 @@ inline Topology discover_topology(RunLog& log, Mesh& mesh, const ModelConfig& m,
     log.line("two-level dispatch: %d node(s) × %d ep rank(s); node n holds experts [n·%d, (n+1)·%d), group n", t.nodes,
              t.per_node, m.experts / t.nodes, m.experts / t.nodes);
   return t;
-}
-
-// Balanced routing over Nn nodes of Q ep ranks, per step and rank, of the two levels' bytes: of a
-// micro-batch's N tokens each reaches r = min(M, K, Nn) nodes (M = --group-limit), (Nn−1)/Nn of
-// them others, so U = N·r·(Nn−1)/Nn copies go out and as many come in. Across nodes, forward:
-// U·(row + 8K) (each copy with its K ids and K gate weights), U rows back (the combine's partial
-// sums), one int to each other node; backward: U dy rows out, U dh rows and U·K dw floats back.
-// Inside the node an entry fans out N·K pairs, (Q−1)/Q of them to other ranks, and as many come
-// back, forward and backward; plus per·Nn ints to each other rank. Full recompute repeats the forward.
-inline std::pair<double, double> predict_two_level_bytes(const RunConfig& rc, int dp, int ep, int Nn) {
-  const ModelConfig& m = rc.model;
-  const double N = double(rc.micro_batch) * m.seq, K = m.top_k, row = m.dim * dtype_size(rc.dtype), Q = double(ep) / Nn;
-  const double f = (Nn - 1.0) / Nn, r = std::min({double(m.group_limit), K, double(Nn)}), fwd = 1 + (rc.recompute == Recompute::Full);
-  const double U = N * r * f, fan = N * K * (Q - 1) / Q;
-  const double inter = fwd * (U * (row + 8 * K) + U * row + (Nn - 1) * 4) + U * row + U * (row + 4 * K);
-  const double intra = fwd * (2 * fan * row + (Q - 1) * (m.experts / ep) * Nn * 4) + 2 * fan * row;
-  const double steps = double(rc.batch / dp) / rc.micro_batch * m.layers;
-  return {steps * inter, steps * intra};
 }
 
 // This run's counts per step (rank 0's) next to the balanced prediction and to what the flat
@@ -995,7 +1013,7 @@ int main(int argc, char** argv) {
   ep::RoutedLoads loads(rc.model, mc.ep);  // the step-time prediction's imbalance, from this run's routing
   loop.step = loads.tally([&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step); });
   add_reports(loop, run.log(), rc, run.mesh, model, opt, moe);
-  return run.train(loop, ep::predictor(rc, mc.dp, mc.ep, f.bucket_mb, loads), "dp");
+  return run.train(loop, ep::predictor(rc, mc.dp, mc.ep, f.bucket_mb, loads, topo.two_level ? topo.nodes : 0), "dp");
 }
 #endif  // TS_PROGRAM == 7
 #endif  // TS_07_EXPERT_PARALLEL_CU

@@ -52,6 +52,7 @@ struct Plan {
   pp::Schedule schedule = pp::Schedule::OneFOneB;
   int virtual_stages = 1;
   std::string stage_layers;  // --stage-layers a,b,… ("": pp::balanced_split)
+  bool two_level = false;    // --dispatch two-level: --plan prices 07's two-level dispatch (08 runs the flat one)
 };
 
 // The layers of each virtual stage (05's split: even, the ends lighter, or --stage-layers).
@@ -109,6 +110,8 @@ inline void validate_bias_update(const RunConfig& rc, const Plan& p) {
 // on any mesh: the update costs nothing the planner counts).
 inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
   if (training) validate_bias_update(rc, p);
+  if (training && p.two_level)
+    config_error("--dispatch two-level is priced by --plan; 08's ep groups dispatch flat (07 runs the two-level one)");
   cp::validate(rc, p.mesh.cp, p.cp);
   tp::validate(local_run(rc, p), p.mesh.tp, p.sp);
   if (p.cp.mode == cp::Mode::Ulysses && p.mesh.tp > 1 &&
@@ -588,6 +591,10 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
   plan.stage_layers = a.get_str("--stage-layers", "", "pp > 1: layers per virtual stage a,b,… (default: even, or the ends lighter)");
   if (!pp::parse_schedule(sched, plan.schedule))
     config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
+  const std::string d = a.get_str("--dispatch", "flat", "--plan: price the ep all-to-all as flat, or as 07's two-level "
+                                  "dispatch across the nodes an ep group spans (DeepSeek-V3 §3.2.2)");
+  if (d != "flat" && d != "two-level") config_error("--dispatch must be flat or two-level (got '%s')", d.c_str());
+  plan.two_level = d == "two-level";
 }
 
 // --plan runs nothing: the cluster's GPU, the batch it is sized for, and no mesh unless one was given.

@@ -106,14 +106,19 @@ struct Candidate : StepTerms {
 // A MoE model's term (07's, common/training/step_time.h): every rank of an ep group routes its dp
 // share of the tokens through the experts of every layer of its stage, whole on each tp rank
 // (expert tensor parallel 1), at the even stage's layers (price_pipeline scales the compute to the
-// busiest stage); the all-to-all is 07's flat one, the busiest stage's `ep_ops` over its layers.
+// busiest stage); the all-to-all is 07's flat one, the busiest stage's `ep_ops` over its layers, or
+// under --dispatch two-level 07's two levels over the nodes the ep group spans.
 // Routing priced balanced: kAssumedImbalance. A dense model: no MoE term.
 inline MoeShape moe_shape(const RunConfig& rc, const Plan& p, double mbs, const std::map<std::string, double>& ep_ops,
                           double busiest_layers, int ep_nodes) {
   const auto a2a = ep_ops.find("all_to_all");
   const double bytes = a2a == ep_ops.end() ? 0 : a2a->second;
+  RunConfig stage = rc;  // the busiest stage's layers, as predict_comm prices its flat all-to-all
+  stage.model.layers = int(busiest_layers);
   return ep::moe_shape(rc, p.mesh.dp, p.mesh.ep, double(rc.model.layers) / p.mesh.pp, kAssumedImbalance,
-                       ep::flat_dispatch(bytes, mbs, busiest_layers, ep_nodes));
+                       p.two_level && ep_nodes > 1 && busiest_layers > 0
+                           ? ep::two_level_dispatch(stage, p.mesh.dp, p.mesh.ep, ep_nodes, mbs)
+                           : ep::flat_dispatch(bytes, mbs, busiest_layers, ep_nodes));
 }
 
 // The step of plan `p` on cluster `cl`: the terms of 02–07, each group's collectives (08's
@@ -567,7 +572,11 @@ inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl,
            "(%.3f exposed), bubble %.3f s, pp p2p %.3f s; %.0f tok/s/GPU, MFU %.1f%%", c.step, c.t_compute,
            100 * c.efficiency, c.t_tp, c.t_cp, c.t_cp_exposed, c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp,
            c.tokens_per_s_gpu, 100 * c.mfu);
-  if (c.plan.mesh.ep > 1) log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
+  if (c.plan.mesh.ep > 1 && c.moe.level_s.size() == 2)
+    log.line("  ep all-to-all %.3f s = across nodes %.3f + inside nodes %.3f (07's two-level dispatch, balanced routing, "
+             "one level after the other, on the critical path)", c.t_ep, c.moe.level_s[0], c.moe.level_s[1]);
+  else if (c.plan.mesh.ep > 1)
+    log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
   if (c.t_moe > 0)
     log.line("  of compute, the MoE blocks %.3f s: router %.3f + experts %.3f (routing priced at %.2f × balanced) + "
              "shared experts %.3f + row copies %.3f", c.t_moe, c.moe.router_s, c.moe.experts_s, c.moe.imbalance,

@@ -606,6 +606,45 @@ TEST_CASE("the MoE term: router, busiest experts, shared experts, row copies, di
   CHECK(ep::predict_step_time(g, rc, 8, 8, 25, 2.0).t_compute > s.t_compute + s.moe.experts_s * 0.99);
 }
 
+// --dispatch two-level: the planner prices 07's two levels (predict_two_level_bytes) over the nodes
+// the ep group spans, one collective_seconds each; a token reaches min(M, K, nodes) nodes where the
+// routing's groups are the nodes, and K uniform draws' worth otherwise.
+TEST_CASE("the planner prices the two-level dispatch level by level", "[plan][moe]") {
+  RunConfig rc;
+  REQUIRE(apply_preset("deepseek-v3", rc.model));
+  rc.model.layers = 4;
+  rc.dtype = DType::BF16;
+  rc.batch = 256, rc.micro_batch = 1;
+  const Cluster cl{find_gpu("h800"), 80, 128, 8};
+  Plan p;
+  p.mesh.dp = 128, p.mesh.ep = 64;  // an ep group: 64 consecutive ranks, 8 nodes of 8
+  REQUIRE(group_nodes(p, Axis::EP, 8) == 8);
+  const StepTerms flat = step_terms(rc, cl, p);
+  p.two_level = true;
+  const StepTerms two = step_terms(rc, cl, p);
+  REQUIRE(two.moe.level_s.size() == 2);
+  CHECK(ep::nodes_per_token(rc.model, 8) == 4);  // 8 groups = 8 nodes, each token in 4
+  const auto [inter, intra] = ep::predict_two_level_bytes(rc, 128, 64, 8);
+  const double calls = ep::all_to_all_calls(2, 4), D = 7168 * 2.0, N = 4096, K = 8;
+  // Across nodes: of each micro-batch's N tokens, 4 · 7/8 copies leave, one row (and 8K bytes of
+  // expert ids and gate weights) each way on each of the 4 hops (3 with the forward's), per layer.
+  const double U = N * 4 * 7 / 8;
+  CHECK(inter == Approx(2 * 4 * (U * (D + 8 * K) + U * D + 7 * 4 + U * D + U * (D + 4 * K))).epsilon(1e-12));
+  CHECK(two.moe.level_s[0] == Approx(collective_seconds(cl.gpu->net, Collective::P2P, inter, calls, 8)).epsilon(1e-12));
+  CHECK(two.moe.level_s[1] == Approx(collective_seconds(cl.gpu->net, Collective::P2P, intra, calls, 1)).epsilon(1e-12));
+  CHECK(two.t_ep == Approx(two.moe.level_s[0] + two.moe.level_s[1]).epsilon(1e-12));
+  CHECK(two.moe.level_s[0] < 0.5 * flat.t_ep);  // across nodes: 3.5 copies a token, not 7.9 rows
+  // Groups that are not the nodes: K experts drawn uniformly over 8 nodes reach 8(1 − (7/8)^8).
+  ModelConfig m = rc.model;
+  m.expert_groups = 1, m.group_limit = 1;
+  CHECK(ep::nodes_per_token(m, 8) == Approx(8 * (1 - std::pow(7.0 / 8, 8))).epsilon(1e-12));
+  // 08 runs the flat dispatch: a training run refuses two-level, a --plan prices it.
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--preset tiny --steps 1 --dp 2 --ep 2 --experts 4 --top-k 2 "
+                                                   "--dispatch two-level", 2, 60);
+  CHECK(r.status != 0);
+  CHECK(r.output.find("--dispatch two-level is priced by --plan") != std::string::npos);
+}
+
 // The H800: an H100 with NVLink at 400 of 900 GB/s, the same network across nodes; DeepSeek-V3's
 // preset, its plan priced with the MoE term.
 TEST_CASE("h800 and the deepseek-v3 preset", "[plan][moe]") {

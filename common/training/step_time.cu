@@ -292,7 +292,10 @@ MoeTerms moe_terms(const Gpu& g, const RunConfig& rc, const MoeShape& x) {
   t.experts_s = x.imbalance * swiglu_seconds(g, 18 * D * F * K * work, mb * K * x.ep / E, D, F, e);
   if (m.shared_experts > 0) t.shared_s = swiglu_seconds(g, 18 * D * F * m.shared_experts * work, mb, D, F * m.shared_experts, e);
   t.copies_s = row_passes(x.ep) * D * e * K * work * x.imbalance / (g.hbm_gbs * 1e9);
-  for (const DispatchLevel& l : x.dispatch) t.dispatch_s += collective_seconds(g.net, Collective::P2P, l.bytes, l.calls, l.nodes);
+  for (const DispatchLevel& l : x.dispatch) {
+    t.level_s.push_back(collective_seconds(g.net, Collective::P2P, l.bytes, l.calls, l.nodes));
+    t.dispatch_s += t.level_s.back();
+  }
   return t;
 }
 

@@ -121,6 +121,7 @@ double attention_share(const ModelConfig& m);
 // the dispatch, and the routing imbalance the experts were priced at.
 struct MoeTerms {
   double router_s = 0, experts_s = 0, shared_s = 0, copies_s = 0, dispatch_s = 0, imbalance = 0;
+  std::vector<double> level_s;  // dispatch_s level by level (MoeShape::dispatch's order)
   double compute() const { return router_s + experts_s + shared_s + copies_s; }
 };
 
