@@ -533,21 +533,24 @@ inline ShardSpec shard_spec(const std::vector<int>& split, int p, int V, int ran
   return s;
 }
 inline ShardSpec shard_spec(const Plan& pl, int rank) { return shard_spec(pl.layers, pl.p, pl.V, rank, pl.schedule); }
-// The decoder layers rank `rank` holds over its V chunks.
-inline int rank_layers(const std::vector<int>& split, int p, int rank) {
+// The decoder layers rank `rank` holds over its V chunks (placed as virtual_stage places them).
+inline int rank_layers(const std::vector<int>& split, int p, int rank, Schedule sched = Schedule::OneFOneB) {
   int n = 0;
-  for (size_t k = size_t(rank); k < split.size(); k += size_t(p)) n += split[k];
+  for (int c = 0; c < int(split.size()) / p; c++) n += split[size_t(virtual_stage(sched, p, rank, c))];
   return n;
 }
 
 // DualPipeV: two stages per rank, 2p equal ones (the V pairs a stage's forward with another's
 // backward, which balances only when they cost the same), and at least 2p micro-batches (its step 4
 // runs m − 2p + s + 1 times; DualPipeV.step() asserts num_chunks >= 2 · num_ranks).
-inline void validate_dualpipev(const RunConfig& rc, int p, int V) {
-  const int m = rc.batch / rc.micro_batch;
+inline void validate_dualpipev_chunks(int V) {
   if (V != 2)
     config_error("--schedule dualpipev places two stages on each rank (stage s and stage 2·pp − 1 − s), not "
                  "--virtual-stages %d", V);
+}
+inline void validate_dualpipev(const RunConfig& rc, int p, int V) {
+  const int m = rc.batch / rc.micro_batch;
+  validate_dualpipev_chunks(V);
   if (rc.model.layers % (2 * p))
     config_error("--schedule dualpipev needs --layers %d divisible by 2 × --pp %d = %d stages", rc.model.layers, p,
                  2 * p);

@@ -59,16 +59,22 @@ struct Plan {
 inline std::vector<int> stage_split(const RunConfig& rc, const Plan& p) {
   return pp::stage_split(p.stage_layers, rc.model.layers, p.mesh.pp * p.virtual_stages);
 }
-// The decoder layers of the stage at pp_rank.
+// The decoder layers of the stage at pp_rank (its V chunks, round robin or DualPipeV's V).
 inline int stage_layers(const RunConfig& rc, const Plan& p, int pp_rank) {
-  return pp::rank_layers(stage_split(rc, p), p.mesh.pp, pp_rank);
+  return pp::rank_layers(stage_split(rc, p), p.mesh.pp, pp_rank, p.schedule);
+}
+// Whether the rank at pp_rank holds the last virtual stage (the final norm, the head and the loss):
+// the last rank under round robin, rank 0 under DualPipeV, whose V turns back to it.
+inline bool holds_head(const Plan& p, int pp_rank) {
+  const int last = p.mesh.pp * p.virtual_stages - 1;
+  return pp::virtual_stage(p.schedule, p.mesh.pp, pp_rank, p.virtual_stages - 1) == last;
 }
 // The pipeline stage with the most layers (the first of them; 0 without a pipeline).
 inline int busiest_stage(const RunConfig& rc, const Plan& p) {
   const std::vector<int> split = stage_split(rc, p);
   int busy = 0;
   for (int s = 1; s < p.mesh.pp; s++)
-    if (pp::rank_layers(split, p.mesh.pp, s) > pp::rank_layers(split, p.mesh.pp, busy)) busy = s;
+    if (pp::rank_layers(split, p.mesh.pp, s, p.schedule) > pp::rank_layers(split, p.mesh.pp, busy, p.schedule)) busy = s;
   return busy;
 }
 
@@ -141,14 +147,19 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
       config_error("--zero 3 with --pp %d is not composed: ZeRO-3 gathers each unit in one micro-batch's forward-then-"
                    "backward order, and a pipeline interleaves micro-batches, so every F and B would gather its "
                    "stage's weights again (2·m gathers a step); use --zero 1 or 2", p.mesh.pp);
-    if (p.zero == 2 && p.schedule == pp::Schedule::ZBH1)
-      config_error("--zero 2 with --schedule zb-h1 is not composed: ZeRO-2 holds one unit's gradient buffer at a time, "
-                   "and ZB-H1 writes a unit's gradients in its B and again in its later W, after other units' B");
-    if (p.schedule == pp::Schedule::ZBH1 && p.mesh.tp > 1)
-      config_error("--schedule zb-h1 with --tp %d is not composed: its deferred-gradient memory is derived for tp 1",
+    // ZB-H1 and DualPipeV split each backward into B and W: the same two refusals.
+    const char* split = pp::schedule_name(p.schedule);
+    if (p.zero == 2 && pp::splits_backward(p.schedule))
+      config_error("--zero 2 with --schedule %s is not composed: ZeRO-2 holds one unit's gradient buffer at a time, "
+                   "and %s writes a unit's gradients in its B and again in its later W, after other units' B", split,
+                   p.schedule == pp::Schedule::ZBH1 ? "ZB-H1" : "DualPipeV");
+    if (pp::splits_backward(p.schedule) && p.mesh.tp > 1)
+      config_error("--schedule %s with --tp %d is not composed: its deferred-gradient memory is derived for tp 1", split,
                    p.mesh.tp);
   }
   if (p.mesh.pp == 1 && !p.stage_layers.empty()) config_error("--stage-layers needs --pp > 1");
+  if (p.mesh.pp == 1 && p.schedule == pp::Schedule::DualPipeV)
+    config_error("--schedule dualpipev needs --pp > 1: its V folds 2·pp stages onto the pp ranks");
   if (p.dp_mode != "naive" && p.dp_mode != "bucketed")
     config_error("--dp-mode must be naive or bucketed (got '%s')", p.dp_mode.c_str());
   if (p.zero > 0 && p.dp_mode != "bucketed") config_error("--dp-mode applies to plain data parallelism (--zero 0) only");
@@ -157,7 +168,8 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
 // This rank's shard: its tp blocks of its pipeline stage's units, and of the experts its ep rank's.
 inline ShardSpec shard_spec(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank, int ep_rank) {
   ShardSpec s = tp::shard_spec(p.mesh.tp, tp_rank);
-  if (p.mesh.pp > 1) s.unit_runs = pp::shard_spec(stage_split(rc, p), p.mesh.pp, p.virtual_stages, pp_rank).unit_runs;
+  if (p.mesh.pp > 1)
+    s.unit_runs = pp::shard_spec(stage_split(rc, p), p.mesh.pp, p.virtual_stages, pp_rank, p.schedule).unit_runs;
   const ShardSpec e = ep::shard_spec(p.mesh.ep, ep_rank);
   s.ep = e.ep;
   s.ep_rank = e.ep_rank;
@@ -242,7 +254,7 @@ inline std::map<std::string, double> tp_bytes(const RunConfig& rc, const Plan& p
   const double mbs = micro_batches_per_rank(rc, p), norm_reductions = p.zero >= 2 ? mbs : 1;
   const std::pair<tp::Piece, double> pieces[] = {{tp::Piece::Layer, stage_layers(rc, p, pp_rank)},
                                                  {tp::Piece::Embedding, pp_rank == 0 ? 1 : 0},
-                                                 {tp::Piece::Head, pp_rank == p.mesh.pp - 1 ? 1 : 0}};
+                                                 {tp::Piece::Head, holds_head(p, pp_rank) ? 1 : 0}};
   std::map<std::string, double> c;
   for (const auto& [piece, n] : pieces) {
     for (const auto& [op, b] : tp::micro_batch_bytes(l, p.mesh.tp, p.sp, piece)) c[op] += mbs * n * b;
@@ -257,10 +269,12 @@ inline std::map<std::string, double> tp_bytes(const RunConfig& rc, const Plan& p
 // the dense Ψ only, ep_dp this rank's experts, and ep's all-to-alls are predicted for balanced
 // routing (a run reports them from its own routing counts instead).
 // A pipeline stage's share: its layers, the embedding on the first, the head on the last.
-// `table`: the rank's local_table where the caller holds it (nullptr: built here).
+// `table`: the rank's local_table where the caller holds it (nullptr: built here); `pl`: likewise
+// its pipeline_plan, which DualPipeV's sends are counted off.
 inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p,
                                                                          int pp_rank = 0,
-                                                                         const ParamTable* table = nullptr) {
+                                                                         const ParamTable* table = nullptr,
+                                                                         const pp::Plan* pl = nullptr) {
   const double mbs = micro_batches_per_rank(rc, p);
   const int P = p.mesh.pp, layers = stage_layers(rc, p, pp_rank);
   std::map<std::string, std::map<std::string, double>> c;
@@ -270,7 +284,12 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
     stage.model.layers = layers;
     c["cp"] = cp::predict_comm(stage, p.mesh.cp, p.cp);
   }
-  if (P > 1) {  // m micro-batches of this dp rank through V chunks (pipeline_plan's m and V)
+  if (P > 1 && p.schedule == pp::Schedule::DualPipeV) {  // the V: the ranks at its ends send half (05)
+    const pp::Plan built_pl = pl ? pp::Plan{} : pipeline_plan(rc, p);
+    c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl ? *pl : built_pl, pp_rank,
+                                               token_share(p))},
+               {"recv", 0.0}};
+  } else if (P > 1) {  // m micro-batches of this dp rank through V chunks (pipeline_plan's m and V)
     const int m = rc.batch / p.mesh.dp / rc.micro_batch;
     c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, P, m, p.virtual_stages, pp_rank,
                                                token_share(p))},
@@ -533,7 +552,7 @@ static const char* kDoc =
     "08_5d_mesh: data, pipeline, context, tensor (+ sequence) and expert parallelism and ZeRO on one mesh, composed\n"
     "from 02–07.\n"
     "usage: mpirun -np N 08_5d_mesh --dp D --pp P --cp C --tp T [--ep E --experts X] [--zero 0|1|2|3] [--sequence-parallel]\n"
-    "       [--schedule 1f1b|afab|interleaved|zb-h1] [--cp-mode ring|ulysses] [flags]  (N = D·P·C·T)\n"
+    "       [--schedule 1f1b|afab|interleaved|zb-h1|dualpipev] [--cp-mode ring|ulysses] [flags]  (N = D·P·C·T)\n"
     "       08_5d_mesh --plan --preset 8b --gpus 64 [--gpu h100] (runs nothing)";
 
 // What main's flags set beyond the run's: the mesh's options, and what --plan was asked.
@@ -565,6 +584,13 @@ static void declare_planner_flags(Args& a, Options& o) {
   o.job.usd_per_gpu_hour = a.get_double("--usd-per-gpu-hour", 2.0, "--plan: price of one GPU-hour, for the cost to train");
 }
 
+// DualPipeV's V is two stages per rank, stage s and stage 2·pp − 1 − s: --virtual-stages unset means
+// 2, and any other value is refused (here, so that --plan refuses it too).
+static void read_dualpipev_stages(Args& a, mesh5d::Plan& plan) {
+  if (!a.has("--virtual-stages")) plan.virtual_stages = 2;
+  pp::validate_dualpipev_chunks(plan.virtual_stages);
+}
+
 // The mesh and each technique's options, checked as 02–07 check them.
 static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
   mesh5d::Plan& plan = o.plan;
@@ -586,11 +612,13 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
   if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());
   if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
   plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
-  const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1");
-  plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank");
+  const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1 | dualpipev");
+  plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank (dualpipev: 2)");
   plan.stage_layers = a.get_str("--stage-layers", "", "pp > 1: layers per virtual stage a,b,… (default: even, or the ends lighter)");
-  if (!pp::parse_schedule(sched, plan.schedule))
-    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved or zb-h1)", sched.c_str());
+  // shard_spec places each rank's stages by the schedule (05's virtual_stage), so 08 runs DualPipeV's V.
+  if (!pp::parse_schedule(sched, plan.schedule, /*v_shape=*/true))
+    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved, zb-h1 or dualpipev)", sched.c_str());
+  if (plan.schedule == pp::Schedule::DualPipeV) read_dualpipev_stages(a, plan);
   const std::string d = a.get_str("--dispatch", "flat", "--plan: price the ep all-to-all as flat, or as 07's two-level "
                                   "dispatch across the nodes an ep group spans (DeepSeek-V3 §3.2.2)");
   if (d != "flat" && d != "two-level") config_error("--dispatch must be flat or two-level (got '%s')", d.c_str());
@@ -626,7 +654,8 @@ static void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
   f.zero = a.has("--zero") ? o.plan.zero : -1;
   f.micro_batch = given("--micro-batch", rc.micro_batch);
   f.virtual_stages = given("--virtual-stages", o.plan.virtual_stages);
-  if (a.has("--schedule") && o.plan.schedule != pp::Schedule::Interleaved && !f.virtual_stages) f.virtual_stages = 1;
+  if (a.has("--schedule") && o.plan.schedule != pp::Schedule::Interleaved && !f.virtual_stages)
+    f.virtual_stages = o.plan.virtual_stages;  // 1, or DualPipeV's 2
   f.recompute = a.has("--recompute") ? int(rc.recompute) : -1;
 }
 

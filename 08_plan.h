@@ -58,8 +58,9 @@ struct Shared {
     double bubble, busiest_share;
   };
   std::map<std::array<int, 4>, Pipeline> pipelines;  // by pp, m, V, schedule
-  std::map<std::array<int, 6>, ParamTable> tables;   // by ZeRO's alignment, tp, pp, V, pp rank, ep
-  std::map<std::array<int, 8>, MemoryPrediction> states;  // by the table's key, ZeRO stage, prefetch
+  // The schedule places a rank's stages (round robin, or DualPipeV's V): part of a table's key.
+  std::map<std::array<int, 7>, ParamTable> tables;   // by ZeRO's alignment, tp, pp, V, schedule, pp rank, ep
+  std::map<std::array<int, 9>, MemoryPrediction> states;  // by the table's key, ZeRO stage, prefetch
 
   // The schedule of plan `p` at rc's micro-batch (pp > 1): mesh5d::pipeline_plan's.
   const Pipeline& pipeline(const RunConfig& rc, const Plan& p) {
@@ -74,16 +75,16 @@ struct Shared {
   }
   // The table of the rank at tp rank 0, ep rank 0 and pipeline stage pp_rank: mesh5d::local_table's.
   const ParamTable& table(const RunConfig& rc, const Plan& p, int pp_rank) {
-    const std::array<int, 6> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages, pp_rank,
-                                 p.mesh.ep};
+    const std::array<int, 7> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
+                                 int(p.schedule), pp_rank, p.mesh.ep};
     auto it = tables.find(key);
     if (it == tables.end()) it = tables.emplace(key, local_table(rc, p, 0, pp_rank)).first;
     return it->second;
   }
   // What that rank holds besides activations: mesh5d::predict_states of its table.
   const MemoryPrediction& rank_states(const RunConfig& rc, const Plan& p, int pp_rank) {
-    const std::array<int, 8> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages, pp_rank,
-                                 p.mesh.ep, p.zero, p.prefetch};
+    const std::array<int, 9> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
+                                 int(p.schedule), pp_rank, p.mesh.ep, p.zero, p.prefetch};
     auto it = states.find(key);
     if (it == states.end()) it = states.emplace(key, predict_states(rc, p, table(rc, p, pp_rank))).first;
     return it->second;
@@ -135,8 +136,9 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   const double layers = stage_layers(rc, p, busy);
   const ParamTable& t0 = shared.table(rc, p, 0);
   const int units = t0.num_units();
-  const auto comm = predict_comm(rc, p, busy, &shared.table(rc, p, busy));
-  const auto comm0 = busy == 0 ? comm : predict_comm(rc, p, 0, &t0);
+  const pp::Plan* pl = p.mesh.pp > 1 ? &shared.pipeline(rc, p).plan : nullptr;  // DualPipeV's sends are counted off it
+  const auto comm = predict_comm(rc, p, busy, &shared.table(rc, p, busy), pl);
+  const auto comm0 = busy == 0 ? comm : predict_comm(rc, p, 0, &t0, pl);
   auto ops = [&](const std::string& group) {
     const auto& c = group == dense_group_name(p) || group == "ep_dp" ? comm0 : comm;
     const auto it = c.find(group);
@@ -249,13 +251,14 @@ struct Fixed {
 };
 
 // The plan of one mesh with the given options: sequence parallel with tp (not with experts),
-// interleaved when V > 1, else the schedule given (1F1B by default).
+// interleaved when V > 1, else the schedule given (1F1B by default); DualPipeV as given (V = 2).
 inline Plan make_plan(const Plan& base, const MeshConfig& mesh, int zero, int V, const ModelConfig& m) {
   Plan p = base;
   p.mesh = mesh;
   p.zero = zero;
   p.sp = mesh.tp > 1 && m.experts == 0;
   p.virtual_stages = V;
+  if (p.schedule == pp::Schedule::DualPipeV) return p;
   if (V > 1) p.schedule = pp::Schedule::Interleaved;
   else if (p.schedule == pp::Schedule::Interleaved) p.schedule = pp::Schedule::OneFOneB;
   return p;
@@ -264,7 +267,10 @@ inline Plan make_plan(const Plan& base, const MeshConfig& mesh, int zero, int V,
 inline bool composes(const Plan& p, const ModelConfig& m) {
   const std::string& split = p.stage_layers;
   if (!split.empty() && int(std::count(split.begin(), split.end(), ',')) + 1 != p.mesh.pp * p.virtual_stages) return false;
-  if (p.mesh.pp > 1 && p.schedule == pp::Schedule::ZBH1 && (p.zero >= 2 || p.mesh.tp > 1)) return false;
+  if (p.mesh.pp > 1 && pp::splits_backward(p.schedule) && (p.zero >= 2 || p.mesh.tp > 1)) return false;
+  // DualPipeV: pp > 1, its two chunks per rank, 2·pp equal stages (pp::validate_dualpipev).
+  if (p.schedule == pp::Schedule::DualPipeV && (p.mesh.pp == 1 || p.virtual_stages != 2 || m.layers % (2 * p.mesh.pp)))
+    return false;
   return m.layers >= p.mesh.pp * p.virtual_stages;
 }
 
@@ -294,7 +300,10 @@ inline std::vector<Candidate> candidates(const RunConfig& rc, const Cluster& cl,
             if (f.zero >= 0 && zero != f.zero) continue;
             for (int mb : Fixed::values(f.micro_batch, rc.batch / dp)) {
               if ((rc.batch / dp) % mb) continue;
-              if (V > 1 && (rc.batch / dp / mb) % pp) continue;  // interleaved needs m a multiple of pp
+              const int micro_batches = rc.batch / dp / mb;
+              if (f.base.schedule == pp::Schedule::DualPipeV ? micro_batches < 2 * pp  // DualPipeV needs m >= 2·pp
+                                                             : V > 1 && micro_batches % pp)
+                continue;  // interleaved needs m a multiple of pp
               for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
                 if (f.recompute >= 0 && int(r) != f.recompute) continue;
                 for (int ep : Fixed::values(f.ep, m.experts > 0 ? dp * cpn : 1)) {
@@ -316,7 +325,8 @@ inline std::vector<Candidate> candidates(const RunConfig& rc, const Cluster& cl,
 inline std::string describe(const Candidate& c) {
   const MeshConfig& m = c.plan.mesh;
   std::string s = "dp " + std::to_string(m.dp);
-  if (m.pp > 1) s += " pp " + std::to_string(m.pp) + (c.plan.virtual_stages > 1 ? "×" + std::to_string(c.plan.virtual_stages) : "");
+  if (m.pp > 1 && c.plan.schedule == pp::Schedule::DualPipeV) s += " pp " + std::to_string(m.pp) + " dualpipev";
+  else if (m.pp > 1) s += " pp " + std::to_string(m.pp) + (c.plan.virtual_stages > 1 ? "×" + std::to_string(c.plan.virtual_stages) : "");
   if (m.cp > 1) s += " cp " + std::to_string(m.cp);
   s += " tp " + std::to_string(m.tp) + (c.plan.sp ? "+sp" : "");
   if (m.ep > 1) s += " ep " + std::to_string(m.ep);
@@ -373,6 +383,7 @@ inline Json candidate_json(const Candidate& c) {
   j["cp"] = c.plan.mesh.cp;
   j["pp"] = c.plan.mesh.pp;
   j["ep"] = c.plan.mesh.ep;
+  if (c.plan.mesh.pp > 1) j["schedule"] = pp::schedule_name(c.plan.schedule);
   j["virtual_stages"] = c.plan.virtual_stages;
   j["bubble"] = c.bubble;
   j["zero"] = c.plan.zero;

@@ -65,6 +65,14 @@ const Case kPipeCases[] = {
     {2, 1, "--pp 2 --schedule zb-h1 --bucket-mb 0.01", 1, 1, 2},                      // 02's buckets under B/W split
     {2, 1, "--pp 2 --schedule zb-h1 --zero 1", 1, 1, 2},                              // ZeRO-1 under B/W split
 };
+// DualPipeV: 05's V, rank s holding stages s and 2·pp − 1 − s (rank 0 the embedding and the head);
+// the 4 layers are its 2·pp = 4 stages at pp 2, and m >= 2·pp = 4 micro-batches per dp rank.
+const Case kDualPipeCases[] = {
+    {1, 1, "--pp 2 --schedule dualpipev", 1, 1, 2},                   // the V alone, m = 8
+    {2, 1, "--pp 2 --schedule dualpipev --bucket-mb 0.01", 1, 1, 2},  // dp 2: 02's buckets under the V
+    {2, 1, "--pp 2 --schedule dualpipev --zero 1", 1, 1, 2},          // dp 2: ZeRO-1 per unit
+    {1, 1, "--pp 2 --cp 2 --schedule dualpipev", 1, 2, 2},            // cp 2 (ring, zigzag) × the V
+};
 // Uneven stages: 5 layers, 3 and 2 by default, 1 and 4 as given, 1, 2, 1, 1 interleaved.
 const std::string kPipe5 = "--layers 5 ";
 const Case kUnevenCases[] = {
@@ -114,6 +122,21 @@ TEST_CASE("uneven stages and ZeRO under them reproduce 01; memory and bytes as p
   const Run& ref = single(kPipe5 + steps(8, 8));
   for (const Case& c : kUnevenCases) {
     check_pipe_case(c, kPipe5, ref);
+  }
+}
+
+// Each rank's two stages in the V: pp rank 0's memory holds the embedding and the head, its sends
+// are 05's count for the V's ends (2m tensors: nothing leaves its last stage or enters its first).
+TEST_CASE("with DualPipeV: pp 2, dp 2 × pp 2 (buckets, ZeRO-1) and cp 2 × pp 2 reproduce 01; memory and bytes as predicted",
+          "[08][e2e][equiv][pp][dualpipev]") {
+  const Run& ref = single(kPipe + steps(8, 8));
+  for (const Case& c : kDualPipeCases) {
+    const Run& r = check_pipe_case(c, kPipe, ref);
+    CHECK(r.output.find("pipeline: dualpipev, 2 virtual stage(s) per rank of 1,1,1,1 layers") != std::string::npos);
+    const ts::Json& pp = r.log.summary.at("comm").at("pp").at("send");
+    CHECK(pp.at("bytes").as_double() == Approx(pp.at("predicted").as_double()).epsilon(1e-12));
+    const double m = 8.0 / c.dp, tensor = 32.0 / c.cp * 64 * 4;  // [b·s/cp, h] fp32 of micro-batch 1
+    CHECK(pp.at("bytes").as_double() == 2 * m * tensor);
   }
 }
 
@@ -288,6 +311,21 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {4, "--dp 2 --tp 2 --zero 4", "--zero must be 0 (plain DP), 1, 2 or 3"},
       {4, "--dp 4 --batch 6", "--batch 6 is not divisible by --dp 4"},
       {4, "--dp 2 --tp 2 --zero 1 --dp-mode naive", "--dp-mode applies to plain data parallelism"},
+  });
+}
+
+// DualPipeV's V is two stages per rank; what does not compose with its B/W split is refused as under ZB-H1.
+TEST_CASE("bad input with DualPipeV: a one-line message, a non-zero exit on every rank, no hang", "[08][errors][dualpipev]") {
+  tst::check_errors("08_5d_mesh", kTiny + "--steps 2 --batch 8 --schedule dualpipev ", {
+      {4, "--dp 2 --pp 2 --layers 4 --virtual-stages 3",
+       "--schedule dualpipev places two stages on each rank (stage s and stage 2·pp − 1 − s), not --virtual-stages 3"},
+      {4, "--dp 2 --pp 2 --layers 4 --virtual-stages 1", "not --virtual-stages 1"},
+      {4, "--dp 4 --layers 4", "--schedule dualpipev needs --pp > 1"},
+      {4, "--dp 2 --pp 2 --layers 6 --micro-batch 1", "--schedule dualpipev needs --layers 6 divisible by 2 × --pp 2 = 4 stages"},
+      {4, "--dp 2 --pp 2 --layers 4 --micro-batch 2", "needs at least 2 × --pp 2 = 4 micro-batches per step (got 2"},
+      {4, "--dp 2 --pp 2 --layers 4 --micro-batch 1 --zero 2", "--zero 2 with --schedule dualpipev is not composed"},
+      {8, "--dp 2 --pp 2 --tp 2 --layers 4 --micro-batch 1", "--schedule dualpipev with --tp 2 is not composed"},
+      {1, "--plan --gpus 16 --pp 4 --virtual-stages 4", "not --virtual-stages 4"},
   });
 }
 

@@ -241,6 +241,76 @@ TEST_CASE("a candidate's memory is predict_memory's, the fuller pipeline stage's
   CHECK(c.mem_total == fullest);
 }
 
+// DualPipeV on the mesh: each rank's two stages placed by 05's V (rank s: stages s and 2p − 1 − s,
+// so rank 0 holds the embedding and the head), the bubble 05's simulator's for that (p, m), the
+// memory the fullest stage's predict_memory over the V's timeline, the sends 05's count.
+TEST_CASE("a dualpipev plan: 05's placement, its simulated bubble, its stages' memory", "[plan][dualpipev]") {
+  RunConfig rc;
+  REQUIRE(apply_preset("8b", rc.model));
+  rc.dtype = DType::BF16;
+  rc.batch = 64;
+  const Cluster cl{find_gpu("h100"), 80, 16, 8};
+  Plan v;
+  v.mesh = {4, 4, 1, 1, 1};  // dp 4 × pp 4: m = 64 / 4 = 16 micro-batches of 1
+  v.schedule = pp::Schedule::DualPipeV;
+  v.virtual_stages = 2;
+  REQUIRE(composes(v, rc.model));
+  const int L = rc.model.layers;  // 32: 8 stages of 4 layers
+  CHECK(shard_spec(rc, v, 0, 0, 0).unit_runs == std::vector<std::pair<int, int>>{{0, 5}, {29, L + 2}});
+  CHECK(shard_spec(rc, v, 0, 3, 0).unit_runs == std::vector<std::pair<int, int>>{{13, 17}, {17, 21}});
+  CHECK(holds_head(v, 0));
+  CHECK(!holds_head(v, 3));
+  CHECK(stage_layers(rc, v, 1) == 8);
+
+  const Candidate c = evaluate(rc, cl, v, 1, Recompute::Selective);
+  const pp::Plan sim = pp::build_plan(4, 16, 2, pp::Schedule::DualPipeV);
+  REQUIRE(sim.complete);
+  CHECK(c.bubble == sim.bubble());
+  CHECK(c.bubble == Approx(3.0 / (6 * 16)));  // (p − 1)/(6m), 05's formula
+  CHECK(c.t_bubble == Approx(sim.bubble() * (c.t_compute + c.t_tp)));
+
+  RunConfig run = rc;
+  run.micro_batch = 1;
+  run.recompute = Recompute::Selective;
+  double fullest = 0;
+  for (int s = 0; s < 4; s++) {
+    const MemoryPrediction m = predict_memory(run, v, s);
+    fullest = std::max(fullest, m.params + m.grads + m.optimizer + m.activations);
+    const pp::Plan pl = pipeline_plan(run, v);
+    CHECK(m.activations == pp::predict_stage_activations(pl, s, run.model, 1, run.dtype, run.recompute));
+  }
+  CHECK(c.mem_total == fullest);
+  // Interleaved at V = 2 places stages 0 and 4 on rank 0: the same layers, but not the head.
+  Plan il = v;
+  il.schedule = pp::Schedule::Interleaved;
+  CHECK(predict_memory(run, v, 0).params > predict_memory(run, il, 0).params);
+  // The V's ends send 2m tensors, the middle ranks 4m (05's count off the lists).
+  const double tensor = 4096.0 * rc.model.dim * 2;
+  CHECK(predict_comm(run, v, 0).at("pp").at("send") == 2 * 16 * tensor);
+  CHECK(predict_comm(run, v, 1).at("pp").at("send") == 4 * 16 * tensor);
+  CHECK(predict_comm(run, v, 3).at("pp").at("send") == 2 * 16 * tensor);
+}
+
+// `--plan --schedule dualpipev` searches the V (two chunks per rank, m >= 2·pp, tp 1) and prices it.
+TEST_CASE("--plan --schedule dualpipev searches only DualPipeV meshes that compose", "[plan][e2e][dualpipev]") {
+  const std::string log = tst::scratch("plan_dualpipev.jsonl");
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 16 --schedule dualpipev --plan-exhaustive "
+                                     "--log-json " + log, 1, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(r.output.find("best: dp ") != std::string::npos);
+  const auto plan = tst::read_log(log);
+  const Json& cands = plan.summary.at("candidates");
+  REQUIRE(cands.size() > 10);
+  for (const Json& c : cands.as_array()) {
+    CHECK(c.at("pp").as_int() > 1);
+    CHECK(c.at("schedule").as_string() == "dualpipev");
+    CHECK(c.at("virtual_stages").as_int() == 2);
+    CHECK(c.at("tp").as_int() == 1);
+    CHECK(c.at("zero").as_int() < 2);
+  }
+}
+
 // --gpu local: this machine as make bench measured it. Its rate is a whole step's, so a dp 1 mesh's
 // compute is F × tokens / rate, and its collectives run at the measured bus bandwidths.
 TEST_CASE("--gpu local reads the calibration make bench writes, and prices with it", "[plan]") {
