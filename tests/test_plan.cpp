@@ -30,6 +30,41 @@ double number_after(const std::string& s, const std::string& key) {
   return at == std::string::npos ? 0 : std::atof(s.c_str() + at + key.size());
 }
 
+// 8B in bf16 at `batch` sequences a step (mixed precision, as --plan assumes).
+RunConfig bf16_8b(int batch) {
+  RunConfig rc;
+  REQUIRE(apply_preset("8b", rc.model));
+  rc.dtype = DType::BF16;
+  rc.batch = batch;
+  return rc;
+}
+
+// The fullest pipeline stage's memory as mesh5d::predict_memory predicts it (what each run of the
+// mesh checks against its allocator), at micro-batch 1 with selective recomputation.
+double fullest_stage(const RunConfig& rc, const Plan& p) {
+  RunConfig run = rc;
+  run.micro_batch = 1;
+  run.recompute = Recompute::Selective;
+  double fullest = 0;
+  for (int s = 0; s < p.mesh.pp; s++) {
+    const MemoryPrediction m = predict_memory(run, p, s);
+    fullest = std::max(fullest, m.params + m.grads + m.optimizer + m.activations);
+  }
+  return fullest;
+}
+
+// `08_5d_mesh --plan ARGS --plan-exhaustive`: what it printed, and its log (every candidate, ranked).
+struct PlanRun {
+  tst::Result result;
+  tst::Log log;
+};
+PlanRun exhaustive_plan(const std::string& log_name, const std::string& args) {
+  const std::string log = tst::scratch(log_name);
+  PlanRun p{tst::run_bin("08_5d_mesh", "--plan " + args + " --plan-exhaustive --log-json " + log, 1, 120), {}};
+  if (p.result.status == 0) p.log = tst::read_log(log);
+  return p;
+}
+
 // A calibration as make bench writes it: 20 GFLOP/s, bus bandwidths 0.5 / 0.4 / 0.25 GB/s
 // (all-reduce, all-gather, reduce-scatter), 10 µs a call: round numbers to check terms by hand.
 void write_calibration(const std::string& path) {
@@ -220,35 +255,21 @@ TEST_CASE("--plan warns when the batch cannot feed data parallelism and when the
 // The planner's memory is the run's own: a mesh evaluated here equals mesh5d::predict_memory, the
 // prediction each run of 08 checks against its allocator (tests/test_5d.cpp compares those runs).
 TEST_CASE("a candidate's memory is predict_memory's, the fuller pipeline stage's", "[plan]") {
-  RunConfig rc;
-  REQUIRE(apply_preset("8b", rc.model));
-  rc.dtype = DType::BF16;
-  rc.batch = 64;
+  const RunConfig rc = bf16_8b(64);
   Cluster cl{find_gpu("h100"), 80, 16, 8};
   Plan p;
   p.mesh = {2, 4, 1, 2, 1};
   p.zero = 1;
   p.sp = true;
   const Candidate c = evaluate(rc, cl, p, 1, Recompute::Selective);
-  RunConfig run = rc;
-  run.micro_batch = 1;
-  run.recompute = Recompute::Selective;
-  double fullest = 0;
-  for (int s = 0; s < 4; s++) {
-    const MemoryPrediction m = predict_memory(run, p, s);
-    fullest = std::max(fullest, m.params + m.grads + m.optimizer + m.activations);
-  }
-  CHECK(c.mem_total == fullest);
+  CHECK(c.mem_total == fullest_stage(rc, p));
 }
 
 // DualPipeV on the mesh: each rank's two stages placed by 05's V (rank s: stages s and 2p − 1 − s,
 // so rank 0 holds the embedding and the head), the bubble 05's simulator's for that (p, m), the
 // memory the fullest stage's predict_memory over the V's timeline, the sends 05's count.
 TEST_CASE("a dualpipev plan: 05's placement, its simulated bubble, its stages' memory", "[plan][dualpipev]") {
-  RunConfig rc;
-  REQUIRE(apply_preset("8b", rc.model));
-  rc.dtype = DType::BF16;
-  rc.batch = 64;
+  const RunConfig rc = bf16_8b(64);
   const Cluster cl{find_gpu("h100"), 80, 16, 8};
   Plan v;
   v.mesh = {4, 4, 1, 1, 1};  // dp 4 × pp 4: m = 64 / 4 = 16 micro-batches of 1
@@ -269,17 +290,14 @@ TEST_CASE("a dualpipev plan: 05's placement, its simulated bubble, its stages' m
   CHECK(c.bubble == Approx(3.0 / (6 * 16)));  // (p − 1)/(6m), 05's formula
   CHECK(c.t_bubble == Approx(sim.bubble() * (c.t_compute + c.t_tp)));
 
+  CHECK(c.mem_total == fullest_stage(rc, v));
   RunConfig run = rc;
   run.micro_batch = 1;
   run.recompute = Recompute::Selective;
-  double fullest = 0;
-  for (int s = 0; s < 4; s++) {
-    const MemoryPrediction m = predict_memory(run, v, s);
-    fullest = std::max(fullest, m.params + m.grads + m.optimizer + m.activations);
-    const pp::Plan pl = pipeline_plan(run, v);
-    CHECK(m.activations == pp::predict_stage_activations(pl, s, run.model, 1, run.dtype, run.recompute));
-  }
-  CHECK(c.mem_total == fullest);
+  const pp::Plan pl = pipeline_plan(run, v);  // each stage's activations: 05's, over the V's timeline
+  for (int s = 0; s < 4; s++)
+    CHECK(predict_memory(run, v, s).activations ==
+          pp::predict_stage_activations(pl, s, run.model, 1, run.dtype, run.recompute));
   // Interleaved at V = 2 places stages 0 and 4 on rank 0: the same layers, but not the head.
   Plan il = v;
   il.schedule = pp::Schedule::Interleaved;
@@ -293,14 +311,11 @@ TEST_CASE("a dualpipev plan: 05's placement, its simulated bubble, its stages' m
 
 // `--plan --schedule dualpipev` searches the V (two chunks per rank, m >= 2·pp, tp 1) and prices it.
 TEST_CASE("--plan --schedule dualpipev searches only DualPipeV meshes that compose", "[plan][e2e][dualpipev]") {
-  const std::string log = tst::scratch("plan_dualpipev.jsonl");
-  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 16 --schedule dualpipev --plan-exhaustive "
-                                     "--log-json " + log, 1, 120);
-  INFO(r.output);
-  REQUIRE(r.status == 0);
-  CHECK(r.output.find("best: dp ") != std::string::npos);
-  const auto plan = tst::read_log(log);
-  const Json& cands = plan.summary.at("candidates");
+  const PlanRun run = exhaustive_plan("plan_dualpipev.jsonl", "--preset 8b --gpus 16 --schedule dualpipev");
+  INFO(run.result.output);
+  REQUIRE(run.result.status == 0);
+  CHECK(run.result.output.find("best: dp ") != std::string::npos);
+  const Json& cands = run.log.summary.at("candidates");
   REQUIRE(cands.size() > 10);
   for (const Json& c : cands.as_array()) {
     CHECK(c.at("pp").as_int() > 1);
@@ -494,10 +509,7 @@ TEST_CASE("the pruned search ranks its first ten exactly as the exhaustive one",
 
 // What makes the pruning exact: no candidate's step is shorter than its floor, in floating point too.
 TEST_CASE("step_floor is below every candidate's step", "[plan]") {
-  RunConfig rc;
-  REQUIRE(apply_preset("8b", rc.model));
-  rc.dtype = DType::BF16;
-  rc.batch = 128;
+  const RunConfig rc = bf16_8b(128);
   const Cluster cl{find_gpu("h100"), 80, 64, 8};
   Search full(rc, cl, {}, true);
   Shared shared;
@@ -537,15 +549,14 @@ TEST_CASE("--plan prints what --plan-exhaustive prints", "[plan][e2e]") {
 // planner splits the layers 7, 8 × 14, 7, fills in micro-batch, virtual stages, ZeRO stage and
 // recomputation, and finds a plan that fits in 80 GB; every candidate it ranks has the mesh given.
 TEST_CASE("--plan fills in what a given mesh leaves open: 405b on 8,192 GPUs at tp 8 × pp 16", "[plan][e2e]") {
-  const std::string log = tst::scratch("plan_405b.jsonl");
-  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --preset 405b --gpus 8192 --global-batch-tokens 16777216 "
-                                     "--tp 8 --pp 16 --dp 64 --plan-exhaustive --log-json " + log, 1, 120);
+  const PlanRun run = exhaustive_plan("plan_405b.jsonl", "--preset 405b --gpus 8192 --global-batch-tokens 16777216 "
+                                      "--tp 8 --pp 16 --dp 64");
+  const tst::Result& r = run.result;
   INFO(r.output);
   REQUIRE(r.status == 0);
   CHECK(r.output.find("plan: 405b on 8192 × h100: dp 64 pp 16") != std::string::npos);
   CHECK(r.output.find("does not fit", r.output.find("plan: 405b on 8192 × h100: dp")) == std::string::npos);
-  const auto plan = tst::read_log(log);
-  const Json& cands = plan.summary.at("candidates");
+  const Json& cands = run.log.summary.at("candidates");
   REQUIRE(cands.size() > 10);
   std::set<std::string> searched;
   for (const Json& c : cands.as_array()) {
