@@ -112,6 +112,20 @@ inline void validate_bias_update(const RunConfig& rc, const Plan& p) {
                  p.zero == 3 ? "" : " and fp32 master weights");
 }
 
+// ZB-H1 and DualPipeV split each backward into B and W: what does not compose with that, refused
+// (also by --plan for the tp and ZeRO stage it is given, before it searches the rest).
+inline void validate_split_backward(const Plan& p) {
+  if (!pp::splits_backward(p.schedule)) return;
+  const char* split = pp::schedule_name(p.schedule);
+  if (p.zero == 2)
+    config_error("--zero 2 with --schedule %s is not composed: ZeRO-2 holds one unit's gradient buffer at a time, "
+                 "and %s writes a unit's gradients in its B and again in its later W, after other units' B", split,
+                 p.schedule == pp::Schedule::ZBH1 ? "ZB-H1" : "DualPipeV");
+  if (p.mesh.tp > 1)
+    config_error("--schedule %s with --tp %d is not composed: its deferred-gradient memory is derived for tp 1", split,
+                 p.mesh.tp);
+}
+
 // `training`: a run, not a --plan (which trains nothing, so prices DeepSeek-V3 with its bias moving
 // on any mesh: the update costs nothing the planner counts).
 inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
@@ -147,15 +161,7 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
       config_error("--zero 3 with --pp %d is not composed: ZeRO-3 gathers each unit in one micro-batch's forward-then-"
                    "backward order, and a pipeline interleaves micro-batches, so every F and B would gather its "
                    "stage's weights again (2·m gathers a step); use --zero 1 or 2", p.mesh.pp);
-    // ZB-H1 and DualPipeV split each backward into B and W: the same two refusals.
-    const char* split = pp::schedule_name(p.schedule);
-    if (p.zero == 2 && pp::splits_backward(p.schedule))
-      config_error("--zero 2 with --schedule %s is not composed: ZeRO-2 holds one unit's gradient buffer at a time, "
-                   "and %s writes a unit's gradients in its B and again in its later W, after other units' B", split,
-                   p.schedule == pp::Schedule::ZBH1 ? "ZB-H1" : "DualPipeV");
-    if (pp::splits_backward(p.schedule) && p.mesh.tp > 1)
-      config_error("--schedule %s with --tp %d is not composed: its deferred-gradient memory is derived for tp 1", split,
-                   p.mesh.tp);
+    validate_split_backward(p);
   }
   if (p.mesh.pp == 1 && !p.stage_layers.empty()) config_error("--stage-layers needs --pp > 1");
   if (p.mesh.pp == 1 && p.schedule == pp::Schedule::DualPipeV)
@@ -670,6 +676,8 @@ static int plan_only(RunLog& log, const RunConfig& rc, Options& o) {
       config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
                    plan.mesh.tp, o.cluster.gpus);
     mesh5d::validate(rc, plan, /*training=*/false);
+  } else if (f.pp > 1 || (!f.pp && plan.schedule == pp::Schedule::DualPipeV)) {  // a pipeline, whatever is searched
+    mesh5d::validate_split_backward(plan);  // the tp and ZeRO stage given (1 and 0 when open: searched)
   }
   o.fixed.base = plan;
   return mesh5d::plan_only(log, rc, o.cluster, o.fixed, o.job);

@@ -326,6 +326,7 @@ TEST_CASE("bad input with DualPipeV: a one-line message, a non-zero exit on ever
       {4, "--dp 2 --pp 2 --layers 4 --micro-batch 1 --zero 2", "--zero 2 with --schedule dualpipev is not composed"},
       {8, "--dp 2 --pp 2 --tp 2 --layers 4 --micro-batch 1", "--schedule dualpipev with --tp 2 is not composed"},
       {1, "--plan --gpus 16 --pp 4 --virtual-stages 4", "not --virtual-stages 4"},
+      {1, "--plan --gpus 16 --tp 2", "--schedule dualpipev with --tp 2 is not composed"},  // before the search
   });
 }
 
