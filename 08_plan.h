@@ -300,10 +300,9 @@ inline std::vector<Candidate> candidates(const RunConfig& rc, const Cluster& cl,
             if (f.zero >= 0 && zero != f.zero) continue;
             for (int mb : Fixed::values(f.micro_batch, rc.batch / dp)) {
               if ((rc.batch / dp) % mb) continue;
-              const int micro_batches = rc.batch / dp / mb;
-              if (f.base.schedule == pp::Schedule::DualPipeV ? micro_batches < 2 * pp  // DualPipeV needs m >= 2·pp
-                                                             : V > 1 && micro_batches % pp)
-                continue;  // interleaved needs m a multiple of pp
+              // m micro-batches: DualPipeV needs m >= 2·pp, interleaved a multiple of pp.
+              const int m_mb = rc.batch / dp / mb;
+              if (f.base.schedule == pp::Schedule::DualPipeV ? m_mb < 2 * pp : V > 1 && m_mb % pp) continue;
               for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
                 if (f.recompute >= 0 && int(r) != f.recompute) continue;
                 for (int ep : Fixed::values(f.ep, m.experts > 0 ? dp * cpn : 1)) {
