@@ -293,13 +293,6 @@ inline void plan_owner(TwoLevelPlan& p, const std::vector<int32_t>& counts_in, c
   p.remote_fan_in = off - p.fan_in[size_t(t.local[size_t(me)])];
 }
 
-// Downloads an int32 tensor (routing bookkeeping the host plans with).
-inline std::vector<int32_t> host_ints(const Tensor& t, Tag tag) {
-  Tensor h = Tensor::empty(t.shape, DType::I32, Device::CPU, tag);
-  copy(h, t);
-  return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
-}
-
 // What the two levels moved, summed over the layers' calls: rows crossing nodes (copies: one per
 // (token, node), out from this rank's tokens (counted from the router's choices) and in from other
 // nodes' (from the plan), per forward; every inter-node hop carries one row per copy), the
@@ -420,7 +413,7 @@ class ExpertParallelMoe : public MoeBlock {
     run_experts(m, l, topo_.slot(ep_.rank()) * per_, p.local_counts, xr, outr, a);
     Tensor kept = a.mlp_state[kNumSlots] = rows(m, p.fan_copy.size(), Tag::Activations);  // o_k[t], fan order
     exchange(*intra_, kept, p.fan_out, gathered(m, outr, p.ungrouped), p.fan_in, "combine");
-    sum_levels(m, p, y, kept, floats(p.copy_w, m.dev).reshape({sum(p.copies_in), m.cfg.top_k}), "combine");
+    sum_levels(m, p, y, kept, from_host_f32(p.copy_w, m.dev).reshape({sum(p.copies_in), m.cfg.top_k}), "combine");
   }
   // Backward: dL/dy_n[t] = dy[t] for each node n, so dy's row travels as the forward's copy did,
   // once per (token, node); the entry scales it per expert, dO_k = w[t,k]·dy[t] (01's moe_gather,
@@ -432,7 +425,7 @@ class ExpertParallelMoe : public MoeBlock {
     Tensor arrived = rows(m, size_t(sum(p.copies_in)), Tag::Workspace);
     exchange(*inter_, arrived, p.copies_in, gathered(m, dy, p.copy_token), p.copies_out, "dispatch backward");
     Tensor fan = rows(m, p.fan_copy.size(), Tag::Workspace);
-    moe_gather(fan, arrived, from_host_i32(p.fan_copy, m.dev), floats(p.fan_w, m.dev));
+    moe_gather(fan, arrived, from_host_i32(p.fan_copy, m.dev), from_host_f32(p.fan_w, m.dev));
     Tensor recv = rows(m, size_t(sum(p.fan_in)), Tag::Workspace);
     exchange(*intra_, recv, p.fan_in, fan, p.fan_out, "dispatch backward");
     Tensor dxr = rows(m, recv.size(0), Tag::Workspace);
@@ -473,10 +466,10 @@ class ExpertParallelMoe : public MoeBlock {
   // inside the node.
   void plan_levels(TwoLevelPlan& p, const Model& m, const std::vector<int64_t>& counts, const LayerActs& a) {
     const int K = m.cfg.top_k, me = ep_.rank();
-    const std::vector<int32_t> src = host_ints(a.mlp_state[kSrc], Tag::Workspace);
+    const std::vector<int32_t> src = to_host_i32(a.mlp_state[kSrc]);
     std::vector<int32_t> lists;
     std::vector<float> weights;
-    plan_sources(p, lists, weights, counts, host_ints(a.mlp_state[kPerm], Tag::Comm), src,
+    plan_sources(p, lists, weights, counts, to_host_i32(a.mlp_state[kPerm]), src,
                  to_host_f32(a.mlp_state[kWa]), topo_, K);
     const std::vector<int32_t> copies_in = ints_all_to_all(*inter_, std::vector<int32_t>(p.copies_out.begin(), p.copies_out.end()));
     p.copies_in.assign(copies_in.begin(), copies_in.end());
@@ -486,7 +479,7 @@ class ExpertParallelMoe : public MoeBlock {
       TraceScope t("ep_inter all_to_all_v (expert lists, gate weights)", Lane::Comm);
       inter_->all_to_all_v(lists_in, elems(p.copies_in, K), from_host_i32(lists, Device::CPU, Tag::Comm),
                            elems(p.copies_out, K));
-      inter_->all_to_all_v(weights_in, elems(p.copies_in, K), floats(weights, Device::CPU, Tag::Comm),
+      inter_->all_to_all_v(weights_in, elems(p.copies_in, K), from_host_f32(weights, Device::CPU, Tag::Comm),
                            elems(p.copies_out, K));
     }
     const std::vector<int32_t> fan_counts =
@@ -499,7 +492,7 @@ class ExpertParallelMoe : public MoeBlock {
   // From the router's choices, not the plan (the check on it): the copies (a token's other nodes)
   // and the pairs (its kept choices on other nodes) this rank's tokens send across nodes.
   void count_routed(TwoLevelPlan& p, const std::vector<int32_t>& src, const LayerActs& a, int E) {
-    const std::vector<int32_t> idx = host_ints(a.mlp_state[kIdx], Tag::Workspace);
+    const std::vector<int32_t> idx = to_host_i32(a.mlp_state[kIdx]);
     const size_t K = size_t(a.mlp_state[kIdx].size(1));
     const int mine = topo_.node[size_t(ep_.rank())], per_node = E / topo_.nodes;
     p.routed_copies = p.routed_pairs = 0;
@@ -558,11 +551,6 @@ class ExpertParallelMoe : public MoeBlock {
     TraceScope t(c.name() + " all_to_all_v (" + what + ")", Lane::Comm);
     const int64_t D = in.size(1);
     c.all_to_all_v(out, elems(out_rows, D), in, elems(in_rows, D));
-  }
-  static Tensor floats(const std::vector<float>& v, Device dev, Tag tag = Tag::Workspace) {
-    Tensor t = Tensor::empty({int64_t(v.size())}, DType::F32, dev, tag);
-    from_host_f32(t, v.data());
-    return t;
   }
   Tensor rows(const Model& m, size_t n, Tag tag) const {
     return Tensor::empty({int64_t(n), m.cfg.dim}, m.dtype, m.dev, tag);

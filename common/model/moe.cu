@@ -457,18 +457,6 @@ MoeBlock::MoeBlock(const Model& m) {
   stats.reset(m.cfg.layers, m.cfg.experts);
 }
 
-static Tensor device_f32(const std::vector<float>& v, Device dev, Tag tag) {
-  Tensor t = Tensor::empty({int64_t(v.size())}, DType::F32, dev, tag);
-  from_host_f32(t, v.data());
-  return t;
-}
-static std::vector<int32_t> host_i32(const Tensor& t) {
-  if (t.device() == Device::CPU) return std::vector<int32_t>(t.i32(), t.i32() + t.numel());
-  Tensor h = Tensor::empty(t.shape, DType::I32, Device::CPU, Tag::Workspace);
-  copy(h, t);
-  return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
-}
-
 // What the balance loss averages: the softmax probabilities, or DeepSeek-V3's s' = s / Σ_e s.
 static std::vector<float> balance_probs(std::vector<float> p, int E, bool sigmoid) {
   if (!sigmoid) return p;
@@ -509,7 +497,7 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   Tensor w = Tensor::empty({N, K}, DType::F32, m.dev, Tag::Workspace);
   route(m, l, logits, probs, idx, w);
   const std::vector<float> hp = balance_probs(to_host_f32(probs), E, c.sigmoid_router);
-  const RoutingPlan p = make_routing_plan(host_i32(idx), to_host_f32(w), B, S, E, K, expert_capacity(c, S));
+  const RoutingPlan p = make_routing_plan(to_host_i32(idx), to_host_f32(w), B, S, E, K, expert_capacity(c, S));
   const std::vector<float> aux = aux_per_sequence(hp, p, B, S, E, K);
   a.aux_loss = 0;
   for (float v : aux) a.aux_loss += double(c.aux_loss_coef) * v;
@@ -522,9 +510,9 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   s[kIdx] = idx;
   s[kSrc] = from_host_i32(p.src, m.dev, Tag::Activations).reshape({N, K});
   s[kPerm] = from_host_i32(p.perm, m.dev, Tag::Activations);
-  s[kWa] = device_f32(p.wa, m.dev, Tag::Activations);
+  s[kWa] = from_host_f32(p.wa, m.dev, Tag::Activations);
   s[kHostCounts] = from_host_i32(counts, Device::CPU, Tag::Workspace);
-  s[kHostAux] = device_f32(aux, Device::CPU, Tag::Workspace);
+  s[kHostAux] = from_host_f32(aux, Device::CPU, Tag::Workspace);
   Tensor x = Tensor::empty({M, D}, m.dtype, m.dev, keeps_input_ ? Tag::Activations : Tag::Workspace);
   moe_gather(x, h, s[kPerm], Tensor());
   routed_forward(m, l, y, x, w, p.kept, a);
@@ -676,7 +664,7 @@ void MoeBlock::backward(Model& m, int l, const Tensor& dh, const Tensor& dy, con
   for (size_t i = 0; i < daux.size(); i++)
     daux[i] = float(double(c.aux_loss_coef) * m.loss_scale * E * hc[i] / (double(S) * K));
   Tensor dlogits = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Workspace);
-  const Tensor da = device_f32(daux, m.dev, Tag::Workspace);
+  const Tensor da = from_host_f32(daux, m.dev, Tag::Workspace);
   if (c.sigmoid_router) moe_router_sigmoid_backward(dlogits, dw, s[kProbs], s[kIdx], da, S, c.routed_scaling);
   else moe_router_backward(dlogits, dw, s[kProbs], s[kIdx], da, S);
   Tensor dl = dlogits;

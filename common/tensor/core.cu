@@ -419,6 +419,20 @@ void from_host_f32(const Tensor& t, const float* src) {
   if (t.device() != Device::CPU) copy(t, h);
 }
 
+Tensor from_host_f32(const std::vector<float>& v, Device dev, Tag tag) {
+  Tensor t = Tensor::empty({int64_t(v.size())}, DType::F32, dev, tag);
+  from_host_f32(t, v.data());
+  return t;
+}
+
+std::vector<int32_t> to_host_i32(const Tensor& t) {
+  TS_CHECK(t.dtype == DType::I32, "to_host_i32 of a non-int32 tensor");
+  if (t.device() == Device::CPU) return std::vector<int32_t>(t.i32(), t.i32() + t.numel());
+  Tensor h = Tensor::empty(t.shape, DType::I32, Device::CPU, Tag::Workspace);
+  copy(h, t);
+  return std::vector<int32_t>(h.i32(), h.i32() + h.numel());
+}
+
 Tensor from_host_i32(const std::vector<int32_t>& v, Device dev, Tag tag) {
   Tensor t = Tensor::empty({int64_t(v.size())}, DType::I32, dev, tag);
   Tensor h = dev == Device::CPU ? t : Tensor::empty(t.shape, DType::I32, Device::CPU, Tag::Workspace);

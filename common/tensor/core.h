@@ -224,6 +224,10 @@ std::vector<float> to_host_f32(const Tensor& t);
 void from_host_f32(const Tensor& t, const float* src);  // converts to t's dtype
 // A new int32 tensor on `dev` holding v (token ids, index lists), counted as `tag`.
 Tensor from_host_i32(const std::vector<int32_t>& v, Device dev, Tag tag = Tag::Workspace);
+// A new fp32 tensor on `dev` holding v (weights, scales), counted as `tag`.
+Tensor from_host_f32(const std::vector<float>& v, Device dev, Tag tag = Tag::Workspace);
+// An int32 tensor's values on the host (routing bookkeeping the host plans with).
+std::vector<int32_t> to_host_i32(const Tensor& t);
 
 #ifdef TS_CUDA
 // The compute stream and cuBLAS handle every CUDA kernel uses.
