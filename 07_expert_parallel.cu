@@ -413,7 +413,8 @@ class ExpertParallelMoe : public MoeBlock {
     run_experts(m, l, topo_.slot(ep_.rank()) * per_, p.local_counts, xr, outr, a);
     Tensor kept = a.mlp_state[kNumSlots] = rows(m, p.fan_copy.size(), Tag::Activations);  // o_k[t], fan order
     exchange(*intra_, kept, p.fan_out, gathered(m, outr, p.ungrouped), p.fan_in, "combine");
-    sum_levels(m, p, y, kept, from_host_f32(p.copy_w, m.dev).reshape({sum(p.copies_in), m.cfg.top_k}), "combine");
+    sum_levels(m, p, y, kept, copy_slots(m, p), from_host_f32(p.copy_w, m.dev).reshape({sum(p.copies_in), m.cfg.top_k}),
+               "combine");
   }
   // Backward: dL/dy_n[t] = dy[t] for each node n, so dy's row travels as the forward's copy did,
   // once per (token, node); the entry scales it per expert, dO_k = w[t,k]·dy[t] (01's moe_gather,
@@ -432,19 +433,20 @@ class ExpertParallelMoe : public MoeBlock {
     run_experts_backward(m, l, topo_.slot(ep_.rank()) * per_, p.local_counts, a.mlp_state[kIn],
                          gathered(m, recv, p.grouped), dxr, a);
     exchange(*intra_, fan, p.fan_out, gathered(m, dxr, p.ungrouped), p.fan_in, "combine backward");
-    sum_levels(m, p, dh, fan, Tensor(), "combine backward");
-    gate_weight_grads(m, p, dw, arrived, a.mlp_state[kNumSlots]);
+    const Tensor slots = copy_slots(m, p);  // both sums below read it
+    sum_levels(m, p, dh, fan, slots, Tensor(), "combine backward");
+    gate_weight_grads(m, p, dw, arrived, a.mlp_state[kNumSlots], slots);
   }
   // The combine, per (token, node): the entry sums each copy's fanned rows (weighted by w: the
   // forward; unweighted: dh), y_n[t] = Σ_{k on n} w[t,k]·o_k[t] in 01's slot order, one row per copy
   // crosses back, and the token's rank sums its copies in node order: y[t] = Σ_n y_n[t]. fp32 sums
   // so grouped by node rather than 01's k = 0..K−1: a reordering of K terms, inside notes/00's
   // criterion (and the same bits at K = 2 where both experts share a node).
-  void sum_levels(const Model& m, const TwoLevelPlan& p, const Tensor& out, const Tensor& fanned, const Tensor& w,
-                  const char* what) {
+  void sum_levels(const Model& m, const TwoLevelPlan& p, const Tensor& out, const Tensor& fanned, const Tensor& slots,
+                  const Tensor& w, const char* what) {
     const int64_t C = sum(p.copies_in), K = m.cfg.top_k;
     Tensor partial = rows(m, size_t(C), Tag::Workspace), mine = rows(m, p.copy_rows.size(), Tag::Workspace);
-    moe_combine(partial, fanned, from_host_i32(p.copy_fan, m.dev).reshape({C, K}), w);
+    moe_combine(partial, fanned, slots, w);
     exchange(*inter_, mine, p.copies_out, partial, p.copies_in, what);
     moe_combine(out, mine, from_host_i32(p.token_copies, m.dev).reshape({out.size(0), K}), Tensor());
   }
@@ -452,10 +454,10 @@ class ExpertParallelMoe : public MoeBlock {
   // same rows: the same bits), K fp32 per copy back over the rail, scattered to (t, k); a dropped
   // slot reads the zero after the last.
   void gate_weight_grads(const Model& m, const TwoLevelPlan& p, const Tensor& dw, const Tensor& dy_copies,
-                         const Tensor& kept) {
+                         const Tensor& kept, const Tensor& slots) {
     const int64_t C = sum(p.copies_in), U = int64_t(p.copy_rows.size()), K = m.cfg.top_k;
     Tensor here = Tensor::empty({C, K}, DType::F32, m.dev, Tag::Workspace);
-    moe_combine_backward_weights(here, dy_copies, kept, from_host_i32(p.copy_fan, m.dev).reshape({C, K}));
+    moe_combine_backward_weights(here, dy_copies, kept, slots);
     Tensor back = Tensor::empty({U * K + 1, 1}, DType::F32, m.dev, Tag::Workspace);
     ts::zero(back);
     exchange(*inter_, back.view(0, {U, K}), p.copies_out, here, p.copies_in, "gate weights' gradient");
@@ -535,6 +537,10 @@ class ExpertParallelMoe : public MoeBlock {
     TraceScope t(c.name() + " all_to_all (counts)", Lane::Comm);
     c.all_to_all(out, in);
     return std::vector<int32_t>(out.i32(), out.i32() + out.numel());
+  }
+  // Each arrived copy's K slots: its fanned row per expert, −1 past the last ([Σ copies_in, K] on the device).
+  static Tensor copy_slots(const Model& m, const TwoLevelPlan& p) {
+    return from_host_i32(p.copy_fan, m.dev).reshape({sum(p.copies_in), m.cfg.top_k});
   }
   Tensor gathered(const Model& m, const Tensor& x, const std::vector<int32_t>& idx, Tag tag = Tag::Workspace) const {
     Tensor out = rows(m, idx.size(), tag);
