@@ -47,16 +47,21 @@ Json hf_config(const ModelConfig& c) {
   j["attention_bias"] = false;
   j["mlp_bias"] = false;
   j["torch_dtype"] = "float32";
-  if (c.experts > 0 && c.sigmoid_router) {
+  if (c.experts == 0) return j;
+  j["num_experts_per_tok"] = c.top_k;
+  j["router_aux_loss_coef"] = double(c.aux_loss_coef);
+  j["output_router_logits"] = false;
+  if (c.sigmoid_router || c.shared_experts > 0 || c.expert_ffn > 0) {
+    j["moe_intermediate_size"] = c.expert_width();
+    j["n_shared_experts"] = c.shared_experts;
+  }
+  if (c.sigmoid_router) {
     // transformers' Glm4MoeConfig: DeepSeek-V3's MoE block (sigmoid router, selection bias, groups,
     // shared experts, its tensor names) on the GQA attention of this model, as DeepseekV3's own
     // class is not (it needs multi-head latent attention).
     j["architectures"] = Json::array({Json("Glm4MoeForCausalLM")});
     j["model_type"] = "glm4_moe";
     j["n_routed_experts"] = c.experts;
-    j["num_experts_per_tok"] = c.top_k;
-    j["moe_intermediate_size"] = c.expert_width();
-    j["n_shared_experts"] = c.shared_experts;
     j["n_group"] = c.expert_groups;
     j["topk_group"] = c.group_limit;
     j["routed_scaling_factor"] = double(c.routed_scaling);
@@ -70,20 +75,10 @@ Json hf_config(const ModelConfig& c) {
     rope["rope_theta"] = shortest_decimal(c.rope_theta);
     rope["partial_rotary_factor"] = 1.0;
     j["rope_parameters"] = rope;
-    j["router_aux_loss_coef"] = double(c.aux_loss_coef);
-    j["output_router_logits"] = false;
-  } else if (c.experts > 0) {  // HF MixtralConfig: the same fields plus the sparse MoE block's
+  } else {  // HF MixtralConfig (with --expert-ffn or --shared-experts a block no transformers class computes)
     j["architectures"] = Json::array({Json("MixtralForCausalLM")});
     j["model_type"] = "mixtral";
     j["num_local_experts"] = c.experts;
-    j["num_experts_per_tok"] = c.top_k;
-    j["router_aux_loss_coef"] = double(c.aux_loss_coef);
-    j["output_router_logits"] = false;
-    // DeepSeekMoE's expert shape under the softmax router: no transformers class computes it.
-    if (c.shared_experts > 0 || c.expert_ffn > 0) {
-      j["moe_intermediate_size"] = c.expert_width();
-      j["n_shared_experts"] = c.shared_experts;
-    }
   }
   return j;
 }
