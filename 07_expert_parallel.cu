@@ -859,6 +859,13 @@ inline void print_imbalance(RunLog& log, double balanced, double routed, double 
            "the balanced prediction by up to that factor", busiest_rows);
 }
 
+// --dispatch flat | two-level (refused otherwise): whether the dispatch is two-level. `help` says
+// what the flag does in the program that reads it.
+inline bool read_dispatch(Args& a, const char* help) {
+  const std::string d = a.get_str("--dispatch", "flat", help);
+  if (d != "flat" && d != "two-level") config_error("--dispatch must be flat or two-level (got '%s')", d.c_str());
+  return d == "two-level";
+}
 }  // namespace ep
 
 // ----- the program ------------------------------------------------------------------------------------
@@ -981,11 +988,9 @@ static EpFlags read_ep_flags(Args& args, MeshConfig& mc) {
                        degree_range());
   EpFlags f;
   f.bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB", dp::bucket_mb_range());
-  const std::string d = args.get_str("--dispatch", "flat", "flat: one all-to-all over the ep group; two-level: a "
-                                     "token once to each node it routes to, then to its experts inside the node "
-                                     "(DeepSeek-V3 §3.2.2; needs --expert-groups = the nodes)");
-  if (d != "flat" && d != "two-level") config_error("--dispatch must be flat or two-level (got '%s')", d.c_str());
-  f.two_level = d == "two-level";
+  f.two_level = ep::read_dispatch(args, "flat: one all-to-all over the ep group; two-level: a token once to each node "
+                                         "it routes to, then to its experts inside the node (DeepSeek-V3 §3.2.2; needs "
+                                         "--expert-groups = the nodes)");
   return f;
 }
 

@@ -625,10 +625,8 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
   if (!pp::parse_schedule(sched, plan.schedule, /*v_shape=*/true))
     config_error("unknown --schedule '%s' (afab, 1f1b, interleaved, zb-h1 or dualpipev)", sched.c_str());
   if (plan.schedule == pp::Schedule::DualPipeV) read_dualpipev_stages(a, plan);
-  const std::string d = a.get_str("--dispatch", "flat", "--plan: price the ep all-to-all as flat, or as 07's two-level "
-                                  "dispatch across the nodes an ep group spans (DeepSeek-V3 §3.2.2)");
-  if (d != "flat" && d != "two-level") config_error("--dispatch must be flat or two-level (got '%s')", d.c_str());
-  plan.two_level = d == "two-level";
+  plan.two_level = ep::read_dispatch(a, "--plan: price the ep all-to-all as flat, or as 07's two-level dispatch across "
+                                        "the nodes an ep group spans (DeepSeek-V3 §3.2.2)");
 }
 
 // --plan runs nothing: the cluster's GPU, the batch it is sized for, and no mesh unless one was given.
