@@ -11,6 +11,7 @@
 # spread; make test asserts none of it.
 #
 #   BUILD=build ROUNDS=3 scripts/bench_plan.sh      (make bench runs it last)
+#   ONLY=07_expert_parallel scripts/bench_plan.sh   (the rows of one program; PLAN_ONLY=1: the search alone)
 set -uo pipefail
 BUILD=${BUILD:-build}
 ROUNDS=${ROUNDS:-3}
@@ -39,52 +40,76 @@ shape="--dim 256 --layers 4 --heads 8 --kv-heads 4 --ffn 688 --vocab 256 --seq 2
 cal="$BUILD/calibration.json"
 steps=8
 rate() { sed -n 's/^median \([0-9.]*\) tokens\/s.*/\1/p'; }
-n=$("$BUILD/01_single_gpu" $shape --dry-run | sed -n 's/.*(\([0-9.]*\)M without the embedding).*/\1/p')
 comm=$(mpirun -np 2 "$BUILD/bench/bench_comm" --min-bytes 4096 --max-bytes 4194304 </dev/null)
 busbw() { awk -v op="$1" '$1 == op && $2 >= 4000000 {print $6}' <<<"$comm"; }
 latency=$(awk '$1 == "all_reduce" && $2 == 4096 {printf "%g", $4 * 1e-6}' <<<"$comm")
 mem=$(awk '/MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)
-# Writes the calibration file from 01's rate now, two copies at once so that each has the share of the
-# cores a rank of a 2-rank mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). Each copy
-# runs in a session of its own, as mpirun starts each rank: where the kernel groups the scheduler's
-# shares by session (sched_autogroup_enabled), two copies in this script's session would split one
-# share while a mesh's two ranks get two, and under load every mesh would beat its prediction.
+# The parameters a token's FLOPs count (millions, without the embedding): a mixture of experts
+# counts its active ones (01 prints both; F = 6N + 12·L·h·s).
+active_params() {
+  local dry
+  dry=$("$BUILD/01_single_gpu" $shape $1 --dry-run </dev/null)
+  local n=$(sed -n 's/.*FLOPs count the \([0-9.]*\)M active parameters.*/\1/p' <<<"$dry")
+  [ -n "$n" ] || n=$(sed -n 's/.*(\([0-9.]*\)M without the embedding).*/\1/p' <<<"$dry")
+  echo "$n"
+}
+# Writes the calibration file from 01's rate now on the model of the run it predicts ($1: its model
+# flags), two copies at once so that each has the share of the cores a rank of a 2-rank mesh will
+# have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). The rate is the model's own on one rank
+# (a mixture of experts' routing, row copies and narrower matmuls included); what the step-time
+# model predicts is what the mesh adds to it. The file names the model ("model"), and every run
+# prints it beside the rate. Each copy runs in a session of its own, as mpirun starts each rank:
+# where the kernel groups the scheduler's shares by session (sched_autogroup_enabled), two copies in
+# this script's session would split one share while a mesh's two ranks get two, and under load
+# every mesh would beat its prediction.
 calibrate() {
-  local a b
+  local a b n
   a=$(mktemp) b=$(mktemp)
-  setsid -w "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$a" &
-  setsid -w "$BUILD/01_single_gpu" $shape --steps $steps --quiet --device cpu </dev/null | rate >"$b" &
+  n=$(active_params "$1")
+  setsid -w "$BUILD/01_single_gpu" $shape $1 --steps $steps --quiet --device cpu </dev/null | rate >"$a" &
+  setsid -w "$BUILD/01_single_gpu" $shape $1 --steps $steps --quiet --device cpu </dev/null | rate >"$b" &
   wait
   one=$(cat "$a" "$b" | awk '{s += $1} END {printf "%.0f", s / NR}')
   rm -f "$a" "$b"
   gflops=$(awk -v n="$n" -v t="$one" 'BEGIN {printf "%.3f", (6 * n * 1e6 + 12 * 4 * 256 * 256) * t / 1e9}')
-  printf '{"gflops": %s, "memory_gib": %s, "all_reduce_gbs": %s, "all_gather_gbs": %s, "reduce_scatter_gbs": %s, "latency_s": %s}\n' \
-    "$gflops" "$mem" "$(busbw all_reduce)" "$(busbw all_gather)" "$(busbw reduce_scatter)" "$latency" > "$cal"
+  local model=${shape% --batch*}${1:+ $1}
+  printf '{"gflops": %s, "memory_gib": %s, "all_reduce_gbs": %s, "all_gather_gbs": %s, "reduce_scatter_gbs": %s, "latency_s": %s, "model": "%s"}\n' \
+    "$gflops" "$mem" "$(busbw all_reduce)" "$(busbw all_gather)" "$(busbw reduce_scatter)" "$latency" "$model" > "$cal"
 }
-# 07 routes every token to both of its 2 experts: balanced by construction, as the prediction
-# assumes. A learned router on this data collapses within a few steps (one expert takes every row),
-# and the busiest rank then paces each layer: top-1 of 2 measured 1.8-2.2 x its balanced prediction
-# (notes/07, "routing imbalance").
+# Each row: binary | model flags (01 is calibrated on the same model) | mesh flags. 07 routes
+# every token to both of its 2 experts in the first row: balanced by construction. A learned
+# router on this data collapses within a few steps (one expert takes most rows), and the busiest
+# rank then paces each layer: the next two rows price it at the imbalance their routing measured
+# (notes/07, "The MoE term of the step time"), softmax top-2 of 4 and DeepSeek's routing.
+deepseek="--experts 8 --expert-ffn 172 --top-k 2 --shared-experts 1 --router sigmoid"
 runs=(
-  "02_data_parallel|--dp 2 --micro-batch 4"
-  "03_zero|--dp 2 --zero 1 --micro-batch 4"
-  "03_zero|--dp 2 --zero 3 --micro-batch 4"
-  "04_tensor_parallel|--tp 2 --sequence-parallel"
-  "05_pipeline_parallel|--pp 2 --micro-batch 2"
-  "05_pipeline_parallel|--pp 2 --micro-batch 1 --stage-layers 3,1"
-  "06_context_parallel|--cp 2"
-  "07_expert_parallel|--dp 2 --ep 2 --experts 2 --top-k 2 --micro-batch 4"
-  "08_5d_mesh|--dp 2 --zero 1 --micro-batch 2"
+  "02_data_parallel||--dp 2 --micro-batch 4"
+  "03_zero||--dp 2 --zero 1 --micro-batch 4"
+  "03_zero||--dp 2 --zero 3 --micro-batch 4"
+  "04_tensor_parallel||--tp 2 --sequence-parallel"
+  "05_pipeline_parallel||--pp 2 --micro-batch 2"
+  "05_pipeline_parallel||--pp 2 --micro-batch 1 --stage-layers 3,1"
+  "06_context_parallel||--cp 2"
+  "07_expert_parallel|--experts 2 --top-k 2|--dp 2 --ep 2 --micro-batch 4"
+  "07_expert_parallel|--experts 4 --top-k 2|--dp 2 --ep 2 --micro-batch 4"
+  "07_expert_parallel|$deepseek|--dp 2 --ep 2 --micro-batch 4"
+  "08_5d_mesh||--dp 2 --zero 1 --micro-batch 2"
 )
+if [ -n "${ONLY:-}" ]; then
+  kept=()
+  for row in "${runs[@]}"; do [ "${row%%|*}" = "$ONLY" ] && kept+=("$row"); done
+  [ ${#kept[@]} -gt 0 ] || { echo "ONLY=$ONLY: no such row (a program of 02-08)" >&2; exit 1; }
+  runs=("${kept[@]}")
+fi
 echo "load before: $(uptime | sed 's/.*load average/load average/')"
 # One line per run and round: its row, 01's rate just before, the run's own predicted and measured
 # tokens/s (its "step time" lines) and the terms of the prediction.
 results=$(mktemp)
 for ((round = 1; round <= ROUNDS; round++)); do
   for i in "${!runs[@]}"; do
-    IFS='|' read -r bin flags <<<"${runs[$i]}"
-    calibrate
-    out=$(mpirun -np 2 "$BUILD/$bin" $shape $flags --steps $steps --quiet --device cpu --calibration "$cal" </dev/null)
+    IFS='|' read -r bin model flags <<<"${runs[$i]}"
+    calibrate "$model"
+    out=$(mpirun -np 2 "$BUILD/$bin" $shape $model $flags --steps $steps --quiet --device cpu --calibration "$cal" </dev/null)
     pred=$(sed -n 's/^  \([0-9]*\) tokens\/s predicted, \([0-9]*\) measured.*/\1 \2/p' <<<"$out")
     terms=$(sed -n 's/^step time: predicted [0-9.]* ms = \(.*\) ms; measured.*/\1/p' <<<"$out")
     echo "$i|$one|${pred:-0 0}|$terms" >>"$results"
@@ -93,10 +118,10 @@ done
 echo "load after:  $(uptime | sed 's/.*load average/load average/')"
 echo "calibration ($cal, the last of those rewritten before each run): $(cat "$cal")"
 echo "error = predicted / measured − 1; medians over $ROUNDS rounds, the errors' range in brackets"
-printf "%-72s %9s %10s %10s %7s %15s\n" "run (2 ranks, 1 thread each, $steps steps)" "01 tok/s" "predicted" "measured" "error" "range"
+printf "%-128s %9s %10s %10s %7s %15s\n" "run (2 ranks, 1 thread each, $steps steps)" "01 tok/s" "predicted" "measured" "error" "range"
 for i in "${!runs[@]}"; do
-  IFS='|' read -r bin flags <<<"${runs[$i]}"
-  awk -F'|' -v i="$i" -v r="$bin $flags" '
+  IFS='|' read -r bin model flags <<<"${runs[$i]}"
+  awk -F'|' -v i="$i" -v r="$bin${model:+ $model} $flags" '
     function median(a, n,   j, k, t) {
       for (j = 1; j <= n; j++) for (k = j + 1; k <= n; k++) if (a[k] < a[j]) { t = a[j]; a[j] = a[k]; a[k] = t }
       return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
@@ -104,12 +129,12 @@ for i in "${!runs[@]}"; do
     $1 == i { split($3, pm, " "); n++; o[n] = $2; p[n] = pm[1]; m[n] = pm[2]; e[n] = pm[2] > 0 ? 100 * (pm[1] / pm[2] - 1) : 0 }
     END {
       lo = e[1]; hi = e[1]; for (j = 1; j <= n; j++) { if (e[j] < lo) lo = e[j]; if (e[j] > hi) hi = e[j] }
-      printf "%-72s %9.0f %10.0f %10.0f %+6.0f%% [%+4.0f%%, %+4.0f%%]\n", r, median(o, n), median(p, n), median(m, n), median(e, n), lo, hi
+      printf "%-128s %9.0f %10.0f %10.0f %+6.0f%% [%+4.0f%%, %+4.0f%%]\n", r, median(o, n), median(p, n), median(m, n), median(e, n), lo, hi
     }' "$results"
 done
 echo "the terms of each prediction (ms, last round):"
 for i in "${!runs[@]}"; do
-  IFS='|' read -r bin flags <<<"${runs[$i]}"
-  awk -F'|' -v i="$i" -v r="$bin $flags" '$1 == i {t = $4} END {printf "  %-70s %s\n", r, t}' "$results"
+  IFS='|' read -r bin model flags <<<"${runs[$i]}"
+  awk -F'|' -v i="$i" -v r="$bin${model:+ $model} $flags" '$1 == i {t = $4} END {printf "  %-70s %s\n", r, t}' "$results"
 done
 rm -f "$results"

@@ -350,17 +350,25 @@ namespace {
 // The shape make bench calibrates on (scripts/bench_plan.sh): 01's step there, F = 6N + 12·L·h·s.
 const std::string kBenchShape = "--dim 256 --layers 4 --heads 8 --kv-heads 4 --ffn 688 --vocab 256 --seq 256";
 
-// A calibration of this machine as scripts/bench_plan.sh writes it, measured now: 01's rate on
-// the bench shape, two copies side by side in sessions of their own (each with the share of the
-// cores a rank of a 2-rank run has), and bench_comm's bus bandwidths at 2 ranks. On a shared
-// machine the rate moves with the load, so, as bench_plan.sh does, it is measured right before
-// each run it predicts.
-void calibrate(const std::string& path) {
-  const tst::Result dry = tst::run_bin("01_single_gpu", kBenchShape + " --dry-run", 1, 60);
+// The parameters 01 counts a token's FLOPs over (millions, without the embedding): a mixture of
+// experts' active ones.
+double active_params(const std::string& model) {
+  const tst::Result dry = tst::run_bin("01_single_gpu", kBenchShape + " " + model + " --dry-run", 1, 60);
+  const size_t active = dry.output.find("M active parameters");
+  if (active != std::string::npos) return std::atof(dry.output.c_str() + dry.output.rfind(' ', active) + 1);
   const size_t at = dry.output.find("M without the embedding");
   REQUIRE(at != std::string::npos);
-  const double n = std::atof(dry.output.c_str() + dry.output.rfind('(', at) + 1);
-  const std::string one = tst::bin_command("01_single_gpu", kBenchShape + " --batch 8 --steps 8 --quiet");
+  return std::atof(dry.output.c_str() + dry.output.rfind('(', at) + 1);
+}
+
+// A calibration of this machine as scripts/bench_plan.sh writes it, measured now: 01's rate on
+// the bench shape with the run's model flags, two copies side by side in sessions of their own
+// (each with the share of the cores a rank of a 2-rank run has), and bench_comm's bus bandwidths
+// at 2 ranks. On a shared machine the rate moves with the load, so, as bench_plan.sh does, it is
+// measured right before each run it predicts.
+void calibrate(const std::string& path, const std::string& model) {
+  const double n = active_params(model);
+  const std::string one = tst::bin_command("01_single_gpu", kBenchShape + " " + model + " --batch 8 --steps 8 --quiet");
   const tst::Result both = tst::run("sh -c 'setsid -w " + one + " & setsid -w " + one + " & wait'", 300);
   std::vector<double> rates;
   for (size_t p = both.output.find("median "); p != std::string::npos; p = both.output.find("median ", p + 1))
@@ -381,10 +389,10 @@ void calibrate(const std::string& path) {
     if (op == "all_reduce" && bytes == 4096) latency = us * 1e-6;
   }
   REQUIRE(busbw.size() >= 3);
-  char json[400];
+  char json[600];
   snprintf(json, sizeof json,
-           R"({"gflops": %.3f, "memory_gib": 8, "all_reduce_gbs": %g, "all_gather_gbs": %g, "reduce_scatter_gbs": %g, "latency_s": %g})",
-           gflops, busbw["all_reduce"], busbw["all_gather"], busbw["reduce_scatter"], latency);
+           R"({"gflops": %.3f, "memory_gib": 8, "all_reduce_gbs": %g, "all_gather_gbs": %g, "reduce_scatter_gbs": %g, "latency_s": %g, "model": "%s"})",
+           gflops, busbw["all_reduce"], busbw["all_gather"], busbw["reduce_scatter"], latency, (kBenchShape + " " + model).c_str());
   tst::write_bytes(path, json);
 }
 
@@ -408,20 +416,22 @@ double imbalance_of(const tst::Log& l, int layers, int experts) {
 
 }  // namespace
 
-// 07's step-time prediction with its MoE term, calibrated as make bench calibrates it, at the bench
-// shape the calibration is measured on: the term's pieces add up to it, its imbalance is the one
+// 07's step-time prediction with its MoE term, calibrated as make bench calibrates it, on 01 with
+// the same model at the bench shape: the term's pieces add up to it, its imbalance is the one
 // the log's loads give, and the step is the sum of its parts. How close the prediction comes to the
 // measured step is a measurement of the machine, not a test: every run prints both, and
 // notes/07 ("The MoE term of the step time") quotes them.
 static void check_moe_term(const std::string& routing, int experts) {
   const std::string cal = tst::scratch("calibration_moe.json");
   INFO(routing);
-  calibrate(cal);
+  calibrate(cal, routing);
   const std::string log = tst::scratch("moe_term.jsonl");
   const tst::Result r = tst::run_bin("07_expert_parallel", kBenchShape + " --batch 8 --steps 5 --dp 2 --ep 2 --quiet " +
                                                                routing + " --calibration " + cal + " --log-json " + log, 2, 300);
   INFO(r.output);
   REQUIRE(r.status == 0);
+  // The rate is the model's own, and the run names the model it was measured on.
+  CHECK(r.output.find("GFLOP/s per rank (01 with " + kBenchShape + " " + routing + ")") != std::string::npos);
   const tst::Log l = tst::read_log(log);
   const ts::Json& t = l.summary.at("step_time");
   double moe = 0;

@@ -355,6 +355,26 @@ TEST_CASE("--gpu local reads the calibration make bench writes, and prices with 
   const tst::Result none = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration /nonexistent.json --gpus 2", 1, 60);
   CHECK(none.status != 0);
   CHECK(none.output.find("--calibration: cannot read /nonexistent.json") != std::string::npos);
+  CHECK(g.measured_on.empty());
+}
+
+// The model 01 ran when the rate was measured ("model", optional): read, and named beside the rate
+// wherever the rate is printed; anything but a string is refused on every rank.
+TEST_CASE("a calibration names the model its rate was measured on", "[plan]") {
+  const std::string path = tst::scratch("calibration_model.json");
+  const std::string keys = R"({"gflops": 20, "memory_gib": 8, "all_reduce_gbs": 0.5, "all_gather_gbs": 0.4,)"
+                           R"( "reduce_scatter_gbs": 0.25, "latency_s": 1e-05, "model": )";
+  tst::write_bytes(path, keys + R"("--dim 256 --experts 8"})");
+  CHECK(local_gpu(path).measured_on == "--dim 256 --experts 8");
+  const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration " + path +
+                                                       " --preset small --gpus 2 --gpus-per-node 2 --batch 8 --dtype fp32 --dp 2", 1, 60);
+  CHECK(r.output.find("FLOPs at 20.0 GFLOP/s per rank (01 with --dim 256 --experts 8); bus bandwidth") != std::string::npos);
+  tst::write_bytes(path, keys + "3}");
+  const tst::Result bad = tst::run_bin("02_data_parallel", "--preset tiny --steps 1 --dp 2 --calibration " + path, 2, 60);
+  INFO(bad.output);
+  CHECK(bad.status != 0);
+  CHECK(bad.status != 124);
+  CHECK(bad.output.find("model must be a string (01's model flags)") != std::string::npos);
 }
 
 // ----- every run's predicted step time ------------------------------------------------------------------

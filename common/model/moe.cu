@@ -587,6 +587,8 @@ void MoeBlock::experts_backward(Model& m, int l, const Tensor& dx, const Tensor&
 void MoeBlock::run_experts(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
                            const Tensor& out, LayerActs& a) {
   const int64_t R = x.size(0), F = m.cfg.expert_width();
+  // One --trace span per call, with its rows: how long each rank's experts take at its load.
+  TraceScope trace("experts fwd (" + std::to_string(R) + " rows)");
   auto act = [&] { return Tensor::empty({R, F}, m.dtype, m.dev, Tag::Activations); };
   a.g = act();
   a.u = act();
@@ -609,6 +611,7 @@ void MoeBlock::run_experts(Model& m, int l, int e0, const std::vector<int64_t>& 
 void MoeBlock::run_experts_backward(Model& m, int l, int e0, const std::vector<int64_t>& counts, const Tensor& x,
                                     const Tensor& dout, const Tensor& dx, LayerActs& a) {
   const int64_t R = x.size(0), F = m.cfg.expert_width();
+  TraceScope trace("experts bwd (" + std::to_string(R) + " rows)");
   if (R == 0) return;
   if (!a.act.defined()) {  // selective recompute: the product is rebuilt, no matmul needed
     a.act = Tensor::empty({R, F}, m.dtype, m.dev, Tag::Activations);

@@ -100,8 +100,13 @@ Gpu local_gpu(const std::string& path) {
   const Json j = read_json_file("--calibration", path, " (make bench writes it; or pass --calibration FILE)");
   try {
     // Memory bandwidth is not measured: the roofline is left out (the step rate already holds it).
-    return {"local", positive_at(j, "memory_gib"), positive_at(j, "gflops") / 1e3, 1e9, 1.0,
-            parse_network(j, "measured here by make bench")};
+    Gpu g{"local", positive_at(j, "memory_gib"), positive_at(j, "gflops") / 1e3, 1e9, 1.0,
+          parse_network(j, "measured here by make bench")};
+    if (j.contains("model")) {
+      if (!j.at("model").is_string()) throw FormatError("model must be a string (01's model flags)");
+      g.measured_on = j.at("model").as_string();
+    }
+    return g;
   } catch (const FormatError& e) {
     config_error("--calibration %s: %s", path.c_str(), e.what());
   }
@@ -314,8 +319,9 @@ void add_moe_term(StepTerms& s, const Gpu& g, const RunConfig& rc, const MoeShap
 
 void print_assumptions(RunLog& log, const Gpu& g) {
   if (g.name == "local") {
-    log.line("assumed (measured here by make bench): a training step's FLOPs at %.1f GFLOP/s per rank; bus bandwidth "
-             "all-reduce %.2f, all-gather %.2f, reduce-scatter %.2f GB/s; %.0f µs per call", 1e3 * g.peak_tflops,
+    const std::string on = g.measured_on.empty() ? "" : " (01 with " + g.measured_on + ")";
+    log.line("assumed (measured here by make bench): a training step's FLOPs at %.1f GFLOP/s per rank%s; bus bandwidth "
+             "all-reduce %.2f, all-gather %.2f, reduce-scatter %.2f GB/s; %.0f µs per call", 1e3 * g.peak_tflops, on.c_str(),
              g.net.all_reduce[0], g.net.all_gather[0], g.net.reduce_scatter[0], 1e6 * g.net.latency_intra_s);
     return;
   }
@@ -388,6 +394,7 @@ Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, 
   if (c.t_moe > 0) print_moe(log, c);
   print_assumptions(log, cal.gpu);
   j["calibration"] = cal.path;
+  if (!cal.gpu.measured_on.empty()) j["calibration_model"] = cal.gpu.measured_on;
   const std::pair<const char*, double> terms_json[] = {
       {"predicted_s", c.step},        {"compute_s", c.t_compute},       {"tp_s", c.t_tp},
       {"cp_s", c.t_cp},               {"cp_exposed_s", c.t_cp_exposed}, {"dp_s", c.t_dp},

@@ -52,6 +52,7 @@ struct Gpu {
   std::string name;
   double mem_gib, peak_tflops, hbm_gbs, achievable;
   Network net;
+  std::string measured_on;  // local: the model 01 ran when make bench measured the rate ("" where unsaid)
 };
 
 // The fraction of the bf16 peak that large matmuls reach end to end, calibrated on the playbook's
