@@ -161,6 +161,8 @@ def run_quoted(command, build, quick, env):
 
 def runnable(command):
     words = shlex.split(command)
+    while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+        words = words[1:]  # VAR=value before the command: the shell sets it for the run
     if words and words[0] == "mpirun":
         words = words[3:] if len(words) > 3 and words[1] == "-np" else []
     return bool(words) and words[0].startswith("./build/")
