@@ -607,6 +607,13 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
   mc.cp = a.get_int("--cp", 1, "context-parallel degree", degree_range());
   mc.ep = a.get_int("--ep", 1, "expert-parallel degree: experts over groups of this many dp × cp ranks (with --experts)",
                     degree_range());
+  const std::string order = a.get_str("--rank-order", "dp-pp-cp-tp",
+                                      "world ranks by axis, outermost first: dp-pp-cp-tp | pp-dp-cp-tp (the pipeline "
+                                      "stages outermost, Megatron's default: a stage's dp × cp ranks, and its ep groups, on "
+                                      "neighbouring ranks and so on few nodes)");
+  if (order != "dp-pp-cp-tp" && order != "pp-dp-cp-tp")
+    config_error("--rank-order must be dp-pp-cp-tp or pp-dp-cp-tp (got '%s')", order.c_str());
+  mc.pp_outer = order == "pp-dp-cp-tp";
   o.show_mesh = a.get_bool("--show-mesh", "print the rank-to-group table (printed anyway at 16 ranks or fewer)");
   plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
   plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");

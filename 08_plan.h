@@ -255,6 +255,7 @@ struct Fixed {
 inline Plan make_plan(const Plan& base, const MeshConfig& mesh, int zero, int V, const ModelConfig& m) {
   Plan p = base;
   p.mesh = mesh;
+  p.mesh.pp_outer = base.mesh.pp_outer;  // the rank order is given, not searched
   p.zero = zero;
   p.sp = mesh.tp > 1 && m.experts == 0;
   p.virtual_stages = V;
@@ -575,6 +576,9 @@ inline std::string model_name(const RunConfig& rc) {
 // One candidate's parts.
 inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl, const Candidate& c) {
   log.line("plan: %s on %d × %s: %s", model_name(rc).c_str(), cl.gpus, cl.gpu->name.c_str(), describe(c).c_str());
+  auto span = [&](Axis a) { return group_nodes(c.plan, a, cl.per_node); };
+  log.line("  ranks %s, %d per node: a group spans dp %d, pp %d, cp %d, tp %d, ep %d node(s)", rank_order_name(c.plan.mesh),
+           cl.per_node, span(Axis::DP), span(Axis::PP), span(Axis::CP), span(Axis::TP), span(Axis::EP));
   log.line("  memory per GPU %s (params %s, grads %s, optimizer %s, activations %s)%s%s", human_bytes(c.mem_total).c_str(),
            human_bytes(c.mem.params).c_str(), human_bytes(c.mem.grads).c_str(), human_bytes(c.mem.optimizer).c_str(),
            human_bytes(c.mem.activations).c_str(), c.reject.empty() ? "" : " — ", c.reject.c_str());

@@ -311,6 +311,7 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {4, "--dp 2 --tp 2 --zero 4", "--zero must be 0 (plain DP), 1, 2 or 3"},
       {4, "--dp 4 --batch 6", "--batch 6 is not divisible by --dp 4"},
       {4, "--dp 2 --tp 2 --zero 1 --dp-mode naive", "--dp-mode applies to plain data parallelism"},
+      {4, "--dp 2 --pp 2 --layers 4 --rank-order tp-cp-dp-pp", "--rank-order must be dp-pp-cp-tp or pp-dp-cp-tp (got 'tp-cp-dp-pp')"},
   });
 }
 
@@ -468,17 +469,25 @@ TEST_CASE("DeepSeekMoE with the bias update under tp (with ep, with ZeRO-1) and 
       CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref.log.steps[s].at("moe_tokens_per_expert").dump());
     CHECK(routing_biases(r) == bias);
   }
-  // Under a pipeline each stage moves its own layers' biases, from the loads summed over pp too.
+  // Under a pipeline each stage moves its own layers' biases, from the loads summed over pp too;
+  // the same with the stages outermost (DeepSeek-V3's placement: a stage's ep group on neighbouring
+  // ranks, here ranks 0 and 1 instead of 0 and 2).
   const Run& ref4 = single(kDeepSeek + "--layers 4 " + steps(8, 8));
-  const Run& r = mesh(2, 1, kDeepSeek + "--pp 2 --layers 4 --ep 2 " + steps(8, 2), 1, 2);
-  INFO("dp 2 pp 2 ep 2");
-  REQUIRE(r.log.steps.size() == size_t(kSteps));
-  tst::check_equivalent(r, ref4);
-  for (size_t s = 0; s < size_t(kSteps); s++)
-    CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref4.log.steps[s].at("moe_tokens_per_expert").dump());
   const auto bias4 = routing_biases(ref4);
   REQUIRE(bias4.size() == 4);
-  CHECK(routing_biases(r) == bias4);
+  for (const std::string order : {"", "--rank-order pp-dp-cp-tp "}) {
+    const Run& r = mesh(2, 1, kDeepSeek + "--pp 2 --layers 4 --ep 2 " + order + steps(8, 2), 1, 2);
+    INFO("dp 2 pp 2 ep 2 " << order << r.output);
+    REQUIRE(r.log.steps.size() == size_t(kSteps));
+    CHECK(r.output.find("pp 2 x cp 1 x tp 1 (ep 2), tp innermost" + std::string(order.empty() ? "\n" : ", pp outermost\n")) !=
+          std::string::npos);
+    CHECK(r.output.find(order.empty() ? "rank 0: dp=0 pp=0 cp=0 tp=0 ep=0 | dp {0,2} pp {0,1} ep {0,2}"
+                                      : "rank 0: dp=0 pp=0 cp=0 tp=0 ep=0 | dp {0,1} pp {0,2} ep {0,1}") != std::string::npos);
+    tst::check_equivalent(r, ref4);
+    for (size_t s = 0; s < size_t(kSteps); s++)
+      CHECK(r.log.steps[s].at("moe_tokens_per_expert").dump() == ref4.log.steps[s].at("moe_tokens_per_expert").dump());
+    CHECK(routing_biases(r) == bias4);
+  }
 }
 
 TEST_CASE("bad input with experts: a one-line message, a non-zero exit on every rank, no hang", "[08][errors][ep]") {

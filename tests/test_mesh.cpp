@@ -64,6 +64,22 @@ static std::vector<Case> cases() {
                 singles(8),
                 {{0, 4}, {1, 5}, {2, 6}, {3, 7}},
                 {{0, 4}, {1, 5}, {2, 6}, {3, 7}}}});
+  // pp outermost (--rank-order pp-dp-cp-tp): rank = (pp·dp + dp)·tp + tp, so a stage's dp ranks,
+  // and the ep group carved from them, are neighbours where above they sit pp·tp = 4 apart.
+  //  rank:    0          1          2          3          4          5          6          7
+  //  pp dp tp 0 0 0      0 0 1      0 1 0      0 1 1      1 0 0      1 0 1      1 1 0      1 1 1
+  v.push_back({"8 = pp2 x dp2 x tp2, ep2, pp outermost",
+               {2, 2, 1, 2, 2, true},
+               {{0, 0, 0, 0, 0}, {0, 0, 0, 1, 0}, {1, 0, 0, 0, 1}, {1, 0, 0, 1, 1},
+                {0, 1, 0, 0, 0}, {0, 1, 0, 1, 0}, {1, 1, 0, 0, 1}, {1, 1, 0, 1, 1}},
+               {{{0, 1, 2, 3, 4, 5, 6, 7}},
+                {{0, 2}, {1, 3}, {4, 6}, {5, 7}},
+                {{0, 4}, {1, 5}, {2, 6}, {3, 7}},
+                singles(8),
+                {{0, 1}, {2, 3}, {4, 5}, {6, 7}},
+                {{0, 2}, {1, 3}, {4, 6}, {5, 7}},
+                {{0, 2}, {1, 3}, {4, 6}, {5, 7}},
+                singles(8)}});
   v.push_back({"4 = pp2 x tp2",
                {1, 2, 1, 2, 1},
                {{0, 0, 0, 0, 0}, {0, 0, 0, 1, 0}, {0, 1, 0, 0, 0}, {0, 1, 0, 1, 0}},

@@ -143,6 +143,36 @@ TEST_CASE("the nodes a group spans follow the mesh's rank order (TP innermost)",
   p.mesh = {32, 1, 1, 16, 1};
   CHECK(group_nodes(p, Axis::TP, 8) == 2);
   CHECK(group_nodes(p, Axis::DP, 8) == 32);
+  // DeepSeek-V3's mesh: at dp 128 × pp 16 the ep groups of 64 are 16 ranks apart, one per node;
+  // with the stages outermost (pp-dp-cp-tp) they are 64 consecutive ranks, 8 nodes of 8, and a
+  // stage's dp group spans 16 nodes where the pipeline now spans 16.
+  p.mesh = {128, 16, 1, 1, 64};
+  CHECK(group_nodes(p, Axis::EP, 8) == 64);
+  CHECK(group_nodes(p, Axis::DP, 8) == 128);
+  CHECK(group_nodes(p, Axis::PP, 8) == 2);
+  p.mesh.pp_outer = true;
+  CHECK(group_nodes(p, Axis::EP, 8) == 8);
+  CHECK(group_nodes(p, Axis::DP, 8) == 16);
+  CHECK(group_nodes(p, Axis::PP, 8) == 16);
+}
+
+// The rank order reaches the plan: --rank-order pp-dp-cp-tp prices the groups at the nodes they
+// then span, and the plan line says where each group lies.
+TEST_CASE("the rank order reaches --plan: the groups' spans and their price follow the order", "[plan][e2e]") {
+  const std::string args = "--plan --preset 1b --gpus 16 --gpus-per-node 4 --dp 4 --pp 4 --tp 1 --micro-batch 1";
+  const tst::Result a = tst::run_bin("08_5d_mesh", args, 1, 60);
+  const tst::Result b = tst::run_bin("08_5d_mesh", args + " --rank-order pp-dp-cp-tp", 1, 60);
+  INFO(a.output << b.output);
+  CHECK(a.output.find("  ranks dp-pp-cp-tp, 4 per node: a group spans dp 4, pp 1, cp 1, tp 1, ep 1 node(s)") != std::string::npos);
+  CHECK(b.output.find("  ranks pp-dp-cp-tp, 4 per node: a group spans dp 1, pp 4, cp 1, tp 1, ep 1 node(s)") != std::string::npos);
+  // The dp all-reduce inside one node is faster; the pipeline's sends now cross nodes.
+  auto term = [](const std::string& out, const std::string& name) {
+    const size_t at = out.find(name, out.find("\nplan: "));
+    REQUIRE(at != std::string::npos);
+    return std::atof(out.c_str() + at + name.size());
+  };
+  CHECK(term(b.output, ", dp ") < term(a.output, ", dp "));
+  CHECK(term(b.output, "pp p2p ") > term(a.output, "pp p2p "));
 }
 
 TEST_CASE("matmul efficiency: the roofline caps small shapes, large ones reach the achievable fraction", "[plan]") {

@@ -13,14 +13,20 @@ const char* axis_name(Axis a) {
   return names[int(a)];
 }
 
-int mesh_rank(const MeshConfig& c, int dp, int pp, int cp, int tp) { return ((dp * c.pp + pp) * c.cp + cp) * c.tp + tp; }
+const char* rank_order_name(const MeshConfig& c) { return c.pp_outer ? "pp-dp-cp-tp" : "dp-pp-cp-tp"; }
+
+int mesh_rank(const MeshConfig& c, int dp, int pp, int cp, int tp) {
+  const int outer = c.pp_outer ? pp * c.dp + dp : dp * c.pp + pp;
+  return (outer * c.cp + cp) * c.tp + tp;
+}
 
 MeshCoords mesh_coords(const MeshConfig& c, int rank) {
   MeshCoords m;
   m.tp = rank % c.tp;
   m.cp = rank / c.tp % c.cp;
-  m.pp = rank / (c.tp * c.cp) % c.pp;
-  m.dp = rank / (c.tp * c.cp * c.pp);
+  const int outer = rank / (c.tp * c.cp);  // dp_rank·pp + pp_rank, or pp_rank·dp + dp_rank
+  m.pp = c.pp_outer ? outer / c.dp : outer % c.pp;
+  m.dp = c.pp_outer ? outer % c.dp : outer / c.pp;
   m.ep = (m.dp * c.cp + m.cp) % c.ep;
   return m;
 }
@@ -194,8 +200,8 @@ std::vector<int> node_of_ranks(Comm& group) {
 void print_mesh(const Mesh& m) {
   if (m.rank != 0) return;
   const MeshConfig& c = m.cfg;
-  printf("rank-to-group table: %d ranks = dp %d x pp %d x cp %d x tp %d (ep %d), tp innermost\n", m.world, c.dp, c.pp,
-         c.cp, c.tp, c.ep);
+  printf("rank-to-group table: %d ranks = dp %d x pp %d x cp %d x tp %d (ep %d), tp innermost%s\n", m.world, c.dp, c.pp,
+         c.cp, c.tp, c.ep, c.pp_outer ? ", pp outermost" : "");
   // A group is shown where it has more than one rank and is not another group under a new name
   // (dp_cp is dp without cp; ep_dp is dp_cp without ep).
   const bool show[kNumAxes] = {false, c.dp > 1, c.pp > 1, c.cp > 1, c.tp > 1, c.ep > 1, c.cp > 1 && c.dp > 1,

@@ -1,9 +1,13 @@
 // mesh.h — the device mesh: world = dp × pp × cp × tp ranks, TP innermost.
 //
-//   rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank
+//   rank = ((dp_rank·pp + pp_rank)·cp + cp_rank)·tp + tp_rank      (dp-pp-cp-tp, the default)
+//   rank = ((pp_rank·dp + dp_rank)·cp + cp_rank)·tp + tp_rank      (pp-dp-cp-tp: pp_outer)
 //
 // TP is innermost because it communicates every layer and wants the fastest links (neighbouring
-// ranks share a node); DP is outermost because it communicates once per step. Expert
+// ranks share a node); DP is outermost because it communicates once per step. With pp_outer the
+// pipeline stages are outermost instead (Megatron-LM's default order, "tp-cp-ep-dp-pp" read from
+// the inside): a stage's dp × cp ranks are neighbours, so the EP groups carved from them span few
+// nodes, as DeepSeek-V3 places them (EP 64 on 8 nodes, PP 16 across the rest). Expert
 // parallelism carves its groups out of dp × cp: the dp·cp ranks that share (pp, tp) are numbered
 // j = dp_rank·cp + cp_rank and cut into consecutive blocks of ep; each block is one EP group
 // (experts sharded over it), ep_rank = j mod ep. The ranks of a dp×cp group with the same ep_rank
@@ -19,7 +23,10 @@ namespace ts {
 
 struct MeshConfig {
   int dp = 1, pp = 1, cp = 1, tp = 1, ep = 1;
+  bool pp_outer = false;  // pp-dp-cp-tp: the pipeline stages outermost (above)
 };
+// "dp-pp-cp-tp" or "pp-dp-cp-tp": the axes from outermost to innermost.
+const char* rank_order_name(const MeshConfig& c);
 
 // The groups of a rank. DP_CP is where dense gradients are reduced (CP ranks hold different
 // tokens of the same weights); EP_DP is where expert gradients are.
