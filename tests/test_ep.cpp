@@ -455,6 +455,7 @@ static void check_moe_term(const std::string& routing, int experts) {
   REQUIRE(r.status == 0);
   // The rate is the model's own, and the run names the model it was measured on.
   CHECK(r.output.find("GFLOP/s per rank (01 with " + kBenchShape + " " + routing + ")") != std::string::npos);
+  CHECK(r.output.find("that rate is 01's on another model") == std::string::npos);
   const tst::Log l = tst::read_log(log);
   const ts::Json& t = l.summary.at("step_time");
   double moe = 0;

@@ -399,6 +399,21 @@ TEST_CASE("a calibration names the model its rate was measured on", "[plan]") {
   const tst::Result r = tst::run_bin("08_5d_mesh", "--plan --gpu local --calibration " + path +
                                                        " --preset small --gpus 2 --gpus-per-node 2 --batch 8 --dtype fp32 --dp 2", 1, 60);
   CHECK(r.output.find("FLOPs at 20.0 GFLOP/s per rank (01 with --dim 256 --experts 8); bus bandwidth") != std::string::npos);
+  // A run says when the rate was measured on another model than its own.
+  const std::string other = "that rate is 01's on another model than this run's";
+  const tst::Result differs = tst::run_bin("02_data_parallel", "--preset tiny --steps 2 --dp 2 --calibration " + path, 2, 60);
+  INFO(differs.output);
+  CHECK(differs.output.find(other) != std::string::npos);
+  tst::write_bytes(path, keys + R"("--preset tiny"})");
+  const tst::Result same = tst::run_bin("02_data_parallel", "--preset tiny --steps 2 --dp 2 --calibration " + path, 2, 60);
+  INFO(same.output);
+  CHECK(same.output.find("(01 with --preset tiny)") != std::string::npos);
+  CHECK(same.output.find(other) == std::string::npos);
+  tst::write_bytes(path, keys + R"("--dim x"})");
+  const tst::Result unreadable = tst::run_bin("02_data_parallel", "--preset tiny --steps 1 --dp 2 --calibration " + path, 2, 60);
+  CHECK(unreadable.status != 0);
+  CHECK(unreadable.status != 124);
+  CHECK(unreadable.output.find("error: --calibration " + path + ": model: --dim expects an integer") != std::string::npos);
   tst::write_bytes(path, keys + "3}");
   const tst::Result bad = tst::run_bin("02_data_parallel", "--preset tiny --steps 1 --dp 2 --calibration " + path, 2, 60);
   INFO(bad.output);

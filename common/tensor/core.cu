@@ -88,10 +88,15 @@ void rank_error(const char* fmt, ...) {
   abort_job(2);
 }
 
+static std::string g_error_where;  // ConfigErrorWhere's, "" outside one
+
+ConfigErrorWhere::ConfigErrorWhere(std::string where) : outer_(g_error_where) { g_error_where = std::move(where); }
+ConfigErrorWhere::~ConfigErrorWhere() { g_error_where = outer_; }
+
 void config_error(const char* fmt, ...) {
   TS_FORMAT_MESSAGE(msg, fmt);
   if (world_rank() == 0) {
-    fprintf(stderr, "error: %s\n", msg);
+    fprintf(stderr, "error: %s%s%s\n", g_error_where.c_str(), g_error_where.empty() ? "" : ": ", msg);
     fflush(stderr);
   }
   if (g_finalize) g_finalize();  // every rank is here, so the watched finalisation completes

@@ -51,6 +51,16 @@ namespace ts {
 [[noreturn]] void fatal_at(const char* file, int line, const char* fmt, ...)
     __attribute__((format(printf, 3, 4)));
 [[noreturn]] void config_error(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+// While one lives, config_error() says where the bad value came from ("error: WHERE: message"):
+// flags read from a file's string rather than the command line.
+class ConfigErrorWhere {
+ public:
+  explicit ConfigErrorWhere(std::string where);
+  ~ConfigErrorWhere();
+
+ private:
+  std::string outer_;
+};
 // The same for bad input that only this rank sees (the part of a file it alone reads): it prints
 // "error [rank r]: ..." itself and takes every rank down at once, as fatal() does, so the others
 // are not left waiting in their next collective.

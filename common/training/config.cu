@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <sstream>
 
 namespace ts {
 
@@ -357,6 +358,28 @@ RunConfig parse_run_config(Args& a) {
   rc.without_steps = rc.eval_every > 0 || a.has("--sample");  // --sample: 01's flag, read after these
   check_resume(rc);
   return rc;
+}
+
+ModelConfig model_of_flags(const std::string& flags) {
+  std::istringstream in(flags);
+  std::vector<std::string> words{"model"};
+  for (std::string w; in >> w;) words.push_back(w);
+  std::vector<char*> argv;
+  for (std::string& w : words) argv.push_back(w.data());
+  Args a(int(argv.size()), argv.data(), "");
+  RunConfig rc;
+  parse_model_flags(a, rc);
+  if (rc.model.experts == 0) rc.model.top_k = 0;  // as parse_run_config leaves it
+  return rc.model;
+}
+
+bool same_cost_shape(const ModelConfig& a, const ModelConfig& b) {
+  auto shape = [](const ModelConfig& m) {
+    return std::vector<int>{m.dim,         m.layers,         m.heads,          m.kv_heads,      m.ffn,
+                            m.vocab,       m.seq,            m.experts,        m.top_k,         m.expert_width(),
+                            m.shared_experts, m.expert_groups, m.group_limit, int(m.sigmoid_router)};
+  };
+  return shape(a) == shape(b);
 }
 
 void resolve_batch(RunConfig& rc, int dp) {

@@ -93,6 +93,12 @@ RunConfig parse_run_config(Args& a);
 // The global batch split: dp ranks × micro-batches × --micro-batch sequences. Defaults the
 // micro-batch to the whole local batch and validates the split (config_error on every rank).
 void resolve_batch(RunConfig& rc, int dp);
+// The model a string of model flags gives ("--dim 256 --experts 8 …", a calibration's "model"):
+// the flags applied as a run applies them, on --preset's shape (tiny unless named).
+ModelConfig model_of_flags(const std::string& flags);
+// Whether two models cost the same per token: the shapes and the routing, not the optimizer or
+// numerics settings.
+bool same_cost_shape(const ModelConfig& a, const ModelConfig& b);
 // Named shapes: tiny (the test fixture's), small (the benchmark's), 124m, 1b, 3b (Llama-3.2-3B),
 // 8b (Llama-3-8B), 70b (Llama-3-70B).
 bool apply_preset(const std::string& name, ModelConfig& m);

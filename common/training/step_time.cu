@@ -105,6 +105,8 @@ Gpu local_gpu(const std::string& path) {
     if (j.contains("model")) {
       if (!j.at("model").is_string()) throw FormatError("model must be a string (01's model flags)");
       g.measured_on = j.at("model").as_string();
+      const ConfigErrorWhere where("--calibration " + path + ": model");
+      model_of_flags(g.measured_on);  // flags a run would refuse are refused here, before any step
     }
     return g;
   } catch (const FormatError& e) {
@@ -393,6 +395,9 @@ Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, 
            tokens / c.step, tokens / t.median_s, cal.path.c_str());
   if (c.t_moe > 0) print_moe(log, c);
   print_assumptions(log, cal.gpu);
+  if (!cal.gpu.measured_on.empty() && !same_cost_shape(model_of_flags(cal.gpu.measured_on), rc.model))
+    log.line("  that rate is 01's on another model than this run's: a model runs at its own rate (notes/07, \"Which "
+             "rate\"); --calibration FILE measured on this run's model prices it");
   j["calibration"] = cal.path;
   if (!cal.gpu.measured_on.empty()) j["calibration_model"] = cal.gpu.measured_on;
   const std::pair<const char*, double> terms_json[] = {
