@@ -105,8 +105,6 @@ Gpu local_gpu(const std::string& path) {
     if (j.contains("model")) {
       if (!j.at("model").is_string()) throw FormatError("model must be a string (01's model flags)");
       g.measured_on = j.at("model").as_string();
-      const ConfigErrorWhere where("--calibration " + path + ": model");
-      model_of_flags(g.measured_on);  // flags a run would refuse are refused here, before any step
     }
     return g;
   } catch (const FormatError& e) {
@@ -157,6 +155,10 @@ Calibration read_calibration(Args& a) {
   if (given || std::filesystem::exists(c.path)) {
     c.gpu = local_gpu(c.path);
     c.found = true;
+    if (!c.gpu.measured_on.empty()) {  // flags a run would refuse are refused here, before any step
+      const ConfigErrorWhere where("--calibration " + c.path + ": model");
+      c.model = model_of_flags(c.gpu.measured_on);
+    }
   }
   return c;
 }
@@ -395,7 +397,7 @@ Json step_time_report(RunLog& log, const RunConfig& rc, const Calibration& cal, 
            tokens / c.step, tokens / t.median_s, cal.path.c_str());
   if (c.t_moe > 0) print_moe(log, c);
   print_assumptions(log, cal.gpu);
-  if (!cal.gpu.measured_on.empty() && !same_cost_shape(model_of_flags(cal.gpu.measured_on), rc.model))
+  if (!cal.gpu.measured_on.empty() && !same_cost_shape(cal.model, rc.model))
     log.line("  that rate is 01's on another model than this run's: a model runs at its own rate (notes/07, \"Which "
              "rate\"); --calibration FILE measured on this run's model prices it");
   j["calibration"] = cal.path;

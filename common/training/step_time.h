@@ -80,6 +80,7 @@ struct Calibration {
   std::string path;
   Gpu gpu;
   bool found = false;
+  ModelConfig model;  // the model gpu.measured_on names (read when it names one)
 };
 std::string default_calibration_path();
 // Declares --calibration and reads the file, before any collective: a bad file is a config_error
