@@ -679,8 +679,9 @@ inline double nodes_per_token(const ModelConfig& m, int Nn) {
 
 // Balanced routing over Nn nodes of Q ep ranks, per step and rank, of the two levels' bytes: of a
 // micro-batch's N tokens each reaches r nodes (nodes_per_token), (Nn−1)/Nn of them others, so
-// U = N·r·(Nn−1)/Nn copies go out and as many come in. Across nodes, forward: U·(row + 8K) (each copy with its K ids and K gate weights), U rows back (the combine's partial
-// sums), one int to each other node; backward: U dy rows out, U dh rows and U·K dw floats back.
+// U = N·r·(Nn−1)/Nn copies go out and as many come in. Across nodes, forward: U·(row + 8K) (each
+// copy with its K ids and K gate weights), U rows back (the combine's partial sums), one int to
+// each other node; backward: U dy rows out, U dh rows and U·K dw floats back.
 // Inside the node an entry fans out N·K pairs, (Q−1)/Q of them to other ranks, and as many come
 // back, forward and backward; plus per·Nn ints to each other rank. Full recompute repeats the forward.
 inline std::pair<double, double> predict_two_level_bytes(const RunConfig& rc, int dp, int ep, int Nn) {

@@ -69,8 +69,9 @@ const ParamEntry& ParamTable::find(const std::string& name) const {
 
 // The sparse MoE block in HF names (moe.h: Mixtral's or Glm4Moe's): the router (and DeepSeek-V3's
 // bias), then each expert's gate, down and up matrices, the order of Mixtral's w1, w2, w3. Expert
-// j lives on ep rank j / (E/ep); elsewhere its entries hold nothing. Under tensor parallelism the router and the experts are whole on every tp rank (replicated over tp,
-// counted on tp rank 0, as the norms): the MoE block is not split over tp (MlpBlock::split_over_tp).
+// j lives on ep rank j / (E/ep); elsewhere its entries hold nothing. Under tensor parallelism the
+// router and the experts are whole on every tp rank (replicated over tp, counted on tp rank 0, as
+// the norms): the MoE block is not split over tp (MlpBlock::split_over_tp).
 template <class Add> static void add_experts(const ModelConfig& c, const ShardSpec& sh, int l, Add& add, bool& expert) {
   if (c.experts % sh.ep) config_error("--experts %d is not divisible by --ep %d", c.experts, sh.ep);
   const int64_t D = c.dim, F = c.expert_width(), per = c.experts / sh.ep;
