@@ -20,7 +20,7 @@
 #include "model/moe.h"
 #include "training/checkpoint.h"
 #include "training/start.h"
-#include "training/run.h"
+#include "training/report.h"
 #include "training/train.h"
 
 using namespace ts;

@@ -22,8 +22,6 @@
 #include "model/model.h"
 #include "training/checkpoint.h"
 #include "training/start.h"
-#include "training/run.h"
-#include "training/step_time.h"
 #include "training/train.h"
 
 namespace dp {
@@ -145,7 +143,7 @@ class GradReducer {
   double first_launch_ = -1, exposed_us_ = 0, span_us_ = 0;
 };
 
-// ----- predict: memory and communication per rank --------------------------------------------------
+// ----- the playbook's formulas: memory and communication per rank -----------------------------------
 
 // A full replica per rank: the same memory as 01.
 inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_replica(rc, param_count(rc.model)); }
@@ -154,38 +152,11 @@ inline MemoryPrediction predict_memory(const RunConfig& rc) { return predict_rep
 // (the same in naive and bucketed mode: bucketing changes when, not how much). Ψ: the
 // parameters the rank holds and reduces, here the whole model.
 inline double allreduce_bytes(int64_t psi, int dp) { return 2.0 * (dp - 1) / dp * 4.0 * double(psi); }
-inline double predict_allreduce_bytes(const RunConfig& rc, int dp) { return allreduce_bytes(param_count(rc.model), dp); }
 
-// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
-
-// All-reduce calls per step, for their latency: naive one per tensor (9 per layer), bucketed one
-// per bucket of the `grad_bytes` of fp32 gradients.
-inline double reduction_calls(bool bucketed, double layers, double grad_bytes, double bucket_mb) {
-  return bucketed ? std::max(1.0, grad_bytes / (bucket_mb * 1048576)) : 9.0 * layers;
-}
-
-// What backward cannot hide of a reduction taking `t_reduce`: naive mode reduces tensor by tensor
-// after the backward, all of it exposed; bucketed mode during the last micro-batch's backward, at
-// least its last bucket.
-inline double exposed_seconds(bool bucketed, double t_reduce, double last_backward, double grad_bytes, double bucket_mb) {
-  return bucketed ? reduction_exposed(t_reduce, last_backward, bucket_mb * 1048576 / grad_bytes) : t_reduce;
-}
-
-// Seconds of the all-reduce of `psi` fp32 gradients over `n` ranks spanning `nodes` nodes.
-inline double reduction_seconds(const Network& net, int64_t psi, int n, double calls, int nodes) {
-  return n > 1 ? group_seconds(net, {{"all_reduce", allreduce_bytes(psi, n)}}, calls, nodes) : 0.0;
-}
-
-// This run's step: dp replicas compute 1/dp of the tokens each, then reduce their 4Ψ of gradients.
-inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int dp, bool bucketed, double bucket_mb) {
-  StepTerms s = compute_terms(g, rc, 1, 1, 1, dp);
-  const int64_t psi = param_count(rc.model);
-  const double grad_bytes = 4.0 * double(psi), mbs = double(rc.batch) / dp / rc.micro_batch;
-  s.t_dp = reduction_seconds(g.net, psi, dp, reduction_calls(bucketed, rc.model.layers, grad_bytes, bucket_mb), 1);
-  s.t_dp_exposed = exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), grad_bytes, bucket_mb);
-  s.total();
-  return s;
-}
+// ----- the lab (lab/02_data_parallel.cu: the plan, the reports, the step time this run predicts) -----
+void print_plan(RunLog& log, const RunConfig& rc, int dp);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, GradReducer& reducer, Program& prog);
+std::function<StepTerms(const Gpu&)> step_time_model(const RunConfig& rc, int dp, bool bucketed, double bucket_mb);
 
 }  // namespace dp
 
@@ -221,20 +192,8 @@ static StepResult train_step(Model& model, AdamW& opt, GradReducer& dp, const To
   return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.dp().mpi()}), norm};
 }
 
-// The plan every run prints first (and --dry-run alone): memory per rank and the all-reduce's bytes.
-static void print_plan(RunLog& log, const RunConfig& rc, int dp) {
-  const MemoryPrediction p = dp::predict_memory(rc);
-  print_model(log, rc.model);
-  log.line("per rank at dp %d: params %s, grads %s, optimizer %s, activations %s (micro-batch %d)", dp,
-           human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
-           human_bytes(p.activations).c_str(), rc.micro_batch);
-  log.line("all-reduce per step and rank: 2(N-1)/N · 4Ψ = %s", human_bytes(dp::predict_allreduce_bytes(rc, dp)).c_str());
-}
-
-// The loop's evaluation, checkpoint and reports: the held-out loss, the checkpoint, the bytes sent
-// against 2(N-1)/N · 4Ψ, and how much of the all-reduce backward hid.
-static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
-                        GradReducer& reducer, Program& prog) {
+// The loop's evaluation and checkpoint (the reports are the lab's: dp::add_reports).
+static void add_eval_and_save(Loop& loop, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt, Program& prog) {
   // Each rank evaluates its slice of every evaluation batch, as it trains on its slice of a step's.
   loop.eval = [&] {
     const int local = rc.batch / mesh.cfg.dp;
@@ -247,20 +206,6 @@ static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh
     Json m = Json::object();
     m["dp"] = mesh.cfg.dp;
     save_checkpoint(rc.save_dir, rc, model.table, mine, step, m);
-  };
-  loop.comm = [&](long steps_run) {
-    return comm_report(log, mesh.dp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, mesh.cfg.dp)}});
-  };
-  loop.extra = [&](Json& s) {
-    // One rank sends nothing (the all-reduce of a group of one is a no-op): no fraction to report.
-    if (mesh.cfg.dp == 1) return log.line("communication hidden behind backward: nothing to hide at dp 1 (0 bytes sent)");
-    // The fraction is timed on the host. With NCCL the host does not wait for the all-reduces
-    // (the compute stream does), so the host's clock cannot see what the GPU overlapped.
-    if (std::string(mesh.dp().transport(prog.dev)) == "nccl")
-      return log.line("communication hidden behind backward: not measured with NCCL (the host does not wait for "
-                      "it; see the overlap on a GPU profile, e.g. nsys)");
-    s["comm_hidden_fraction"] = reducer.hidden_fraction();
-    log.line("communication hidden behind backward: %.1f%%", 100 * reducer.hidden_fraction());
   };
 }
 
@@ -284,7 +229,7 @@ int main(int argc, char** argv) {
   TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_dp_flags(a, mc); });
   RunConfig& rc = run.rc;
   const int dp = run.mc.dp;
-  if (!run.start([&] { print_plan(run.log(), rc, dp); }, [&] { return dp::predict_memory(rc); })) return 0;
+  if (!run.start([&] { dp::print_plan(run.log(), rc, dp); }, [&] { return dp::predict_memory(rc); })) return 0;
   run.log().line("dp %d, %s, %d sequences per rank per step", dp, f.mode.c_str(), rc.batch / dp);
   Model& model = run.build_model();
   AdamW opt(model, 0, model.table.total, rc.master_weights);
@@ -292,10 +237,10 @@ int main(int argc, char** argv) {
   GradReducer reducer(model, run.mesh.dp(), f.bucketed(), f.bucket_mb);
   if (f.bucketed()) run.log().line("%zu gradient buckets of up to %.3g MiB", reducer.num_buckets(), f.bucket_mb);
   Loop loop;
-  loop.predicted = dp::predict_memory(rc);
   loop.step = [&](long step) { return train_step(model, opt, reducer, run.data, rc, run.mesh, step, run.log()); };
-  add_reports(loop, run.log(), rc, run.mesh, model, opt, reducer, run);
-  return run.train(loop, [&](const Gpu& g) { return dp::predict_step_time(g, rc, dp, f.bucketed(), f.bucket_mb); }, "dp");
+  add_eval_and_save(loop, rc, run.mesh, model, opt, run);
+  dp::add_reports(loop, run.log(), rc, run.mesh, reducer, run);
+  return run.train(loop, dp::step_time_model(rc, dp, f.bucketed(), f.bucket_mb), "dp");
 }
 #endif  // TS_PROGRAM == 2
 #endif  // TS_02_DATA_PARALLEL_CU

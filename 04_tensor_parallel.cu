@@ -45,16 +45,15 @@
 #include <cstring>
 #include <map>
 
-#include "kernels/kernels.h"
+#include "kernels/vocab_ce.h"
 #include "formats/data.h"
 #include "comm/comm.h"
 #include "comm/mesh.h"
 #include "comm/trace.h"
 #include "model/model.h"
+#include "model/tp_ops.h"
 #include "training/checkpoint.h"
 #include "training/start.h"
-#include "training/run.h"
-#include "training/step_time.h"
 #include "training/train.h"
 
 namespace tp {
@@ -207,8 +206,11 @@ inline void validate(const RunConfig& rc, int tp, bool sp) {
     if (const char* why = sequence_parallel_refusal(m)) config_error("%s", why);
 }
 
-// ----- predict: memory and communication per rank (notes/04 derives each line) ----------------------
+// ----- the playbook's formula: memory per rank (notes/04 derives it) -----------------------------------
 
+// Each rank holds its blocks of the split matrices, with their gradients and optimizer states,
+// and 1/tp of the activations saved inside each column/row-parallel pair; under sequence
+// parallelism the norm/residual regions' activations are 1/tp too (predict_activations at tp, sp).
 inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
   const int64_t psi = local_param_count(Model::make_table(rc.model, 1, shard_spec(tp, 0)));
   MemoryPrediction p = predict_states(psi, psi, rc.dtype, rc.master_weights);
@@ -216,86 +218,10 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
   return p;
 }
 
-// Wire bytes per rank under the ring algorithm: all-reduce 2(t−1)/t·K, all-gather and
-// reduce-scatter (t−1)/t·K each, K = one [tokens, dim] activation of a micro-batch. By piece of
-// the model: a decoder layer, the embedding, the head with its loss.
-enum class Piece { Layer, Embedding, Head };
-
-// One micro-batch's bytes through one piece, forward and backward.
-inline std::map<std::string, double> micro_batch_bytes(const RunConfig& rc, int tp, bool sp, Piece piece) {
-  const ModelConfig& m = rc.model;
-  const double f = (tp - 1.0) / tp, tokens = double(rc.micro_batch) * m.seq, K = tokens * m.dim * dtype_size(rc.dtype);
-  const double full = rc.recompute == Recompute::Full ? 1 : 0;  // the layer forward runs again in backward
-  const double loss = piece == Piece::Head ? 2 * f * tokens * 4 * 3 : 0;  // max (N floats) + stats (2N floats)
-  std::map<std::string, double> c;
-  if (!sp) {
-    // A layer: g after each region forward, f before it backward (g again under full recompute),
-    // around attention and, where the model splits it over tp, the MLP. The embedding: its g; the
-    // head: its f.
-    const double regions = mlp_split_over_tp(m) ? 2 : 1;
-    c["all_reduce"] = 2 * f * K * (piece == Piece::Layer ? 2 * regions + regions * full : 1) + loss;
-    return c;
-  }
-  // A layer forward: f, g, f, g = 2 all-gathers + 2 reduce-scatters. Backward: g' and f' for each
-  // region (2 + 2), plus f again to rebuild each column-parallel input (+2 all-gathers). The
-  // embedding: its g and g'; the head: its f and f'.
-  c["all_gather"] = f * K * (piece == Piece::Layer ? 6 + 2 * full : 1);
-  c["reduce_scatter"] = f * K * (piece == Piece::Layer ? 4 + 2 * full : 1);
-  c["all_reduce"] = loss;
-  return c;
-}
-
-// Under sequence parallelism, one all-reduce of the fp32 gradients of a piece's norms: a layer's
-// two norms, the head's final norm.
-inline double norm_grad_bytes(const ModelConfig& m, int tp, Piece piece) {
-  const double norms = piece == Piece::Layer ? 2 : piece == Piece::Head ? 1 : 0;
-  return 2 * (tp - 1.0) / tp * norms * m.dim * 4.0;
-}
-
-// Per step: every micro-batch through the L layers, the embedding and the head; the norm
-// gradients once, after the last micro-batch (reduce_norm_grads).
-inline std::map<std::string, double> predict_comm(const RunConfig& rc, int tp, bool sp) {
-  const double mbs = double(rc.batch) / rc.micro_batch;
-  std::map<std::string, double> c;
-  const std::pair<Piece, double> pieces[] = {{Piece::Layer, rc.model.layers}, {Piece::Embedding, 1}, {Piece::Head, 1}};
-  for (const auto& [piece, n] : pieces) {
-    for (const auto& [op, b] : micro_batch_bytes(rc, tp, sp, piece)) c[op] += mbs * n * b;
-    if (sp) c["all_reduce"] += n * norm_grad_bytes(rc.model, tp, piece);
-  }
-  return c;
-}
-
-// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
-
-// Collective calls per step, for their latency: per layer 2 forward (g after attention and after
-// the MLP) and 2 backward (their f), each an all-gather + reduce-scatter pair under SP.
-inline double collective_calls(double micro_batches, double layers, bool sp) { return micro_batches * layers * (sp ? 8 : 4); }
-
-// This run's step: the matmuls split tp ways (smaller, so further below peak: layer_efficiency),
-// and every f/g on the critical path (nothing to hide them behind).
-inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int tp, bool sp) {
-  StepTerms s = compute_terms(g, rc, tp, 1, 1, tp);
-  const double mbs = double(rc.batch) / rc.micro_batch;
-  if (tp > 1) s.t_tp = group_seconds(g.net, predict_comm(rc, tp, sp), collective_calls(mbs, rc.model.layers, sp), 1);
-  s.total();
-  return s;
-}
-
-inline void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp) {
-  const MemoryPrediction p = predict_memory(rc, tp, sp);
-  print_model(log, rc.model);
-  const ModelConfig& m = rc.model;
-  log.line("tp %d%s: per rank %d of %d heads, %d of %d kv heads, ffn %d of %d, vocab %d of %d", tp,
-           sp ? " + sequence parallel" : "", m.heads / tp, m.heads, m.kv_heads / tp, m.kv_heads, m.ffn / tp, m.ffn,
-           m.vocab / tp, m.vocab);
-  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s (micro-batch %d, recompute %s)",
-           human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
-           human_bytes(p.activations).c_str(), rc.micro_batch, recompute_name(rc.recompute));
-  const double K = double(rc.micro_batch) * m.seq * m.dim * dtype_size(rc.dtype), f = (tp - 1.0) / tp;
-  log.line("per layer and micro-batch: K = b·s·h·bytes = %s; %s sent per rank forward, %s backward",
-           human_bytes(K).c_str(), human_bytes(4 * f * K).c_str(), human_bytes((sp ? 6 : 4) * f * K).c_str());
-  for (auto& [op, b] : predict_comm(rc, tp, sp)) log.line("per-rank %s per step: %s", op.c_str(), human_bytes(b).c_str());
-}
+// ----- the lab (lab/04_tensor_parallel.cu: the plan, the bytes sent, the step time this run predicts) -----
+void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, int tp, bool sp);
+std::function<StepTerms(const Gpu&)> step_time_model(const RunConfig& rc, int tp, bool sp);
 
 }  // namespace tp
 
@@ -355,8 +281,8 @@ int main(int argc, char** argv) {
   loop.predicted = tp::predict_memory(rc, tp, sp);
   loop.step = [&](long step) { return train_step(model, opt, run.data, rc, run.mesh, sp, step); };
   loop.save = [&](long step) { save(rc, model, opt, tp, sp, step); };
-  loop.comm = [&](long n) { return comm_report(run.log(), run.mesh.tp(), n, tp::predict_comm(rc, tp, sp)); };
-  return run.train(loop, [&](const Gpu& g) { return tp::predict_step_time(g, rc, tp, sp); });
+  tp::add_reports(loop, run.log(), rc, run.mesh, tp, sp);
+  return run.train(loop, tp::step_time_model(rc, tp, sp));
 }
 #endif  // TS_PROGRAM == 4
 #endif  // TS_04_TENSOR_PARALLEL_CU

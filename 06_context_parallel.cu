@@ -29,17 +29,18 @@
 #include <vector>
 
 #include "02_data_parallel.cu"  // dp::GradReducer: the gradients are all-reduced over cp
+#include "tensor/device.h"
+#include "kernels/kernels.h"
 #include "kernels/kernels_internal.h"
 #include "kernels/profile.h"
 #include "formats/data.h"
 #include "comm/comm.h"
 #include "comm/mesh.h"
 #include "comm/trace.h"
+#include "model/attention_core.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
 #include "training/start.h"
-#include "training/run.h"
-#include "training/step_time.h"
 #include "training/train.h"
 #ifdef TS_CUDA
 #include "kernels/kernels_cuda.h"  // the CUDA twins of attention_merge and swap_leading
@@ -433,7 +434,7 @@ inline void validate(const RunConfig& rc, int C, const Options& o) {
                  m.kv_heads, C);
 }
 
-// ----- predict: memory, bytes and attention work per rank (notes/06 derives each line) -------------
+// ----- the playbook's formula: memory per rank (notes/06 derives it) --------------------------------
 
 // The model at this rank's share of each sequence: what one rank stores per micro-batch.
 inline ModelConfig local_model(const ModelConfig& m, int C) {
@@ -450,102 +451,11 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, int C) {
   return p;
 }
 
-// Bytes this rank sends per step on the cp group. With kv = one K (or V) block of a micro-batch,
-// b·(s/cp)·kv_heads·hd·bytes, and a = one q-sized block, b·(s/cp)·h·bytes, per layer:
-//   ring     forward (cp−1)·2kv (K and V, cp−1 hops); backward (cp−1)·2kv again plus (cp−1)·2kv
-//            for dK/dV (cp−1 hops home);
-//   ulysses  all-to-all sends (cp−1)/cp of its input: forward q, k, v and the output,
-//            (cp−1)/cp·(2a + 2kv); backward dout, the output and dq, dk, dv, (cp−1)/cp·(3a + 2kv).
-// Full recompute runs each layer's forward again in backward.
-inline std::map<std::string, double> predict_comm(const RunConfig& rc, int C, const Options& o) {
-  const ModelConfig& m = rc.model;
-  const double e = dtype_size(rc.dtype), L = m.layers, mbs = double(rc.batch) / rc.micro_batch;
-  const double tokens = double(rc.micro_batch) * m.seq / C, kv = tokens * m.kv_dim() * e, a = tokens * m.dim * e;
-  const double fwd = rc.recompute == Recompute::Full ? 2 : 1;
-  std::map<std::string, double> c;
-  if (C == 1) return c;
-  if (o.mode == Mode::Ring) {
-    c["send"] = mbs * L * (C - 1) * (fwd * 2 * kv + 4 * kv);
-    c["recv"] = 0;  // the sender counts the wire bytes
-  } else {
-    c["all_to_all"] = mbs * L * (C - 1.0) / C * (fwd * (2 * a + 2 * kv) + 3 * a + 2 * kv);
-  }
-  return c;
-}
-
-// ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
-
-// Collective calls per step: cp−1 ring steps per layer forward and as many backward (Ulysses'
-// all-to-alls priced alike).
-inline double collective_calls(double micro_batches, double layers, int C) { return micro_batches * layers * 2 * (C - 1); }
-
-// The ring overlaps its K/V transfers with attention (attention_share of the compute): what
-// outlasts it shows. Ulysses' all-to-alls sit between the projections and attention, exposed.
-inline double exposed_seconds(Mode mode, double t_cp, double t_compute, const ModelConfig& m) {
-  return mode == Mode::Ring ? std::max(0.0, t_cp - attention_share(m) * t_compute) : t_cp;
-}
-
-// This run's step: each rank computes its T/C tokens of every sequence; then the ring (or
-// all-to-all), and the gradients all-reduced over the cp ranks as 02 reduces them over dp.
-inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, int C, const Options& o, double bucket_mb) {
-  StepTerms s = compute_terms(g, rc, 1, C, 1, C);
-  const int64_t psi = param_count(rc.model);
-  const double mbs = double(rc.batch) / rc.micro_batch, grad_bytes = 4.0 * double(psi);
-  const int L = rc.model.layers;
-  s.t_cp = group_seconds(g.net, predict_comm(rc, C, o), collective_calls(mbs, L, C), 1);
-  s.t_cp_exposed = exposed_seconds(o.mode, s.t_cp, s.t_compute, rc.model);
-  s.t_dp = dp::reduction_seconds(g.net, psi, C, dp::reduction_calls(true, L, grad_bytes, bucket_mb), 1);
-  s.t_dp_exposed = dp::exposed_seconds(true, s.t_dp, s.last_backward(mbs), grad_bytes, bucket_mb);
-  s.total();
-  return s;
-}
-
-// Attention work of rank r per step (see AttentionWork): the blocks its queries see and their
-// visible pairs, times heads and sequences, for every layer forward (twice under full recompute).
-inline AttentionWork predict_work(const RunConfig& rc, int C, const Options& o, int r) {
-  const ModelConfig& m = rc.model;
-  const double runs = double(m.layers) * (rc.batch / rc.micro_batch) * (rc.recompute == Recompute::Full ? 2 : 1);
-  AttentionWork w;
-  if (o.mode == Mode::Ulysses) {
-    std::vector<int32_t> all;
-    for (int s = 0; s < C; s++)
-      for (int32_t p : positions(m.seq, C, s, o.zigzag)) all.push_back(p);
-    w.blocks = runs;
-    w.pairs = runs * visible_pairs(all, all) * rc.micro_batch * (m.heads / C);
-    return w;
-  }
-  const std::vector<int32_t> mine = positions(m.seq, C, r, o.zigzag);
-  for (int s = 0; s < C; s++) {
-    const double p = visible_pairs(mine, positions(m.seq, C, s, o.zigzag));
-    if (p > 0) w.blocks += runs, w.pairs += runs * p * rc.micro_batch * m.heads;
-  }
-  return w;
-}
-
-inline void print_plan(RunLog& log, const RunConfig& rc, int C, const Options& o) {
-  const MemoryPrediction p = predict_memory(rc, C);
-  const ModelConfig& m = rc.model;
-  print_model(log, m);
-  log.line("cp %d, %s, %s: %d of %d tokens per sequence per rank", C, mode_name(o.mode),
-           o.zigzag ? "zigzag (2·cp chunks, rank i holds i and 2cp−1−i)" : "contiguous blocks", m.seq / C, m.seq);
-  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s (micro-batch %d, recompute %s)",
-           human_bytes(p.params).c_str(), human_bytes(p.grads).c_str(), human_bytes(p.optimizer).c_str(),
-           human_bytes(p.activations).c_str(), rc.micro_batch, recompute_name(rc.recompute));
-  for (auto& [op, b] : predict_comm(rc, C, o))
-    if (b > 0) log.line("per-rank cp %s per step: %s", op.c_str(), human_bytes(b).c_str());
-  log.line("per-rank dp_cp all_reduce per step (gradients, 2(cp-1)/cp · 4Ψ): %s",
-           human_bytes(dp::predict_allreduce_bytes(rc, C)).c_str());
-  std::string blocks, pairs;
-  for (int r = 0; r < C && r < 16; r++) {
-    const AttentionWork w = predict_work(rc, C, o, r);
-    blocks += " " + std::to_string(long(w.blocks));
-    char b[32];
-    snprintf(b, sizeof b, " %.4g", w.pairs);
-    pairs += b;
-  }
-  log.line("attention work per step, rank 0..%d: blocks%s; score pairs%s", std::min(C, 16) - 1, blocks.c_str(),
-           pairs.c_str());
-}
+// ----- the lab (lab/06_context_parallel.cu: the plan, the reports, the step time this run predicts) -----
+void print_plan(RunLog& log, const RunConfig& rc, int C, const Options& o);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, const Options& o,
+                 const std::function<AttentionWork()>& work, long first);
+std::function<StepTerms(const Gpu&)> step_time_model(const RunConfig& rc, int C, const Options& o, double bucket_mb);
 
 }  // namespace cp
 
@@ -577,55 +487,15 @@ static StepResult train_step(Model& model, AdamW& opt, dp::GradReducer& reducer,
   return {global_mean_loss(model.take_loss(), double(rc.batch) * T, {mesh.cp().mpi()}), norm};
 }
 
-// Every rank's measured work per step, next to the prediction (a metric: MPI directly, uncounted).
-static Json work_report(RunLog& log, Mesh& mesh, const cp::AttentionWork& w, long steps, const RunConfig& rc,
-                        const cp::Options& o) {
-  const int C = mesh.cfg.cp;
-  const double n = double(std::max(1L, steps)), mine[2] = {w.blocks / n, w.pairs / n};
-  std::vector<double> all(2 * size_t(C));
-  watched_allgather(mine, 2, MPI_DOUBLE, all.data(), mesh.cp().mpi(), "all_gather (the attention work report)");
-  Json blocks = Json::array(), pairs = Json::array(), pred = Json::array();
-  for (int r = 0; r < C; r++) {
-    const cp::AttentionWork p = cp::predict_work(rc, C, o, r);
-    blocks.push_back(all[2 * r]);
-    pairs.push_back(all[2 * r + 1]);
-    pred.push_back(p.pairs);
-    log.line("attention work rank %d per step: %5.0f blocks, %.6g score pairs (predicted %.6g)", r, all[2 * r],
-             all[2 * r + 1], p.pairs);
-  }
-  Json j = Json::object();
-  j["blocks"] = std::move(blocks);
-  j["pairs"] = std::move(pairs);
-  j["predicted_pairs"] = std::move(pred);
-  return j;
-}
-
-// --cp-mode and --zigzag, checked.
-
-// The loop's predictions, checkpoint and reports: memory at T/cp tokens per rank; rank 0 writes
-// the whole model (replicas are identical); the cp group's bytes against predict_comm and the
-// dp_cp all-reduce's against 02's; each rank's attention work.
-static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt,
-                        const cp::Options& opt_cp, const std::function<cp::AttentionWork()>& work, long first) {
-  const int C = mesh.cfg.cp;
-  loop.predicted = cp::predict_memory(rc, C);
-  loop.predicted.comm_also_holds(cp::comm_holds(opt_cp, C));
-  loop.save = [&, C](long step) {
-    std::vector<CheckpointSlice> slices;
-    if (mesh.rank == 0) slices.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
-    Json m = Json::object();
-    m["cp"] = C;
-    m["cp_mode"] = std::string(opt_cp.mode == cp::Mode::Ring ? "ring" : "ulysses");
-    m["zigzag"] = opt_cp.zigzag;
-    save_checkpoint(rc.save_dir, rc, model.table, slices, step, m);
-  };
-  loop.comm = [&, C](long steps_run) {
-    Json c = comm_report(log, mesh.cp(), steps_run, cp::predict_comm(rc, C, opt_cp));
-    Json d = comm_report(log, mesh.dp_cp(), steps_run, {{"all_reduce", dp::predict_allreduce_bytes(rc, C)}});
-    c["dp_cp"] = d.at("dp_cp");
-    return c;
-  };
-  loop.extra = [&, first](Json& s) { s["attention_work"] = work_report(log, mesh, work(), rc.steps - first, rc, opt_cp); };
+// Replicas are identical: rank 0 writes the whole model.
+static void save(const RunConfig& rc, Model& model, AdamW& opt, Mesh& mesh, const cp::Options& o, long step) {
+  std::vector<CheckpointSlice> slices;
+  if (mesh.rank == 0) slices.push_back({0, model.table.total, weights_f32(model.params, opt), &opt});
+  Json m = Json::object();
+  m["cp"] = mesh.cfg.cp;
+  m["cp_mode"] = std::string(o.mode == cp::Mode::Ring ? "ring" : "ulysses");
+  m["zigzag"] = o.zigzag;
+  save_checkpoint(rc.save_dir, rc, model.table, slices, step, m);
 }
 
 // The chapter's flags: the degree, ring or Ulysses, the zigzag layout, the dp_cp bucket size.
@@ -651,20 +521,20 @@ int main(int argc, char** argv) {
   TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_cp_flags(a, mc); });
   RunConfig& rc = run.rc;
   const int C = run.mc.cp;
-  const cp::Options& opt_cp = f.options;
-  cp::validate(rc, C, opt_cp);
-  if (!run.start([&] { cp::print_plan(run.log(), rc, C, opt_cp); }, [&] { return cp::predict_memory(rc, C); })) return 0;
+  cp::validate(rc, C, f.options);
+  if (!run.start([&] { cp::print_plan(run.log(), rc, C, f.options); }, [&] { return cp::predict_memory(rc, C); })) return 0;
   Model& model = run.build_model();
-  const std::function<cp::AttentionWork()> work = cp::install(model, run.mesh.cp(), opt_cp);
-  const std::vector<int32_t> mine = cp::positions(rc.model.seq, C, run.mesh.cp_rank, opt_cp.zigzag);
+  const std::function<cp::AttentionWork()> work = cp::install(model, run.mesh.cp(), f.options);
+  const std::vector<int32_t> mine = cp::positions(rc.model.seq, C, run.mesh.cp_rank, f.options.zigzag);
   const Tensor pos = cp::device_ints(mine, model.dev);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   const long first = run.init(model, opt);  // every rank initialises (or loads) the same full weights
   dp::GradReducer reducer(model, run.mesh.dp_cp(), /*bucketed=*/true, f.bucket_mb);
   Loop loop;
   loop.step = [&](long step) { return train_step(model, opt, reducer, run.data, rc, run.mesh, mine, pos, step); };
-  add_reports(loop, run.log(), rc, run.mesh, model, opt, opt_cp, work, first);
-  return run.train(loop, [&](const Gpu& g) { return cp::predict_step_time(g, rc, C, opt_cp, f.bucket_mb); }, "dp_cp");
+  loop.save = [&](long step) { save(rc, model, opt, run.mesh, f.options, step); };
+  cp::add_reports(loop, run.log(), rc, run.mesh, f.options, work, first);
+  return run.train(loop, cp::step_time_model(rc, C, f.options, f.bucket_mb), "dp_cp");
 }
 #endif  // TS_PROGRAM == 6
 #endif  // TS_06_CONTEXT_PARALLEL_CU

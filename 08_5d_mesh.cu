@@ -24,15 +24,23 @@
 // replicated over tp and each tp rank runs the same routing and the same all-to-alls in its own
 // ep group (the ep groups are cut from dp × cp at each pp, tp coordinate).
 //
+// What a mesh costs each rank (memory, bytes per group) and the plan a run prints are 08's lab,
+// from 02–07's own formulas at this rank's share (lab/08_5d_mesh.h); the planner, `--plan`, ranks
+// meshes for a cluster with them (lab/08_plan.h); the entry points main calls are declared below,
+// under "the lab", and defined in lab/08_5d_mesh.cu.
+//
 //   mpirun -np 8 ./build/08_5d_mesh --dp 2 --tp 4 --zero 1 --sequence-parallel --kv-heads 4
 //   mpirun -np 8 ./build/08_5d_mesh --dp 4 --tp 2 --ep 4 --experts 4 --top-k 2
 //   ./build/08_5d_mesh --dry-run --preset 8b --dp 8 --tp 8 --zero 1 --micro-batch 1 --dtype bf16
 #ifndef TS_08_5D_MESH_CU
 #define TS_08_5D_MESH_CU
+#include <memory>
+
 #include "02_data_parallel.cu"
 #include "03_zero.cu"
 #include "04_tensor_parallel.cu"
 #include "05_pipeline_parallel.cu"
+#include "05b_dualpipev.cu"  // pp::kDualPipeV (and 05a_zero_bubble.cu's pp::kZBH1): the schedules 08 runs
 #include "06_context_parallel.cu"
 #include "07_expert_parallel.cu"
 #include "training/fp8_linear.h"  // fp8::install on the composed model
@@ -49,7 +57,7 @@ struct Plan {
   std::string dp_mode = "bucketed";
   double bucket_mb = 25;
   cp::Options cp{cp::Mode::Ring, true};
-  pp::Schedule schedule = pp::Schedule::OneFOneB;
+  pp::Schedule schedule = pp::kOneFOneB;
   int virtual_stages = 1;
   std::string stage_layers;  // --stage-layers a,b,… ("": pp::balanced_split)
   bool two_level = false;    // --dispatch two-level: --plan prices 07's two-level dispatch (08 runs the flat one)
@@ -67,7 +75,7 @@ inline int stage_layers(const RunConfig& rc, const Plan& p, int pp_rank) {
 // the last rank under round robin, rank 0 under DualPipeV, whose V turns back to it.
 inline bool holds_head(const Plan& p, int pp_rank) {
   const int last = p.mesh.pp * p.virtual_stages - 1;
-  return pp::virtual_stage(p.schedule, p.mesh.pp, pp_rank, p.virtual_stages - 1) == last;
+  return p.schedule->stage(p.mesh.pp, pp_rank, p.virtual_stages - 1) == last;
 }
 // The pipeline stage with the most layers (the first of them; 0 without a pipeline).
 inline int busiest_stage(const RunConfig& rc, const Plan& p) {
@@ -78,20 +86,11 @@ inline int busiest_stage(const RunConfig& rc, const Plan& p) {
   return busy;
 }
 
-// Every check of the pieces, before any collective; the unsupported combinations name why.
 // What one cp rank holds of each sequence: the model at seq/cp tokens (what 04's and 06's
-// formulas see on this mesh); and the model one tp rank holds (dim, heads, kv heads over tp).
+// formulas see on this mesh).
 inline RunConfig local_run(const RunConfig& rc, const Plan& p) {
   RunConfig l = rc;
   l.model = cp::local_model(rc.model, p.mesh.cp);
-  return l;
-}
-inline RunConfig tp_share(const RunConfig& rc, const Plan& p) {
-  RunConfig l = rc;
-  l.model.dim /= p.mesh.tp;
-  l.model.heads /= p.mesh.tp;
-  l.model.kv_heads /= p.mesh.tp;
-  l.batch = rc.batch / p.mesh.dp;  // this dp rank's sequences
   return l;
 }
 
@@ -120,12 +119,13 @@ inline void validate_split_backward(const Plan& p) {
   if (p.zero == 2)
     config_error("--zero 2 with --schedule %s is not composed: ZeRO-2 holds one unit's gradient buffer at a time, "
                  "and %s writes a unit's gradients in its B and again in its later W, after other units' B", split,
-                 p.schedule == pp::Schedule::ZBH1 ? "ZB-H1" : "DualPipeV");
+                 p.schedule->title.c_str());
   if (p.mesh.tp > 1)
     config_error("--schedule %s with --tp %d is not composed: its deferred-gradient memory is derived for tp 1", split,
                  p.mesh.tp);
 }
 
+// Every check of the pieces, before any collective; the unsupported combinations name why.
 // `training`: a run, not a --plan (which trains nothing, so prices DeepSeek-V3 with its bias moving
 // on any mesh: the update costs nothing the planner counts).
 inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
@@ -164,7 +164,7 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
     validate_split_backward(p);
   }
   if (p.mesh.pp == 1 && !p.stage_layers.empty()) config_error("--stage-layers needs --pp > 1");
-  if (p.mesh.pp == 1 && p.schedule == pp::Schedule::DualPipeV)
+  if (p.mesh.pp == 1 && p.schedule == pp::kDualPipeV)
     config_error("--schedule dualpipev needs --pp > 1: its V folds 2·pp stages onto the pp ranks");
   if (p.dp_mode != "naive" && p.dp_mode != "bucketed")
     config_error("--dp-mode must be naive or bucketed (got '%s')", p.dp_mode.c_str());
@@ -194,155 +194,6 @@ inline pp::Plan pipeline_plan(const RunConfig& rc, const Plan& p) {
 }
 // The part of a micro-batch's tokens one rank's residual stream holds (what travels between stages).
 inline double token_share(const Plan& p) { return 1.0 / p.mesh.cp / (p.sp ? p.mesh.tp : 1); }
-
-// ----- predict: memory and communication per rank, from the pieces' own formulas ------------------
-
-inline double micro_batches_per_rank(const RunConfig& rc, const Plan& p) {
-  return double(rc.batch) / p.mesh.dp / rc.micro_batch;
-}
-
-// The two largest units of table t, summed (elements).
-inline double largest_two_units(const ParamTable& t) {
-  std::vector<double> sizes;
-  for (int u = 0; u < t.num_units(); u++) sizes.push_back(zero::unit_size(t, u));
-  std::sort(sizes.begin(), sizes.end(), std::greater<double>());
-  return sizes[0] + sizes[1];
-}
-
-// What the rank with table `t` (local_table) holds besides activations: parameters, gradients and
-// optimizer states, whole (02) or ZeRO's shards and unit buffers (03). The micro-batch and the
-// recomputation do not change it (the planner shares it between the meshes that differ in those).
-inline MemoryPrediction predict_states(const RunConfig& rc, const Plan& p, const ParamTable& t) {
-  MemoryPrediction m;
-  if (p.zero == 0) {
-    const int64_t psi = local_param_count(t);
-    m = predict_states(psi, psi, rc.dtype, rc.master_weights);
-  } else {
-    // 03's two unit buffers in flight: consecutive units in one backward; under a pipeline any two
-    // the stage holds (a chunk's last unit is in flight while the next action's first runs).
-    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t},
-                             p.mesh.pp > 1 ? largest_two_units(t) : zero::largest_consecutive_pair(t));
-  }
-  return m;
-}
-// For the rank at pipeline stage pp_rank (rank 0's, stage 0, is the one every run reports), from
-// its predict_states; `pl`: the pipeline's schedule (pp > 1), `pl_holds` its pp::comm_holds. The
-// planner passes the states and schedule it shares between meshes.
-inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank, const pp::Plan* pl,
-                                       const std::string& pl_holds, MemoryPrediction m) {
-  const ModelConfig local = cp::local_model(rc.model, p.mesh.cp);
-  if (pl)
-    m.activations = pp::predict_stage_activations(*pl, pp_rank, local, rc.micro_batch, rc.dtype, rc.recompute,
-                                                  p.mesh.tp, p.sp);
-  else
-    m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
-  m.comm_also_holds(pl_holds);
-  m.comm_also_holds(cp::comm_holds(p.cp, p.mesh.cp));
-  m.comm_also_holds(ep::comm_holds(p.mesh.ep));
-  return m;
-}
-inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int pp_rank = 0) {
-  const MemoryPrediction states = predict_states(rc, p, local_table(rc, p, 0, pp_rank));
-  if (p.mesh.pp == 1) return predict_memory(rc, p, pp_rank, nullptr, "", states);
-  const pp::Plan pl = pipeline_plan(rc, p);
-  return predict_memory(rc, p, pp_rank, &pl, pp::comm_holds(pl), states);
-}
-
-// The name of the dense group on the mesh: dp, or dp_cp when cp ranks join it.
-inline std::string dense_group_name(const Plan& p) { return p.mesh.cp > 1 ? "dp_cp" : "dp"; }
-
-// 04's bytes at this rank's share, piece by piece (tp::micro_batch_bytes): its dp rank's
-// micro-batches at s/cp tokens through its stage's layers, the embedding on the first stage and
-// the head on the last. Under SP the norm gradients are reduced once per step, or every
-// micro-batch where ZeRO-2/3 reduce-scatters each unit's gradients as they finish (Composed).
-inline std::map<std::string, double> tp_bytes(const RunConfig& rc, const Plan& p, int pp_rank) {
-  const RunConfig l = local_run(rc, p);
-  const double mbs = micro_batches_per_rank(rc, p), norm_reductions = p.zero >= 2 ? mbs : 1;
-  const std::pair<tp::Piece, double> pieces[] = {{tp::Piece::Layer, stage_layers(rc, p, pp_rank)},
-                                                 {tp::Piece::Embedding, pp_rank == 0 ? 1 : 0},
-                                                 {tp::Piece::Head, holds_head(p, pp_rank) ? 1 : 0}};
-  std::map<std::string, double> c;
-  for (const auto& [piece, n] : pieces) {
-    for (const auto& [op, b] : tp::micro_batch_bytes(l, p.mesh.tp, p.sp, piece)) c[op] += mbs * n * b;
-    if (p.sp) c["all_reduce"] += n * norm_reductions * tp::norm_grad_bytes(l.model, p.mesh.tp, piece);
-  }
-  return c;
-}
-
-// Wire bytes per rank per step, per group: tp from 04's pieces at this rank's share (tp_bytes),
-// cp from 06's at this tp rank's heads, the dense group from 02's all-reduce or 03's
-// reduce-scatter/all-gather over the tp-local Ψ. With --ep, 07's: the dense group reduces
-// the dense Ψ only, ep_dp this rank's experts, and ep's all-to-alls are predicted for balanced
-// routing (a run reports them from its own routing counts instead).
-// A pipeline stage's share: its layers, the embedding on the first, the head on the last.
-// `table`: the rank's local_table where the caller holds it (nullptr: built here); `pl`: likewise
-// its pipeline_plan, which DualPipeV's sends are counted off.
-inline std::map<std::string, std::map<std::string, double>> predict_comm(const RunConfig& rc, const Plan& p,
-                                                                         int pp_rank = 0,
-                                                                         const ParamTable* table = nullptr,
-                                                                         const pp::Plan* pl = nullptr) {
-  const double mbs = micro_batches_per_rank(rc, p);
-  const int P = p.mesh.pp, layers = stage_layers(rc, p, pp_rank);
-  std::map<std::string, std::map<std::string, double>> c;
-  if (p.mesh.tp > 1) c["tp"] = tp_bytes(rc, p, pp_rank);
-  if (p.mesh.cp > 1) {
-    RunConfig stage = tp_share(rc, p);
-    stage.model.layers = layers;
-    c["cp"] = cp::predict_comm(stage, p.mesh.cp, p.cp);
-  }
-  if (P > 1 && p.schedule == pp::Schedule::DualPipeV) {  // the V: the ranks at its ends send half (05)
-    const pp::Plan built_pl = pl ? pp::Plan{} : pipeline_plan(rc, p);
-    c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, pl ? *pl : built_pl, pp_rank,
-                                               token_share(p))},
-               {"recv", 0.0}};
-  } else if (P > 1) {  // m micro-batches of this dp rank through V chunks (pipeline_plan's m and V)
-    const int m = rc.batch / p.mesh.dp / rc.micro_batch;
-    c["pp"] = {{"send", pp::predict_send_bytes(rc.model, rc.micro_batch, rc.dtype, P, m, p.virtual_stages, pp_rank,
-                                               token_share(p))},
-               {"recv", 0.0}};
-  }
-  const int n = dense_group_size(p), E = p.mesh.ep;
-  const ParamTable built = table ? ParamTable{} : local_table(rc, p, 0, pp_rank);
-  const ParamTable& t = table ? *table : built;
-  const ep::ParamSplit split = ep::param_split(t);
-  if (n > 1) {
-    if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(E > 1 ? split.dense : t.total, n)}};
-    else c[dense_group_name(p)] = zero::predict_comm(rc, {p.zero, n, int(mbs), p.prefetch, t});
-  }
-  if (E > 1) {
-    RunConfig stage = rc;
-    stage.model.layers = layers;
-    c["ep"] = {{"all_to_all", ep::predict_balanced_bytes(stage, p.mesh.dp, E)}};
-    if (n / E > 1) c["ep_dp"] = {{"all_reduce", dp::allreduce_bytes(split.experts, n / E)}};
-  }
-  return c;
-}
-
-inline void print_plan(RunLog& log, const RunConfig& rc, const Plan& p) {
-  print_model(log, rc.model);
-  const MemoryPrediction m = predict_memory(rc, p);
-  const double mbs = micro_batches_per_rank(rc, p);
-  log.line("mesh dp %d × pp %d × cp %d × tp %d%s, %s%s; %d sequences per dp rank in %g micro-batch%s of %d",
-           p.mesh.dp, p.mesh.pp, p.mesh.cp, p.mesh.tp, p.sp ? " (sequence parallel)" : "",
-           p.zero ? ("ZeRO-" + std::to_string(p.zero)).c_str() : "plain DP",
-           p.mesh.cp > 1 ? (std::string(", ") + cp::mode_name(p.cp.mode) + (p.cp.zigzag ? " zigzag" : "")).c_str() : "",
-           rc.batch / p.mesh.dp, mbs, mbs == 1 ? "" : "es", rc.micro_batch);
-  if (p.mesh.ep > 1)
-    log.line("ep %d (groups cut from dp × cp): per rank %d of %d experts per layer; dense gradients over %s, expert "
-             "gradients over ep_dp of %d", p.mesh.ep, rc.model.experts / p.mesh.ep, rc.model.experts,
-             dense_group_name(p).c_str(), dense_group_size(p) / p.mesh.ep);
-  log.line("per-rank memory predicted: params %s, grads %s, optimizer %s, activations %s%s", human_bytes(m.params).c_str(),
-           human_bytes(m.grads).c_str(), human_bytes(m.optimizer).c_str(), human_bytes(m.activations).c_str(),
-           p.mesh.ep > 1 ? " (balanced routing)" : "");
-  for (auto& [group, ops] : predict_comm(rc, p))
-    for (auto& [op, b] : ops) log.line("per-rank %s %s per step: %s", group.c_str(), op.c_str(), human_bytes(b).c_str());
-  if (p.mesh.pp > 1) {
-    const pp::Plan pl = pipeline_plan(rc, p);
-    log.line("pipeline: %s, %d virtual stage(s) per rank of %s layers, m = %d; bubble simulated %.4f, formula %.4f%s",
-             pp::schedule_name(pl.schedule), pl.V, pp::split_text(pl.layers).c_str(), pl.m, pl.bubble(), pp::bubble_formula(pl.schedule, pl.p, pl.m, pl.V),
-             p.zero == 0 && dense_group_size(p) > 1 && p.dp_mode == "bucketed" ? "; dense gradients reduced in buckets as the last micro-batch's backward completes them" : "");
-  }
-}
 
 // ----- the composed step ----------------------------------------------------------------------------
 
@@ -374,7 +225,7 @@ class Composed {
       : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
         model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)), plan_(pipeline_plan(rc, p)) {
     tp::install(model_, mesh.tp(), p.sp);
-    if (p.mesh.ep > 1) moe_ = &ep::install(model_, mesh.ep(), ep::make_topology(node_of_ranks(mesh.ep()), false));
+    if (p.mesh.ep > 1) moe_ = &ep::install(model_, mesh.ep(), node_of_ranks(mesh.ep()));
     if (p.mesh.cp > 1) {
       cp::install(model_, mesh.cp(), p.cp);
       mine_ = cp::positions(rc.model.seq, p.mesh.cp, mesh.cp_rank, p.cp.zigzag);
@@ -546,9 +397,26 @@ class Composed {
   bool last_ = true;  // the step's last micro-batch is running (set_last)
 };
 
-}  // namespace mesh5d
+// ----- the lab (lab/08_5d_mesh.cu, read after this file; the planner in lab/08_plan.h) ------------
+// --plan's flags (the cluster, the job, and --calibration, which a run's step time is priced with
+// too) fill the planner's types, held here behind PlanRequest; --plan runs the search and its
+// ranking. A run: its plan and memory predicted before it, the reports after, the step time.
+struct PlanRequest;
+// What main's flags set beyond the run's: the mesh's options, and what --plan was asked.
+struct Options {
+  Plan plan;
+  bool planning = false, mesh_given = false, show_mesh = false;
+  std::shared_ptr<PlanRequest> planner;  // --plan's cluster and job, and --calibration
+};
+void read_planner_flags(Args& a, Options& o);
+void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o);
+int plan_cluster(RunLog& log, const RunConfig& rc, Options& o);
+void print_run_plan(RunLog& log, const RunConfig& rc, const Options& o, const Mesh& mesh);
+MemoryPrediction predict_rank_memory(const RunConfig& rc, const Plan& p, int pp_rank);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const Plan& p, Composed& run);
+void predict_run_step_time(Loop& loop, RunLog& log, const RunConfig& rc, const Options& o, Device dev);
 
-#include "08_plan.h"  // the planner (--plan): predicts what the pieces above will cost on a cluster
+}  // namespace mesh5d
 
 // ----- the program ------------------------------------------------------------------------------------
 #if TS_PROGRAM == 8
@@ -561,35 +429,6 @@ static const char* kDoc =
     "       [--schedule 1f1b|afab|interleaved|zb-h1|dualpipev] [--cp-mode ring|ulysses] [flags]  (N = D·P·C·T)\n"
     "       08_5d_mesh --plan --preset 8b --gpus 64 [--gpu h100] (runs nothing)";
 
-// What main's flags set beyond the run's: the mesh's options, and what --plan was asked.
-struct Options {
-  mesh5d::Plan plan;
-  bool planning = false, mesh_given = false, show_mesh = false;
-  mesh5d::Cluster cluster{nullptr, 0, 8, 8};
-  mesh5d::PlanJob job;
-  mesh5d::Fixed fixed;  // --plan: what the flags fix (the rest is searched)
-  Calibration calibration;
-  std::string gpu, network;
-  double gpu_mem = 0, batch_tokens = 0;
-};
-
-// --plan's cluster and job (and --calibration, which --gpu local also reads).
-static void declare_planner_flags(Args& a, Options& o) {
-  o.planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
-  o.job.exhaustive = a.get_bool("--plan-exhaustive", "--plan: price every candidate and sort them all (the reference "
-                                "the default search's pruning is tested against; slower: minutes on large clusters)");
-  o.gpu = a.get_str("--gpu", "h100", "--plan: h100 | h200 | h800 | a100 | local (this machine, as make bench measured it)");
-  o.calibration = read_calibration(a);  // also --plan --gpu local's
-  o.gpu_mem = a.get_double("--gpu-mem", 0, "--plan: usable GiB per GPU (0: the GPU's)");
-  o.network = a.get_str("--network", "", "--plan: the cluster's bus bandwidths by collective and node count (JSON, the "
-                        "calibration's keys; default: the playbook's H100 table)");
-  o.cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
-  o.cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
-  o.batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq, or 1M when neither is given)");
-  o.job.train_tokens = a.get_double("--train-tokens", 0, "--plan: tokens to train, for days and cost (0: 20 per parameter)");
-  o.job.usd_per_gpu_hour = a.get_double("--usd-per-gpu-hour", 2.0, "--plan: price of one GPU-hour, for the cost to train");
-}
-
 // DualPipeV's V is two stages per rank, stage s and stage 2·pp − 1 − s: --virtual-stages unset means
 // 2, and any other value is refused (here, so that --plan refuses it too).
 static void read_dualpipev_stages(Args& a, mesh5d::Plan& plan) {
@@ -598,7 +437,7 @@ static void read_dualpipev_stages(Args& a, mesh5d::Plan& plan) {
 }
 
 // The mesh and each technique's options, checked as 02–07 check them.
-static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
+static void declare_mesh_flags(Args& a, MeshConfig& mc, mesh5d::Options& o) {
   mesh5d::Plan& plan = o.plan;
   o.mesh_given = a.has("--dp") || a.has("--tp") || a.has("--cp") || a.has("--pp") || a.has("--ep");
   mc.dp = a.get_int("--dp", 1, "data-parallel degree", degree_range());
@@ -628,135 +467,41 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, Options& o) {
   const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1 | dualpipev");
   plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank (dualpipev: 2)");
   plan.stage_layers = a.get_str("--stage-layers", "", "pp > 1: layers per virtual stage a,b,… (default: even, or the ends lighter)");
-  // shard_spec places each rank's stages by the schedule (05's virtual_stage), so 08 runs DualPipeV's V.
-  if (!pp::parse_schedule(sched, plan.schedule, /*v_shape=*/true))
+  // shard_spec places each rank's stages by the schedule (05's ScheduleKind::stage), so 08 runs DualPipeV's V.
+  if (!pp::parse_schedule(sched, plan.schedule))
     config_error("unknown --schedule '%s' (afab, 1f1b, interleaved, zb-h1 or dualpipev)", sched.c_str());
-  if (plan.schedule == pp::Schedule::DualPipeV) read_dualpipev_stages(a, plan);
+  if (plan.schedule == pp::kDualPipeV) read_dualpipev_stages(a, plan);
   plan.two_level = ep::read_dispatch(a, "--plan: price the ep all-to-all as flat, or as 07's two-level dispatch across "
-                                        "the nodes an ep group spans (DeepSeek-V3 §3.2.2)");
-}
-
-// --plan runs nothing: the cluster's GPU, the batch it is sized for, and no mesh unless one was given.
-static void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
-  mesh5d::Cluster& cluster = o.cluster;
-  const std::string& gpu = o.gpu;
-  rc.dry_run = true;  // a plan runs nothing: no launch check against the job's ranks
-  static mesh5d::Gpu local;
-  if (gpu == "local") local = o.calibration.found ? o.calibration.gpu : local_gpu(o.calibration.path);
-  cluster.gpu = gpu == "local" ? &local : find_gpu(gpu);
-  if (!cluster.gpu) config_error("--gpu must be h100, h200, h800, a100 or local (got '%s')", gpu.c_str());
-  static mesh5d::Gpu on_network;  // the GPU on the cluster's own network
-  if (!o.network.empty()) {
-    on_network = *cluster.gpu;
-    on_network.net = read_network(o.network);
-    cluster.gpu = &on_network;
-  }
-  cluster.mem_gib = o.gpu_mem > 0 ? o.gpu_mem : cluster.gpu->mem_gib;
-  if (cluster.gpus < 1 || cluster.per_node < 1) config_error("--gpus and --gpus-per-node must be >= 1");
-  if (!a.has("--dtype")) rc.dtype = DType::BF16;  // plans are for mixed-precision training
-  o.job.default_batch = o.batch_tokens <= 0 && !a.has("--batch");
-  if (o.batch_tokens > 0 || o.job.default_batch) rc.batch = int((o.job.default_batch ? mesh5d::kDefaultBatchTokens : o.batch_tokens) / rc.model.seq);
-  if (rc.batch < 1) config_error("--global-batch-tokens %.0f is less than one sequence of %d", o.batch_tokens, rc.model.seq);
-  if (!o.mesh_given) mc = MeshConfig{};  // the batch is split per candidate
-  mesh5d::Fixed& f = o.fixed;
-  auto given = [&](const char* flag, int v) { return a.has(flag) ? v : 0; };
-  f.dp = given("--dp", mc.dp), f.tp = given("--tp", mc.tp), f.pp = given("--pp", mc.pp), f.cp = given("--cp", mc.cp);
-  f.ep = given("--ep", mc.ep);
-  f.zero = a.has("--zero") ? o.plan.zero : -1;
-  f.micro_batch = given("--micro-batch", rc.micro_batch);
-  f.virtual_stages = given("--virtual-stages", o.plan.virtual_stages);
-  if (a.has("--schedule") && o.plan.schedule != pp::Schedule::Interleaved && !f.virtual_stages)
-    f.virtual_stages = o.plan.virtual_stages;  // 1, or DualPipeV's 2
-  f.recompute = a.has("--recompute") ? int(rc.recompute) : -1;
-}
-
-// --plan: every mesh within what the flags fix, ranked; a mesh given whole is checked against
-// the cluster and 02–07's rules first.
-static int plan_only(RunLog& log, const RunConfig& rc, Options& o) {
-  mesh5d::Plan& plan = o.plan;
-  const mesh5d::Fixed& f = o.fixed;
-  if (f.dp && f.pp && f.cp && f.tp) {
-    plan.sp = plan.sp || (plan.mesh.tp > 1 && rc.model.experts == 0);  // the MoE block is not composed with SP
-    if (plan.mesh.dp * plan.mesh.pp * plan.mesh.cp * plan.mesh.tp != o.cluster.gpus)
-      config_error("--plan: dp %d × pp %d × cp %d × tp %d is not --gpus %d", plan.mesh.dp, plan.mesh.pp, plan.mesh.cp,
-                   plan.mesh.tp, o.cluster.gpus);
-    mesh5d::validate(rc, plan, /*training=*/false);
-  } else if (f.pp > 1 || (!f.pp && plan.schedule == pp::Schedule::DualPipeV)) {  // a pipeline, whatever is searched
-    mesh5d::validate_split_backward(plan);  // the tp and ZeRO stage given (1 and 0 when open: searched)
-  }
-  o.fixed.base = plan;
-  return mesh5d::plan_only(log, rc, o.cluster, o.fixed, o.job);
-}
-
-// The loop's checkpoint and reports: every rank writes its shard at its global offsets; each
-// group's bytes against 08's predict_comm (ep's against this run's routing, as 07).
-static void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const mesh5d::Plan& plan, mesh5d::Composed& run) {
-  loop.save = [&](long step) {
-    Json m = Json::object();
-    m["dp"] = plan.mesh.dp;
-    m["tp"] = plan.mesh.tp;
-    m["zero"] = plan.zero;
-    m["cp"] = plan.mesh.cp;
-    m["pp"] = plan.mesh.pp;
-    m["ep"] = plan.mesh.ep;
-    m["sequence_parallel"] = plan.sp;
-    save_checkpoint(rc.save_dir, rc, run.model().table, run.checkpoint_slices(), step, m);
-  };
-  loop.comm = [&](long steps_run) {
-    const auto pred = mesh5d::predict_comm(rc, plan);
-    Json c = Json::object();
-    for (Comm* g : run.groups()) {
-      std::map<std::string, double> want = pred.count(g->name()) ? pred.at(g->name()) : std::map<std::string, double>{};
-      // As 07: the all-to-alls from this run's own routing counts (the balanced figure is the plan's).
-      if (g->name() == "ep") want["all_to_all"] = run.ep_predicted_bytes() / double(std::max(1L, steps_run));
-      Json one = comm_report(log, *g, steps_run, want);
-      c[g->name()] = one.at(g->name());
-    }
-    return c;
-  };
-  // Plain DP: the share of the reduction's time that ran behind compute (02's measure).
-  loop.extra = [&](Json& s) {
-    if (plan.zero > 0 || mesh5d::dense_group_size(plan) == 1) return;
-    s["comm_hidden_fraction"] = run.hidden_fraction();
-    log.line("dense gradients' all-reduce hidden behind backward: %.1f%%", 100 * run.hidden_fraction());
-  };
+                                        "the nodes an ep group spans (DeepSeek-V3 §3.2.2)").name == "two-level";
 }
 
 // The chapter's flags: the planner's (--plan and its cluster and job), the mesh's, and with
 // --plan what the flags fix of the mesh to be searched.
-static void read_flags(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
-  declare_planner_flags(a, o);
+static void read_flags(Args& a, RunConfig& rc, MeshConfig& mc, mesh5d::Options& o) {
+  o.planning = a.get_bool("--plan", "predict and rank meshes for a cluster; runs nothing");
+  mesh5d::read_planner_flags(a, o);
   declare_mesh_flags(a, mc, o);
-  if (o.job.exhaustive && !o.planning) config_error("--plan-exhaustive is a way of running --plan: pass --plan too");
-  if (o.planning) set_up_plan(a, rc, mc, o);
-}
-
-// Which rank holds which piece (the chapter's picture, for this run: once the mesh is open), then
-// the plan's predictions.
-static void print_run_plan(RunLog& log, const RunConfig& rc, const Options& o, const Mesh& mesh) {
-  if (!rc.dry_run && (mesh.world <= 16 || o.show_mesh)) print_mesh(mesh);
-  else if (!rc.dry_run) log.line("(%d ranks: --show-mesh prints the rank-to-group table)", mesh.world);
-  mesh5d::print_plan(log, rc, o.plan);
+  mesh5d::set_up_plan(a, rc, mc, o);
 }
 
 int main(int argc, char** argv) {
-  Options o;
+  mesh5d::Options o;
   TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig& rc, MeshConfig& mc) { read_flags(a, rc, mc, o); },
                   /*priced=*/false);  // 08 reads --calibration with its planner's flags
   RunConfig& rc = run.rc;
   o.plan.mesh = run.mc;
-  if (o.planning) return plan_only(run.log(), rc, o);
+  if (o.planning) return mesh5d::plan_cluster(run.log(), rc, o);
   mesh5d::validate(rc, o.plan);
-  auto memory = [&] { return mesh5d::predict_memory(rc, o.plan, run.mesh.pp_rank); };  // this rank's stage
-  if (!run.start([&] { print_run_plan(run.log(), rc, o, run.mesh); }, memory)) return 0;
+  auto memory = [&] { return mesh5d::predict_rank_memory(rc, o.plan, run.mesh.pp_rank); };  // this rank's stage
+  if (!run.start([&] { mesh5d::print_run_plan(run.log(), rc, o, run.mesh); }, memory)) return 0;
   mesh5d::Composed composed(rc, o.plan, run.mesh);
   fp8::install(composed.model(), rc, run.mesh, run.log());  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   run.resumed(composed.init_or_resume());
   Loop loop;
-  loop.predicted = mesh5d::predict_memory(rc, o.plan);  // rank 0's (pipeline stage 0), the one the table reports
+  loop.predicted = mesh5d::predict_rank_memory(rc, o.plan, 0);  // rank 0's (pipeline stage 0), the one the table reports
   loop.step = [&](long step) { return composed.step(run.data, step); };
-  add_reports(loop, run.log(), rc, o.plan, composed);
-  mesh5d::predict_step_time(loop, run.log(), rc, o.plan, o.calibration, run.dev);
+  mesh5d::add_reports(loop, run.log(), rc, o.plan, composed);
+  mesh5d::predict_run_step_time(loop, run.log(), rc, o, run.dev);
   return run.train(loop);
 }
 #endif  // TS_PROGRAM == 8

@@ -86,7 +86,7 @@ endif
 # calls included), which g++ compiles with the same macros in a fraction of nvcc's time (nvcc
 # passes every file through each architecture's device compiler).
 HOST_CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
-DEVICE_SRC := $(shell grep -l '__global__' common/*/*.cu 0[1-8]_*.cu bench/*.cu 2>/dev/null)
+DEVICE_SRC := $(shell grep -l '__global__' common/*/*.cu 0[1-8]*_*.cu lab/*.cu bench/*.cu 2>/dev/null)
 compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
 LD := $(CXX) -fopenmp
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
@@ -97,6 +97,13 @@ COMMON_SRC := $(LAYER_SRC) $(if $(filter emu,$(CUDA)),$(wildcard common/emu/*.cu
 COMMON_OBJ := $(patsubst %.cu,$(BUILD)/%.o,$(COMMON_SRC))
 TECH_SRC := $(sort $(wildcard 0[1-8]_*.cu))
 TECH_BIN := $(patsubst %.cu,$(BUILD)/%,$(TECH_SRC))
+# The reading tier and the lab tier (notes/00_architecture.md, "How to read this codebase"): chapter
+# NN's program links the chapter (NN_*.cu), the frontier variants read after it (NNa_*.cu, NNb_*.cu,
+# …, each plugging into the chapter's core) and its lab (lab/NN_*.cu: predictions, plan and chart
+# printing, reports), each its own object.
+beside_src = $(sort $(wildcard $(1)[a-z]_*.cu lab/$(1)_*.cu))
+beside_obj = $(patsubst %.cu,$(BUILD)/%.o,$(call beside_src,$(1)))
+chapter_of = $(firstword $(subst _, ,$(1)))
 TEST_SRC := $(sort $(wildcard tests/test_*.cpp))
 TEST_BIN := $(patsubst tests/%.cpp,$(BUILD)/tests/%,$(TEST_SRC))
 BENCH_SRC := $(sort $(wildcard bench/*.cu))
@@ -127,10 +134,11 @@ $(BUILD)/%.o: %.cu $(CPU_STAMP)
 	$(call compiler_for,$<) $(CPPFLAGS) -MMD -MP -c $< -o $@
 
 # A technique file is a module and a program: its main() compiles only where TS_PROGRAM names it
-# (01 -> 1, ..., 08 -> 8), so other files and tests can include its technique.
+# (01 -> 1, ..., 08 -> 8), so other files and tests can include its technique. A variant (05a_…)
+# or lab file is a module only.
 $(BUILD)/0%.o: 0%.cu $(CPU_STAMP)
 	@mkdir -p $(dir $@)
-	$(call compiler_for,$<) $(CPPFLAGS) -DTS_PROGRAM=$(firstword $(subst _, ,$*)) -MMD -MP -c $< -o $@
+	$(call compiler_for,$<) $(CPPFLAGS) $(if $(filter $<,$(TECH_SRC)),-DTS_PROGRAM=$(firstword $(subst _, ,$*))) -MMD -MP -c $< -o $@
 
 $(CPU_STAMP):
 	@mkdir -p $(BUILD) && rm -f $(BUILD)/.cpu-* && touch $@
@@ -138,7 +146,8 @@ $(CPU_STAMP):
 $(BUILD)/common.a: $(COMMON_OBJ)
 	rm -f $@ && ar rcs $@ $^
 
-$(BUILD)/0%: $(BUILD)/0%.o $(BUILD)/common.a
+.SECONDEXPANSION:
+$(BUILD)/0%: $(BUILD)/0%.o $$(call beside_obj,$$(call chapter_of,0$$*)) $(BUILD)/common.a
 	$(LD) $^ -o $@ $(LIBS)
 
 $(BUILD)/bench/%: $(BUILD)/bench/%.o $(BUILD)/common.a
@@ -168,23 +177,34 @@ SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_pa
                04_tensor_parallel+no_split_table 02_data_parallel+skip_collective 02_data_parallel+short_collective \
                07_expert_parallel+local_bias_loads 07_expert_parallel+skip_shared_expert \
                07_expert_parallel+per_expert_copies 07_expert_parallel+lost_partial
-BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
+# The faults the reliability tests inject the same way (tests/bugs/stop_in.cpp: a rank stopped or
+# killed in a named collective; crash_in_save.cpp: a save cut short): the technique code has no
+# test switch of its own (notes/00_architecture.md, "Seeded bugs").
+STOP_IN := 02_data_parallel+stop_in 03_zero+stop_in 04_tensor_parallel+stop_in 05_pipeline_parallel+stop_in \
+           06_context_parallel+stop_in 07_expert_parallel+stop_in
+INJECTED_FAULTS := $(STOP_IN) 01_single_gpu+crash_in_save
+BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS) $(INJECTED_FAULTS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant
-$(BUILD)/tests/bugs/$(1)+$(2): $(BUILD)/$(1).o $(BUILD)/tests/bugs/$(2).o $(BUILD)/common.a
+$(BUILD)/tests/bugs/$(1)+$(2): $(BUILD)/$(1).o $(call beside_obj,$(call chapter_of,$(1))) $(BUILD)/tests/bugs/$(2).o $(BUILD)/common.a
 	$$(LD) $$(call wrap_flags,tests/bugs/$(2).cpp) $$^ -o $$@ $$(LIBS)
 endef
-$(foreach v,$(SEEDED_BUGS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
+$(foreach v,$(SEEDED_BUGS) $(INJECTED_FAULTS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
 # Order-only: built with the test that runs them (when the test itself is built), never linked
 # into it; `make test` names them as well, since make skips a missing secondary file otherwise.
-$(BUILD)/tests/test_equivalence: | $(BUG_BIN)
+$(BUILD)/tests/test_equivalence: | $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
+$(BUILD)/tests/test_reliability: | $(patsubst %,$(BUILD)/tests/bugs/%,$(STOP_IN))
+$(BUILD)/tests/test_single: | $(BUILD)/tests/bugs/01_single_gpu+crash_in_save
 $(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
 $(BUILD)/tests/test_ep: | $(BUILD)/tests/bugs/07_expert_parallel+local_bias_loads \
                           $(BUILD)/tests/bugs/07_expert_parallel+skip_shared_expert \
                           $(BUILD)/tests/bugs/07_expert_parallel+per_expert_copies \
                           $(BUILD)/tests/bugs/07_expert_parallel+lost_partial
 $(BUILD)/tests/test_operations: | $(BUILD)/tests/bugs/02_data_parallel+skip_collective \
-                                 $(BUILD)/tests/bugs/02_data_parallel+short_collective
+                                 $(BUILD)/tests/bugs/02_data_parallel+short_collective \
+                                 $(BUILD)/tests/bugs/02_data_parallel+stop_in \
+                                 $(BUILD)/tests/bugs/04_tensor_parallel+stop_in \
+                                 $(BUILD)/tests/bugs/05_pipeline_parallel+stop_in
 
 $(BUILD)/fuzz/common/%.o: common/%.cu
 	@mkdir -p $(dir $@)

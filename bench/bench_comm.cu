@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "comm/comm.h"
+#include "comm/watchdog.h"
 #include "comm/flight_recorder.h"
 #include "comm/mesh.h"
 

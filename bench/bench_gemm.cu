@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "kernels/kernels.h"
 
 using namespace ts;
 

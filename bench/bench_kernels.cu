@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "training/config_flags.h"
 #include "tensor/rng.h"
 #include "kernels/kernels.h"
 #include "training/config.h"

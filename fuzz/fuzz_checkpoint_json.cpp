@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "training/checkpoint.h"
+#include "training/checkpoint_files.h"
 #include "fuzz_util.h"
 
 static fz::Counts counts{"fuzz_checkpoint_json"};

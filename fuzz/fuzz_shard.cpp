@@ -3,6 +3,7 @@
 #include <cstdlib>
 
 #include "formats/data.h"
+#include "formats/data_sources.h"
 #include "fuzz_util.h"
 #include "formats/json.h"
 

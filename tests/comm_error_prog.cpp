@@ -9,6 +9,8 @@
 #include <string>
 
 #include "comm/comm.h"
+#include "comm/watchdog.h"
+#include "tensor/hooks.h"
 #include "comm/mesh.h"
 
 using namespace ts;

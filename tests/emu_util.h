@@ -4,6 +4,7 @@
 // defect holds a stream).
 #pragma once
 #include <catch2/catch.hpp>
+#include "tensor/device.h"
 
 #include <cuda_runtime.h>
 

@@ -4,6 +4,7 @@
 #include <cstdio>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
 
 int main() {
   if (!ts::cuda_available()) {

@@ -9,6 +9,8 @@
 #include <functional>
 
 #include "comm/comm.h"
+#include "tensor/device.h"
+#include "comm/watchdog.h"
 #include "comm/mesh.h"
 
 using namespace ts;

@@ -5,7 +5,10 @@
 #include <catch2/catch.hpp>
 
 #include "../02_data_parallel.cu"
+#include "formats/data_sources.h"
 #include "../03_zero.cu"
+#include "../lab/02_data_parallel.h"
+#include "../lab/03_zero.h"
 #include "test_util.h"
 
 using namespace ts;
@@ -111,4 +114,30 @@ TEST_CASE("unit by unit with the weight gradients deferred (B then W) gives forw
   CHECK(st.deferred.empty());
   CHECK(ready.size() == size_t(L + 2));
   CHECK(to_host_f32(split.grads) == to_host_f32(whole.grads));
+}
+
+TEST_CASE("the labs' predictions are the chapters' formulas plus what a run adds: ZeRO's units in flight",
+          "[compose]") {
+  RunConfig rc;
+  rc.model = kCfg;
+  rc.micro_batch = 2;
+  const ParamTable t = Model::make_table(kCfg, 2);
+  // notes/03: the tiny model's layers are 43136 elements each, the largest units; both layers are
+  // the largest pair of consecutive units.
+  const double S = double(t.total) / 2, P2 = 2 * 43136.0, U = 43136.0;
+  CHECK(zero::largest_unit(t) == U);
+  CHECK(zero::largest_consecutive_pair(t) == P2);
+  for (int stage : {1, 2, 3}) {
+    for (bool prefetch : {false, true}) {
+      const zero::ZeroPlan p{stage, 2, 1, prefetch, t};
+      const MemoryPrediction m = zero::predict_memory(rc, p, P2);
+      CHECK(m.optimizer == 8 * S);  // fp32: Adam's m and v, no master copy
+      CHECK(m.grads == (stage == 1 ? 4.0 * double(t.total) : 4 * (S + P2)));
+      CHECK(m.params == (stage < 3 ? 4.0 * double(t.total) : 4 * (S + (prefetch ? P2 : U))));
+      CHECK(m.staging == 12 * S);
+      CHECK(m.activations == predict_activations(kCfg, 2, DType::F32, Recompute::None));
+    }
+  }
+  // 02's ring all-reduce, 2(N−1)/N · 4Ψ: at N = 2 exactly the 4Ψ bytes of the fp32 gradients.
+  CHECK(dp::predict_allreduce_bytes(rc, 2) == 4.0 * double(param_count(kCfg)));
 }

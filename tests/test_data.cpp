@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "formats/data.h"
+#include "formats/data_sources.h"
 #include "test_util.h"
 #include "formats/json.h"
 

@@ -12,6 +12,7 @@
 #include <set>
 
 #include "model/model.h"
+#include "training/config_flags.h"
 #include "test_util.h"
 #include "training/train.h"
 

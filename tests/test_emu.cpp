@@ -14,6 +14,8 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
+#include "kernels/kernels.h"
 #include "model/model.h"
 #include "emu.h"
 #include "emu_util.h"

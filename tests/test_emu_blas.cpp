@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
+#include "kernels/kernels.h"
 #include "emu.h"
 
 namespace {

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
 #include "emu.h"
 #include "emu_util.h"
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "tensor/device.h"
 #include "kernels/kernels_cuda.h"
 #include "tensor/core.h"
 #include "tensor/rng.h"

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
 #include "test_util.h"
 #include "formats/json.h"
 #include "formats/safetensors.h"

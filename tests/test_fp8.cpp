@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
+#include "tensor/hooks.h"
 #include "tensor/rng.h"
 #include "kernels/fp8.h"
 #include "kernels/kernels.h"

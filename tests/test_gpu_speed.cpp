@@ -2,6 +2,7 @@
 #include <catch2/catch.hpp>
 
 #include "training/config.h"
+#include "training/config_flags.h"
 #include "training/gpu_speed.h"
 
 using namespace ts;

@@ -18,6 +18,8 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/allocator.h"
+#include "tensor/device.h"
 #include "tensor/rng.h"
 #include "kernels/kernels.h"
 #include "kernels/kernels_bf16.h"

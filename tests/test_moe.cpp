@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "training/checkpoint_files.h"
+#include "model/mlp_block.h"
 #include "tensor/rng.h"
 #include "formats/safetensors.h"
 #include "kernels/kernels.h"
@@ -449,6 +451,38 @@ TEST_CASE("MoE block against the naive double reference: forward, gradients, dro
 // ----- 01 with --experts, end to end --------------------------------------------------------------
 
 const std::string kMoe = "--preset tiny --experts 4 --top-k 2 --ffn 64 --quiet --lr-schedule constant ";
+
+// LayerActs::mlp_state is the block's MoeActs: each saved tensor under its name, of the shape its
+// comment gives (a dropped assignment: src −1, no row), the shared experts' only with them.
+TEST_CASE("MoE block: what forward saves for backward is named", "[moe]") {
+  const Case cs{"sigmoid top-2, capacity 0.5, 1 shared expert", 2, 0.5f, false, true, 1, 1, 1};
+  const ModelConfig c = block_config(cs);
+  Model m(c, Device::CPU, DType::F32, Recompute::None);
+  Model::init_range(m.table, 7, 0, m.table.total, m.params);
+  const int B = 2, N = B * c.seq, D = c.dim, E = c.experts, K = c.top_k;
+  Tensor h = Tensor::empty({N, D}, DType::F32, Device::CPU, Tag::Workspace);
+  Tensor y = Tensor::empty({N, D}, DType::F32, Device::CPU, Tag::Workspace);
+  for (int64_t i = 0; i < h.numel(); i++) h.f32()[i] = float(rng_normal(11, uint64_t(i)));
+  LayerActs a;
+  m.mlp->forward(m, 0, y, h, a);
+  const MoeActs& s = MoeBlock::acts(a);
+  CHECK(s.probs.shape == std::vector<int64_t>{N, E});
+  CHECK(s.idx.shape == std::vector<int64_t>{N, K});
+  CHECK(s.src.shape == std::vector<int64_t>{N, K});
+  const int64_t M = s.perm.numel();
+  int64_t kept = 0, dropped = 0;
+  for (int64_t i = 0; i < s.src.numel(); i++) (s.src.i32()[i] < 0 ? dropped : kept)++;
+  CHECK(dropped > 0);
+  CHECK(M == kept);
+  CHECK(s.wa.numel() == M);
+  CHECK(s.in.shape == std::vector<int64_t>{M, D});
+  CHECK(s.out.shape == std::vector<int64_t>{M, D});
+  CHECK(s.host_counts.numel() == int64_t(B) * E + E + 1);
+  CHECK(s.host_counts.i32()[B * E + E] == dropped);
+  CHECK(s.host_aux.numel() == B);
+  CHECK(s.shared_g.shape == std::vector<int64_t>{N, c.expert_width()});
+  CHECK(s.shared_act.defined());
+}
 
 TEST_CASE("01 --experts: activations, params and grads measured = predicted; Mixtral checkpoint", "[moe][e2e]") {
   for (const char* rc : {"--recompute none", "--recompute selective", "--recompute full"}) {

@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include "formats/json.h"
+#include "training/config_flags.h"
+#include "training/report.h"
 #include "model/model.h"
 #include "test_util.h"
 #include "training/train.h"

@@ -68,7 +68,9 @@ TEST_CASE("a rank stopped inside a collective: every live rank's record, and the
   for (const Site& s : sites) {
     tst::TempDir d;
     const std::string dir = d.file("flight");
-    Timed t = timed(tst::bin_command(s.bin, kTiny + s.args + " --steps 4 --timeout 3 --flight-dir " + dir, s.np,
+    // The binary with the injected fault tests/bugs/stop_in.cpp linked in (the Makefile's INJECTED_FAULTS).
+    const std::string bin = "tests/bugs/" + s.bin + "+stop_in";
+    Timed t = timed(tst::bin_command(bin, kTiny + s.args + " --steps 4 --timeout 3 --flight-dir " + dir, s.np,
                                      "TS_STOP_IN=\"" + s.stop_in + "\""),
                     60);
     INFO(s.bin << " (" << t.secs << " s)\n" << t.r.output);
@@ -140,15 +142,16 @@ TEST_CASE("SIGUSR1 writes every rank's record without stopping the run; a short 
 
 TEST_CASE("--flight-recorder 0 records nothing and writes nothing; the default directory sits beside --save",
           "[flight]") {
+  const std::string kStoppable = "tests/bugs/02_data_parallel+stop_in";  // TS_STOP_IN: tests/bugs/stop_in.cpp
   tst::TempDir d;
-  Timed off = timed(tst::bin_command("02_data_parallel", kTiny + "--dp 2 --steps 2 --timeout 2 --flight-recorder 0 "
+  Timed off = timed(tst::bin_command(kStoppable, kTiny + "--dp 2 --steps 2 --timeout 2 --flight-recorder 0 "
                                      "--save " + d.file("ck"), 2, "TS_STOP_IN=\"all_reduce #1 on group 'dp'\""), 60);
   INFO(off.r.output);
   CHECK(off.r.status != 0);
   CHECK(has(off.r.output, "watchdog: rank 0 waited 2.0 s for all_reduce #1 on group 'dp'"));
   CHECK_FALSE(has(off.r.output, "flight recorder"));
   CHECK_FALSE(exists(d.file("ck.flight")));
-  Timed on = timed(tst::bin_command("02_data_parallel", kTiny + "--dp 2 --steps 2 --timeout 2 --save " + d.file("ck"), 2,
+  Timed on = timed(tst::bin_command(kStoppable, kTiny + "--dp 2 --steps 2 --timeout 2 --save " + d.file("ck"), 2,
                                     "TS_STOP_IN=\"all_reduce #1 on group 'dp'\""), 60);
   INFO(on.r.output);
   CHECK(exists(d.file("ck.flight/rank_0.json")));

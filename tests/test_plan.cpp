@@ -1,12 +1,14 @@
 // ranks: 1
-// The step-time model (common/training/step_time.h) and the planner (08_plan.h), piece by piece against
+// The step-time model (common/training/step_time.h) and the planner (lab/08_plan.h), piece by piece against
 // hand calculations; its ranking's tie-breaks; and what `08_5d_mesh --plan` prints: the batch it
 // assumed, the memory it applies, the warnings, the axes an alternative differs in, the cost to train.
 #include <catch2/catch.hpp>
 
 #include <set>
 
-#include "../08_plan.h"
+#include "../lab/08_plan.h"
+#include "training/config_flags.h"
+#include "training/step_time.h"
 #include "test_util.h"
 
 using namespace ts;
@@ -303,7 +305,7 @@ TEST_CASE("a dualpipev plan: 05's placement, its simulated bubble, its stages' m
   const Cluster cl{find_gpu("h100"), 80, 16, 8};
   Plan v;
   v.mesh = {4, 4, 1, 1, 1};  // dp 4 × pp 4: m = 64 / 4 = 16 micro-batches of 1
-  v.schedule = pp::Schedule::DualPipeV;
+  v.schedule = pp::kDualPipeV;
   v.virtual_stages = 2;
   REQUIRE(composes(v, rc.model));
   const int L = rc.model.layers;  // 32: 8 stages of 4 layers
@@ -314,7 +316,7 @@ TEST_CASE("a dualpipev plan: 05's placement, its simulated bubble, its stages' m
   CHECK(stage_layers(rc, v, 1) == 8);
 
   const Candidate c = evaluate(rc, cl, v, 1, Recompute::Selective);
-  const pp::Plan sim = pp::build_plan(4, 16, 2, pp::Schedule::DualPipeV);
+  const pp::SimulatedPlan sim = pp::simulated_plan(4, 16, 2, pp::kDualPipeV);
   REQUIRE(sim.complete);
   CHECK(c.bubble == sim.bubble());
   CHECK(c.bubble == Approx(3.0 / (6 * 16)));  // (p − 1)/(6m), 05's formula
@@ -330,7 +332,7 @@ TEST_CASE("a dualpipev plan: 05's placement, its simulated bubble, its stages' m
           pp::predict_stage_activations(pl, s, run.model, 1, run.dtype, run.recompute));
   // Interleaved at V = 2 places stages 0 and 4 on rank 0: the same layers, but not the head.
   Plan il = v;
-  il.schedule = pp::Schedule::Interleaved;
+  il.schedule = pp::kInterleaved;
   CHECK(predict_memory(run, v, 0).params > predict_memory(run, il, 0).params);
   // The V's ends send 2m tensors, the middle ranks 4m (05's count off the lists).
   const double tensor = 4096.0 * rc.model.dim * 2;
@@ -522,7 +524,7 @@ TEST_CASE("the pipeline's new terms by hand: DP in the cooldown, ZeRO-1 per unit
   const Candidate uc = evaluate(five, Cluster{&g, 8, 2, 2}, u, 1, Recompute::None);
   const double even = flops_per_token(five.model) * tokens / 2 / 20e9;
   CHECK(uc.t_compute == Approx(1.2 * even));
-  const pp::Plan pl = pp::build_plan(2, 8, 1, pp::Schedule::OneFOneB, {3, 2});
+  const pp::SimulatedPlan pl = pp::simulated_plan(2, 8, 1, pp::kOneFOneB, {3, 2});
   CHECK(uc.bubble == Approx(pl.bubble()));
   CHECK(uc.t_bubble == Approx(pl.bubble() * 1.2 * even));
 }

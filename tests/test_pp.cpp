@@ -11,6 +11,10 @@
 #include <set>
 
 #include "../05_pipeline_parallel.cu"
+#include "kernels/kernels.h"
+#include "../05a_zero_bubble.cu"
+#include "../05b_dualpipev.cu"
+#include "../lab/05_pipeline_parallel.h"
 #include "test_util.h"
 
 using namespace ts;
@@ -19,7 +23,7 @@ namespace {
 
 const std::string kTiny = "--preset tiny --quiet --lr-schedule constant ";
 const int kSteps = 4;
-const pp::Schedule kAll[] = {pp::Schedule::AFAB, pp::Schedule::OneFOneB, pp::Schedule::Interleaved, pp::Schedule::ZBH1};
+const pp::Schedule kAll[] = {pp::kAFAB, pp::kOneFOneB, pp::kInterleaved, pp::kZBH1};
 
 using Run = tst::CachedRun;
 std::string args(int layers, int batch, const std::string& extra = "") {
@@ -29,24 +33,42 @@ std::string args(int layers, int batch, const std::string& extra = "") {
 const Run& single(int layers, int batch, const std::string& extra = "") {
   return tst::cached_run("01_single_gpu", 1, args(layers, batch, extra));
 }
-const pp::Schedule kDual = pp::Schedule::DualPipeV;
+const pp::Schedule kDual = pp::kDualPipeV;
 const Run& pipe(int p, pp::Schedule s, int layers, int batch, const std::string& extra = "") {
-  const std::string v = s == pp::Schedule::Interleaved ? " --virtual-stages 2 " : " ";
+  const std::string v = s == pp::kInterleaved ? " --virtual-stages 2 " : " ";
   return tst::cached_run("05_pipeline_parallel", p,
                          args(layers, batch, "--pp " + std::to_string(p) + " --schedule " + pp::schedule_name(s) + v + extra));
 }
 std::string model_file(const Run& r) { return r.ckpt + "/model.safetensors"; }
 // Layers: pp·V must divide them (V = 2 for interleaved).
-int layers_for(int p, pp::Schedule s) { return s == pp::Schedule::Interleaved && p == 4 ? 8 : 4; }
+int layers_for(int p, pp::Schedule s) { return s == pp::kInterleaved && p == 4 ? 8 : 4; }
 const Json& stage(const Run& r, int s) { return r.log.summary.at("pp").at("stages")[size_t(s)]; }
 
 }  // namespace
 
 // ----- the action lists ------------------------------------------------------------------------------
 
+// The registry: the chapter's three schedules and those 05a and 05b register, found by name, listed
+// in reading order (the help and the error messages list them so).
+TEST_CASE("the schedule registry: a variant's schedule is found by name, the names in reading order", "[05][schedule]") {
+  pp::Schedule s = nullptr;
+  REQUIRE(pp::parse_schedule("zb-h1", s));
+  CHECK(s == pp::kZBH1);
+  CHECK(pp::splits_backward(s));
+  REQUIRE(pp::parse_schedule("dualpipev", s));
+  CHECK(s == pp::kDualPipeV);
+  CHECK(s->chunks == 2);
+  REQUIRE(pp::parse_schedule("1f1b", s));
+  CHECK(s == pp::kOneFOneB);
+  CHECK(!pp::splits_backward(s));
+  CHECK(!pp::parse_schedule("gpipe", s));
+  CHECK(pp::schedule_names(" | ", " | ") == "afab | 1f1b | interleaved | zb-h1 | dualpipev");
+  CHECK(pp::schedule_names(", ", " or ") == "afab, 1f1b, interleaved, zb-h1 or dualpipev");
+}
+
 // A plan that completes runs one action at a time per rank, each (op, micro-batch, virtual stage)
 // exactly once (per: 2 for F and B, 3 with W), and each after the actions it needs.
-void check_once_in_order(const pp::Plan& pl, int per) {
+void check_once_in_order(const pp::SimulatedPlan& pl, int per) {
   REQUIRE(pl.complete);
   std::map<std::tuple<int, int, int>, int> finish;  // (op, mb, virtual stage) -> finish slot
   int count = 0;
@@ -76,10 +98,10 @@ TEST_CASE("every micro-batch gets one F and one B (and one W) per chunk, in depe
   for (pp::Schedule s : kAll)
     for (int p = 1; p <= 5; p++)
       for (int m = 1; m <= 12; m++) {
-        const int V = s == pp::Schedule::Interleaved ? 2 : 1;
-        if (s == pp::Schedule::Interleaved && m % p) continue;
+        const int V = s == pp::kInterleaved ? 2 : 1;
+        if (s == pp::kInterleaved && m % p) continue;
         INFO(pp::schedule_name(s) << " p " << p << " m " << m);
-        check_once_in_order(pp::build_plan(p, m, V, s), s == pp::Schedule::ZBH1 ? 3 : 2);
+        check_once_in_order(pp::simulated_plan(p, m, V, s), s == pp::kZBH1 ? 3 : 2);
       }
 }
 
@@ -88,7 +110,7 @@ TEST_CASE("every micro-batch gets one F and one B (and one W) per chunk, in depe
 TEST_CASE("DualPipeV: the V placement; F, B and W once per stage, in dependency order, for p 1..8", "[05][schedule][dualpipev]") {
   for (int p : {1, 2, 3, 4, 8})
     for (int m = 2 * p; m <= 4 * p + 1; m++) {
-      const pp::Plan pl = pp::build_plan(p, m, 2, kDual);
+      const pp::SimulatedPlan pl = pp::simulated_plan(p, m, 2, kDual);
       INFO("p " << p << " m " << m);
       check_once_in_order(pl, 3);
       for (int r = 0; r < p; r++) {
@@ -118,8 +140,8 @@ TEST_CASE("DualPipeV's bubble: p − 1 idle slots per rank, the README's 2(p −
           "[05][schedule][dualpipev]") {
   for (int p : {1, 2, 3, 4, 5, 6, 8})
     for (int m = 2 * p; m <= 4 * p + 1; m++) {
-      const pp::Plan pl = pp::build_plan(p, m, 2, kDual);
-      const pp::Plan blocks = pp::build_plan(p, m, 2, kDual, {}, true);
+      const pp::SimulatedPlan pl = pp::simulated_plan(p, m, 2, kDual);
+      const pp::SimulatedPlan blocks = pp::pair_block_plan(p, m);
       INFO("p " << p << " m " << m);
       REQUIRE(pl.complete);
       REQUIRE(blocks.complete);
@@ -133,9 +155,9 @@ TEST_CASE("DualPipeV's bubble: p − 1 idle slots per rank, the README's 2(p −
       CHECK(pl.bubble() == Approx(pp::bubble_formula(kDual, p, m, 2)).epsilon(1e-12));
       CHECK(pp::bubble_formula(kDual, p, m, 2) == Approx((p - 1.0) / (6.0 * m)).epsilon(1e-12));
       // The table's value is ZB-H1's bubble at the same p: the blocks cost DualPipeV its half stages.
-      CHECK(blocks.bubble() == Approx(pp::bubble_formula(pp::Schedule::ZBH1, p, m, 1)).epsilon(1e-12));
+      CHECK(blocks.bubble() == Approx(pp::bubble_formula(pp::kZBH1, p, m, 1)).epsilon(1e-12));
       CHECK(pp::peak_in_flight(pl, 0) == 2 * p + 1);  // the table's PP + 1, PP = 2p stages
-      if (p > 1) CHECK(pl.bubble() < pp::build_plan(p, m, 1, pp::Schedule::ZBH1).bubble());
+      if (p > 1) CHECK(pl.bubble() < pp::simulated_plan(p, m, 1, pp::kZBH1).bubble());
     }
 }
 
@@ -148,10 +170,12 @@ TEST_CASE("DualPipeV's F&B pairs: as many as dualpipev.py's, each an F then a fu
     for (int m = 2 * p; m <= 3 * p + 1; m++)
       for (int s = 0; s < p; s++) {
         INFO("p " << p << " m " << m << " rank " << s);
-        const std::vector<pp::Action> o = pp::compute_order(kDual, p, m, 2, s);
+        const std::vector<pp::Action> o = kDual->order(p, m, 2, s);
+        const std::vector<bool> pair = pp::dualpipev_pairs(p, m, s);
+        REQUIRE(pair.size() == o.size());
         int pairs = 0;
         for (size_t i = 0; i < o.size(); i++) {
-          if (!o[i].pair) continue;
+          if (!pair[i]) continue;
           pairs++;
           REQUIRE(i + 2 < o.size());
           CHECK(o[i].op == pp::Op::F);
@@ -159,7 +183,7 @@ TEST_CASE("DualPipeV's F&B pairs: as many as dualpipev.py's, each an F then a fu
           CHECK((o[i + 2].op == pp::Op::W && o[i + 2].mb == o[i + 1].mb && o[i + 2].chunk == o[i + 1].chunk));
         }
         CHECK(pairs == 2 * (m - 2 * p + s + 1) + (p - s - 1) - (s == p - 1 ? 1 : 0));
-        const pp::Plan pl = pp::build_plan(p, m, 2, kDual), blocks = pp::build_plan(p, m, 2, kDual, {}, true);
+        const pp::SimulatedPlan pl = pp::simulated_plan(p, m, 2, kDual), blocks = pp::pair_block_plan(p, m);
         REQUIRE(pl.timeline[s].size() == blocks.timeline[s].size());
         for (size_t i = 0; i < pl.timeline[s].size(); i++) CHECK(pl.timeline[s][i].action == blocks.timeline[s][i].action);
       }
@@ -170,31 +194,57 @@ TEST_CASE("simulated bubbles: (p−1)/m for AFAB and 1F1B, (p−1)/(V·m) interl
     for (int m = 1; m <= 24; m++) {
       INFO("p " << p << " m " << m);
       const double f = (p - 1.0) / m;
-      CHECK(pp::build_plan(p, m, 1, pp::Schedule::AFAB).bubble() == Approx(f).epsilon(1e-12));
-      const double one = pp::build_plan(p, m, 1, pp::Schedule::OneFOneB).bubble();
+      CHECK(pp::simulated_plan(p, m, 1, pp::kAFAB).bubble() == Approx(f).epsilon(1e-12));
+      const double one = pp::simulated_plan(p, m, 1, pp::kOneFOneB).bubble();
       CHECK(one == Approx(f).epsilon(1e-12));
-      const double zb = pp::build_plan(p, m, 1, pp::Schedule::ZBH1).bubble();
+      const double zb = pp::simulated_plan(p, m, 1, pp::kZBH1).bubble();
       CHECK(zb < one);
       if (m >= p) CHECK(zb == Approx((p - 1.0) / (3.0 * m)).epsilon(1e-12));  // Qi et al.'s (p−1)(F+B−W)
       if (m % p == 0)
         for (int V : {2, 4})
-          CHECK(pp::build_plan(p, m, V, pp::Schedule::Interleaved).bubble() == Approx(f / V).epsilon(1e-12));
+          CHECK(pp::simulated_plan(p, m, V, pp::kInterleaved).bubble() == Approx(f / V).epsilon(1e-12));
     }
+}
+
+// ZB-H1's lists are FillSimulator's timeline; the lab's plain simulator, playing them, finds that
+// timeline again slot for slot (05a's zb_h1_order), on even and uneven stages.
+TEST_CASE("ZB-H1: its lists on the plain simulator give FillSimulator's timeline", "[05][schedule]") {
+  for (int p = 1; p <= 6; p++)
+    for (int m = 1; m <= 12; m++)
+      for (bool uneven : {false, true}) {
+        std::vector<int> layers(size_t(p), 2);
+        if (uneven) layers[0] = 3, layers[size_t(p - 1)] = 1;
+        pp::SimulatedPlan fill(pp::build_plan(p, m, 1, pp::kOneFOneB, layers));
+        fill.schedule = pp::kZBH1;
+        pp::FillSimulator(fill).run();
+        const pp::SimulatedPlan zb = pp::simulated_plan(p, m, 1, pp::kZBH1, layers);
+        INFO("p " << p << " m " << m << (uneven ? " uneven" : ""));
+        REQUIRE(zb.complete);
+        CHECK(zb.makespan == fill.makespan);
+        for (int r = 0; r < p; r++) {
+          REQUIRE(zb.timeline[r].size() == fill.timeline[r].size());
+          for (size_t i = 0; i < zb.timeline[r].size(); i++) {
+            CHECK(zb.timeline[r][i].action == fill.timeline[r][i].action);
+            CHECK(zb.timeline[r][i].start == fill.timeline[r][i].start);
+            CHECK(zb.timeline[r][i].slots == fill.timeline[r][i].slots);
+          }
+        }
+      }
 }
 
 TEST_CASE("in flight: AFAB holds m micro-batches, 1F1B at most p − s, ZB-H1 at most p until W", "[05][schedule]") {
   const int p = 4, m = 8;
-  for (pp::Schedule s : {pp::Schedule::AFAB, pp::Schedule::OneFOneB, pp::Schedule::ZBH1}) {
-    const pp::Plan pl = pp::build_plan(p, m, 1, s);
+  for (pp::Schedule s : {pp::kAFAB, pp::kOneFOneB, pp::kZBH1}) {
+    const pp::SimulatedPlan pl = pp::simulated_plan(p, m, 1, s);
     for (int r = 0; r < p; r++) {
       int held = 0, peak = 0;
       for (const pp::TimedAction& t : pl.timeline[r]) {
-        const bool frees = s == pp::Schedule::ZBH1 ? t.action.op == pp::Op::W : t.action.op == pp::Op::B;
+        const bool frees = s == pp::kZBH1 ? t.action.op == pp::Op::W : t.action.op == pp::Op::B;
         held += t.action.op == pp::Op::F ? 1 : frees ? -1 : 0;
         peak = std::max(peak, held);
       }
       INFO(pp::schedule_name(s) << " stage " << r);
-      CHECK(peak == (s == pp::Schedule::AFAB ? m : s == pp::Schedule::OneFOneB ? p - r : p));
+      CHECK(peak == (s == pp::kAFAB ? m : s == pp::kOneFOneB ? p - r : p));
     }
   }
 }
@@ -203,11 +253,11 @@ TEST_CASE("p2p lists: rendezvous-safe for AFAB, 1F1B and ZB-H1; message counts e
   for (pp::Schedule s : kAll)
     for (int p = 2; p <= 6; p++)
       for (int m = 1; m <= 10; m++) {
-        const int V = s == pp::Schedule::Interleaved ? 2 : 1;
-        if (s == pp::Schedule::Interleaved && m % p) continue;
+        const int V = s == pp::kInterleaved ? 2 : 1;
+        if (s == pp::kInterleaved && m % p) continue;
         const pp::Plan pl = pp::build_plan(p, m, V, s);
         INFO(pp::schedule_name(s) << " p " << p << " m " << m);
-        if (s != pp::Schedule::Interleaved) CHECK(pp::completes_under_rendezvous(pl));
+        if (s != pp::kInterleaved) CHECK(pp::completes_under_rendezvous(pl));
         std::multiset<std::pair<int, int>> sent, received;  // (dir, mb·K + from)
         for (int r = 0; r < p; r++) {
           int sends = 0;
@@ -250,7 +300,7 @@ TEST_CASE("DualPipeV's p2p: every message sent is received; 2m tensors sent at t
 }
 
 TEST_CASE("--schedule-chart prints the timeline: 1F1B at p 4, m 8", "[05][schedule]") {
-  const std::vector<std::string> rows = pp::schedule_chart(pp::build_plan(4, 8, 1, pp::Schedule::OneFOneB));
+  const std::vector<std::string> rows = pp::schedule_chart(pp::simulated_plan(4, 8, 1, pp::kOneFOneB));
   REQUIRE(rows.size() == 8);
   CHECK(rows[0] == "stage 0 |FFFF......BBFBBFBBFBBFBB.BB.BB.BB|");
   CHECK(rows[6] == "stage 3 |...FBBFBBFBBFBBFBBFBBFBBFBB......|");
@@ -311,7 +361,7 @@ TEST_CASE("pp 2 and 4 × every schedule × m ∈ {p, 2p, not a multiple of p} re
   for (int p : {2, 4})
     for (pp::Schedule s : kAll)
       for (int m : {p, 2 * p, p + 1}) {
-        if (s == pp::Schedule::Interleaved && m % p) continue;
+        if (s == pp::kInterleaved && m % p) continue;
         const int L = layers_for(p, s);
         const Run& ref = single(L, m);
         const Run& t = pipe(p, s, L, m);
@@ -348,7 +398,7 @@ TEST_CASE("DualPipeV at pp 2 and 4 reproduces 01; activations, sends and states 
 
 TEST_CASE("recompute full and selective under 1F1B, interleaved and ZB-H1 reproduce 01", "[05][e2e][equiv]") {
   for (const char* rc : {"--recompute full", "--recompute selective"})
-    for (pp::Schedule s : {pp::Schedule::OneFOneB, pp::Schedule::Interleaved, pp::Schedule::ZBH1}) {
+    for (pp::Schedule s : {pp::kOneFOneB, pp::kInterleaved, pp::kZBH1}) {
       const Run& ref = single(4, 4, rc);
       const Run& t = pipe(2, s, 4, 4, rc);
       INFO(rc << " " << pp::schedule_name(s));
@@ -359,7 +409,7 @@ TEST_CASE("recompute full and selective under 1F1B, interleaved and ZB-H1 reprod
 // bf16 activations and weights with fp32 masters: a stage runs exactly 01's kernels on the same
 // tensors, so the curve is 01 bf16's bit for bit (measured: identical); and the memory exact.
 TEST_CASE("bf16: 1F1B and ZB-H1 at pp 2 give 01 bf16's losses; activations equal predicted", "[05][e2e][bf16]") {
-  for (pp::Schedule s : {pp::Schedule::OneFOneB, pp::Schedule::ZBH1}) {
+  for (pp::Schedule s : {pp::kOneFOneB, pp::kZBH1}) {
     const Run& ref = single(4, 4, "--dtype bf16");
     const Run& t = pipe(2, s, 4, 4, "--dtype bf16");
     INFO(pp::schedule_name(s));
@@ -385,7 +435,7 @@ TEST_CASE("activations per stage measured equal predicted for every schedule; AF
       }
   // Recompute modes change the per-layer term, not the rule.
   for (const char* rc : {"--recompute full", "--recompute selective"})
-    for (pp::Schedule s : {pp::Schedule::OneFOneB, pp::Schedule::ZBH1}) {
+    for (pp::Schedule s : {pp::kOneFOneB, pp::kZBH1}) {
       const Run& t = pipe(2, s, 4, 4, rc);
       for (int st = 0; st < 2; st++)
         CHECK(stage(t, st).at("activations_measured").as_double() == stage(t, st).at("activations_predicted").as_double());
@@ -395,10 +445,10 @@ TEST_CASE("activations per stage measured equal predicted for every schedule; AF
   const ModelConfig c{64, 4, 4, 2, 160, 256, 32};
   const double S = layer_activation_bytes(c, DType::F32, Recompute::None), out = 64 * 4;
   const int p = 4, m = 8;
-  CHECK(stage(pipe(p, pp::Schedule::OneFOneB, 4, m), 0).at("activations_measured").as_double() == 32 * (p * S + out));
-  CHECK(stage(pipe(p, pp::Schedule::AFAB, 4, m), 0).at("activations_measured").as_double() == 32 * (m * S + out));
+  CHECK(stage(pipe(p, pp::kOneFOneB, 4, m), 0).at("activations_measured").as_double() == 32 * (p * S + out));
+  CHECK(stage(pipe(p, pp::kAFAB, 4, m), 0).at("activations_measured").as_double() == 32 * (m * S + out));
   // Params: stage 0 holds the embedding and one layer of the four.
-  const Run& t = pipe(p, pp::Schedule::OneFOneB, 4, m);
+  const Run& t = pipe(p, pp::kOneFOneB, 4, m);
   const double layer = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64 + 2 * 64;  // q, o; k, v (kv dim 32); the MLP; two norms
   CHECK(t.log.summary.at("memory").at("params").at("measured").as_double() == 4 * (256 * 64 + layer));
   CHECK(t.log.summary.at("comm").at("pp").at("send").at("bytes").as_double() == m * 32 * 64 * 4.0);
@@ -422,7 +472,7 @@ TEST_CASE("the default split: even where p·V divides L, else the last stage and
       CHECK(std::accumulate(s.begin(), s.end(), 0) == L);
       CHECK(*std::max_element(s.begin(), s.end()) - *std::min_element(s.begin(), s.end()) <= 1);
     }
-  CHECK(pp::parse_split("1,3", 4, 2) == V{1, 3});
+  CHECK(pp::stage_split("1,3", 4, 2) == V{1, 3});
   // Units: stage k runs the layers after stages 0..k-1; the embedding with the first, the head with the last.
   CHECK(pp::stage_units({1, 3}, 0) == std::make_pair(0, 2));
   CHECK(pp::stage_units({1, 3}, 1) == std::make_pair(2, 6));
@@ -434,7 +484,7 @@ TEST_CASE("the default split: even where p·V divides L, else the last stage and
 // stage 1's B of micro-batch 0 (26..30): 6 idle slots = stage 1's F and B of one micro-batch, over
 // stage 0's 8·9 busy ones. The busiest stage sets the pace: 3 of 5 layers, 1.2× an even stage's.
 TEST_CASE("uneven stages in the simulator: costs by layers, the bubble over the busiest stage", "[05][split][schedule]") {
-  const pp::Plan a = pp::build_plan(2, 8, 1, pp::Schedule::AFAB, {3, 2});
+  const pp::SimulatedPlan a = pp::simulated_plan(2, 8, 1, pp::kAFAB, {3, 2});
   CHECK(a.complete);
   CHECK(a.busy(0) == 72);
   CHECK(a.busy(1) == 48);
@@ -443,18 +493,20 @@ TEST_CASE("uneven stages in the simulator: costs by layers, the bubble over the 
   CHECK(a.busiest_share() == Approx(1.2).epsilon(1e-12));
   // Equal layers in every stage: the unit-cost schedule, slot for slot.
   for (pp::Schedule s : kAll) {
-    const int V = s == pp::Schedule::Interleaved ? 2 : 1;
-    const pp::Plan even = pp::build_plan(4, 8, V, s, std::vector<int>(size_t(4 * V), 3)), unit = pp::build_plan(4, 8, V, s);
+    const int V = s == pp::kInterleaved ? 2 : 1;
+    const pp::SimulatedPlan even = pp::simulated_plan(4, 8, V, s, std::vector<int>(size_t(4 * V), 3));
+    const pp::SimulatedPlan unit = pp::simulated_plan(4, 8, V, s);
     CHECK(even.makespan == unit.makespan);
     CHECK(even.bubble() == unit.bubble());
   }
   for (pp::Schedule s : kAll)
     for (int m : {2, 4, 6}) {
-      const int V = s == pp::Schedule::Interleaved ? 2 : 1;
-      const pp::Plan pl = pp::build_plan(2, m, V, s, V == 2 ? std::vector<int>{1, 3, 2, 1} : std::vector<int>{1, 4});
+      const int V = s == pp::kInterleaved ? 2 : 1;
+      const std::vector<int> split = V == 2 ? std::vector<int>{1, 3, 2, 1} : std::vector<int>{1, 4};
+      const pp::SimulatedPlan pl = pp::simulated_plan(2, m, V, s, split);
       INFO(pp::schedule_name(s) << " m " << m);
       CHECK(pl.complete);
-      if (s != pp::Schedule::Interleaved) CHECK(pp::completes_under_rendezvous(pl));
+      if (s != pp::kInterleaved) CHECK(pp::completes_under_rendezvous(pl));
     }
 }
 
@@ -468,10 +520,10 @@ TEST_CASE("uneven stages under every schedule reproduce 01; each stage's memory 
     int layers;
     std::string split;
   };
-  const Uneven cases[] = {{2, pp::Schedule::AFAB, 5, ""},        {2, pp::Schedule::OneFOneB, 5, ""},
-                          {2, pp::Schedule::ZBH1, 5, "1,4"},     {2, pp::Schedule::Interleaved, 5, ""},
-                          {4, pp::Schedule::OneFOneB, 6, ""},    {4, pp::Schedule::ZBH1, 6, ""},
-                          {2, pp::Schedule::Interleaved, 6, "2,1,1,2"}};
+  const Uneven cases[] = {{2, pp::kAFAB, 5, ""},        {2, pp::kOneFOneB, 5, ""},
+                          {2, pp::kZBH1, 5, "1,4"},     {2, pp::kInterleaved, 5, ""},
+                          {4, pp::kOneFOneB, 6, ""},    {4, pp::kZBH1, 6, ""},
+                          {2, pp::kInterleaved, 6, "2,1,1,2"}};
   for (const Uneven& c : cases) {
     const std::string flag = c.split.empty() ? "" : "--stage-layers " + c.split;
     const Run& ref = single(c.layers, 8);
@@ -483,7 +535,7 @@ TEST_CASE("uneven stages under every schedule reproduce 01; each stage's memory 
   }
   // Stage 0 of "1,4" holds the embedding and one layer (params on rank 0, what the table reports).
   const double layer = 2 * 64 * 64 + 2 * 32 * 64 + 3 * 160 * 64 + 2 * 64;
-  CHECK(pipe(2, pp::Schedule::ZBH1, 5, 8, "--stage-layers 1,4").log.summary.at("memory").at("params").at("measured").as_double() ==
+  CHECK(pipe(2, pp::kZBH1, 5, 8, "--stage-layers 1,4").log.summary.at("memory").at("params").at("measured").as_double() ==
         4 * (256 * 64 + layer));
 }
 

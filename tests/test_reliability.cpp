@@ -15,6 +15,7 @@
 #include <thread>
 
 #include "training/checkpoint.h"
+#include "training/checkpoint_files.h"
 #include "test_util.h"
 
 using namespace ts;
@@ -44,6 +45,11 @@ Timed timed(const std::string& bin, const std::string& args, int np, int bound_s
 }
 
 std::string slurp(const std::string& path) { return read_text_file(path); }
+
+// The technique binary with the injected fault tests/bugs/stop_in.cpp linked in (the Makefile's
+// INJECTED_FAULTS): TS_STOP_IN=TEXT / TS_KILL_IN=TEXT stop or kill its last rank in the first
+// collective whose label contains TEXT.
+std::string stoppable(const std::string& bin) { return "tests/bugs/" + bin + "+stop_in"; }
 
 // Replaces `from` by `to` (same length, so a safetensors header keeps its size) once.
 void patch(const std::string& path, const std::string& from, const std::string& to) {
@@ -86,7 +92,7 @@ void copy_dir(const std::string& from, const std::string& to) {
 
 TEST_CASE("a rank stopped in the loss or gradient-norm all-reduce ends the job within --timeout", "[fault]") {
   for (const char* op : {"the step's loss", "the gradient norm"}) {
-    Timed t = timed("03_zero", kTiny + "--dp 2 --zero 1 --steps 4 --timeout 3", 2, 40,
+    Timed t = timed(stoppable("03_zero"), kTiny + "--dp 2 --zero 1 --steps 4 --timeout 3", 2, 40,
                     std::string("TS_STOP_IN=\"") + op + "\"");
     INFO(op << " (" << t.secs << " s)\n" << t.r.output);
     CHECK(t.r.status != 0);
@@ -98,7 +104,7 @@ TEST_CASE("a rank stopped in the loss or gradient-norm all-reduce ends the job w
 }
 
 TEST_CASE("a rank killed in a collective ends the job at once, with no transport backtrace", "[fault]") {
-  Timed t = timed("02_data_parallel", kTiny + "--dp 4 --steps 4", 4, 40, "TS_KILL_IN=\"the step's loss\"");
+  Timed t = timed(stoppable("02_data_parallel"), kTiny + "--dp 4 --steps 4", 4, 40, "TS_KILL_IN=\"the step's loss\"");
   INFO(t.secs << " s\n" << t.r.output);
   CHECK(t.r.status != 0);
   CHECK(t.r.status != 124);
@@ -109,8 +115,9 @@ TEST_CASE("a rank killed in a collective ends the job at once, with no transport
 
 TEST_CASE("a rank stopped inside a checkpoint save ends the job within --timeout, naming the save", "[fault][ckpt]") {
   tst::TempDir d;
-  Timed t = timed("02_data_parallel", kTiny + "--dp 2 --steps 6 --save-every 2 --timeout 3 --save " + d.file("ck"), 2,
-                  40, "TS_STOP_IN=\"checkpoint of step 4: files created\"");
+  Timed t = timed(stoppable("02_data_parallel"),
+                  kTiny + "--dp 2 --steps 6 --save-every 2 --timeout 3 --save " + d.file("ck"), 2, 40,
+                  "TS_STOP_IN=\"checkpoint of step 4: files created\"");
   INFO(t.secs << " s\n" << t.r.output);
   CHECK(t.r.status != 0);
   CHECK(t.r.status != 124);
@@ -337,7 +344,7 @@ TEST_CASE("a rank stopped at start-up, in the MoE statistics or in an end-of-run
       {"02_data_parallel", "--dp 2 --trace " + trace, "the trace's sizes", "gather (the trace's sizes) on group 'world'"},
   };
   for (const Site& s : sites) {
-    Timed t = timed(s.bin, kTiny + s.args + " --steps 2 --timeout 2", 2, 40, "TS_STOP_IN=\"" + s.stop_in + "\"");
+    Timed t = timed(stoppable(s.bin), kTiny + s.args + " --steps 2 --timeout 2", 2, 40, "TS_STOP_IN=\"" + s.stop_in + "\"");
     INFO(s.bin << " stopped in " << s.stop_in << " (" << t.secs << " s)\n" << t.r.output);
     CHECK(t.r.status != 0);
     CHECK(t.r.status != 124);

@@ -7,6 +7,7 @@
 #include <regex>
 
 #include "training/checkpoint.h"
+#include "training/checkpoint_files.h"
 #include "test_util.h"
 
 namespace {

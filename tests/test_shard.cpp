@@ -13,6 +13,7 @@
 #include <map>
 
 #include "../04_tensor_parallel.cu"  // tp::shard_spec, tp::split_of
+#include "training/checkpoint_files.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
 #include "test_util.h"

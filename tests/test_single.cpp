@@ -10,6 +10,8 @@
 #include <numeric>
 
 #include "formats/safetensors.h"
+#include "training/checkpoint_files.h"
+#include "kernels/kernels.h"
 #include "model/model.h"
 #include "training/checkpoint.h"
 #include "test_util.h"
@@ -229,7 +231,8 @@ TEST_CASE("--steps 0 --save writes the initial weights, and training from them e
 TEST_CASE("an interrupted save leaves the previous checkpoint loadable", "[01][e2e][ckpt]") {
   std::string dir = tst::scratch("ck_crash");
   train("--steps 3 --save " + dir, "crash_a");
-  tst::Result r = tst::run_bin("01_single_gpu", kTiny + "--steps 6 --overwrite --save " + dir, 1, 300, "TS_CRASH_IN_SAVE=1");
+  // 01 with the injected fault tests/bugs/crash_in_save.cpp: the process dies partway through the save's weights.
+  tst::Result r = tst::run_bin("tests/bugs/01_single_gpu+crash_in_save", kTiny + "--steps 6 --overwrite --save " + dir);
   CHECK(r.status != 0);
   CHECK(r.output.find("simulated crash") != std::string::npos);
   CHECK(ts::Json::parse(ts::read_text_file(dir + "/trainer.json")).at("step").as_int() == 3);

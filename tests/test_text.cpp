@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "formats/data.h"
+#include "formats/data_sources.h"
 #include "test_util.h"
 
 namespace {

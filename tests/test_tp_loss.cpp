@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 
 #include "../04_tensor_parallel.cu"
+#include "kernels/kernels.h"
 
 using namespace ts;
 

@@ -1,12 +1,14 @@
 // comm.cu — collectives over MPI (CPU tensors; CUDA tensors staged through host memory) and NCCL
 // (CUDA tensors when every rank owns a GPU), with byte accounting and the watchdog.
 #include "comm/comm.h"
+#include "tensor/hooks.h"
 #include "comm/flight_recorder.h"
 #include "comm/threads.h"
+#include "tensor/device.h"
+#include "comm/watchdog.h"
 
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -373,27 +375,6 @@ static std::string group_name(MPI_Comm comm) {
   return n > 0 ? std::string(name, size_t(n)) : "unnamed";
 }
 
-// Test hooks: TS_STOP_IN=TEXT stops the last rank (SIGSTOP, as a stalled node would) as it enters
-// the first watched operation whose label contains TEXT, so the tests can prove the others see
-// it; TS_KILL_IN=TEXT kills it there (SIGKILL, as a lost node would).
-static void maybe_stop(const std::string& what) {
-  static const char* stop = getenv("TS_STOP_IN");
-  static const char* kill = getenv("TS_KILL_IN");
-  if (!stop && !kill) return;  // every collective passes here: nothing to ask MPI in a normal run
-  int world = 1;
-  MPI_CHECK(MPI_Comm_size(MPI_COMM_WORLD, &world));
-  if (world_rank() != world - 1) return;
-  for (const char** text : {&stop, &kill})
-    if (*text && **text && what.find(*text) != std::string::npos) {
-      *text = nullptr;
-      const bool stopping = text == &stop;
-      fprintf(stderr, "%s: rank %d %s in %s\n", stopping ? "TS_STOP_IN" : "TS_KILL_IN", world - 1,
-              stopping ? "stops" : "is killed", what.c_str());
-      fflush(stderr);
-      raise(stopping ? SIGSTOP : SIGKILL);
-    }
-}
-
 // "<what> on group 'dp' (2 ranks)": the watchdog's name for an operation on `comm`.
 static std::string on_group(MPI_Comm comm, const std::string& what) {
   int n = 1;
@@ -406,7 +387,6 @@ static void watched(MPI_Comm comm, const std::string& what, const char* op, int6
                     const std::function<void(MPI_Request*)>& start) {
   auto p = std::make_unique<MpiPending>();
   p->what = on_group(comm, what);
-  maybe_stop(p->what);
   p->flight.push_back(flight::collective_raw(comm, op, count, type, root, p->what));
   p->reqs.resize(1);
   start(&p->reqs[0]);
@@ -448,7 +428,6 @@ void watched_gatherv(const void* in, int count, MPI_Datatype type, void* out, co
 
 void watched_blocking(MPI_Comm comm, const std::string& what, const std::function<void()>& call) {
   const std::string label = on_group(comm, what);
-  maybe_stop(label);
   const uint64_t id = flight::collective_raw(comm, "blocking", 0, MPI_DATATYPE_NULL, -1, label);
   flight::started(id);
   under_timer(label, call);
@@ -663,9 +642,9 @@ static Work mpi_issue(const std::function<void(MpiPending&)>& post, std::string 
 }
 
 // The skeleton. A group of one ends at once; any other call is named (the watchdog's label,
-// numbered as the flight recorder numbers it), passes the stop hook, is noted by the flight
-// recorder, and goes by NCCL (CUDA tensors where every rank owns a GPU) or by MPI (CPU tensors,
-// or CUDA tensors staged through host memory).
+// numbered as the flight recorder numbers it), is noted by the flight recorder, and goes by NCCL
+// (CUDA tensors where every rank owns a GPU) or by MPI (CPU tensors, or CUDA tensors staged
+// through host memory).
 Work Comm::issue(const Call& c) {
   if (size_ == 1 && (c.alone || !c.message)) {
     if (c.alone) c.alone();
@@ -674,7 +653,6 @@ Work Comm::issue(const Call& c) {
   const Call::Message* m = c.message ? &*c.message : nullptr;
   const long seq = m ? flight::next_message(comm_, m->src, m->dst, m->tag) : flight::next_collective(comm_);
   const std::string what = label(c.op, m ? m->tag : -1, seq);
-  maybe_stop(what);
   std::vector<uint64_t> ids;
   for (const Call::Note& n : c.notes) {
     const char* op = n.op ? n.op : c.op;

@@ -1,6 +1,7 @@
 // flight_recorder.cu — the per-rank ring of collectives and point-to-point calls, its dump, and the
 // request that makes every live rank dump when one of them times out or fails.
 #include "comm/flight_recorder.h"
+#include "tensor/hooks.h"
 
 #include <signal.h>
 #include <sys/stat.h>

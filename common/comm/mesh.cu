@@ -1,5 +1,7 @@
 // mesh.cu — rank <-> coordinates, group membership, and the communicators of each group.
 #include "comm/mesh.h"
+#include "tensor/device.h"
+#include "comm/watchdog.h"
 
 #include <algorithm>
 #include <cstdlib>

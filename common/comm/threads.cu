@@ -16,6 +16,7 @@
 
 #include "tensor/core.h"
 #include "comm/comm.h"
+#include "comm/watchdog.h"
 
 namespace ts {
 
@@ -110,12 +111,9 @@ static int cgroup_cpu_limit() {
   return std::max(1, int(std::ceil(std::atof(quota.c_str()) / period)));
 }
 
-// A positive integer from the start of a thread-count variable ("4", or OpenMP's nested list
-// "4,2"); 0 if unset or invalid.
-static int env_threads(const char* name) {
-  const char* s = getenv(name);
-  return s ? std::max(0, atoi(s)) : 0;
-}
+// A positive integer from the start of a thread-count variable's value ("4", or OpenMP's nested
+// list "4,2"); 0 if unset (null) or invalid.
+static int env_threads(const char* value) { return value ? std::max(0, atoi(value)) : 0; }
 
 static ThreadChoice g_choice;
 const ThreadChoice& thread_choice() { return g_choice; }
@@ -139,8 +137,8 @@ ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim
   if (requested > 0) {
     t.threads = requested;
     t.source = "--threads";
-  } else if (env_threads("OMP_NUM_THREADS") > 0) {
-    t.threads = env_threads("OMP_NUM_THREADS");
+  } else if (env_threads(getenv("OMP_NUM_THREADS")) > 0) {
+    t.threads = env_threads(getenv("OMP_NUM_THREADS"));
     t.source = "OMP_NUM_THREADS";
   } else {
     t.threads = std::max(1, std::min(own_cores, t.cores / t.local_ranks));
@@ -150,7 +148,7 @@ ThreadChoice setup_threads(int requested, int64_t microbatch_tokens, int64_t dim
                  " is too small to share";
     }
   }
-  t.blas_threads = std::max(1, env_threads("OPENBLAS_NUM_THREADS"));
+  t.blas_threads = std::max(1, env_threads(getenv("OPENBLAS_NUM_THREADS")));
   omp_set_num_threads(t.threads);
   openblas_set_num_threads(t.blas_threads);
   return t;

@@ -9,6 +9,7 @@
 
 #include "tensor/core.h"
 #include "comm/comm.h"
+#include "comm/watchdog.h"
 
 namespace ts {
 

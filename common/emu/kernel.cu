@@ -22,7 +22,7 @@
 #include <string>
 #include <vector>
 
-#include "tensor/core.h"  // bf16 as the project decodes it
+#include "tensor/device.h"  // bf16 as the project decodes it
 #include "emu.h"
 
 extern "C" char __start_ts_emu_shared[] __attribute__((weak));

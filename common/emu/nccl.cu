@@ -50,7 +50,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "tensor/core.h"  // bf16 as the project rounds it
+#include "tensor/device.h"  // bf16 as the project rounds it
 #include "emu.h"
 
 // ----- communicators -------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 // data.cu — the synthetic source, the text and llm.c loaders, and the batch order.
 #include "formats/data.h"
+#include "formats/data_sources.h"
 
 #include <algorithm>
 #include <cstring>

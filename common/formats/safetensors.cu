@@ -12,6 +12,7 @@
 #include <cstring>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "safetensors and llm.c files are little-endian");
 

@@ -36,6 +36,7 @@
 
 #include "kernels/kernels_cuda_internal.h"
 #include "kernels/tensor_core.h"
+#include "tensor/device.h"
 
 namespace ts {
 namespace cuda {

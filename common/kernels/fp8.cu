@@ -25,6 +25,7 @@
 
 #include "kernels/kernels.h"
 #include "kernels/kernels_internal.h"
+#include "tensor/device.h"
 
 namespace ts::fp8 {
 namespace {

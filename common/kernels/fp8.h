@@ -18,6 +18,7 @@
 // 128 × 128 blocks (weights).
 #pragma once
 #include "tensor/core.h"
+#include "tensor/device.h"
 
 namespace ts::fp8 {
 

@@ -25,6 +25,7 @@
 // fp8::gemm has already put beta · C there. FAST_ACCUM stays off, so cuBLASLt promotes the tensor
 // cores' partial sums to fp32 (DeepSeek-V3 §3.3.2's concern).
 #include "kernels/fp8.h"
+#include "tensor/device.h"
 
 #ifdef TS_CUDA
 #include <cublasLt.h>

@@ -12,14 +12,10 @@
 // No float atomics: every op is bitwise reproducible run to run.
 #pragma once
 #include "tensor/core.h"
+#include "kernels/elementwise.h"
+#include "kernels/vocab_ce.h"
 
 namespace ts {
-
-// ----- elementwise -----------------------------------------------------------------------------
-void add(const Tensor& y, const Tensor& a, const Tensor& b);  // y = a + b (y may alias a or b)
-void add_inplace(const Tensor& y, const Tensor& x);           // y += x
-void scale_inplace(const Tensor& y, float s);                 // y *= s
-void convert(const Tensor& dst, const Tensor& src);           // fp32 <-> bf16, round to nearest even
 
 // ----- embedding: out[n,:] = table[tok[n],:] ---------------------------------------------------
 // table [V, D] (T), tokens int32 [N], out [N, D] (T). vocab_start: the first row this shard
@@ -77,24 +73,6 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
 // probabilities are never stored. Stable for large logits (max subtracted).
 void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
                                     const Tensor& targets, float grad_scale);
-
-// ----- vocabulary-parallel cross-entropy: the fused op in three steps -------------------------
-// The row passes of cross_entropy_forward_backward, split where 04's collectives go (Megatron's
-// VocabParallelCrossEntropy; 04_tensor_parallel.cu has the formulas). logits [N, Vl] (T) hold the
-// vocabulary rows [vocab_start, vocab_start + Vl) of every token; targets int32 [N] are global
-// ids (>= 0); max [N] and stats [2, N] are fp32. Between the steps the caller all-reduces max
-// with MAX, then stats with SUM, over the ranks that share the vocabulary. With one rank
-// (vocab_start 0, no collectives) the three give the fused op's losses and dlogits.
-// max = each row's max over these columns.
-void vocab_ce_max(const Tensor& max, const Tensor& logits);
-// stats[0] = each row's sum of exp(x - max); stats[1] = the target's logit where these columns
-// hold it, else 0.
-void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max, const Tensor& targets,
-                    int64_t vocab_start);
-// losses [N] fp32 = log stats[0] + max - stats[1]; dlogits [N, Vl] (T, may alias logits;
-// undefined: losses only) = (exp(x - max) / stats[0] - onehot(target)) * grad_scale.
-void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& logits, const Tensor& max,
-                     const Tensor& stats, const Tensor& targets, int64_t vocab_start, float grad_scale);
 
 // ----- optimizer and norms ---------------------------------------------------------------------
 struct AdamWParams {

@@ -8,6 +8,7 @@
 // fixed order, so results are bitwise identical for any OMP_NUM_THREADS. The plain-loop reference
 // of each, the oracle the tests hold it to, is in kernels_ref.cu.
 #include "kernels/kernels_cpu.h"
+#include "kernels/kernels.h"
 #include "kernels/kernels_bf16.h"
 
 #include <cblas.h>
@@ -19,6 +20,7 @@
 #include <type_traits>
 
 #include "kernels/kernels_internal.h"
+#include "tensor/device.h"
 
 namespace ts {
 namespace cpu {

@@ -16,8 +16,11 @@
 #include <type_traits>
 
 #include "kernels/kernels_cuda.h"
+#include "tensor/allocator.h"
+#include "kernels/kernels.h"
 #include "kernels/kernels_cuda_internal.h"
 #include "tensor/rng.h"
+#include "tensor/device.h"
 
 namespace ts {
 namespace cuda {

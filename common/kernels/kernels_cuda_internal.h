@@ -4,6 +4,7 @@
 #pragma once
 #ifdef TS_CUDA
 #include "kernels/kernels_cuda.h"
+#include "tensor/device.h"
 
 namespace ts {
 namespace cuda {

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
 
 namespace ts {
 namespace detail {

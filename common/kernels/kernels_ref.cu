@@ -8,6 +8,7 @@
 // oracles of the tuned kernels (embedding backward, RMSNorm, RoPE, matmul, attention,
 // cross-entropy, sum of squares) are single-threaded and sum in double.
 #include "kernels/kernels_ref.h"
+#include "kernels/kernels.h"
 
 #include <cmath>
 #include <limits>
@@ -15,6 +16,7 @@
 
 #include "tensor/rng.h"
 #include "kernels/kernels_internal.h"
+#include "tensor/device.h"
 
 namespace ts {
 namespace ref {

@@ -8,6 +8,7 @@
 #pragma once
 #ifdef TS_CUDA
 #include <cstdint>
+#include "tensor/device.h"
 
 #ifdef TS_CUDA_EMU
 #define TS_MMA_M16N8K16_BF16(d, a, b, c) ::emu::mma_m16n8k16_bf16(__FILE__, __LINE__, d, a, b, c)

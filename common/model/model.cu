@@ -1,13 +1,37 @@
 // model.cu — the Llama-style decoder: parameter table, init, forward and backward per unit.
 #include "model/model.h"
+#include "model/attention_core.h"
+#include "model/linear_gemms.h"
+#include "model/mlp_block.h"
+#include "model/tp_ops.h"
 
 #include "tensor/rng.h"
+#include "kernels/kernels.h"
 #include "comm/trace.h"
 #include "model/moe.h"
+#include "tensor/device.h"
 
 #include <mutex>
 
 namespace ts {
+
+Model::~Model() = default;
+
+void Model::linear(int e, const Tensor& y, const Tensor& x) { gemms->forward(e, y, x, w_[size_t(e)]); }
+
+TpOps& Model::mlp_tp() {
+  static TpOps identity;
+  return mlp->split_over_tp() ? *tp : identity;
+}
+
+// The default GEMMs of the dense linears (model.h, LinearGemms): the compute dtype's matmuls.
+void LinearGemms::forward(int, const Tensor& y, const Tensor& x, const Tensor& W) { linear_forward(y, x, W); }
+void LinearGemms::input_grad(int, const Tensor& dx, const Tensor& dy, const Tensor& W, bool accumulate) {
+  linear_backward(dx, Tensor(), dy, Tensor(), W, accumulate);
+}
+void LinearGemms::weight_grad(int, const Tensor& dW, const Tensor& dy, const Tensor& x) {
+  linear_backward(Tensor(), dW, dy, x, Tensor());
+}
 
 // ----- the micro-batch's ints on the device --------------------------------------------------------
 
@@ -462,9 +486,6 @@ void Model::layer_forward(int l, ForwardState& st, Tensor& x) {
   x = out;
 }
 
-// The head: final RMSNorm, f, LM head (column-parallel by vocabulary), the loss, and straight
-// back through the LM head, f and the norm. Adds the token losses to the tally; x leaves
-// holding d(loss)/d(head input).
 // The head's forward up to the logits (st.logits); returns f(final norm output), the LM head's input.
 Tensor Model::head_logits(ForwardState& st, const Tensor& x) {
   const int64_t Nr = x.size(0), N = int64_t(st.B) * st.S;
@@ -478,6 +499,9 @@ Tensor Model::head_logits(ForwardState& st, const Tensor& x) {
   return h;
 }
 
+// The head: final RMSNorm, f, LM head (column-parallel by vocabulary), the loss, and straight
+// back through the LM head, f and the norm. Adds the token losses to the tally; x leaves
+// holding d(loss)/d(head input).
 void Model::head_forward_backward(ForwardState& st, Tensor& x, float grad_scale) {
   const int64_t Nr = x.size(0), N = int64_t(st.B) * st.S;
   const Tensor h = head_logits(st, x);
@@ -524,7 +548,7 @@ void Model::layer_backward(int l, ForwardState& st, Tensor& dx) {
     add_inplace(dx, tmp);  // dx := d x_mid (residual path + norm path)
   }
   a.h2 = a.g = a.u = a.act = a.x_mid = a.rstd2 = Tensor();
-  a.mlp_state.clear();
+  a.mlp_state.reset();
   // Attention: x_mid = x + g(o_proj(attn(rope(q(f(h1))), rope(k(f(h1))), v(f(h1))))), h1 = RMSNorm(x).
   {
     Tensor dy = work(a.y.shape), dq = work(a.q.shape), dk = work(a.k.shape), dv = work(a.v.shape);

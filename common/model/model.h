@@ -14,11 +14,11 @@
 #pragma once
 #include <algorithm>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "tensor/core.h"
-#include "kernels/kernels.h"
 
 namespace ts {
 
@@ -165,6 +165,11 @@ template <class... A> class Hook {
   std::vector<std::function<void(A...)>> subs_;
 };
 
+// What a swapped-in MLP block saves for its backward (MoE: moe.h's MoeActs, named tensors).
+struct MlpState {
+  virtual ~MlpState() = default;
+};
+
 // Saved activations of one decoder layer for one micro-batch (Tag::Activations). Under sequence
 // parallelism the residual stream and the norms (x, h1, x_mid, h2, rstd) hold 1/tp of the
 // micro-batch's tokens; f rebuilds the full-token inputs of the column-parallel matmuls.
@@ -176,7 +181,7 @@ struct LayerActs {
   Tensor x_mid;             // x + g(o_proj(y))
   Tensor h2, rstd2;         // post_attention_layernorm
   Tensor g, u, act;         // SwiGLU's gate, up, silu(g)*u (act not kept under selective)
-  std::vector<Tensor> mlp_state;  // what a swapped-in MLP block saves (MoE routing)
+  std::shared_ptr<MlpState> mlp_state;  // what a swapped-in MLP block saves (MoE routing)
   double aux_loss = 0;      // the MLP block's auxiliary loss for this micro-batch (MoE balance), weighted
   void release() { *this = LayerActs(); }
 };
@@ -201,46 +206,15 @@ struct ForwardState {
   std::vector<DeferredGrad> deferred;  // weight gradients waiting for unit_backward_weights
 };
 
-// The attention core (scaled-dot-product over already projected, rotated q/k/v) is swappable:
-// context parallelism replaces it with ring attention or Ulysses. The model reads q, k, v and lse
-// only to hand them back to backward, so a core may keep them in its own layout (Ulysses keeps
-// the head-sharded ones, of the same sizes).
-struct AttentionCore {
-  virtual ~AttentionCore() = default;
-  virtual void forward(const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                       const Tensor& v, const Tensor& pos) = 0;
-  virtual void backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, const Tensor& dout,
-                        const Tensor& out, const Tensor& lse, const Tensor& q, const Tensor& k,
-                        const Tensor& v, const Tensor& pos) = 0;
-};
-
-class Model;
-
-// The dense linears' three GEMMs — q/k/v/o and the SwiGLU MLP's gate/up/down, addressed by
-// their table entry — are swappable: FP8 training quantizes their operands (fp8_linear.h). The
-// defaults are the compute dtype's matmuls. The LM head, the embedding and MoE experts do not
-// come through here.
-struct LinearGemms {
-  virtual ~LinearGemms() = default;
-  // y [N, out] := x [N, in] · W^T (the forward GEMM)
-  virtual void forward(int entry, const Tensor& y, const Tensor& x, const Tensor& W) {
-    (void)entry;
-    linear_forward(y, x, W);
-  }
-  // dx [N, in] := dy · W, or += when accumulate (the input-gradient GEMM, "dgrad")
-  virtual void input_grad(int entry, const Tensor& dx, const Tensor& dy, const Tensor& W, bool accumulate) {
-    (void)entry;
-    linear_backward(dx, Tensor(), dy, Tensor(), W, accumulate);
-  }
-  // dW [out, in] fp32 += dy^T · x (the weight-gradient GEMM, "wgrad")
-  virtual void weight_grad(int entry, const Tensor& dW, const Tensor& dy, const Tensor& x) {
-    (void)entry;
-    linear_backward(Tensor(), dW, dy, x, Tensor());
-  }
-  // Once per optimizer step, before the update (AdamW::step calls it on every rank; a repeated
-  // call for the same step does nothing): where a recipe keeps per-step state.
-  virtual void end_step(long step) { (void)step; }
-};
+// The extension points the techniques plug in, each in a header of its own (an identity or a
+// default at degree 1): TpOps and LossFn (model/tp_ops.h, tensor parallelism), AttentionCore
+// (model/attention_core.h, context parallelism), MlpBlock (model/mlp_block.h, experts) and
+// LinearGemms (model/linear_gemms.h, FP8's quantized GEMMs). A chapter includes the one it uses.
+struct AttentionCore;
+struct MlpBlock;
+struct TpOps;
+struct LossFn;
+struct LinearGemms;
 
 // The token losses of a step's micro-batches, read on the host once per step: on a GPU each read
 // is a device-to-host copy that waits for the whole queue, so reading per micro-batch would
@@ -255,67 +229,10 @@ class LossTally {
   std::vector<Tensor> pending_;    // GPU tensors not yet read, after sums_
 };
 
-// The MLP block (post-attention RMSNorm output h -> the residual branch) is swappable: expert
-// parallelism replaces SwiGLU by a routed mixture of experts. It sees h after f and returns its
-// output before g (partial sums under tensor parallelism).
-struct MlpBlock {
-  virtual ~MlpBlock() = default;
-  // y [N, D] = MLP_layer(h); saves in `a` what backward needs (Tag::Activations), and may set
-  // a.aux_loss (its gradient is the block's to add in backward).
-  virtual void forward(Model& m, int layer, const Tensor& y, const Tensor& h, LayerActs& a) = 0;
-  // dh [N, D] := (dy/dh)^T · dy, overwritten; the block's weight gradients accumulate through
-  // Model::linear_backward (so they can be deferred).
-  virtual void backward(Model& m, int layer, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) = 0;
-  // Selective recompute: drops the saved tensors backward can rebuild without a matmul.
-  virtual void drop_recomputable(LayerActs& a) = 0;
-  // Split over tp (SwiGLU: column- then row-parallel, between f and g), or replicated over tp
-  // (the MoE block, Megatron's expert tensor parallel 1: every tp rank holds the router and the
-  // experts whole and runs the block on the same full tokens, so f and g do not wrap it).
-  virtual bool split_over_tp() const { return true; }
-};
-
-// What a model of shape `c` builds as its MLP block, known from the shape alone (for the
-// predictions and the checks made before any model exists): whether it is split over tp.
-inline bool mlp_split_over_tp(const ModelConfig& c) { return c.experts == 0; }
-// Sequence parallelism hands the MLP block only this tp rank's tokens. A block split over tp
-// gets them all back from f's all-gather; the MoE block, whole over tp, would route only its own
-// tokens. Why this shape cannot run so (a config error's text), or nullptr where it can.
-inline const char* sequence_parallel_refusal(const ModelConfig& c) {
-  return mlp_split_over_tp(c) ? nullptr
-                              : "--sequence-parallel with --experts is not composed: each tp rank would route only its "
-                                "own tokens and the expert gradients would be partial over tp";
-}
-
-// Tensor parallelism's conjugate operators around the column- and row-parallel matmuls
-// (Megatron's f and g). The defaults are the identity: tp = 1.
-//   f enters a column-parallel region (before q/k/v, gate/up and lm_head): forward identity,
-//     backward all-reduce; under sequence parallelism all-gather forward, reduce-scatter backward.
-//   g leaves a row-parallel region (after o_proj, down_proj and the vocabulary-parallel
-//     embedding): forward all-reduce, backward identity; under sequence parallelism
-//     reduce-scatter forward, all-gather backward.
-struct TpOps {
-  virtual ~TpOps() = default;
-  virtual Tensor f_forward(const Tensor& x) { return x; }
-  virtual Tensor f_backward(const Tensor& dx) { return dx; }
-  // `tag`: what a new output is counted as (the embedding's becomes the saved residual stream).
-  virtual Tensor g_forward(const Tensor& y, Tag tag = Tag::Workspace) { (void)tag; return y; }
-  virtual Tensor g_backward(const Tensor& dy) { return dy; }
-};
-
-// The loss on the LM head's logits, swappable: tensor parallelism computes cross-entropy over a
-// vocabulary split across ranks without gathering the logits.
-struct LossFn {
-  virtual ~LossFn() = default;
-  // logits [N, V_local] (this rank's vocabulary rows from vocab_start), targets int32 [N].
-  // losses [N] fp32 := the per-token loss of all N tokens; dlogits (may alias logits) :=
-  // d(grad_scale · Σ losses)/dlogits for this rank's columns.
-  virtual void forward_backward(const Tensor& losses, const Tensor& dlogits, const Tensor& logits,
-                                const Tensor& targets, int64_t vocab_start, float grad_scale) = 0;
-};
-
 class Model {
  public:
   Model(const ModelConfig& cfg, Device dev, DType compute, Recompute rc, ModelLayout layout = {});
+  ~Model();  // in model.cu, where the extension points' types are complete
 
   // ----- parameters ------------------------------------------------------------------------
   // Builds the table for this configuration and this rank's shard (a pure function of the
@@ -404,7 +321,7 @@ class Model {
   void linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                        bool accumulate_dx = false);
   // The same for the dense linear at table entry e (its weight(e) and grad(e)), through `gemms`.
-  void linear(int e, const Tensor& y, const Tensor& x) { gemms->forward(e, y, x, w_[size_t(e)]); }
+  void linear(int e, const Tensor& y, const Tensor& x);
   void linear_backward(int e, const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx = false);
 
  private:
@@ -419,10 +336,7 @@ class Model {
   int defer_unit_ = -1;                         // the unit whose weight gradients are being queued
   void defer_weight_grad(int e, const Tensor& dW, const Tensor& dy, const Tensor& x);
   // The f and g around the MLP block: tp's, or the identity for a block replicated over tp.
-  TpOps& mlp_tp() {
-    static TpOps identity;
-    return mlp->split_over_tp() ? *tp : identity;
-  }
+  TpOps& mlp_tp();
   Tensor act(std::vector<int64_t> shape) const { return Tensor::empty(shape, dtype, dev, Tag::Activations); }
   Tensor work(std::vector<int64_t> shape) const { return Tensor::empty(shape, dtype, dev, Tag::Workspace); }
   void embed_forward(ForwardState& st, Tensor& x);
@@ -434,20 +348,6 @@ class Model {
   void embed_backward(ForwardState& st, const Tensor& dx);
 };
 
-// The SwiGLU MLP y = down(silu(gate h) * up h) over the weights of table entries `w`, through
-// Model::linear (so under tp the widths are the held blocks'); saves g, u and their product. The
-// dense MLP block and the mixture of experts' shared experts (moe.h) both run it.
-struct SwiGluWeights {
-  int gate, up, down;
-};
-void swiglu_mlp_forward(Model& m, const SwiGluWeights& w, const Tensor& y, const Tensor& h, Tensor& g, Tensor& u,
-                        Tensor& act);
-// dh [N, D] (overwritten, or added to with accumulate_dh) from dy; act is rebuilt from g and u
-// when selective recompute dropped it.
-void swiglu_mlp_backward(Model& m, const SwiGluWeights& w, const Tensor& dh, const Tensor& dy, const Tensor& h,
-                         const Tensor& g, const Tensor& u, Tensor& act, bool accumulate_dh);
-
-// FLOPs per token of a training step: the playbook's 6·N + 12·L·h·s, N without the embedding.
 double flops_per_token(const ModelConfig& cfg);
 int64_t param_count(const ModelConfig& cfg, bool with_embedding = true);
 // Parameters this rank holds (Ψ local): sum of the held blocks' sizes, padding excluded.

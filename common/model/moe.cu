@@ -1,5 +1,7 @@
 // moe.cu — the mixture-of-experts block: router, routing plan, gather/combine, experts, aux loss.
 #include "model/moe.h"
+#include "model/mlp_block.h"
+#include "kernels/kernels.h"
 
 #include <mpi.h>
 
@@ -8,6 +10,7 @@
 
 #include "comm/comm.h"
 #include "comm/trace.h"
+#include "tensor/device.h"
 
 namespace ts {
 
@@ -491,7 +494,7 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   TS_CHECK(N % S == 0, "moe: %lld tokens are not whole sequences of %d", (long long)N, S);
   Tensor logits = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Workspace);
   linear_forward(logits, h, m.weight(gate_[size_t(l)]));
-  a.mlp_state.assign(kNumSlots, Tensor());
+  a.mlp_state = new_acts();
   Tensor probs = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Activations);
   Tensor idx = Tensor::empty({N, K}, DType::I32, m.dev, Tag::Activations);
   Tensor w = Tensor::empty({N, K}, DType::F32, m.dev, Tag::Workspace);
@@ -505,25 +508,25 @@ void MoeBlock::forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerA
   counts.insert(counts.end(), p.kept.begin(), p.kept.end());
   counts.push_back(int32_t(p.dropped));
   const int64_t M = int64_t(p.perm.size());
-  std::vector<Tensor>& s = a.mlp_state;
-  s[kProbs] = probs;
-  s[kIdx] = idx;
-  s[kSrc] = from_host_i32(p.src, m.dev, Tag::Activations).reshape({N, K});
-  s[kPerm] = from_host_i32(p.perm, m.dev, Tag::Activations);
-  s[kWa] = from_host_f32(p.wa, m.dev, Tag::Activations);
-  s[kHostCounts] = from_host_i32(counts, Device::CPU, Tag::Workspace);
-  s[kHostAux] = from_host_f32(aux, Device::CPU, Tag::Workspace);
+  MoeActs& s = acts(a);
+  s.probs = probs;
+  s.idx = idx;
+  s.src = from_host_i32(p.src, m.dev, Tag::Activations).reshape({N, K});
+  s.perm = from_host_i32(p.perm, m.dev, Tag::Activations);
+  s.wa = from_host_f32(p.wa, m.dev, Tag::Activations);
+  s.host_counts = from_host_i32(counts, Device::CPU, Tag::Workspace);
+  s.host_aux = from_host_f32(aux, Device::CPU, Tag::Workspace);
   Tensor x = Tensor::empty({M, D}, m.dtype, m.dev, keeps_input_ ? Tag::Activations : Tag::Workspace);
-  moe_gather(x, h, s[kPerm], Tensor());
+  moe_gather(x, h, s.perm, Tensor());
   routed_forward(m, l, y, x, w, p.kept, a);
   shared_forward(m, l, y, h, a);
 }
 
 void MoeBlock::routed_forward(Model& m, int l, const Tensor& y, const Tensor& x, const Tensor& w,
                               const std::vector<int64_t>& counts, LayerActs& a) {
-  std::vector<Tensor>& s = a.mlp_state;
-  s[kOut] = experts_forward(m, l, x, counts, a);
-  moe_combine(y, s[kOut], s[kSrc], w);
+  MoeActs& s = acts(a);
+  s.out = experts_forward(m, l, x, counts, a);
+  moe_combine(y, s.out, s.src, w);
 }
 
 // Mixtral's softmax router, or DeepSeek-V3's sigmoid router with this layer's bias (in fp32).
@@ -543,16 +546,16 @@ void MoeBlock::route(Model& m, int l, const Tensor& logits, const Tensor& probs,
 // (the dense MLP's code, model.h).
 void MoeBlock::shared_forward(Model& m, int l, const Tensor& y, const Tensor& h, LayerActs& a) {
   if (shared_.empty()) return;
-  std::vector<Tensor>& s = a.mlp_state;
+  MoeActs& s = acts(a);
   Tensor out = Tensor::empty(y.shape, m.dtype, m.dev, Tag::Workspace);
-  swiglu_mlp_forward(m, shared_[size_t(l)], out, h, s[kShG], s[kShU], s[kShAct]);
+  swiglu_mlp_forward(m, shared_[size_t(l)], out, h, s.shared_g, s.shared_u, s.shared_act);
   add_inplace(y, out);
 }
 
 void MoeBlock::shared_backward(Model& m, int l, const Tensor& dh, const Tensor& dy, const Tensor& h, LayerActs& a) {
   if (shared_.empty()) return;
-  std::vector<Tensor>& s = a.mlp_state;
-  swiglu_mlp_backward(m, shared_[size_t(l)], dh, dy, h, s[kShG], s[kShU], s[kShAct], /*accumulate_dh=*/true);
+  MoeActs& s = acts(a);
+  swiglu_mlp_backward(m, shared_[size_t(l)], dh, dy, h, s.shared_g, s.shared_u, s.shared_act, /*accumulate_dh=*/true);
 }
 
 // b_e ← b_e + γ·sign(mean − load_e) per layer, written to the weights and to the fp32 master copy
@@ -572,7 +575,7 @@ void MoeBlock::update_bias(Model& m, const std::vector<int64_t>& loads, const Te
 }
 
 Tensor MoeBlock::experts_forward(Model& m, int l, const Tensor& x, const std::vector<int64_t>& counts, LayerActs& a) {
-  a.mlp_state[kIn] = x;
+  acts(a).in = x;
   Tensor out = Tensor::empty(x.shape, m.dtype, m.dev, Tag::Activations);
   run_experts(m, l, 0, counts, x, out, a);
   return out;
@@ -580,7 +583,7 @@ Tensor MoeBlock::experts_forward(Model& m, int l, const Tensor& x, const std::ve
 
 void MoeBlock::experts_backward(Model& m, int l, const Tensor& dx, const Tensor& dout,
                                 const std::vector<int64_t>& counts, LayerActs& a) {
-  run_experts_backward(m, l, 0, counts, a.mlp_state[kIn], dout, dx, a);
+  run_experts_backward(m, l, 0, counts, acts(a).in, dout, dx, a);
 }
 
 // Each expert is a SwiGLU MLP over its own consecutive rows: down(silu(w1 x) * w3 x).
@@ -641,14 +644,14 @@ void MoeBlock::run_experts_backward(Model& m, int l, int e0, const std::vector<i
 // h gets the experts' input gradients summed back per token (slot order).
 void MoeBlock::routed_backward(Model& m, int l, const Tensor& dh, const Tensor& dw, const Tensor& dy,
                                const std::vector<int64_t>& counts, LayerActs& a) {
-  std::vector<Tensor>& s = a.mlp_state;
-  const int64_t M = s[kOut].size(0), D = m.cfg.dim;
+  const MoeActs& s = acts(a);
+  const int64_t M = s.out.size(0), D = m.cfg.dim;
   auto work = [&] { return Tensor::empty({M, D}, m.dtype, m.dev, Tag::Workspace); };
   Tensor dout = work(), dx = work();
-  moe_gather(dout, dy, s[kPerm], s[kWa]);
-  moe_combine_backward_weights(dw, dy, s[kOut], s[kSrc]);
+  moe_gather(dout, dy, s.perm, s.wa);
+  moe_combine_backward_weights(dw, dy, s.out, s.src);
   experts_backward(m, l, dx, dout, counts, a);
-  moe_combine(dh, dx, s[kSrc], Tensor());
+  moe_combine(dh, dx, s.src, Tensor());
 }
 
 // The routed experts (routed_backward), then the router's part of h's gradient and the shared experts'.
@@ -656,8 +659,8 @@ void MoeBlock::backward(Model& m, int l, const Tensor& dh, const Tensor& dy, con
   const ModelConfig& c = m.cfg;
   const int64_t N = h.size(0);
   const int S = c.seq, E = c.experts, K = c.top_k, B = int(N / S);
-  std::vector<Tensor>& s = a.mlp_state;
-  const int32_t* hc = s[kHostCounts].i32();
+  const MoeActs& s = acts(a);
+  const int32_t* hc = s.host_counts.i32();
   const std::vector<int64_t> kept(hc + size_t(B) * E, hc + size_t(B) * E + E);
   Tensor dw = Tensor::empty({N, K}, DType::F32, m.dev, Tag::Workspace);
   routed_backward(m, l, dh, dw, dy, kept, a);
@@ -668,8 +671,8 @@ void MoeBlock::backward(Model& m, int l, const Tensor& dh, const Tensor& dy, con
     daux[i] = float(double(c.aux_loss_coef) * m.loss_scale * E * hc[i] / (double(S) * K));
   Tensor dlogits = Tensor::empty({N, E}, DType::F32, m.dev, Tag::Workspace);
   const Tensor da = from_host_f32(daux, m.dev, Tag::Workspace);
-  if (c.sigmoid_router) moe_router_sigmoid_backward(dlogits, dw, s[kProbs], s[kIdx], da, S, c.routed_scaling);
-  else moe_router_backward(dlogits, dw, s[kProbs], s[kIdx], da, S);
+  if (c.sigmoid_router) moe_router_sigmoid_backward(dlogits, dw, s.probs, s.idx, da, S, c.routed_scaling);
+  else moe_router_backward(dlogits, dw, s.probs, s.idx, da, S);
   Tensor dl = dlogits;
   if (m.dtype != DType::F32) {
     dl = Tensor::empty({N, E}, m.dtype, m.dev, Tag::Workspace);
@@ -682,7 +685,7 @@ void MoeBlock::backward(Model& m, int l, const Tensor& dh, const Tensor& dy, con
     for (int e = 0; e < E; e++) stats.counts[size_t(l) * E + e] += hc[size_t(b) * E + e];
   stats.assignments += N * K;
   stats.dropped += hc[size_t(B) * E + E];
-  for (int64_t b = 0; b < B; b++) stats.aux_sum += s[kHostAux].f32()[b];
+  for (int64_t b = 0; b < B; b++) stats.aux_sum += s.host_aux.f32()[b];
   if (l == 0) stats.sequences += B;
 }
 

@@ -14,8 +14,8 @@
 // fraction of the sequence's T·K routing choices that picked e (before capacity), P_e the mean
 // router probability of e over its T tokens; the training loss adds α · mean_b Σ_layers aux.
 // Expert parallelism (07) replaces experts_forward/experts_backward: the routing, the gather and
-// the combine stay here (its two-level dispatch replaces routed_forward/routed_backward: the
-// combine's weighting and sum move to the experts' nodes).
+// the combine stay here (a dispatch that weights and sums elsewhere, 07a's two-level one on the
+// experts' nodes, replaces routed_forward/routed_backward).
 //
 // DeepSeekMoE as DeepSeek-V3 trains it (DeepSeek-V3 technical report §2.1.2; DeepSeekMoE, Dai et
 // al. 2024; Hugging Face's DeepseekV3TopkRouter/DeepseekV3MoE), all off by default:
@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "model/mlp_block.h"
 
 namespace ts {
 
@@ -118,6 +119,18 @@ std::string moe_bias_name(int l);
 std::string moe_shared_name(int l, const char* w);
 bool is_moe_bias(const ParamEntry& e);
 
+// What the block saves for its backward in LayerActs::mlp_state, one micro-batch of one layer:
+// device tensors (Tag::Activations unless said) and two host tensors of bookkeeping. A subclass
+// that saves more extends it (07's EpActs) and says so in MoeBlock::new_acts.
+struct MoeActs : MlpState {
+  Tensor probs, idx;     // router probabilities (or sigmoid scores) [N, E] fp32, choices [N, K] int32
+  Tensor src, perm, wa;  // the routing plan: src [N, K], perm and wa [M] (make_routing_plan)
+  Tensor out, in;        // the experts' outputs and grouped input rows [M, D] (in: where they ran)
+  Tensor host_counts;    // CPU int32: choices per sequence and expert [B·E], kept rows per expert [E], dropped
+  Tensor host_aux;       // CPU fp32 [B]: aux per sequence
+  Tensor shared_g, shared_u, shared_act;  // the shared experts' gate and up outputs and their product
+};
+
 class MoeBlock : public MlpBlock {
  public:
   explicit MoeBlock(const Model& m);
@@ -157,13 +170,13 @@ class MoeBlock : public MlpBlock {
   void update_bias(Model& m, const std::vector<int64_t>& loads, const Tensor& master);
 
   MoeStats stats;  // accumulated by backward (which runs once per micro-batch, recompute or not)
-  // LayerActs::mlp_state: device tensors saved for backward (router probabilities and choices,
-  // the plan, the experts' outputs and inputs), then two host tensors of bookkeeping (choices per
-  // sequence and expert, rows per expert, dropped; aux per sequence). 07 appends its own.
-  // The shared experts' gate and up outputs and their product follow.
-  enum Slot { kProbs, kIdx, kSrc, kPerm, kWa, kOut, kIn, kHostCounts, kHostAux, kShG, kShU, kShAct, kNumSlots };
+  // The layer's saved state (LayerActs::mlp_state) as what this block's forward made it.
+  template <class A = MoeActs> static A& acts(LayerActs& a) { return static_cast<A&>(*a.mlp_state); }
+  template <class A = MoeActs> static const A& acts(const LayerActs& a) { return static_cast<const A&>(*a.mlp_state); }
 
  protected:
+  // The state forward starts each layer's micro-batch with: MoeActs here, a subclass's own extension.
+  virtual std::shared_ptr<MoeActs> new_acts() const { return std::make_shared<MoeActs>(); }
   bool keeps_input_ = true;  // the local experts keep their grouped input rows (07 keeps what it received)
   struct Expert {
     int w1, w3, w2;  // gate, up, down
@@ -176,6 +189,6 @@ class MoeBlock : public MlpBlock {
   std::vector<std::vector<Expert>> exp_;   // [L][E]
 };
 
-// The step's routing statistics summed over `token_groups` (the ranks holding different tokens)
-// and reset for the next step: the per-step log's extra fields and its line.
+// The step's routing statistics are summed over the ranks and reset by moe_step_report
+// (training/train.h).
 }  // namespace ts

@@ -1,5 +1,8 @@
 // core.cu — errors, the tagging allocator, tensors and copies.
 #include "tensor/core.h"
+#include "tensor/allocator.h"
+#include "tensor/hooks.h"
+#include "tensor/device.h"
 
 #include <mpi.h>
 #include <unistd.h>

@@ -1,5 +1,7 @@
-// core.h — the pieces every file stands on: devices, dtypes, bf16, check macros, fatal(),
-// the tagging allocator and the Tensor type.
+// core.h — the pieces every file stands on: devices, dtypes, bf16, fatal() and its checks, the
+// tagging allocator and the Tensor type. What device code and its launches use besides (the
+// CUDA headers, the launch form, bf16's rounding, the CUDA check macros, the compute stream) is
+// tensor/device.h's.
 //
 // One source tree, two backends: compiled by nvcc, TS_CUDA is defined and every binary carries
 // both the CPU and the CUDA implementation; compiled by g++, the CUDA code is compiled out.
@@ -12,34 +14,6 @@
 #include <string>
 #include <vector>
 
-#ifdef TS_CUDA
-#include <cublas_v2.h>
-#include <cuda_runtime.h>
-#if defined(TS_CUDA_EMU) && !(defined(TS_EMU_CUDA_RUNTIME) && defined(TS_EMU_CUBLAS))
-#error "the emulated GPU's build found NVIDIA's headers: common/emu/ must come first on the include path"
-#endif
-#endif
-
-#if defined(__CUDACC__)
-#define TS_HD __host__ __device__ __forceinline__
-#else
-#define TS_HD inline
-#endif
-
-// One launch form that nvcc and the emulated GPU's g++ both read (g++ cannot parse <<<>>>):
-//   TS_LAUNCH(grid, block, shared_bytes, stream, kernel)(args...)
-// and the declaration of a kernel's dynamic shared memory, the one line whose CUDA spelling
-// (`extern __shared__ T name[]`) no macro can stand in for.
-#define TS_STR_(x) #x
-#define TS_STR(x) TS_STR_(x)
-#ifdef TS_CUDA_EMU
-#define TS_LAUNCH(grid, block, smem, stream, ...) \
-  ::emu::make_launch(#__VA_ARGS__, __FILE__ ":" TS_STR(__LINE__), [](auto... a_) { __VA_ARGS__(a_...); }, grid, block, smem, stream)
-#define TS_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(::emu::dynamic_shared())
-#else
-#define TS_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
-#define TS_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
-#endif
 
 namespace ts {
 
@@ -72,35 +46,7 @@ class ConfigErrorWhere {
   } while (0)
 
 int world_rank();  // 0 before MPI is initialised
-// Called by fatal() with its message before the job is aborted (the flight recorder's dump).
-void set_fatal_hook(void (*hook)(const char* message));
-// Called by fatal() first, whose return it appends to the message: what was cleaned up (a
-// failed save's temporary files).
-void set_fatal_cleanup(std::string (*cleanup)());
-// How config_error() finalises, every rank being there: the comm layer sets comm_finalize (its
-// communicators released in order, then MPI_Finalize); before comm_init, nothing.
-void set_finalize_hook(void (*finalize)());
 
-// Called by the run's step loop so fatal() and the watchdog can name the step.
-void set_current_step(long step);
-long current_step();
-
-#ifdef TS_CUDA
-const char* cublas_error_string(cublasStatus_t s);
-#define CUDA_CHECK(x)                                                                  \
-  do {                                                                                 \
-    cudaError_t e_ = (x);                                                              \
-    if (e_ != cudaSuccess) fatal("CUDA error %s: %s", #x, cudaGetErrorString(e_));     \
-  } while (0)
-#define CUBLAS_CHECK(x)                                                                \
-  do {                                                                                 \
-    cublasStatus_t s_ = (x);                                                           \
-    if (s_ != CUBLAS_STATUS_SUCCESS)                                                   \
-      fatal("cuBLAS error %s: %s", #x, ::ts::cublas_error_string(s_));                 \
-  } while (0)
-// After every kernel launch: launch-configuration errors surface here with file:line.
-#define KERNEL_CHECK() CUDA_CHECK(cudaGetLastError())
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // Devices and dtypes
@@ -121,67 +67,15 @@ Device parse_device(const std::string& s);
 struct bf16 {
   uint16_t bits;
 };
-TS_HD uint32_t float_bits(float f) {
-#ifdef __CUDA_ARCH__
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  return u;
-#endif
-}
-TS_HD float bits_float(uint32_t u) {
-#ifdef __CUDA_ARCH__
-  return __uint_as_float(u);
-#else
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-#endif
-}
-TS_HD float bf16_to_float(bf16 h) { return bits_float(uint32_t(h.bits) << 16); }
-TS_HD bf16 float_to_bf16(float f) {
-  uint32_t u = float_bits(f);
-  if ((u & 0x7f800000u) == 0x7f800000u && (u & 0x7fffffu)) return bf16{uint16_t((u >> 16) | 0x40)};  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even
-  return bf16{uint16_t(u >> 16)};
-}
-// Loads and stores that let one templated kernel serve fp32 and bf16 storage.
-TS_HD float ld(float x) { return x; }
-TS_HD float ld(bf16 x) { return bf16_to_float(x); }
-template <class T> TS_HD T st(float x);
-template <> TS_HD float st<float>(float x) { return x; }
-template <> TS_HD bf16 st<bf16>(float x) { return float_to_bf16(x); }
 
 // ---------------------------------------------------------------------------------------------
 // The tagging allocator: every allocation carries a category, and current and peak bytes are
 // kept per category and in total, per device. This is the "measured" column that runs print
-// next to the playbook's memory formulas.
+// next to the playbook's memory formulas. Its figures and calls are tensor/allocator.h's.
 // ---------------------------------------------------------------------------------------------
 enum class Tag : uint8_t { Params, Grads, Optimizer, Activations, Comm, Workspace, Count };
 constexpr int kNumTags = int(Tag::Count);
 const char* tag_name(Tag t);
-
-// The per-category and total figures are bytes in use by tensors (as requested, unrounded).
-// `reserved` is what the allocator holds from the system: the blocks in use, rounded up, plus
-// the freed blocks it caches for reuse.
-struct MemStats {
-  size_t current[kNumTags] = {};
-  size_t peak[kNumTags] = {};      // each category's own peak
-  size_t at_peak[kNumTags] = {};   // each category's bytes at the moment of the total peak
-  size_t total_current = 0;
-  size_t total_peak = 0;
-  size_t reserved = 0;
-  size_t reserved_peak = 0;
-};
-
-void* mem_alloc(size_t bytes, Device dev, Tag tag);
-void mem_free(void* p, size_t bytes, Device dev, Tag tag);
-// The block an allocation of `bytes` takes (and a freed one returns to the cache): 256-B multiples
-// to 64 KiB, then eight sizes per power of two.
-size_t mem_block_size(size_t bytes);
-const MemStats& mem_stats(Device dev);
-void mem_reset_peaks(Device dev);  // peaks := current (used between measured phases)
 
 // A reference-counted allocation; tensors are views into one.
 struct Buffer {
@@ -239,22 +133,6 @@ Tensor from_host_f32(const std::vector<float>& v, Device dev, Tag tag = Tag::Wor
 // An int32 tensor's values on the host (routing bookkeeping the host plans with).
 std::vector<int32_t> to_host_i32(const Tensor& t);
 
-#ifdef TS_CUDA
-// The compute stream and cuBLAS handle every CUDA kernel uses.
-cudaStream_t compute_stream();
-cublasHandle_t cublas();
-// The host's one way to wait for the compute stream (device-to-host copies, device_sync, sums
-// read on the host). NCCL collectives are ordered before later kernels by stream waits, not by
-// the host (comm.cu), so a stalled peer shows here as a wait that does not end: while it waits,
-// the watch set by the comm layer runs every few milliseconds (it checks the NCCL operations in
-// flight and ends the job past the watchdog's timeout), and `synced` once the stream is idle.
-void sync_compute_stream();
-struct StreamWatch {
-  std::function<void(double waited_s)> waiting;
-  std::function<void()> synced;
-};
-void set_stream_watch(StreamWatch w);
-#endif
 void device_sync(Device dev);
 
 }  // namespace ts

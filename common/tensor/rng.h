@@ -9,6 +9,7 @@
 #include <string>
 
 #include "tensor/core.h"
+#include "tensor/device.h"
 
 namespace ts {
 

@@ -1,5 +1,8 @@
 // checkpoint.cu — save and load in the HF layout, per-rank slices, atomic publication.
 #include "training/checkpoint.h"
+#include "training/optimizer.h"
+#include "training/checkpoint_files.h"
+#include "tensor/hooks.h"
 
 #include <fcntl.h>
 #include <mpi.h>
@@ -23,6 +26,7 @@
 #include "formats/safetensors.h"
 #include "comm/comm.h"
 #include "training/numerics.h"
+#include "comm/watchdog.h"
 
 namespace ts {
 
@@ -327,16 +331,6 @@ static std::string cleanup_failed_save() {
   return said + "; the last published checkpoint is intact";
 }
 
-// A test hook: TS_CRASH_IN_SAVE=1 kills the process after the first half of the weights is
-// written, the way a node failure would, to prove the previous checkpoint survives.
-static void maybe_crash_midway() {
-  const char* c = getenv("TS_CRASH_IN_SAVE");
-  if (c && std::string(c) == "1") {
-    fprintf(stderr, "TS_CRASH_IN_SAVE: simulated crash during checkpoint save\n");
-    _exit(3);
-  }
-}
-
 // Part (1): the layout agreed, the temporary directory and the empty files created.
 static std::unique_ptr<Save> begin_save(const std::string& save_dir, const RunConfig& rc, const ParamTable& table,
                                         const std::vector<CheckpointSlice>& mine, long step, const Json& mesh) {
@@ -418,14 +412,9 @@ static std::string write_staged(const Save& s) {
   if (s.staged.empty()) return bad;
   const ParamTable& table = *s.table;
   SafetensorsWriter w(s.tmp + "/model.safetensors", s.model_e, {{"format", "pt"}}, false);
-  for (size_t i = 0; i < s.staged.size(); i++) {
-    const StagedSlice& sl = s.staged[i];
+  for (const StagedSlice& sl : s.staged) {
     if (bad.empty()) bad = first_nonfinite(table, "", sl.begin, sl.end, sl.weights);
-    const int64_t half = sl.begin + (sl.end - sl.begin) / 2;
-    write_range(w, table, "", sl.begin, half, sl.weights);
-    if (i == 0) maybe_crash_midway();
-    const std::vector<float> rest(sl.weights.begin() + (half - sl.begin), sl.weights.end());
-    write_range(w, table, "", half, sl.end, rest);
+    write_range(w, table, "", sl.begin, sl.end, sl.weights);
   }
   w.sync_and_close();
   if (!s.any_opt) return bad;

@@ -1,5 +1,7 @@
 // config.cu — the run configuration: 01's flags parsed and checked, presets, the batch split, the lr schedule.
 #include "training/config.h"
+#include "training/checkpoint_files.h"
+#include "training/config_flags.h"
 
 #include "formats/data.h"
 #include "training/checkpoint.h"

@@ -5,6 +5,7 @@
 #include "formats/json.h"
 #include "formats/safetensors.h"
 #include "comm/comm.h"
+#include "comm/watchdog.h"
 
 #include <algorithm>
 #include <cmath>

@@ -1,6 +1,7 @@
 // fp8_linear.cu — the FP8 recipes of fp8_linear.h: which operand gets which scale, and where a
 // split tensor's amax is reduced.
 #include "training/fp8_linear.h"
+#include "model/linear_gemms.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,6 +9,7 @@
 #include "comm/comm.h"
 #include "comm/mesh.h"
 #include "training/report.h"
+#include "comm/watchdog.h"
 
 namespace ts::fp8 {
 

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "kernels/fp8.h"
+#include "model/linear_gemms.h"
 #include "model/model.h"
 #include "training/config.h"
 

@@ -1,9 +1,11 @@
 // numerics.cu — per-unit statistics, the non-finite locator and spike detection (numerics.h).
 #include "training/numerics.h"
+#include "model/tp_ops.h"
 
 #include "kernels/kernels.h"
 #include "comm/comm.h"
 #include "training/report.h"
+#include "comm/watchdog.h"
 
 #include <mpi.h>
 

@@ -1,10 +1,12 @@
 // optimizer.cu — AdamW over flat ranges, clipping, and the loss and gradient norm across the mesh.
 #include "training/optimizer.h"
+#include "model/linear_gemms.h"
 
 #include "kernels/kernels.h"
 #include "comm/comm.h"
 #include "comm/trace.h"
 #include "training/numerics.h"
+#include "comm/watchdog.h"
 
 #include <mpi.h>
 

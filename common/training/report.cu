@@ -1,8 +1,10 @@
 // report.cu — the step log, the run summary, the memory table and the per-group comm report.
 #include "training/report.h"
+#include "tensor/allocator.h"
 
 #include "comm/comm.h"
 #include "training/run.h"
+#include "tensor/device.h"
 
 #include <algorithm>
 #include <cmath>
@@ -97,7 +99,18 @@ void RunLog::step(const StepRecord& r) {
     first_ = r.step;
     start_ = last_line_ = now - std::chrono::microseconds(std::llround(r.step_ms * 1e3));
   }
+  since_line_.push_back({r.tokens_per_s, r.mfu, r.flops_per_s, r.step_ms});
   if (line_due(r.step, now) || std::isfinite(r.eval_loss)) {  // an evaluation is always shown
+    // The rates shown are the median step's since the previous line (by tokens/s), not this
+    // step's alone: one step is one draw, and on a shared machine a step can take twice the
+    // median, so lines that showed single steps disagreed with the summary's median of every step
+    // (make demo's read about 104k tokens/s beside a median of 149k). Each line and the summary
+    // are now the same statistic, the median step, of the window and of the run; the JSON log
+    // keeps every step's own time.
+    std::sort(since_line_.begin(), since_line_.end(),
+              [](const Rate& a, const Rate& b) { return a.tokens_per_s < b.tokens_per_s; });
+    const Rate m = since_line_[since_line_.size() / 2];
+    since_line_.clear();
     // The mean wall time per step of this run so far, saves and logging included.
     const double elapsed = std::chrono::duration<double>(now - start_).count();
     const long done = r.step + 1 - first_, left = rc_.steps - r.step - 1;
@@ -106,11 +119,11 @@ void RunLog::step(const StepRecord& r) {
     const int width = int(std::to_string(rc_.steps).size());
     // MFU needs a peak (known GPUs, or --peak-tflops); without one the achieved rate says more than 0.00%.
     char rate[32];
-    if (r.mfu > 0) snprintf(rate, sizeof rate, "MFU %5.2f%%", 100 * r.mfu);
-    else snprintf(rate, sizeof rate, "%6.2f GFLOP/s", r.flops_per_s * 1e-9);
+    if (m.mfu > 0) snprintf(rate, sizeof rate, "MFU %5.2f%%", 100 * m.mfu);
+    else snprintf(rate, sizeof rate, "%6.2f GFLOP/s", m.flops_per_s * 1e-9);
     printf("step %*ld/%ld | loss %.6f%s | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s%s | %s\n",
-           width, r.step, rc_.steps, r.loss, eval_field(r.eval_loss).c_str(), r.lr, r.grad_norm, r.tokens_per_s, rate,
-           r.step_ms, human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
+           width, r.step, rc_.steps, r.loss, eval_field(r.eval_loss).c_str(), r.lr, r.grad_norm, m.tokens_per_s, rate,
+           m.step_ms, human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
     fflush(stdout);
     last_line_ = now;
   }

@@ -1,14 +1,16 @@
 // report.h — the step log, the run summary, the memory table and the per-group comm report.
 #pragma once
-#include <chrono>
 #include <cmath>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "tensor/core.h"
 #include "formats/json.h"
 #include "training/config.h"
+#include "training/log.h"
 #include "training/memory_model.h"
+#include "training/train.h"
 
 namespace ts {
 
@@ -25,32 +27,12 @@ struct StepRecord {
 double peak_tflops_for(Device dev, DType dt, double override_tflops);
 std::string device_description(Device dev);
 
-class RunLog {
- public:
-  RunLog(const RunConfig& rc, Device dev);  // rank 0 opens --log-json
-  // Every step goes to the JSON log; a line "step 120/4000 | … | ETA 1m05s" is printed on the
-  // --log-every cadence, or under --quiet once every --progress-seconds.
-  void step(const StepRecord& r);
-  // memory: category -> {measured, predicted}; comm: group -> op -> {calls, bytes, predicted}.
-  void summary(Json s);
-  // A JSON line {"event": ..., "step": ...} between the step records (a spike, a non-finite
-  // step: numerics.h); rank 0 only, like every line of the log.
-  void event(const Json& e);
-  void line(const char* fmt, ...) __attribute__((format(printf, 2, 3)));  // rank 0 only
-  ~RunLog();
- private:
-  bool line_due(long step, std::chrono::steady_clock::time_point now) const;
-  const RunConfig& rc_;
-  FILE* json_ = nullptr;
-  bool rank0_;
-  long every_ = 1, first_ = -1;  // first_: the first step this run logged
-  std::chrono::steady_clock::time_point start_, last_line_;
-};
-
-
 // The summary's "comm" object for one group: per op, calls, wire bytes and payload bytes per step
 // (the group's counters divided by the steps run) next to the predicted wire bytes per step.
 Json comm_report(RunLog& log, const class Comm& group, long steps, const std::map<std::string, double>& predicted);
+
+// The model's shape, Ψ and FLOPs per token (the first lines of every run).
+void print_model(RunLog& log, const ModelConfig& m);
 
 // "1.23 MiB"
 std::string human_bytes(double b);
@@ -59,5 +41,12 @@ std::string human_bytes(double b);
 // free blocks included); returned as the summary's "memory" object.
 // `staged`: the bytes an asynchronous save held staged (0: no row), next to pred.staging.
 Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred, size_t staged = 0);
+
+// With --experts: sums the step's routing statistics over token_groups (the groups whose ranks
+// routed different tokens; none in 01) into r's log fields and note, then resets them. With
+// --router sigmoid it first moves the routing bias by those summed loads (call it after the
+// optimizer step; master: the optimizer's fp32 master copy, undefined when it has none).
+void moe_step_report(Model& m, StepResult& r, const std::vector<MPI_Comm>& token_groups,
+                     const Tensor& master = Tensor());
 
 }  // namespace ts

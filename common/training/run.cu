@@ -1,5 +1,7 @@
 // run.cu — output paths checked up front, stop signals agreed between steps.
 #include "training/run.h"
+#include "training/checkpoint_files.h"
+#include "training/report.h"
 
 #include <mpi.h>
 #include <sys/stat.h>
@@ -10,6 +12,8 @@
 #include <cstring>
 
 #include "training/checkpoint.h"
+#include "tensor/device.h"
+#include "comm/watchdog.h"
 
 namespace ts {
 

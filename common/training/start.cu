@@ -3,14 +3,21 @@
 
 #include "training/fp8_linear.h"
 #include "training/run.h"
+#include "training/step_time.h"
 
 namespace ts {
 
 TrainingRun::TrainingRun(int argc, char** argv, const char* doc, const Flags& own, bool priced)
-    : Program(argc, argv, doc, [&](Args& a, RunConfig& rc, MeshConfig& mc) {
-        if (priced) CalibrationFlags::calibration = read_calibration(a);
-        own(a, rc, mc);
-      }) {}
+    : TrainingRun(std::make_unique<Calibration>(), argc, argv, doc, own, priced) {}
+
+TrainingRun::TrainingRun(std::unique_ptr<Calibration> cal, int argc, char** argv, const char* doc, const Flags& own,
+                         bool priced)
+    : Program(argc, argv, doc,
+              [&](Args& a, RunConfig& rc, MeshConfig& mc) {
+                if (priced) *cal = read_calibration(a);
+                own(a, rc, mc);
+              }),
+      calibration_(std::move(cal)) {}
 
 TrainingRun::~TrainingRun() { model_.reset(); }
 
@@ -37,7 +44,7 @@ long TrainingRun::resumed(long first) {
   return first_ = first;
 }
 
-int TrainingRun::train(Loop& loop, std::function<StepTerms(const Gpu&)> predict, const std::string& dense) {
+int TrainingRun::train(Loop& loop, StepPredictor predict, const std::string& dense) {
   if (predict) predict_step_time(loop, log(), rc, calibration(), dev, dense, std::move(predict));
   train_loop(rc, dev, log(), data, first_, loop);
   return 0;

@@ -16,17 +16,18 @@
 #include <string>
 
 #include "model/model.h"
-#include "training/step_time.h"
+#include "training/program.h"
 #include "training/train.h"
 
 namespace ts {
 
-// Read before the chapter's flags (a base of TrainingRun, so it exists while Program parses them).
-struct CalibrationFlags {
-  Calibration calibration;
-};
+struct Calibration;  // step_time.h: the rate and network a step-time prediction is priced at
+struct Gpu;
+struct StepTerms;
+// A chapter's step-time prediction: its step on a GPU of the calibration (the lab's, step_time.h).
+using StepPredictor = std::function<StepTerms(const Gpu&)>;
 
-class TrainingRun : private CalibrationFlags, public Program {
+class TrainingRun : public Program {
  public:
   using Flags = std::function<void(Args&, RunConfig&, MeshConfig&)>;
   // `priced`: the chapter prints its step time against a prediction (--calibration); 01 does not.
@@ -45,11 +46,15 @@ class TrainingRun : private CalibrationFlags, public Program {
   long resumed(long first);
   // Step 6: `predict` (this run's step on a GPU of the calibration; `dense` names the term of its
   // gradient reduction) armed on the loop, then train_loop from the first step. Returns main's 0.
-  int train(Loop& loop, std::function<StepTerms(const Gpu&)> predict = {}, const std::string& dense = "");
+  int train(Loop& loop, StepPredictor predict = {}, const std::string& dense = "");
 
-  const Calibration& calibration() const { return CalibrationFlags::calibration; }
+  const Calibration& calibration() const { return *calibration_; }
 
  private:
+  // --calibration is read with the chapter's flags, inside Program's constructor: it is filled
+  // through the pointer the delegating constructor hands Program before this member exists.
+  TrainingRun(std::unique_ptr<Calibration> cal, int argc, char** argv, const char* doc, const Flags& own, bool priced);
+  std::unique_ptr<Calibration> calibration_;
   std::unique_ptr<Model> model_;
   long first_ = 0;
 };

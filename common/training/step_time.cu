@@ -1,5 +1,7 @@
 // step_time.cu — the hardware tables, the calibration and the pieces of step_time.h.
 #include "training/step_time.h"
+#include "training/config_flags.h"
+#include "training/report.h"
 
 #include <algorithm>
 #include <cmath>

@@ -26,6 +26,17 @@
 
 namespace ts {
 
+// The measured step times of a run, for the predicted-step-time line: the first step this process
+// runs is warm-up (allocations, the optimizer states' first touch, caches), so "measured" is the
+// median of the others (the first alone when it is the only one).
+struct StepTimes {
+  long first_step = 0;     // the warm-up step's number
+  double warmup_s = 0;     // its seconds
+  double median_s = 0;     // the median of the steps after it
+  size_t measured = 0;     // how many steps that median is over (0: only the warm-up step ran)
+};
+StepTimes step_times(long first_step, const std::vector<double>& seconds);
+
 // ----- the hardware ----------------------------------------------------------------------------------
 
 enum class Collective { AllReduce, AllGather, ReduceScatter, P2P };

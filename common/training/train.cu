@@ -1,5 +1,18 @@
 // train.cu — the shared start (Program), init or resume, the held-out loss and the training loop.
 #include "training/train.h"
+#include "tensor/allocator.h"
+#include "formats/data_sources.h"
+#include "training/checkpoint_files.h"
+#include "training/config_flags.h"
+#include "tensor/hooks.h"
+#include "model/tp_ops.h"
+#include "model/mlp_block.h"
+#include "kernels/kernels.h"
+
+#include "training/numerics.h"
+#include "training/program.h"
+#include "training/report.h"
+#include "training/step_time.h"
 
 #include "kernels/kernels_bf16.h"
 #include "kernels/profile.h"
@@ -11,6 +24,7 @@
 #include "model/moe.h"
 #include "training/checkpoint.h"
 #include "training/run.h"
+#include "comm/watchdog.h"
 
 #include <mpi.h>
 
@@ -21,6 +35,11 @@
 #include <map>
 
 namespace ts {
+
+// The training data (every rank loads the same tokens and reads its own windows), after choosing
+// the threads per rank (collective) and the BLAS check on the CPU; prints the threads, the
+// device, the source and its loss floor.
+static TokenData open_data(const RunConfig& rc, Device dev, RunLog& log);
 
 static MicroBatch microbatch_at(const TokenData& d, long batch, int B, int T, int seq0, int nseq, Device dev) {
   std::vector<int32_t> in(size_t(nseq) * T), tg(size_t(nseq) * T);

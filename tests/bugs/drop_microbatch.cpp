@@ -3,6 +3,7 @@
 // of notes/00's data order lost). Wraps Model::forward_backward, which 02's train_step calls once
 // per micro-batch.
 #include "bug.h"
+#include "tensor/hooks.h"
 #include "model/model.h"
 
 using ts::Tensor;

@@ -3,6 +3,7 @@
 // the swiglu_mlp_forward that the MoE block's shared experts call (the only SwiGLU MLP of a mixture
 // of experts model) and zeroes what it wrote.
 #include "bug.h"
+#include "model/mlp_block.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
 

@@ -6,6 +6,8 @@
 #include <memory>
 
 #include "bug.h"
+#include "model/tp_ops.h"
+#include "model/mlp_block.h"
 #include "model/model.h"
 
 using ts::Tensor;

@@ -1,21 +1,36 @@
-// 08_plan.h — the planner of `08_5d_mesh --plan`: predict a mesh's step time before booking a cluster.
+// lab/08_plan.h — the planner of `08_5d_mesh --plan`: predict a mesh's step time before booking a cluster.
 //
 // The playbook's first exercise, as code: for every mesh a cluster allows, memory from the very
 // functions each run of 08 checks against its allocator (mesh5d::predict_memory, which calls 02–07's
-// formulas), and time from the bytes each run measures (mesh5d::predict_comm) priced by the
-// step-time model of common/training/step_time.h, term by term with each chapter's own rule for what it
-// hides (step_terms: 02's buckets, 03's stages, 04's f/g, 05's bubble, 06's ring, 07's all-to-all).
+// formulas), and time from the bytes each run measures (mesh5d::predict_comm; both in
+// lab/08_5d_mesh.h, which this file includes, one way) priced by the step-time model of
+// common/training/step_time.h, term by term with each chapter's own rule for what it hides
+// (step_terms: 02's buckets, 03's stages, 04's f/g, 05's bubble, 06's ring, 07's all-to-all).
 // This file adds the cluster (GPUs per node, the nodes each group spans), the search over meshes,
 // the ranking and its explanations.
 //
 // notes/08 derives each factor, calibrates the one free constant on single-node runs, and reports
 // the prediction error on the playbook's multi-node runs.
-#ifndef TS_08_PLAN_H
-#define TS_08_PLAN_H
+#ifndef TS_LAB_08_PLAN_H
+#define TS_LAB_08_PLAN_H
+#include <algorithm>
 #include <array>
+#include <functional>
+#include <map>
 #include <set>
+#include <string>
+#include <vector>
 
-#include "08_5d_mesh.cu"
+#include "08_5d_mesh.h"  // the chapter, and its predictions: memory and bytes per rank
+#include "kernels/kernels.h"
+#include "07a_two_level_dispatch.h"  // ep::two_level_dispatch (07a's two levels, priced)
+#include "formats/json.h"
+#include "training/config_flags.h"
+#include "training/log.h"
+#include "training/memory_model.h"
+#include "training/report.h"
+#include "training/step_time.h"
+#include "training/train.h"
 
 namespace mesh5d {
 using namespace ts;
@@ -54,7 +69,7 @@ struct Shared {
   // What the memory table's comm row holds under this schedule (pp::comm_holds, a replay of the
   // whole schedule's messages) is left out: a plan prints no memory table.
   struct Pipeline {
-    pp::Plan plan;
+    pp::SimulatedPlan plan;  // on 05's simulated clock (lab/05_simulator.h)
     double bubble, busiest_share;
   };
   std::map<std::array<int, 4>, Pipeline> pipelines;  // by pp, m, V, schedule
@@ -64,10 +79,10 @@ struct Shared {
 
   // The schedule of plan `p` at rc's micro-batch (pp > 1): mesh5d::pipeline_plan's.
   const Pipeline& pipeline(const RunConfig& rc, const Plan& p) {
-    const std::array<int, 4> key{p.mesh.pp, rc.batch / p.mesh.dp / rc.micro_batch, p.virtual_stages, int(p.schedule)};
+    const std::array<int, 4> key{p.mesh.pp, rc.batch / p.mesh.dp / rc.micro_batch, p.virtual_stages, p.schedule->id};
     auto it = pipelines.find(key);
     if (it == pipelines.end()) {
-      pp::Plan pl = pipeline_plan(rc, p);
+      pp::SimulatedPlan pl = pp::simulate(pipeline_plan(rc, p));
       const double bubble = pl.bubble(), share = pl.busiest_share();
       it = pipelines.emplace(key, Pipeline{std::move(pl), bubble, share}).first;
     }
@@ -76,7 +91,7 @@ struct Shared {
   // The table of the rank at tp rank 0, ep rank 0 and pipeline stage pp_rank: mesh5d::local_table's.
   const ParamTable& table(const RunConfig& rc, const Plan& p, int pp_rank) {
     const std::array<int, 7> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
-                                 int(p.schedule), pp_rank, p.mesh.ep};
+                                 p.schedule->id, pp_rank, p.mesh.ep};
     auto it = tables.find(key);
     if (it == tables.end()) it = tables.emplace(key, local_table(rc, p, 0, pp_rank)).first;
     return it->second;
@@ -84,7 +99,7 @@ struct Shared {
   // What that rank holds besides activations: mesh5d::predict_states of its table.
   const MemoryPrediction& rank_states(const RunConfig& rc, const Plan& p, int pp_rank) {
     const std::array<int, 9> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
-                                 int(p.schedule), pp_rank, p.mesh.ep, p.zero, p.prefetch};
+                                 p.schedule->id, pp_rank, p.mesh.ep, p.zero, p.prefetch};
     auto it = states.find(key);
     if (it == states.end()) it = states.emplace(key, predict_states(rc, p, table(rc, p, pp_rank))).first;
     return it->second;
@@ -259,9 +274,9 @@ inline Plan make_plan(const Plan& base, const MeshConfig& mesh, int zero, int V,
   p.zero = zero;
   p.sp = mesh.tp > 1 && m.experts == 0;
   p.virtual_stages = V;
-  if (p.schedule == pp::Schedule::DualPipeV) return p;
-  if (V > 1) p.schedule = pp::Schedule::Interleaved;
-  else if (p.schedule == pp::Schedule::Interleaved) p.schedule = pp::Schedule::OneFOneB;
+  if (p.schedule == pp::kDualPipeV) return p;
+  if (V > 1) p.schedule = pp::kInterleaved;
+  else if (p.schedule == pp::kInterleaved) p.schedule = pp::kOneFOneB;
   return p;
 }
 // What validate() refuses that the search would otherwise reach.
@@ -270,7 +285,7 @@ inline bool composes(const Plan& p, const ModelConfig& m) {
   if (!split.empty() && int(std::count(split.begin(), split.end(), ',')) + 1 != p.mesh.pp * p.virtual_stages) return false;
   if (p.mesh.pp > 1 && pp::splits_backward(p.schedule) && (p.zero >= 2 || p.mesh.tp > 1)) return false;
   // DualPipeV: pp > 1, its two chunks per rank, 2·pp equal stages (pp::validate_dualpipev).
-  if (p.schedule == pp::Schedule::DualPipeV && (p.mesh.pp == 1 || p.virtual_stages != 2 || m.layers % (2 * p.mesh.pp)))
+  if (p.schedule == pp::kDualPipeV && (p.mesh.pp == 1 || p.virtual_stages != 2 || m.layers % (2 * p.mesh.pp)))
     return false;
   return m.layers >= p.mesh.pp * p.virtual_stages;
 }
@@ -303,7 +318,7 @@ inline std::vector<Candidate> candidates(const RunConfig& rc, const Cluster& cl,
               if ((rc.batch / dp) % mb) continue;
               // m micro-batches: DualPipeV needs m >= 2·pp, interleaved a multiple of pp.
               const int m_mb = rc.batch / dp / mb;
-              if (f.base.schedule == pp::Schedule::DualPipeV ? m_mb < 2 * pp : V > 1 && m_mb % pp) continue;
+              if (f.base.schedule == pp::kDualPipeV ? m_mb < 2 * pp : V > 1 && m_mb % pp) continue;
               for (Recompute r : {Recompute::None, Recompute::Selective, Recompute::Full}) {
                 if (f.recompute >= 0 && int(r) != f.recompute) continue;
                 for (int ep : Fixed::values(f.ep, m.experts > 0 ? dp * cpn : 1)) {
@@ -325,7 +340,7 @@ inline std::vector<Candidate> candidates(const RunConfig& rc, const Cluster& cl,
 inline std::string describe(const Candidate& c) {
   const MeshConfig& m = c.plan.mesh;
   std::string s = "dp " + std::to_string(m.dp);
-  if (m.pp > 1 && c.plan.schedule == pp::Schedule::DualPipeV) s += " pp " + std::to_string(m.pp) + " dualpipev";
+  if (m.pp > 1 && c.plan.schedule == pp::kDualPipeV) s += " pp " + std::to_string(m.pp) + " dualpipev";
   else if (m.pp > 1) s += " pp " + std::to_string(m.pp) + (c.plan.virtual_stages > 1 ? "×" + std::to_string(c.plan.virtual_stages) : "");
   if (m.cp > 1) s += " cp " + std::to_string(m.cp);
   s += " tp " + std::to_string(m.tp) + (c.plan.sp ? "+sp" : "");
@@ -723,4 +738,4 @@ inline void predict_step_time(Loop& loop, RunLog& log, const RunConfig& rc, cons
 }
 
 }  // namespace mesh5d
-#endif  // TS_08_PLAN_H
+#endif  // TS_LAB_08_PLAN_H
