@@ -8,8 +8,13 @@
 #include <catch2/catch.hpp>
 
 #ifdef TS_CUDA_EMU
+#include <unistd.h>
+
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -19,6 +24,7 @@
 #include "model/model.h"
 #include "emu.h"
 #include "emu_util.h"
+#include "test_util.h"
 #include "tensor/rng.h"
 #include "kernels/tensor_core.h"
 
@@ -80,6 +86,41 @@ __global__ void copy_kernel(float* y, const float* x, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i];
 }
 __global__ void nothing_kernel(float*) {}
+
+// Shared memory at sm_90's limits: 52 KiB of static arrays (ptxas refuses such a kernel), 40 KiB
+// (legal alone, and with up to 8 KiB of dynamic memory without the opt-in), the same 52 KiB in a
+// template whose argument the launch deduces (found by name), and two kernels that use only
+// dynamic shared memory, for the opt-in that is one kernel's and not the other's.
+__global__ void static_52k_kernel(float* out) {
+  __shared__ float big[13 * 1024];
+  big[threadIdx.x] = float(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = big[(threadIdx.x + 1) % blockDim.x];
+}
+template <class T> __global__ void static_52k_template_kernel(T* out) {
+  __shared__ T big[13 * 1024];
+  big[threadIdx.x] = T(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = big[(threadIdx.x + 1) % blockDim.x];
+}
+__global__ void static_40k_kernel(float* out) {
+  __shared__ float s[10 * 1024];
+  s[threadIdx.x] = float(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = s[(threadIdx.x + 1) % blockDim.x];
+}
+__global__ void dynamic_a_kernel(float* out) {
+  TS_DYNAMIC_SHARED(float, smem);
+  smem[threadIdx.x] = float(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = smem[(threadIdx.x + 1) % blockDim.x];
+}
+__global__ void dynamic_b_kernel(float* out) {
+  TS_DYNAMIC_SHARED(float, smem);
+  smem[threadIdx.x] = 2.f * float(threadIdx.x);
+  __syncthreads();
+  out[threadIdx.x] = smem[(threadIdx.x + 1) % blockDim.x];
+}
 
 // One warp multiplies a 16 × 16 bf16 A (row-major) by a 16 × 8 bf16 B (stored column by column)
 // and adds a 16 × 8 fp32 C, building its fragments as the PTX ISA's tables say (written here
@@ -278,6 +319,123 @@ TEST_CASE("emulated GPU: launches the hardware refuses are named", "[emu]") {
   TS_LAUNCH(1, 32, 48 * 1024, nullptr, nothing_kernel)(d);  // at the limit: legal
   CHECK(cudaGetLastError() == cudaSuccess);
   cudaFree(d);
+}
+
+bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The launch knows its kernel: the static arrays counted and the opt-in honoured are that kernel's.
+TEST_CASE("emulated GPU: shared memory is held to sm_90's limits, the opt-in per kernel", "[emu]") {
+  Fresh fresh;
+  float* d = device_floats(std::vector<float>(32, 0));
+  auto refused = [](const std::string& part) {
+    INFO(part << ": " << emu::last_report());
+    CHECK(cudaGetLastError() == cudaErrorInvalidValue);
+    CHECK(has(emu::last_report(), part));
+  };
+  TS_LAUNCH(1, 32, 0, nullptr, static_52k_kernel)(d);
+  refused("static_52k_kernel");
+  CHECK(has(emu::last_report(), "53248 bytes of static __shared__ memory"));
+  TS_LAUNCH(1, 32, 0, nullptr, static_52k_template_kernel)(d);
+  refused("53248 bytes of static __shared__ memory");
+  TS_LAUNCH(1, 32, 0, nullptr, static_40k_kernel)(d);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  TS_LAUNCH(1, 32, 16 * 1024, nullptr, static_40k_kernel)(d);
+  refused("40960 bytes of static and 16384 of dynamic shared memory, over the 49152");
+  TS_LAUNCH(1, 32, 8 * 1024, nullptr, static_40k_kernel)(d);  // 48 KiB together: legal
+  CHECK(cudaGetLastError() == cudaSuccess);
+  // 64 KiB of dynamic memory: refused until the kernel opts in, then legal for it and not for another.
+  TS_LAUNCH(1, 32, 64 * 1024, nullptr, dynamic_a_kernel)(d);
+  refused("without the opt-in");
+  REQUIRE(cudaFuncSetAttribute(dynamic_a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024) == cudaSuccess);
+  TS_LAUNCH(1, 32, 64 * 1024, nullptr, dynamic_a_kernel)(d);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK(host_floats(d, 32)[5] == 6.f);
+  TS_LAUNCH(1, 32, 64 * 1024, nullptr, dynamic_b_kernel)(d);
+  refused("dynamic_b_kernel");
+  TS_LAUNCH(1, 32, 64 * 1024 + 4, nullptr, dynamic_a_kernel)(d);
+  refused("over the 65536 this kernel opted in to");
+  // 227 KiB is the most: the opt-in beyond it is refused, and so is a launch beyond it.
+  CHECK(cudaFuncSetAttribute(dynamic_a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448 + 1) == cudaErrorInvalidValue);
+  refused("must lie in [0, 232448]");
+  REQUIRE(cudaFuncSetAttribute(dynamic_a_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448) == cudaSuccess);
+  TS_LAUNCH(1, 32, 232448, nullptr, dynamic_a_kernel)(d);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  TS_LAUNCH(1, 32, 232448 + 1, nullptr, dynamic_a_kernel)(d);
+  refused("over the 232448 this kernel opted in to");
+  // A kernel's static arrays count against its opt-in: 40 KiB + 187 KiB + 1 byte is over 227 KiB.
+  CHECK(cudaFuncSetAttribute(static_40k_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 232448 - 40960 + 1) ==
+        cudaErrorInvalidValue);
+  refused("with the kernel's 40960 bytes of static __shared__ memory");
+  REQUIRE(cudaFuncSetAttribute(static_40k_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 16 * 1024) == cudaSuccess);
+  TS_LAUNCH(1, 32, 16 * 1024, nullptr, static_40k_kernel)(d);
+  CHECK(cudaGetLastError() == cudaSuccess);
+  CHECK(host_floats(d, 32)[5] == 6.f);
+  cudaFree(d);
+}
+
+// ----- settings --------------------------------------------------------------------------------
+// This test binary run again as a child with TS_EMU_* set: a bad value must stop it before main
+// with one line naming it; good values must reach the emulator.
+
+std::string self_exe() {
+  char buf[4096];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, size_t(n)) : "";
+}
+tst::Result run_child(const std::string& env) {
+  return tst::run("env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME -u MPI_LOCALRANKID "
+                  "-u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " + env + " " + self_exe() +
+                  " '[emu_settings_child]'", 120);
+}
+
+TEST_CASE("emulated GPU settings: the child run", "[.emu_settings_child]") {
+  int n = 0;
+  size_t free_bytes = 0, total = 0;
+  REQUIRE(cudaGetDeviceCount(&n) == cudaSuccess);
+  REQUIRE(cudaMemGetInfo(&free_bytes, &total) == cudaSuccess);
+  float* d = device_floats({0});
+  TS_LAUNCH(1, 32, 0, nullptr, nothing_kernel)(d);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  cudaFree(d);
+  printf("settings child ok: %d GPUs, %zu bytes, %s, timeout %g s, quiet %d\n", n, total,
+         emu::reverse_order() ? "reverse" : "forward", emu::nccl_timeout_s(), int(emu::quiet()));
+}
+
+TEST_CASE("emulated GPU: a TS_EMU_* value the emulator cannot use stops it with one line", "[emu]") {
+  const std::vector<std::pair<std::string, std::string>> bad = {
+      {"TS_EMU_ORDER", "sideways"},       {"TS_EMU_ORDER", "Reverse"},      {"TS_EMU_MEMORY_GB", "lots"},
+      {"TS_EMU_MEMORY_GB", "0"},          {"TS_EMU_MEMORY_GB", "-1"},       {"TS_EMU_MEMORY_GB", "80GB"},
+      {"TS_EMU_MEMORY_GB", "nan"},        {"TS_EMU_MEMORY_GB", "1e400"},    {"TS_EMU_NCCL_TIMEOUT", "-5"},
+      {"TS_EMU_NCCL_TIMEOUT", "soon"},    {"TS_EMU_NCCL_TIMEOUT", "0"},     {"TS_EMU_NCCL_TIMEOUT", "inf"},
+      {"TS_EMU_GPUS", "0"},               {"TS_EMU_GPUS", "two"},           {"TS_EMU_GPUS", "8.5"},
+      {"TS_EMU_GPUS", " 8"},              {"TS_EMU_GPUS", "65"},            {"TS_EMU_QUIET", "yes"},
+      {"TS_EMU_COVERAGE", "/nonexistent/dir/cover.txt"},
+  };
+  for (const auto& [name, value] : bad) {
+    const tst::Result r = run_child(name + "='" + value + "'");
+    INFO(name << "=" << value << ":\n" << r.output);
+    CHECK(r.status == 2);
+    CHECK(has(r.output, "emulated GPU: " + name + "=\"" + value + "\" cannot be used: " + name + " accepts "));
+    CHECK(std::count(r.output.begin(), r.output.end(), '\n') == 1);
+    CHECK(!has(r.output, "settings child ok"));
+  }
+}
+
+TEST_CASE("emulated GPU: good TS_EMU_* values reach the emulator", "[emu]") {
+  const std::string cover = tst::scratch("settings_cover.txt");
+  tst::Result r = run_child("TS_EMU_ORDER=reverse TS_EMU_MEMORY_GB=0.5 TS_EMU_NCCL_TIMEOUT=30 TS_EMU_GPUS=2 "
+                            "TS_EMU_QUIET=0 TS_EMU_COVERAGE=" + cover);
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(has(r.output, "settings child ok: 2 GPUs, 536870912 bytes, reverse, timeout 30 s, quiet 0"));
+  std::ifstream f(cover);
+  const std::string covered((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  CHECK(has(covered, "kernel nothing_kernel"));
+  r = run_child("TS_EMU_ORDER=forward TS_EMU_MEMORY_GB=80 TS_EMU_NCCL_TIMEOUT=2.5e2 TS_EMU_GPUS=64 TS_EMU_QUIET=1 "
+                "TS_EMU_COVERAGE=");
+  INFO(r.output);
+  CHECK(r.status == 0);
+  CHECK(has(r.output, "settings child ok: 64 GPUs, 85899345920 bytes, forward, timeout 250 s, quiet 1"));
 }
 
 TEST_CASE("emulated GPU: a stream that reads without waiting for the writer's event reads NaN", "[emu]") {

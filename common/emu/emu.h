@@ -62,10 +62,18 @@ void cover(const std::string& what);
 
 // ----- settings (environment) ---------------------------------------------------------------------
 // TS_EMU_GPUS: GPUs on this emulated node (default 8); TS_EMU_MEMORY_GB: each one's memory (80);
-// TS_EMU_ORDER=reverse: every block's threads, and a grid's blocks, run in reverse order.
+// TS_EMU_ORDER=reverse: every block's threads, and a grid's blocks, run in reverse order;
+// TS_EMU_NCCL_TIMEOUT: seconds an NCCL operation waits (240); TS_EMU_QUIET=1: no report lines;
+// TS_EMU_COVERAGE=FILE. Each is parsed strictly: a value it cannot use ends the process with one
+// line ("emulated GPU: NAME="VALUE" cannot be used: NAME accepts ...") and exit status 2, at
+// start-up and wherever it is read.
 int gpus();
 size_t memory_bytes();
+double nccl_timeout_s();
+bool quiet();
+const char* coverage_path();  // nullptr when unset
 bool reverse_order();
 void set_reverse_order(bool on);  // for tests that run a kernel both ways
+void check_settings();
 
 }  // namespace emu

@@ -10,13 +10,20 @@
 // Stricter than the hardware: threads of a block run in an order that TS_EMU_ORDER=reverse turns
 // around (a result that changes is a missing barrier), shared memory starts as 0xFF bytes (NaN),
 // a barrier must be the same source line for every thread, and a shuffle must name only live lanes
-// that reach the same shuffle. Not checked: __launch_bounds__ (g++ cannot see it), static shared
-// memory's size against the 48 KiB limit, timing, occupancy, and anything about registers.
+// that reach the same shuffle. Shared memory is held to sm_90's limits per kernel: its static
+// __shared__ arrays (found in the program's symbol table) and the launch's dynamic bytes against
+// 48 KiB, or against what that kernel opted in to. Not checked: __launch_bounds__ (g++ cannot see
+// it), timing, occupancy, and anything about registers.
+#include <cxxabi.h>
+#include <dlfcn.h>
+#include <elf.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <boost/context/fiber.hpp>
 #include <cstdio>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <string>
@@ -394,13 +401,161 @@ static void run_block(Block& b, const std::function<void()>& body, bool reverse)
   for (Thread& t : b.threads) t.fiber = bc::fiber();  // unwinds any fiber left waiting
 }
 
+// ----- static shared memory, per kernel -----------------------------------------------------------
+// The program's own symbol table says which static __shared__ arrays belong to which kernel: a
+// function-local static of the function mangled _Z<encoding> is mangled _ZZ<encoding>E<name>, so
+// the kernel at address fn owns the writable objects with that prefix (device code has no other
+// function-local statics), as ptxas counts them. The project's kernels declare __shared__ in the
+// kernel itself, not in the __device__ helpers they call. (The arrays of a template kernel are not
+// in the ts_emu_shared section: g++ ignores a section attribute on a template's local statics.)
+
+struct SharedSymbols {
+  bool pie = true;                                     // ET_DYN: values are offsets from the load base
+  std::map<uintptr_t, std::string> functions;          // value -> mangled name
+  std::vector<std::pair<std::string, size_t>> locals;  // writable function-local statics: name, bytes
+  std::map<const void*, size_t> by_address;            // answers so far
+  std::map<std::string, size_t> by_name;
+};
+
+static SharedSymbols read_symbols(const char* path) {
+  SharedSymbols out;
+  std::ifstream f(path, std::ios::binary);
+  std::string elf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  if (elf.size() < sizeof(Elf64_Ehdr) || memcmp(elf.data(), ELFMAG, SELFMAG)) return out;
+  const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(elf.data());
+  out.pie = eh->e_type == ET_DYN;
+  const auto* sh = reinterpret_cast<const Elf64_Shdr*>(elf.data() + eh->e_shoff);
+  for (size_t i = 0; i < eh->e_shnum; i++) {
+    if (sh[i].sh_type != SHT_SYMTAB) continue;
+    const auto* sym = reinterpret_cast<const Elf64_Sym*>(elf.data() + sh[i].sh_offset);
+    const char* str = elf.data() + sh[sh[i].sh_link].sh_offset;
+    for (size_t k = 0; k < sh[i].sh_size / sizeof(Elf64_Sym); k++) {
+      const Elf64_Sym& y = sym[k];
+      const char* name = str + y.st_name;
+      if (ELF64_ST_TYPE(y.st_info) == STT_FUNC && y.st_value) out.functions[y.st_value] = name;
+      else if (ELF64_ST_TYPE(y.st_info) == STT_OBJECT && !strncmp(name, "_ZZ", 3) && y.st_shndx < eh->e_shnum &&
+               (sh[y.st_shndx].sh_flags & SHF_WRITE))
+        out.locals.emplace_back(name, size_t(y.st_size));
+    }
+  }
+  return out;
+}
+
+// A demangled function's own name, without scope and template arguments ("void ts::k<float>(float*)" -> "k").
+static std::string base_name(const std::string& fn) {
+  size_t end = fn.size(), depth = 0;
+  while (end > 0) {  // back over the parameter list
+    const char c = fn[--end];
+    depth += c == ')';
+    depth -= c == '(';
+    if (!depth) break;
+  }
+  if (end > 0 && fn[end - 1] == '>')
+    for (depth = 0; end > 0;) {  // back over the template arguments
+      const char c = fn[--end];
+      depth += c == '>';
+      depth -= c == '<';
+      if (!depth) break;
+    }
+  const size_t from = end ? fn.find_last_of(": ", end - 1) : std::string::npos;
+  const size_t begin = from == std::string::npos ? 0 : from + 1;
+  return fn.substr(begin, end - begin);
+}
+
+// The most static shared memory any function called `wanted` declares (every specialization of a
+// template whose arguments the launch deduced).
+static size_t shared_bytes_by_name(const SharedSymbols& s, const std::string& wanted) {
+  std::map<std::string, size_t> per_function;
+  for (const auto& [sym, bytes] : s.locals) {
+    int st = 0;
+    char* d = abi::__cxa_demangle(sym.c_str(), nullptr, nullptr, &st);
+    std::string owner = d && !st ? std::string(d) : "";
+    free(d);
+    owner = owner.substr(0, owner.rfind("::"));
+    if (!owner.empty() && base_name(owner) == wanted) per_function[owner] += bytes;
+  }
+  size_t most = 0;
+  for (const auto& [f, bytes] : per_function) most = std::max(most, bytes);
+  return most;
+}
+
+// Bytes of static __shared__ memory of the kernel at fn, or (fn null) of the kernel named `name`.
+static size_t static_shared_bytes(const void* fn, const char* name) {
+  static std::mutex mu;
+  static std::map<std::string, SharedSymbols> files;
+  Dl_info info{};
+  if (!dladdr(fn ? fn : reinterpret_cast<const void*>(&static_shared_bytes), &info) || !info.dli_fname) return 0;
+  std::lock_guard<std::mutex> lk(mu);
+  auto it = files.find(info.dli_fname);
+  if (it == files.end()) it = files.emplace(info.dli_fname, read_symbols(info.dli_fname)).first;
+  SharedSymbols& s = it->second;
+  if (!fn) {
+    std::string wanted(name);
+    wanted = wanted.substr(0, wanted.find('<'));
+    wanted = wanted.substr(wanted.rfind(':') == std::string::npos ? 0 : wanted.rfind(':') + 1);
+    auto n = s.by_name.find(wanted);
+    return n != s.by_name.end() ? n->second : s.by_name[wanted] = shared_bytes_by_name(s, wanted);
+  }
+  auto a = s.by_address.find(fn);
+  if (a != s.by_address.end()) return a->second;
+  size_t bytes = 0;
+  auto f = s.functions.find(uintptr_t(fn) - (s.pie ? uintptr_t(info.dli_fbase) : 0));
+  if (f != s.functions.end() && !f->second.compare(0, 2, "_Z")) {
+    const std::string prefix = "_ZZ" + f->second.substr(2) + "E";
+    for (const auto& [sym, size] : s.locals)
+      if (!sym.compare(0, prefix.size(), prefix)) bytes += size;
+  }
+  return s.by_address[fn] = bytes;
+}
+
 // ----- the launch ---------------------------------------------------------------------------------
+
+constexpr size_t kSharedDefault = 48 * 1024;  // per block without the opt-in (sm_90)
+constexpr size_t kSharedOptIn = 232448;       // 227 KiB: cudaDevAttrMaxSharedMemoryPerBlockOptin
 
 static std::mutex g_attr_mu;
 static std::map<const void*, int> g_max_dyn;  // cudaFuncAttributeMaxDynamicSharedMemorySize per kernel
-void set_max_dynamic_shared(const void* fn, int bytes) {
+
+cudaError_t set_max_dynamic_shared(const void* fn, int bytes) {
+  const size_t stat = static_shared_bytes(fn, "");
+  if (bytes < 0 || stat + size_t(bytes) > kSharedOptIn) {
+    report("cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize, %d) refused: with the kernel's %zu "
+           "bytes of static __shared__ memory it must lie in [0, %zu] (227 KiB on sm_90)", bytes, stat, kSharedOptIn);
+    set_last_error(cudaErrorInvalidValue);
+    return cudaErrorInvalidValue;
+  }
   std::lock_guard<std::mutex> lk(g_attr_mu);
   g_max_dyn[fn] = bytes;
+  return cudaSuccess;
+}
+
+// The block's shared memory (CUDA Programming Guide, "Compute Capabilities", sm_90): static arrays
+// up to 48 KiB (ptxas refuses more); static + dynamic up to 48 KiB, or, after the kernel's own
+// opt-in, dynamic up to what it opted in to (static + opt-in at most 227 KiB).
+static std::string check_shared(const char* name, const void* fn, size_t dyn) {
+  const size_t stat = static_shared_bytes(fn, name);
+  char buf[512];
+  if (stat > kSharedDefault) {
+    snprintf(buf, sizeof buf, "%zu bytes of static __shared__ memory, over the %zu that ptxas allows a kernel on sm_90",
+             stat, kSharedDefault);
+    return buf;
+  }
+  int opt_in = -1;
+  {
+    std::lock_guard<std::mutex> lk(g_attr_mu);
+    auto it = g_max_dyn.find(fn);
+    if (fn && it != g_max_dyn.end()) opt_in = it->second;
+  }
+  if (opt_in >= 0 && dyn > size_t(opt_in))
+    snprintf(buf, sizeof buf, "%zu bytes of dynamic shared memory, over the %d this kernel opted in to with "
+             "cudaFuncSetAttribute(..., cudaFuncAttributeMaxDynamicSharedMemorySize, ...)", dyn, opt_in);
+  else if (opt_in < 0 && stat + dyn > kSharedDefault)
+    snprintf(buf, sizeof buf, "%zu bytes of static and %zu of dynamic shared memory, over the %zu a block may have "
+             "without the opt-in (above 48 KiB the kernel must call cudaFuncSetAttribute(kernel, "
+             "cudaFuncAttributeMaxDynamicSharedMemorySize, bytes)%s)", stat, dyn, kSharedDefault,
+             fn ? "" : "; this launch names a template kernel whose arguments the call deduces, so spell them out");
+  else return "";
+  return buf;
 }
 
 // What the hardware refuses at launch (CUDA Programming Guide, "Compute Capabilities", sm_90 column).
@@ -417,16 +572,9 @@ static cudaError_t check_launch(const char* name, const char* site, const void* 
     report("launch of kernel %s at %s refused: %s", name, site, why.c_str());
     return cudaErrorInvalidConfiguration;
   }
-  int opt_in = 48 * 1024;
-  {
-    std::lock_guard<std::mutex> lk(g_attr_mu);
-    auto it = g_max_dyn.find(fn);
-    if (it != g_max_dyn.end()) opt_in = std::max(opt_in, it->second);
-  }
-  if (smem > size_t(opt_in)) {
-    report("launch of kernel %s at %s refused: %zu bytes of dynamic shared memory, over %d (above 48 KiB a kernel "
-           "must opt in with cudaFuncSetAttribute(..., cudaFuncAttributeMaxDynamicSharedMemorySize, bytes))",
-           name, site, smem, opt_in);
+  why = check_shared(name, fn, smem);
+  if (!why.empty()) {
+    report("launch of kernel %s at %s refused: %s", name, site, why.c_str());
     return cudaErrorInvalidValue;
   }
   return cudaSuccess;

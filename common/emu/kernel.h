@@ -44,9 +44,21 @@ void* dynamic_shared();
 // Enqueues a grid on stream s: `body` runs once per thread. Returns the launch's error (a launch the
 // hardware refuses: too many threads, too large a grid, too much shared memory), which is also
 // the host thread's last error, as cudaGetLastError reports it after a real launch.
+// `fn` is the kernel's address (nullptr where the launch could not name one function: the kernel is
+// then found by `name` among the program's symbols).
 cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid, dim3 block, size_t smem,
                    cudaStream_t s, std::function<void()> body);
-void set_max_dynamic_shared(const void* fn, int bytes);
+// cudaFuncAttributeMaxDynamicSharedMemorySize for the kernel at fn: refused (cudaErrorInvalidValue)
+// when its static __shared__ arrays and `bytes` together exceed sm_90's 227 KiB.
+cudaError_t set_max_dynamic_shared(const void* fn, int bytes);
+
+// The kernel's address for TS_LAUNCH: `get` is a generic lambda that takes &kernel, and is not
+// callable when the name is a template whose arguments only the call deduces.
+template <class Tag, class F> const void* kernel_address(F f) { return reinterpret_cast<const void*>(f); }
+template <class L> const void* address_or_null(L get) {
+  if constexpr (std::is_invocable_v<L, int>) return get(0);
+  else return nullptr;
+}
 
 // kernel<<<grid, block, smem, stream>>>(args...) for g++. `call` is a generic lambda that calls
 // the kernel, so a template kernel's arguments are deduced from the launch's as nvcc deduces them;
@@ -55,17 +67,19 @@ template <class K> struct Launch {
   const char* name;
   const char* site;
   K call;
+  const void* fn;
   dim3 grid, block;
   size_t smem;
   cudaStream_t stream;
   template <class... A> void operator()(A&&... a) const {
     std::tuple<std::decay_t<A>...> args(std::forward<A>(a)...);
-    launch(name, site, nullptr, grid, block, smem, stream, [k = call, args] { std::apply(k, args); });
+    launch(name, site, fn, grid, block, smem, stream, [k = call, args] { std::apply(k, args); });
   }
 };
 template <class K>
-Launch<K> make_launch(const char* name, const char* site, K call, dim3 grid, dim3 block, size_t smem, cudaStream_t s) {
-  return Launch<K>{name, site, call, grid, block, smem, s};
+Launch<K> make_launch(const char* name, const char* site, K call, const void* fn, dim3 grid, dim3 block, size_t smem,
+                      cudaStream_t s) {
+  return Launch<K>{name, site, call, fn, grid, block, smem, s};
 }
 
 template <class T> T shfl_xor_sync(const char* file, int line, unsigned mask, T v, int lane_mask, int width = 32) {
@@ -81,9 +95,7 @@ template <class T> T shfl_xor_sync(const char* file, int line, unsigned mask, T 
 
 template <class... A> cudaError_t cudaFuncSetAttribute(void (*kernel)(A...), cudaFuncAttribute attr, int value) {
   if (attr != cudaFuncAttributeMaxDynamicSharedMemorySize) return cudaErrorInvalidValue;
-  if (value < 0 || value > 227 * 1024) return cudaErrorInvalidValue;
-  emu::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), value);
-  return cudaSuccess;
+  return emu::set_max_dynamic_shared(reinterpret_cast<const void*>(kernel), value);
 }
 
 #define threadIdx (::emu::ctx().thread_idx)

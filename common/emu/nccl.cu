@@ -122,11 +122,7 @@ double now_s() {
 // 240: long enough for an emulated peer that is only slow, and under the project's own watchdog
 // (--timeout, 300 s), so that the emulator's diagnosis is the one printed).
 // Read on the launching thread at every launch, so a test can lower it before seeding a defect.
-double timeout_s() {
-  const char* e = getenv("TS_EMU_NCCL_TIMEOUT");
-  double t = e ? atof(e) : 0;
-  return t > 0 ? t : 240;
-}
+double timeout_s() { return emu::nccl_timeout_s(); }
 
 bool mpi_usable() {
   int init = 0, fin = 0;

@@ -10,11 +10,16 @@
 // asynchronous copy from or into pinned memory (cudaMallocHost) reads or writes the host buffer
 // when it runs on its stream, late, so the host must wait for it (an event) before reusing the
 // buffer. cudaMemcpy, on the legacy default stream, does not wait for streams created non-blocking.
+#include <unistd.h>
+
 #include <atomic>
+#include <cerrno>
+#include <cmath>
 #include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -37,7 +42,7 @@ static void vreport(const char* fmt, va_list ap) {
   vsnprintf(buf, sizeof buf, fmt, ap);
   std::lock_guard<std::mutex> lk(g_report_mu);
   g_last_report = buf;
-  if (!getenv("TS_EMU_QUIET")) fprintf(stderr, "emulated GPU: %s\n", buf);
+  if (!quiet()) fprintf(stderr, "emulated GPU: %s\n", buf);
 }
 void report(const char* fmt, ...) {
   va_list ap;
@@ -70,8 +75,8 @@ static std::mutex g_cover_mu;
 static std::set<std::string>* g_covered = nullptr;
 
 static void write_coverage() {
-  const char* path = getenv("TS_EMU_COVERAGE");
-  if (!path || !*path || !g_covered) return;
+  const char* path = coverage_path();
+  if (!path || !g_covered) return;
   std::lock_guard<std::mutex> lk(g_cover_mu);
   std::string all;
   for (const std::string& w : *g_covered) all += w + "\n";
@@ -81,10 +86,7 @@ static void write_coverage() {
   }
 }
 bool covering() {
-  static const bool on = [] {
-    const char* path = getenv("TS_EMU_COVERAGE");
-    return path && *path;
-  }();
+  static const bool on = coverage_path() != nullptr;
   return on;
 }
 void cover(const std::string& what) {
@@ -98,25 +100,84 @@ void cover(const std::string& what) {
 }
 
 // ----- settings ------------------------------------------------------------------------------------
+// Every TS_EMU_* variable is read strictly: the whole value, finite, in range. A value the emulator
+// cannot use stops the process with one line naming the variable, the value and what it accepts
+// (exit status 2), at start-up (check_settings, below) and again wherever a setting is read, since
+// tests change some of them while they run. Empty is the same as unset.
 
-static long env_long(const char* name, long dflt) {
-  const char* v = getenv(name);
-  return v && *v ? atol(v) : dflt;
+[[noreturn]] static void bad_setting(const char* name, const char* value, const char* accepts) {
+  fprintf(stderr, "emulated GPU: %s=\"%s\" cannot be used: %s accepts %s\n", name, value, name, accepts);
+  fflush(stderr);
+  _exit(2);
 }
-int gpus() { return int(env_long("TS_EMU_GPUS", 8)); }
+static const char* setting(const char* name) {
+  const char* v = getenv(name);
+  return v && *v ? v : nullptr;
+}
+// A whole number in [lo, hi], in decimal digits only.
+static long setting_count(const char* name, long dflt, long lo, long hi, const char* accepts) {
+  const char* v = setting(name);
+  if (!v) return dflt;
+  errno = 0;
+  char* end = nullptr;
+  const long x = strtol(v, &end, 10);
+  if (strspn(v, "0123456789") != strlen(v) || *end || errno || x < lo || x > hi) bad_setting(name, v, accepts);
+  return x;
+}
+// A finite decimal number in (0, hi].
+static double setting_positive(const char* name, double dflt, double hi, const char* accepts) {
+  const char* v = setting(name);
+  if (!v) return dflt;
+  errno = 0;
+  char* end = nullptr;
+  const double x = strtod(v, &end);
+  if (strspn(v, "0123456789.eE+-") != strlen(v) || *end || errno || !std::isfinite(x) || !(x > 0) || x > hi)
+    bad_setting(name, v, accepts);
+  return x;
+}
+
+int gpus() { return int(setting_count("TS_EMU_GPUS", 8, 1, 64, "a whole number of GPUs per node from 1 to 64")); }
 size_t memory_bytes() {
-  const char* v = getenv("TS_EMU_MEMORY_GB");
-  return size_t((v && *v ? atof(v) : 80.0) * (1ull << 30));
+  return size_t(setting_positive("TS_EMU_MEMORY_GB", 80.0, 4096, "a number of GiB above 0 and at most 4096 (e.g. 80, 0.5)") *
+                double(1ull << 30));
+}
+double nccl_timeout_s() {
+  return setting_positive("TS_EMU_NCCL_TIMEOUT", 240, 86400, "a number of seconds above 0 and at most 86400");
+}
+bool quiet() {
+  const char* v = setting("TS_EMU_QUIET");
+  if (v && strcmp(v, "0") && strcmp(v, "1")) bad_setting("TS_EMU_QUIET", v, "1 (no report lines on stderr) or 0");
+  return v && !strcmp(v, "1");
+}
+const char* coverage_path() {
+  const char* v = setting("TS_EMU_COVERAGE");
+  if (!v) return nullptr;
+  const std::string path(v), dir = path.find('/') == std::string::npos ? "." : path.substr(0, path.rfind('/') + 1);
+  if (path.back() == '/' || access(dir.c_str(), W_OK))
+    bad_setting("TS_EMU_COVERAGE", v, "the path of a file in a directory that exists and can be written to");
+  return v;
 }
 static std::atomic<int> g_reverse{-1};
 bool reverse_order() {
   if (g_reverse < 0) {
-    const char* v = getenv("TS_EMU_ORDER");
-    g_reverse = v && std::string(v) == "reverse";
+    const char* v = setting("TS_EMU_ORDER");
+    if (v && strcmp(v, "forward") && strcmp(v, "reverse")) bad_setting("TS_EMU_ORDER", v, "forward or reverse");
+    g_reverse = v && !strcmp(v, "reverse");
   }
   return g_reverse == 1;
 }
 void set_reverse_order(bool on) { g_reverse = on; }
+
+void check_settings() {
+  gpus();
+  memory_bytes();
+  nccl_timeout_s();
+  quiet();
+  coverage_path();
+  reverse_order();
+}
+// At start-up, before main: a bad setting stops the program before it does anything.
+static const bool g_settings_checked = (check_settings(), true);
 
 // ----- streams -----------------------------------------------------------------------------------
 

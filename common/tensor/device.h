@@ -29,8 +29,16 @@
 #define TS_STR_(x) #x
 #define TS_STR(x) TS_STR_(x)
 #ifdef TS_CUDA_EMU
-#define TS_LAUNCH(grid, block, smem, stream, ...) \
-  ::emu::make_launch(#__VA_ARGS__, __FILE__ ":" TS_STR(__LINE__), [](auto... a_) { __VA_ARGS__(a_...); }, grid, block, smem, stream)
+// The emulator's launch also takes the kernel's address where the source names one function (a
+// plain kernel, or a template's arguments spelled out), so cudaFuncSetAttribute's opt-in and the
+// kernel's static __shared__ arrays are those of the kernel launched; a template kernel whose
+// arguments the call deduces has no address here (nullptr) and is found by its name.
+#define TS_LAUNCH(grid, block, smem, stream, ...)                                                             \
+  ::emu::make_launch(#__VA_ARGS__, __FILE__ ":" TS_STR(__LINE__), [](auto... a_) { __VA_ARGS__(a_...); },      \
+                     ::emu::address_or_null([](auto t_) -> decltype(::emu::kernel_address<decltype(t_)>(&__VA_ARGS__)) { \
+                       return ::emu::kernel_address<decltype(t_)>(&__VA_ARGS__);                                \
+                     }),                                                                                      \
+                     grid, block, smem, stream)
 #define TS_DYNAMIC_SHARED(T, name) T* name = static_cast<T*>(::emu::dynamic_shared())
 #else
 #define TS_LAUNCH(grid, block, smem, stream, ...) __VA_ARGS__<<<grid, block, smem, stream>>>
