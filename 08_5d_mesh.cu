@@ -464,12 +464,12 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, mesh5d::Options& o) {
   if (cp_mode != "ring" && cp_mode != "ulysses") config_error("--cp-mode must be ring or ulysses (got '%s')", cp_mode.c_str());
   if (zigzag != 0 && zigzag != 1) config_error("--zigzag must be 1 or 0 (got %d)", zigzag);
   plan.cp = {cp_mode == "ring" ? cp::Mode::Ring : cp::Mode::Ulysses, zigzag == 1};
-  const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: afab | 1f1b | interleaved | zb-h1 | dualpipev");
+  const std::string sched = a.get_str("--schedule", "1f1b", "pp > 1: " + pp::schedule_names(" | ", " | "));
   plan.virtual_stages = a.get_int("--virtual-stages", 1, "pp > 1, interleaved: chunks per rank (dualpipev: 2)");
   plan.stage_layers = a.get_str("--stage-layers", "", "pp > 1: layers per virtual stage a,b,… (default: even, or the ends lighter)");
   // shard_spec places each rank's stages by the schedule (05's ScheduleKind::stage), so 08 runs DualPipeV's V.
   if (!pp::parse_schedule(sched, plan.schedule))
-    config_error("unknown --schedule '%s' (afab, 1f1b, interleaved, zb-h1 or dualpipev)", sched.c_str());
+    config_error("unknown --schedule '%s' (%s)", sched.c_str(), pp::schedule_names(", ", " or ").c_str());
   if (plan.schedule == pp::kDualPipeV) read_dualpipev_stages(a, plan);
   plan.two_level = ep::read_dispatch(a, "--plan: price the ep all-to-all as flat, or as 07's two-level dispatch across "
                                         "the nodes an ep group spans (DeepSeek-V3 §3.2.2)").name == "two-level";
