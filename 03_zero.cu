@@ -2,11 +2,9 @@
 //
 // The playbook's ZeRO chapter, all three stages over --dp N ranks:
 //   --zero 1  optimizer states (and the fp32 master weights under bf16) sharded: gradients are
-//             reduce-scattered after backward, each rank updates its shard, and the updated
-//             weights are all-gathered;
-//   --zero 2  gradients sharded too: each unit's gradients are reduce-scattered during backward
-//             as soon as they are complete (overlapped with the units below), so the full
-//             gradient buffer is never held;
+//             reduce-scattered after backward, each rank updates its shard, the weights all-gathered;
+//   --zero 2  gradients sharded too: each unit's gradients are reduce-scattered during backward as
+//             soon as complete (overlapped with the units below): the full buffer is never held;
 //   --zero 3  weights sharded too (FSDP-style): a unit's weights are all-gathered just before
 //             its forward and again before its backward and dropped after use; --prefetch 1
 //             gathers the next unit while the current one computes.
@@ -51,8 +49,9 @@ struct Shards {
 
 class Zero {
  public:
-  Zero(Model& m, Comm& dp, int stage, bool prefetch, const RunConfig& rc)
-      : m_(m), dp_(dp), stage_(stage), prefetch_(prefetch), sh_{m.table, dp.size(), dp.rank()} {
+  // `replicas`: the ranks of other dp groups holding this rank's shards too (null: none).
+  Zero(Model& m, Comm& dp, int stage, bool prefetch, const RunConfig& rc, Comm* replicas = nullptr)
+      : m_(m), dp_(dp), replicas_(replicas), stage_(stage), prefetch_(prefetch), sh_{m.table, dp.size(), dp.rank()} {
     const int U = m.table.num_units();
     for (int u = 0; u < U; u++) opt_.emplace_back(m, sh_.begin(u), sh_.begin(u) + sh_.size(u), rc.master_weights);
     if (stage_ >= 2) grad_shard_ = Tensor::zeros({sh_.total()}, DType::F32, m.dev, Tag::Grads);
@@ -75,6 +74,8 @@ class Zero {
   }
   AdamW& opt(int u) { return opt_[size_t(u)]; }
   int units() const { return m_.table.num_units(); }
+  Comm& group() const { return dp_; }
+  Comm* replicas() const { return replicas_; }
 
   // Each rank initialises (or loads) its shard of every unit, then gathers the full weights of
   // ZeRO-1/2 (ZeRO-3 gathers each unit when it runs). Returns the first step to run.
@@ -98,9 +99,8 @@ class Zero {
 
   void begin_step() { ts::zero(stage_ >= 2 ? grad_shard_ : m_.grads); }
   // `last`: the step's last micro-batch, whose backward makes each unit's accumulated gradients
-  // final: stage 1 then reduce-scatters each unit as soon as it is.
+  // final: stage 1 then reduce-scatters each unit as soon as it is (set_last says it alone).
   void begin_microbatch(bool last = false) { use_pos_ = 0; set_last(last); }
-  // Whether the backward that runs next is the last micro-batch's (begin_microbatch sets it too).
   void set_last(bool last) { last_ = last; }
   // After the micro-batch's backward: stage 1, after the last, waits for its units' reduce-
   // scatters (and sends those no backward launched: the accumulated buffer is final now);
@@ -115,14 +115,14 @@ class Zero {
       for (auto& [u, w] : final_) {
         w.first.wait();
         Trace::get().add("reduce_scatter unit " + std::to_string(u), Lane::Comm2, w.second, Trace::get().now_us() - w.second);
+        reduce_replicas(grads(u));
       }
       final_.clear();
       last_ = false;
     }
   }
-  // Clipping over sharded gradients is exact: each rank sums the squares of its chunks, and one
-  // all-reduce of that scalar (8 bytes, a metric outside the counted collectives) gives the norm.
-  // `also`: any other groups whose ranks hold different parameters from this rank's.
+  // Clipping over sharded gradients is exact: each rank sums its chunks' squares, one all-reduce of
+  // that scalar gives the norm. `also`: other groups whose ranks hold other parameters than this one.
   double grad_norm(const std::vector<MPI_Comm>& also = {}) {
     std::vector<GradRange> mine;
     for (int u = 0; u < units(); u++) mine.push_back({sh_.begin(u), grads(u)});
@@ -131,31 +131,17 @@ class Zero {
     return global_grad_norm(m_.table, mine, groups);
   }
   // What this rank writes to a checkpoint: its chunk of every unit (the file does not depend on
-  // dp or the stage).
+  // dp or the stage); of replicated shards, the first replica's.
   std::vector<CheckpointSlice> checkpoint_slices() const {
     std::vector<CheckpointSlice> mine;
+    if (replicas_ && replicas_->rank() > 0) return mine;
     for (int u = 0; u < units(); u++) {
       const AdamW& o = opt_[size_t(u)];
       mine.push_back({o.begin, o.end, weights_f32(weights(u), o), &o});
     }
     return mine;
   }
-  // A forward-only pass `f` (the held-out loss): ZeRO-3 gathers each unit as in training, in
-  // forward order only (0..L+1, then the next micro-batch's 0), and drops whatever is still
-  // gathered afterwards. Its collectives are not counted with the training steps'.
-  double evaluate(const std::function<double()>& f) {
-    const auto counted = dp_.stats();
-    forward_only_ = true;
-    use_pos_ = 0;
-    const double loss = f();
-    for (Gathered& g : gathered_) {
-      if (g.in_flight) g.work.wait();
-      g = Gathered();
-    }
-    forward_only_ = false;
-    dp_.set_stats(counted);
-    return loss;
-  }
+  friend double evaluate(Zero& z, const std::function<double()>& f);  // the held-out loss: lab/03_zero.cu
   // Each rank updates its chunks; stages 1/2 then all-gather the updated weights.
   void optimizer_step(const RunConfig& rc, long step, double norm) {
     const float clip = clip_coefficient(norm, rc.clip);
@@ -165,6 +151,8 @@ class Zero {
 
  private:
   Tensor unit_view(const Tensor& flat, int u) const { return flat.view(m_.table.unit_begin[u], {sh_.unit_size(u)}); }
+  // A reduced chunk sums this group's tokens; all-reduced across its replicas (if any), all of dp's.
+  void reduce_replicas(const Tensor& chunk) { if (replicas_) replicas_->all_reduce(chunk); }
 
   // ---- stage 1: each unit's accumulated gradients, reduce-scattered once final ---------------
   void reduce_scatter_final(int u) {
@@ -173,11 +161,7 @@ class Zero {
   }
 
   // ---- stages 2 and 3: per-unit gradient buffers, reduce-scattered as soon as complete -------
-  struct PendingGrad {
-    int u = -1;
-    Tensor full, chunk;
-    Work work;
-  };
+  struct PendingGrad { int u = -1; Tensor full, chunk; Work work; };
   void new_unit_grads(int u) {
     unit_grads_ = Tensor::zeros({sh_.unit_size(u)}, DType::F32, m_.dev, Tag::Grads);
     m_.bind_unit_grads(u, unit_grads_);
@@ -198,6 +182,7 @@ class Zero {
     // Its own lane: under ZeRO-3 it runs alongside the prefetching all-gathers.
     Trace::get().add("reduce_scatter unit " + std::to_string(pending_.u), Lane::Comm2, pending_start_,
                      Trace::get().now_us() - pending_start_);
+    reduce_replicas(pending_.chunk);
     add_inplace(grads(pending_.u), pending_.chunk);  // accumulate over micro-batches
     pending_ = PendingGrad();
   }
@@ -246,6 +231,7 @@ class Zero {
 
   Model& m_;
   Comm& dp_;
+  Comm* replicas_;
   int stage_;
   bool prefetch_;
   Shards sh_;
@@ -264,10 +250,20 @@ class Zero {
 // ----- the playbook's formula: memory per rank (notes/03 derives each line) ----------------------
 
 struct ZeroPlan {
-  int stage, n, micro_batches;
+  int stage, n, micro_batches;  // n: the ranks a shard group spans (all of dp, unless regrouped)
   bool prefetch;
   ParamTable table;  // padded per unit to a multiple of n
+  int replicas = 1;  // shard groups holding the same shards: dp = n · replicas
 };
+
+// A follow-on file may regroup dp into `replicas` shard groups of n ranks: it reads its flags into the
+// plan, then makes this rank's {shard group, replica group}.
+using Groups = std::pair<std::shared_ptr<Comm>, std::shared_ptr<Comm>>;
+struct Regrouping {
+  std::function<void(Args&, ZeroPlan&)> read_flags;
+  std::function<Groups(Mesh&, const ZeroPlan&)> groups;
+};
+inline Regrouping& regrouping() { static Regrouping r; return r; }
 
 // Mixed precision keeps 2Ψ of weights, 2Ψ of gradients and 12Ψ of optimizer states (Adam's m, v and
 // the fp32 master copy); ZeRO-1 shards the optimizer states over N_d ranks, ZeRO-2 the gradients too,
@@ -323,22 +319,24 @@ static ZeroPlan read_zero_flags(Args& args, MeshConfig& mc) {
   const int stage = args.get_int("--zero", 1, "ZeRO stage: 1 (optimizer states), 2 (+ gradients), 3 (+ weights)");
   const bool prefetch = args.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
   if (stage < 1 || stage > 3) config_error("--zero must be 1, 2 or 3 (got %d)", stage);
-  return ZeroPlan{stage, mc.dp, 0, prefetch, {}};
+  ZeroPlan p{stage, mc.dp, 0, prefetch, {}};
+  if (regrouping().read_flags) regrouping().read_flags(args, p);
+  return p;
 }
 
-// What each rank holds under the stage: the weights unless ZeRO-3, the gradients unless ZeRO-2
-// or 3, in a table whose shards split evenly over the dp ranks.
+// What each rank holds: the weights unless ZeRO-3, the gradients unless ZeRO-2 or 3; shards split evenly.
 static ModelLayout zero_layout(const ZeroPlan& p) { return {ShardSpec{}, /*align=*/p.n, /*hold_params=*/p.stage < 3, /*hold_grads=*/p.stage < 2}; }
 
 int main(int argc, char** argv) {
   ZeroPlan plan;
   TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { plan = read_zero_flags(a, mc); });
   RunConfig& rc = run.rc;
-  plan.micro_batches = rc.batch / plan.n / rc.micro_batch;  // the batch is split once every flag is read
+  plan.micro_batches = rc.batch / (plan.n * plan.replicas) / rc.micro_batch;  // the batch is split once every flag is read
   plan.table = Model::make_table(rc.model, plan.n);
   if (!run.start([&] { zero::print_plan(run.log(), rc, plan); }, [&] { return predict_memory(rc, plan); })) return 0;
   Model& model = run.build_model(zero_layout(plan));
-  Zero zero(model, run.mesh.dp(), plan.stage, plan.prefetch, rc);
+  const Groups g = plan.replicas > 1 ? regrouping().groups(run.mesh, plan) : Groups{};
+  Zero zero(model, g.first ? *g.first : run.mesh.dp(), plan.stage, plan.prefetch, rc, g.second.get());
   run.resumed(zero.init_or_resume(rc));
   Loop loop;
   loop.step = [&](long step) { return train_step(model, zero, run.data, rc, run.mesh, step, run.log()); };

@@ -38,6 +38,7 @@
 
 #include "02_data_parallel.cu"
 #include "03_zero.cu"
+#include "03a_hsdp.cu"  // zero::hsdp_groups: --dp-shard (HSDP)
 #include "04_tensor_parallel.cu"
 #include "05_pipeline_parallel.cu"
 #include "05b_dualpipev.cu"  // pp::kDualPipeV (and 05a_zero_bubble.cu's pp::kZBH1): the schedules 08 runs
@@ -52,6 +53,7 @@ using namespace ts;
 struct Plan {
   MeshConfig mesh;
   int zero = 0;  // 0: plain data parallelism (02), 1–3: ZeRO stage (03)
+  int dp_shard = 0;  // HSDP (03a): ZeRO inside groups of this many dense ranks, replicated across (0: none)
   bool sp = false;
   bool prefetch = true;
   std::string dp_mode = "bucketed";
@@ -97,6 +99,8 @@ inline RunConfig local_run(const RunConfig& rc, const Plan& p) {
 // Dense gradients are reduced (or ZeRO-sharded) over the ranks that hold the same weights and
 // different tokens: dp × cp.
 inline int dense_group_size(const Plan& p) { return p.mesh.dp * p.mesh.cp; }
+// The ranks ZeRO shards over: the dense group, or HSDP's shard group.
+inline int shard_group_size(const Plan& p) { return p.dp_shard > 0 ? p.dp_shard : dense_group_size(p); }
 
 // DeepSeek-V3's routing bias (--router sigmoid --bias-update-rate γ > 0) is moved in the weights
 // a rank holds whole after the step (MoeBlock::update_bias, and in the optimizer's fp32 master
@@ -168,6 +172,7 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
     config_error("--schedule dualpipev needs --pp > 1: its V folds 2·pp stages onto the pp ranks");
   if (p.dp_mode != "naive" && p.dp_mode != "bucketed")
     config_error("--dp-mode must be naive or bucketed (got '%s')", p.dp_mode.c_str());
+  if (p.dp_shard > 0 && p.zero == 0) config_error("--dp-shard %d shards ZeRO's states: it needs --zero 1, 2 or 3", p.dp_shard);
   if (p.zero > 0 && p.dp_mode != "bucketed") config_error("--dp-mode applies to plain data parallelism (--zero 0) only");
 }
 
@@ -185,7 +190,7 @@ inline ShardSpec shard_spec(const RunConfig& rc, const Plan& p, int tp_rank, int
 // This rank's table, each unit padded to a multiple of dp·cp when ZeRO shards it. Every ep rank
 // holds E/ep experts: ep rank 0's table predicts them all.
 inline ParamTable local_table(const RunConfig& rc, const Plan& p, int tp_rank, int pp_rank = 0, int ep_rank = 0) {
-  return Model::make_table(rc.model, p.zero > 0 ? dense_group_size(p) : 1, shard_spec(rc, p, tp_rank, pp_rank, ep_rank));
+  return Model::make_table(rc.model, p.zero > 0 ? shard_group_size(p) : 1, shard_spec(rc, p, tp_rank, pp_rank, ep_rank));
 }
 
 // The pipeline's action lists over this dp rank's micro-batches.
@@ -261,7 +266,8 @@ class Composed {
         reducer_ = std::make_unique<dp::GradReducer>(model_, dense_, bucketed, p.bucket_mb);
       }
     } else {
-      zero_ = std::make_unique<zero::Zero>(model_, dense_, p.zero, p.prefetch, rc);
+      if (p.dp_shard > 0) hsdp_ = zero::hsdp_groups(dense_, p.dp_shard);  // 03a: shard groups and their replicas
+      zero_ = std::make_unique<zero::Zero>(model_, hsdp_.first ? *hsdp_.first : dense_, p.zero, p.prefetch, rc, hsdp_.second.get());
     }
   }
 
@@ -348,8 +354,8 @@ class Composed {
   // The groups this mesh communicates on (size > 1), for the comm report.
   std::vector<Comm*> groups() const {
     std::vector<Comm*> g;
-    for (Comm* c : {&dense_, &mesh_.tp(), &mesh_.cp(), &mesh_.pp()})
-      if (c->size() > 1) g.push_back(c);
+    for (Comm* c : {hsdp_.first ? hsdp_.first.get() : &dense_, hsdp_.second.get(), &mesh_.tp(), &mesh_.cp(), &mesh_.pp()})
+      if (c && c->size() > 1) g.push_back(c);
     if (moe_)
       for (Comm* c : {&mesh_.ep(), &mesh_.ep_dp()})
         if (c->size() > 1) g.push_back(c);
@@ -375,7 +381,7 @@ class Composed {
   static ModelLayout layout(const RunConfig& rc, const Plan& p, const Mesh& mesh) {
     ModelLayout l;
     l.shard = shard_spec(rc, p, mesh.tp_rank, mesh.pp_rank, mesh.ep_rank);
-    if (p.zero > 0) l.align = dense_group_size(p);
+    if (p.zero > 0) l.align = shard_group_size(p);
     l.hold_params = p.zero < 3;
     l.hold_grads = p.zero < 2;
     return l;
@@ -393,6 +399,7 @@ class Composed {
   std::unique_ptr<dp::GradReducer> reducer_;
   std::unique_ptr<dp::GradReducer> experts_;  // --ep: the expert ranges over ep_dp
   ep::ExpertParallelMoe* moe_ = nullptr;      // --ep: the model's MoE block (the model owns it)
+  zero::Groups hsdp_;  // HSDP's shard group and replica group (03a), before the Zero that uses them
   std::unique_ptr<zero::Zero> zero_;
   bool last_ = true;  // the step's last micro-batch is running (set_last)
 };
@@ -456,6 +463,8 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, mesh5d::Options& o) {
   o.show_mesh = a.get_bool("--show-mesh", "print the rank-to-group table (printed anyway at 16 ranks or fewer)");
   plan.zero = a.get_int("--zero", 0, "0 = plain data parallelism, 1/2/3 = ZeRO stage over dp");
   plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
+  plan.dp_shard = zero::hsdp_shard(a.get_int("--dp-shard", 0, zero::kDpShardHelp, between(0, 1 << 20)), mc.dp * mc.cp,
+                                   mc.cp > 1 ? "dp × cp" : "--dp");
   plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
   plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
   plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB", dp::bucket_mb_range());

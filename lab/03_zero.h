@@ -59,6 +59,15 @@ inline std::map<std::string, double> predict_comm(const RunConfig& rc, const Zer
   return c;
 }
 
+// Shards replicated over R = p.replicas groups (03a_hsdp.cu): every reduced chunk (K/n of the
+// fp32 gradients) is all-reduced across its R holders, 2(R−1)/R of it on the wire per rank, once a
+// step under stage 1 and once per micro-batch under stages 2/3 (as the reduce-scatter).
+inline std::map<std::string, double> predict_replica_comm(const ZeroPlan& p) {
+  const double R = p.replicas, chunk = 4.0 * double(p.table.total) / p.n;
+  if (p.replicas < 2) return {};
+  return {{"all_reduce", 2 * (R - 1) / R * chunk * (p.stage == 1 ? 1 : p.micro_batches)}};
+}
+
 // ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // Collective calls per step, for their latency, per unit: ZeRO-1 one reduce-scatter and one
@@ -91,12 +100,16 @@ inline void price_collectives(StepTerms& s, const Network& net, const std::map<s
   s.t_dp_exposed = reduction_exposed(rs, stage == 1 ? s.last_backward(micro_batches) : s.backward(), 1.0 / units) + ag;
 }
 
-// This run's step: each of the n ranks computes 1/n of the tokens, then the stage's collectives.
+// This run's step: each of the n·R ranks computes 1/(n·R) of the tokens, then the stage's
+// collectives; replicas add their all-reduce, which waits in the backward it follows (exposed).
 inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, const ZeroPlan& p) {
-  StepTerms s = compute_terms(g, rc, 1, 1, 1, p.n);
-  const double mbs = double(rc.batch) / p.n / rc.micro_batch;
+  const int dp = p.n * p.replicas;
+  StepTerms s = compute_terms(g, rc, 1, 1, 1, dp);
+  const double mbs = double(rc.batch) / dp / rc.micro_batch;
   price_collectives(s, g.net, p.n > 1 ? predict_comm(rc, p) : std::map<std::string, double>{}, p.stage,
                     p.table.num_units(), mbs, p.prefetch, 1);
+  const double replicas = group_seconds(g.net, predict_replica_comm(p), p.table.num_units() * (p.stage == 1 ? 1 : mbs), 1);
+  s.t_dp += replicas, s.t_dp_exposed += replicas;
   s.total();
   return s;
 }

@@ -63,7 +63,8 @@ inline MemoryPrediction predict_states(const RunConfig& rc, const Plan& p, const
   } else {
     // 03's two unit buffers in flight: consecutive units in one backward; under a pipeline any two
     // the stage holds (a chunk's last unit is in flight while the next action's first runs).
-    m = zero::predict_memory(rc, {p.zero, dense_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t},
+    m = zero::predict_memory(rc, {p.zero, shard_group_size(p), int(micro_batches_per_rank(rc, p)), p.prefetch, t,
+                                  dense_group_size(p) / shard_group_size(p)},
                              p.mesh.pp > 1 ? largest_two_units(t) : zero::largest_consecutive_pair(t));
   }
   return m;
@@ -150,7 +151,12 @@ inline std::map<std::string, std::map<std::string, double>> predict_comm(const R
   const ep::ParamSplit split = ep::param_split(t);
   if (n > 1) {
     if (p.zero == 0) c[dense_group_name(p)] = {{"all_reduce", dp::allreduce_bytes(E > 1 ? split.dense : t.total, n)}};
-    else c[dense_group_name(p)] = zero::predict_comm(rc, {p.zero, n, int(mbs), p.prefetch, t});
+    else if (p.dp_shard == 0) c[dense_group_name(p)] = zero::predict_comm(rc, {p.zero, n, int(mbs), p.prefetch, t});
+    else {  // HSDP (03a): 03's collectives inside the shard group, the chunks' all-reduce across replicas
+      const zero::ZeroPlan z{p.zero, p.dp_shard, int(mbs), p.prefetch, t, n / p.dp_shard};
+      c["dp_shard"] = zero::predict_comm(rc, z);
+      c["dp_replicate"] = zero::predict_replica_comm(z);
+    }
   }
   if (E > 1) {
     RunConfig stage = rc;

@@ -202,6 +202,25 @@ TEST_CASE("memory and bytes per rank and group equal the composed predictions", 
         mem(mesh(2, 2, "--sequence-parallel " + steps(8, 2)), "optimizer", "measured"));
 }
 
+TEST_CASE("HSDP (03a) on the mesh: dp 4 × tp 2 ZeRO-3 and dp 2 × cp 2 ZeRO-1 in shard groups of 2 reproduce 01; "
+          "memory and bytes as predicted", "[08][03a][e2e][equiv][mem][comm]") {
+  const Run& ref = single(steps(8, 8));
+  for (const Case& c : {Case{4, 2, "--zero 3 --dp-shard 2 --sequence-parallel", 2}, Case{2, 1, "--cp 2 --zero 1 --dp-shard 2", 2, 2}}) {
+    const Run& r = mesh(c.dp, c.tp, c.flags + " " + steps(8, c.micro), c.cp);
+    INFO("dp " << c.dp << " tp " << c.tp << " cp " << c.cp << " " << c.flags << "\n" << r.output);
+    REQUIRE(r.log.steps.size() == size_t(kSteps));
+    tst::check_equivalent(r, ref);
+    for (const char* cat : {"params", "grads", "optimizer", "activations"})
+      CHECK(mem(r, cat, "measured") == mem(r, cat, "predicted"));
+    // The shard group's reduce-scatter and the replicas' all-reduce, each as predicted.
+    for (auto [group, op] : {std::pair{"dp_shard", "reduce_scatter"}, std::pair{"dp_replicate", "all_reduce"}}) {
+      const ts::Json& g = r.log.summary.at("comm").at(group).at(op);
+      CHECK(g.at("bytes").as_double() == Approx(g.at("predicted").as_double()).epsilon(1e-12));
+      CHECK(g.at("bytes").as_double() > 0);
+    }
+  }
+}
+
 TEST_CASE("a dp 2 × tp 2 checkpoint resumes in 01 on its curve, and on dp 1 × tp 4 with ZeRO-3 off", "[08][e2e][ckpt]") {
   const Run& ref = single(steps(8, 8));
   const Run& from = mesh(2, 2, "--zero 1 --steps 3 --batch 8");
@@ -311,6 +330,8 @@ TEST_CASE("bad input: a one-line message, a non-zero exit on every rank, no hang
       {4, "--dp 2 --tp 2 --zero 4", "--zero must be 0 (plain DP), 1, 2 or 3"},
       {4, "--dp 4 --batch 6", "--batch 6 is not divisible by --dp 4"},
       {4, "--dp 2 --tp 2 --zero 1 --dp-mode naive", "--dp-mode applies to plain data parallelism"},
+      {4, "--dp 4 --dp-shard 2", "--dp-shard 2 shards ZeRO's states: it needs --zero 1, 2 or 3"},
+      {4, "--dp 4 --zero 3 --dp-shard 3", "--dp-shard 3 does not divide --dp (4 ranks)"},
       {4, "--dp 2 --pp 2 --layers 4 --rank-order tp-cp-dp-pp", "--rank-order must be dp-pp-cp-tp or pp-dp-cp-tp (got 'tp-cp-dp-pp')"},
   });
 }

@@ -61,9 +61,10 @@ TEST_CASE("emulated GPU: 02 data parallel on NCCL (a GPU per rank) and staged (t
   check_case({"02_data_parallel", 2, "--dp 2 --dtype bf16", kOwnGpus, "nccl"});  // NCCL's bf16 sums
 }
 
-TEST_CASE("emulated GPU: 03 ZeRO-1 and ZeRO-3 on NCCL", "[emu][cuda][03]") {
+TEST_CASE("emulated GPU: 03 ZeRO-1, ZeRO-3 and HSDP on NCCL", "[emu][cuda][03]") {
   check_case({"03_zero", 2, "--dp 2 --zero 1", kOwnGpus, "nccl"});
   check_case({"03_zero", 2, "--dp 2 --zero 3", kOwnGpus, "nccl"});
+  check_case({"03_zero", 4, "--dp 4 --zero 3 --dp-shard 2 --micro-batch 1", kOwnGpus, "nccl"});  // HSDP's split groups
 }
 
 TEST_CASE("emulated GPU: 04 tensor parallel with sequence parallel, on NCCL and staged", "[emu][cuda][04]") {

@@ -201,6 +201,46 @@ TEST_CASE("a checkpoint saved by ZeRO-3 at dp 4 resumes under ZeRO-1 at dp 2 on 
   check_resume(zero(3, 3, "--steps 3 --batch 12"), single(batch_args(12, 1, 1)), "--batch 12");
 }
 
+// ----- HSDP (03a_hsdp.cu): ZeRO inside shard groups, replicated across them ------------------------
+
+double comm_of(const Run& r, const char* group, const char* op, const char* which) {
+  return r.log.summary.at("comm").at(group).at(op).at(which).as_double();
+}
+
+TEST_CASE("HSDP: every stage at dp 4 (2 × 2) and dp 8 (2 × 4, 4 × 2) reproduces 01; memory and bytes = formulas",
+          "[03][03a][e2e][equiv][mem][comm]") {
+  const Run& ref = single(batch_args(8, 1, 1));
+  struct C { int stage, dp, shard, accum; };
+  for (const C c : {C{1, 4, 2, 1}, C{2, 4, 2, 2}, C{3, 4, 2, 1}, C{3, 4, 2, 2}, C{3, 8, 4, 1}, C{1, 8, 2, 1}}) {
+    const Run& h = zero(c.stage, c.dp, batch_args(8, c.dp, c.accum) + " --dp-shard " + std::to_string(c.shard));
+    INFO("stage " << c.stage << " dp " << c.dp << " shard " << c.shard << " accumulation " << c.accum << "\n" << h.output);
+    REQUIRE(h.log.steps.size() == size_t(kSteps));
+    tst::check_equivalent(h, ref);
+    // Memory is 03's formula over the shard group: a shard is Ψ/S, not Ψ/dp.
+    const double shard = double(kPsi) / c.shard, pair = 2.0 * kLayer;
+    for (const char* m : {"params", "grads", "optimizer"}) {
+      INFO(m);
+      CHECK(mem(h, m, "measured") == mem(h, m, "predicted"));
+    }
+    CHECK(mem(h, "optimizer", "measured") == 8 * shard);
+    CHECK(mem(h, "params", "measured") == (c.stage < 3 ? 4.0 * kPsi : 4 * (shard + pair)));
+    // Bytes: (S−1)/S·4Ψ reduce-scattered inside the group, 2(R−1)/R of the 4Ψ/S chunk across replicas.
+    const double S = c.shard, R = double(c.dp) / c.shard, reductions = c.stage == 1 ? 1 : c.accum;
+    CHECK(comm_of(h, "dp_shard", "reduce_scatter", "bytes") == (S - 1) / S * 4 * kPsi * reductions);
+    CHECK(comm_of(h, "dp_replicate", "all_reduce", "bytes") == 2 * (R - 1) / R * 4 * kPsi / S * reductions);
+    CHECK(comm_of(h, "dp_replicate", "all_reduce", "bytes") == comm_of(h, "dp_replicate", "all_reduce", "predicted"));
+  }
+}
+
+TEST_CASE("HSDP: its checkpoints and plain ZeRO-3's are interchangeable", "[03][03a][e2e][ckpt]") {
+  const Run& ref = single(batch_args(8, 1, 1));
+  // HSDP (2 × 2) saves after step 3, plain ZeRO-1 at dp 2 resumes on 01's curve ...
+  check_resume(zero(3, 4, "--steps 3 --batch 8 --dp-shard 2"), ref, "--batch 8");
+  // ... and plain ZeRO-3 at dp 4 saves, HSDP resumes.
+  tst::check_resume("03_zero", 4, kTiny + "--dp 4 --zero 3 --dp-shard 2 --steps 6 --batch 8", zero(3, 4, "--steps 3 --batch 8").ckpt,
+                    ref, 3);
+}
+
 // ----- bad input ---------------------------------------------------------------------------------------
 
 TEST_CASE("bad input: a clear message, a non-zero exit, no hang", "[03][errors]") {
@@ -209,5 +249,7 @@ TEST_CASE("bad input: a clear message, a non-zero exit, no hang", "[03][errors]"
       {2, "--dp 4 --zero 1", "needs 4 ranks but the job has 2"},
       {2, "--dp 2 --zero 2 --batch 8 --micro-batch 3", "not divisible by dp × micro-batch"},
       {2, "--dp 2 --zero 3 --batch 7", "--batch 7 is not divisible"},
+      {4, "--dp 4 --zero 3 --dp-shard 3", "--dp-shard 3 does not divide --dp (4 ranks)"},
+      {2, "--dp 2 --zero 3 --dp-shard 1", "--dp-shard 1 shards nothing"},
   });
 }
