@@ -833,11 +833,13 @@ struct RecordMesh {
   Recompute recompute;
   const char* gpu = "h100";
   bool fp8 = false, two_level = false;
+  int kv_heads = 0;  // 0: the preset's
 };
 Candidate price_record(const RecordMesh& r, const Frontier& f) {
   RunConfig rc;
   REQUIRE(apply_preset(r.preset, rc.model));
   rc.model.seq = r.seq;
+  if (r.kv_heads) rc.model.kv_heads = r.kv_heads;
   rc.dtype = DType::BF16;  // --plan's mixed precision; --dtype fp8 is bf16 around FP8 GEMMs
   if (r.fp8) rc.fp8.recipe = Fp8Recipe::Blockwise;
   rc.batch = int(r.batch_tokens / r.seq);
@@ -955,4 +957,40 @@ TEST_CASE("the planner against the public record: Llama 3 405B and DeepSeek-V3",
   CHECK(hours_none > 1.2 * 2.664e6);  // the all-to-all on the critical path
   CHECK(ds.t_ep == 0);                // hidden behind the other micro-batch
   CHECK(ds.hidden_ep > 0);
+}
+
+// The playbook's heatmap of best configurations (scripts/plan_vs_playbook.sh's cells: nodes of 8
+// H100s, sequences of 4096, 1M tokens a step), priced as the chapters run them (no --frontier: nanotron
+// overlaps none of it). Held out, every cell past one node: the median error within 15%, and none
+// beyond 50% but the 80B on 4 nodes (+120%), which notes/08 explains and the planner cannot price.
+TEST_CASE("the planner against the playbook's measured meshes", "[plan][record]") {
+  struct Cell {
+    const char* model;
+    int nodes, dp, tp, pp, mb, zero;
+    double mfu;
+  };
+  const Cell cells[] = {
+      {"1b", 1, 4, 1, 2, 4, 1, 44.32},   {"1b", 2, 8, 1, 2, 1, 1, 41.59},   {"1b", 4, 16, 1, 2, 1, 1, 38.38},
+      {"1b", 8, 32, 1, 2, 1, 1, 32.47},  {"1b", 16, 64, 2, 1, 4, 0, 29.46}, {"1b", 32, 64, 4, 1, 4, 0, 23.20},
+      {"1b", 64, 128, 2, 2, 2, 1, 5.25}, {"3b", 1, 4, 1, 2, 2, 1, 46.68},   {"3b", 2, 8, 1, 2, 2, 1, 43.77},
+      {"3b", 4, 16, 1, 2, 2, 1, 40.39},  {"3b", 8, 32, 1, 2, 1, 1, 35.53},  {"3b", 16, 32, 4, 1, 8, 0, 34.59},
+      {"3b", 32, 64, 4, 1, 4, 0, 26.77}, {"3b", 64, 128, 4, 1, 2, 1, 10.49}, {"8b", 1, 2, 1, 4, 1, 1, 45.22},
+      {"8b", 2, 4, 4, 1, 4, 1, 43.94},   {"8b", 4, 16, 1, 2, 1, 1, 43.31},  {"8b", 8, 32, 1, 2, 1, 1, 39.50},
+      {"8b", 16, 16, 8, 1, 8, 0, 36.33}, {"8b", 32, 32, 8, 1, 8, 0, 32.71}, {"8b", 64, 128, 4, 1, 2, 0, 18.69},
+      {"80b", 4, 1, 8, 4, 1, 0, 14.76},  {"80b", 8, 1, 4, 16, 1, 0, 30.65}, {"80b", 16, 1, 4, 32, 1, 0, 34.29},
+      {"80b", 32, 4, 4, 16, 1, 1, 30.75}, {"80b", 64, 32, 16, 1, 2, 1, 17.79}};
+  std::vector<double> errors;
+  std::vector<std::string> beyond;
+  for (const Cell& c : cells) {
+    RecordMesh r{c.model, 8 * c.nodes, 4096, 1048576, {c.dp, c.pp, 1, c.tp, 1, false}, c.mb, c.zero, 1, Recompute::None};
+    if (c.tp > 8) r.kv_heads = c.tp;
+    const double e = std::abs(100 * price_record(r, kNone).mfu / c.mfu - 1);
+    if (c.nodes == 1) continue;
+    errors.push_back(e);
+    if (e > 0.5) beyond.push_back(std::string(c.model) + " on " + std::to_string(c.nodes));
+  }
+  std::sort(errors.begin(), errors.end());
+  REQUIRE(errors.size() == 23);
+  CHECK(errors[11] <= 0.15);  // the median of 23
+  CHECK(beyond == std::vector<std::string>{"80b on 4"});
 }
