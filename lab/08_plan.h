@@ -609,6 +609,12 @@ inline std::string model_name(const RunConfig& rc) {
   return b;
 }
 
+inline std::string fixed3(double x) {
+  char b[32];
+  snprintf(b, sizeof b, "%.3f", x);
+  return b;
+}
+
 // One candidate's parts.
 inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl, const Candidate& c) {
   log.line("plan: %s on %d × %s: %s", model_name(rc).c_str(), cl.gpus, cl.gpu->name.c_str(), describe(c).c_str());
@@ -622,7 +628,12 @@ inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl,
            "(%.3f exposed), bubble %.3f s, pp p2p %.3f s; %.0f tok/s/GPU, MFU %.1f%%", c.step, c.t_compute,
            100 * c.efficiency, c.t_tp, c.t_cp, c.t_cp_exposed, c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp,
            c.tokens_per_s_gpu, 100 * c.mfu);
-  if (c.plan.mesh.ep > 1 && c.moe.level_s.size() == 2)
+  if (c.plan.mesh.ep > 1 && cl.frontier.a2a_overlap)
+    log.line("  ep all-to-all %.3f s exposed: %s, behind the other micro-batch's compute on 112 of 132 SMs (DualPipe)",
+             c.t_ep, c.moe.level_s.size() == 2 ? ("across nodes " + fixed3(c.moe.level_s[0]) + " s and inside nodes " +
+                                                  fixed3(c.moe.level_s[1]) + " s at once").c_str()
+                                               : (fixed3(c.moe.dispatch_s) + " s, flat").c_str());
+  else if (c.plan.mesh.ep > 1 && c.moe.level_s.size() == 2)
     log.line("  ep all-to-all %.3f s = across nodes %.3f + inside nodes %.3f (07's two-level dispatch, balanced routing, "
              "one level after the other, on the critical path)", c.t_ep, c.moe.level_s[0], c.moe.level_s[1]);
   else if (c.plan.mesh.ep > 1)
