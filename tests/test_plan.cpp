@@ -595,7 +595,7 @@ TEST_CASE("step_floor is below every candidate's step", "[plan]") {
 // The planner's output, not only its first ten: the same text with and without --plan-exhaustive
 // (the alternatives it names, the warnings, a mesh given, nothing that fits).
 TEST_CASE("--plan prints what --plan-exhaustive prints", "[plan][e2e]") {
-  for (const char* args : {"--preset 8b --gpus 64 --batch 8", "--preset 8x7b --gpus 64",
+  for (const char* args : {"--preset 8b --gpus 64 --batch 8", "--preset 8x7b --gpus 64", "--preset 8x7b --gpus 64 --frontier all",
                            "--preset 70b --gpus 8 --seq 4096 --global-batch-tokens 1048576",
                            "--preset 70b --gpus 8 --seq 4096 --global-batch-tokens 1048576 --dp 1 --tp 8",
                            "--preset 1b --gpus 32 --pp 4 --global-batch-tokens 262144"}) {
@@ -993,4 +993,24 @@ TEST_CASE("the planner against the playbook's measured meshes", "[plan][record]"
   REQUIRE(errors.size() == 23);
   CHECK(errors[11] <= 0.15);  // the median of 23
   CHECK(beyond == std::vector<std::string>{"80b on 4"});
+}
+
+// The search's bound holds under the frontier's prices too: flash changes the compute step_floor
+// counts, and every other overlap only adds (the all-to-all's SMs) or takes off exposed time.
+TEST_CASE("under --frontier all, step_floor is still below every candidate's step", "[plan][frontier]") {
+  for (const char* preset : {"8b", "8x7b"}) {
+    RunConfig rc;
+    REQUIRE(apply_preset(preset, rc.model));
+    rc.dtype = DType::BF16;
+    rc.batch = 64;
+    Cluster cl{find_gpu("h100"), 80, 16, 8};
+    cl.frontier = kAll;
+    Search full(rc, cl, {}, true);
+    Shared shared;
+    REQUIRE(full.all().size() > 100);
+    for (const Candidate& c : full.all()) {
+      INFO(preset << ": " << describe(c) << ", V " << c.plan.virtual_stages);
+      CHECK(step_floor(candidate_run(rc, c), cl, c.plan, shared) <= c.step);
+    }
+  }
 }
