@@ -60,6 +60,8 @@ void read_planner_flags(Args& a, Options& o) {
 void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
   PlanRequest& q = *o.planner;
   if (q.job.exhaustive && !o.planning) config_error("--plan-exhaustive is a way of running --plan: pass --plan too");
+  if (q.cluster.frontier.any() && !o.planning)
+    config_error("--frontier prices a plan: pass --plan too (a run of 08 runs its chapters' own overlaps)");
   if (!o.planning) return;
   Cluster& cluster = q.cluster;
   const std::string& gpu = q.gpu;

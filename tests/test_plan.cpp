@@ -930,6 +930,10 @@ TEST_CASE("the other overlaps by hand: DP chunk by chunk, the all-to-all beside 
   INFO(r.output);
   CHECK(r.status != 0);
   CHECK(r.output.find("--frontier: unknown 'async'") != std::string::npos);
+  const tst::Result run = tst::run_bin("08_5d_mesh", "--preset tiny --steps 1 --dp 2 --frontier all", 2, 60);
+  INFO(run.output);
+  CHECK(run.status != 0);
+  CHECK(run.output.find("--frontier prices a plan: pass --plan too") != std::string::npos);
 }
 
 // The public record, each within its band: the test fails when a prediction leaves it. MFU as the
