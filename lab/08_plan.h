@@ -127,7 +127,7 @@ struct Candidate : StepTerms {
 // busiest stage); the all-to-all is 07's flat one, the busiest stage's `ep_ops` over its layers, or
 // under --dispatch two-level 07's two levels over the nodes the ep group spans.
 // Routing priced balanced: kAssumedImbalance. A dense model: no MoE term.
-// Under --dtype fp8 on a GPU with an FP8 peak, half the crossings in FP8 (kFp8DispatchShare).
+// Under --dtype fp8 on a GPU with an FP8 rate (fp8_speedup), half the crossings in FP8 (kFp8DispatchShare).
 inline MoeShape moe_shape(const Gpu& g, const RunConfig& rc, const Plan& p, double mbs,
                           const std::map<std::string, double>& ep_ops, double busiest_layers, int ep_nodes) {
   const auto a2a = ep_ops.find("all_to_all");
