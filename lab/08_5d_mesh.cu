@@ -47,6 +47,9 @@ void read_planner_flags(Args& a, Options& o) {
                         "calibration's keys; default: the playbook's H100 table)");
   q.cluster.gpus = a.get_int("--gpus", 8, "--plan: GPUs in the cluster");
   q.cluster.per_node = a.get_int("--gpus-per-node", 8, "--plan: GPUs per node");
+  q.cluster.frontier = parse_frontier(a.get_str("--frontier", "none", "--plan: price overlaps frontier stacks run and 02–07 "
+                                                "do not: async-tp, a2a-overlap, dp-overlap, flash (comma-separated), all "
+                                                "or none (lab/08_frontier.h)"));
   q.batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq, or 1M when neither is given)");
   q.job.train_tokens = a.get_double("--train-tokens", 0, "--plan: tokens to train, for days and cost (0: 20 per parameter)");
   q.job.usd_per_gpu_hour = a.get_double("--usd-per-gpu-hour", 2.0, "--plan: price of one GPU-hour, for the cost to train");
@@ -57,6 +60,8 @@ void read_planner_flags(Args& a, Options& o) {
 void set_up_plan(Args& a, RunConfig& rc, MeshConfig& mc, Options& o) {
   PlanRequest& q = *o.planner;
   if (q.job.exhaustive && !o.planning) config_error("--plan-exhaustive is a way of running --plan: pass --plan too");
+  if (q.cluster.frontier.any() && !o.planning)
+    config_error("--frontier prices a plan: pass --plan too (a run of 08 runs its chapters' own overlaps)");
   if (!o.planning) return;
   Cluster& cluster = q.cluster;
   const std::string& gpu = q.gpu;

@@ -24,6 +24,7 @@
 #include "08_5d_mesh.h"  // the chapter, and its predictions: memory and bytes per rank
 #include "kernels/kernels.h"
 #include "07a_two_level_dispatch.h"  // ep::two_level_dispatch (07a's two levels, priced)
+#include "08_frontier.h"             // --frontier: the overlaps frontier stacks run, priced
 #include "formats/json.h"
 #include "training/config_flags.h"
 #include "training/log.h"
@@ -40,6 +41,7 @@ struct Cluster {
   const Gpu* gpu;
   double mem_gib;  // memory per GPU (--gpu-mem overrides the table)
   int gpus, per_node;
+  Frontier frontier = {};  // --frontier: what the stack overlaps beyond 02–07 (priced, not run)
 };
 
 // Of the GPU's memory, the share a plan may fill: the rest is CUDA's context, NCCL's buffers,
@@ -125,16 +127,20 @@ struct Candidate : StepTerms {
 // busiest stage); the all-to-all is 07's flat one, the busiest stage's `ep_ops` over its layers, or
 // under --dispatch two-level 07's two levels over the nodes the ep group spans.
 // Routing priced balanced: kAssumedImbalance. A dense model: no MoE term.
-inline MoeShape moe_shape(const RunConfig& rc, const Plan& p, double mbs, const std::map<std::string, double>& ep_ops,
-                          double busiest_layers, int ep_nodes) {
+// Under --dtype fp8 on a GPU with an FP8 rate (fp8_speedup), half the crossings in FP8 (kFp8DispatchShare).
+inline MoeShape moe_shape(const Gpu& g, const RunConfig& rc, const Plan& p, double mbs,
+                          const std::map<std::string, double>& ep_ops, double busiest_layers, int ep_nodes) {
   const auto a2a = ep_ops.find("all_to_all");
   const double bytes = a2a == ep_ops.end() ? 0 : a2a->second;
   RunConfig stage = rc;  // the busiest stage's layers, as predict_comm prices its flat all-to-all
   stage.model.layers = int(busiest_layers);
-  return ep::moe_shape(rc, p.mesh.dp, p.mesh.ep, double(rc.model.layers) / p.mesh.pp, kAssumedImbalance,
-                       p.two_level && ep_nodes > 1 && busiest_layers > 0
-                           ? ep::two_level_dispatch(stage, p.mesh.dp, p.mesh.ep, ep_nodes, mbs)
-                           : ep::flat_dispatch(bytes, mbs, busiest_layers, ep_nodes));
+  MoeShape x = ep::moe_shape(rc, p.mesh.dp, p.mesh.ep, double(rc.model.layers) / p.mesh.pp, kAssumedImbalance,
+                             p.two_level && ep_nodes > 1 && busiest_layers > 0
+                                 ? ep::two_level_dispatch(stage, p.mesh.dp, p.mesh.ep, ep_nodes, mbs)
+                                 : ep::flat_dispatch(bytes, mbs, busiest_layers, ep_nodes));
+  if (fp8_speedup(g, rc) > 1)
+    for (DispatchLevel& l : x.dispatch) l.bytes *= kFp8DispatchShare;
+  return x;
 }
 
 // The step of plan `p` on cluster `cl`: the terms of 02–07, each group's collectives (08's
@@ -143,6 +149,8 @@ inline MoeShape moe_shape(const RunConfig& rc, const Plan& p, double mbs, const 
 inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& p, Shared& shared) {
   const Gpu& g = *cl.gpu;
   StepTerms s = compute_terms(g, rc, p.mesh.tp, p.mesh.cp, p.mesh.pp, cl.gpus);
+  const Frontier& fr = cl.frontier;
+  if (fr.flash) flash_attention(s, rc);
   const double mbs = micro_batches_per_rank(rc, p);
   // The busiest stage sets the pace: its layers' tp, cp and ep collectives are on the critical
   // path (price_pipeline scales the compute to it). The dense group's reduction is stage 0's: its
@@ -161,6 +169,11 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   };
   auto nodes = [&](Axis a) { return group_nodes(p, a, cl.per_node); };
   s.t_tp = group_seconds(g.net, ops("tp"), tp::collective_calls(mbs, layers, p.sp), nodes(Axis::TP));
+  if (fr.async_tp && p.sp && p.mesh.tp > 1) {  // the layers' ten collectives as ring steps behind their GEMMs
+    const Overlapped o = async_tp_layer(g, rc, double(rc.micro_batch) * rc.model.seq / p.mesh.cp, p.mesh.tp, nodes(Axis::TP));
+    s.hidden_tp = std::min(s.t_tp, mbs * layers * (o.whole - o.exposed));
+    s.t_tp -= s.hidden_tp;
+  }
   s.t_cp = group_seconds(g.net, ops("cp"), cp::collective_calls(mbs, layers, p.mesh.cp), nodes(Axis::CP));
   s.t_cp_exposed = cp::exposed_seconds(p.cp.mode, s.t_cp, s.t_compute, rc.model);
   // The dense group (dp × cp) and, with experts, ep_dp: 02's buckets, or 03's stage.
@@ -175,7 +188,14 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   } else {
     zero::price_collectives(s, g.net, ops(dense), p.zero, units, mbs, p.prefetch, dense_nodes);
   }
-  add_moe_term(s, g, rc, moe_shape(rc, p, mbs, ops("ep"), layers, nodes(Axis::EP)));
+  if (fr.dp_overlap && p.zero < 3) {  // Megatron's overlapped reduce-scatter and gather, chunk by chunk
+    const double ag = p.zero == 0 ? 0 : group_seconds(g.net, ops(dense), zero::collective_calls(p.zero, units, mbs), dense_nodes, "all_gather");
+    const double e = dp_overlap_exposed(s.t_dp_exposed - ag, ag, s.t_compute, mbs, p.mesh.pp, p.virtual_stages, units);
+    s.hidden_dp = std::max(0.0, s.t_dp_exposed - e);
+    s.t_dp_exposed -= s.hidden_dp;
+  }
+  add_moe_term(s, g, rc, moe_shape(g, rc, p, mbs, ops("ep"), layers, nodes(Axis::EP)));
+  if (fr.a2a_overlap && s.t_ep > 0) s.hidden_ep = s.t_ep - overlap_all_to_all(s), s.t_ep -= s.hidden_ep;
   if (p.mesh.pp > 1) pp::price_pipeline(s, g.net, rc, shared.pipeline(rc, p).plan, token_share(p), mbs, nodes(Axis::PP));
   s.total();
   return s;
@@ -191,7 +211,8 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
 // for the computed numbers too, not only for the real ones: the bound prunes exactly.
 inline double step_floor(const RunConfig& rc, const Cluster& cl, const Plan& p, Shared& shared) {
   StepTerms s = compute_terms(*cl.gpu, rc, p.mesh.tp, p.mesh.cp, p.mesh.pp, cl.gpus);
-  add_moe_term(s, *cl.gpu, rc, moe_shape(rc, p, micro_batches_per_rank(rc, p), {}, 0, 1));  // step_terms' compute
+  if (cl.frontier.flash) flash_attention(s, rc);
+  add_moe_term(s, *cl.gpu, rc, moe_shape(*cl.gpu, rc, p, micro_batches_per_rank(rc, p), {}, 0, 1));  // step_terms' compute
   if (p.mesh.pp == 1) return s.t_compute;
   const Shared::Pipeline& pipe = shared.pipeline(rc, p);
   s.t_compute *= pipe.busiest_share;
@@ -588,6 +609,12 @@ inline std::string model_name(const RunConfig& rc) {
   return b;
 }
 
+inline std::string fixed3(double x) {
+  char b[32];
+  snprintf(b, sizeof b, "%.3f", x);
+  return b;
+}
+
 // One candidate's parts.
 inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl, const Candidate& c) {
   log.line("plan: %s on %d × %s: %s", model_name(rc).c_str(), cl.gpus, cl.gpu->name.c_str(), describe(c).c_str());
@@ -601,11 +628,20 @@ inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl,
            "(%.3f exposed), bubble %.3f s, pp p2p %.3f s; %.0f tok/s/GPU, MFU %.1f%%", c.step, c.t_compute,
            100 * c.efficiency, c.t_tp, c.t_cp, c.t_cp_exposed, c.t_dp, c.t_dp_exposed, c.t_bubble, c.t_pp,
            c.tokens_per_s_gpu, 100 * c.mfu);
-  if (c.plan.mesh.ep > 1 && c.moe.level_s.size() == 2)
+  if (c.plan.mesh.ep > 1 && cl.frontier.a2a_overlap)
+    log.line("  ep all-to-all %.3f s exposed: %s, behind the other micro-batch's compute on 112 of 132 SMs (DualPipe)",
+             c.t_ep, c.moe.level_s.size() == 2 ? ("across nodes " + fixed3(c.moe.level_s[0]) + " s and inside nodes " +
+                                                  fixed3(c.moe.level_s[1]) + " s at once").c_str()
+                                               : (fixed3(c.moe.dispatch_s) + " s, flat").c_str());
+  else if (c.plan.mesh.ep > 1 && c.moe.level_s.size() == 2)
     log.line("  ep all-to-all %.3f s = across nodes %.3f + inside nodes %.3f (07's two-level dispatch, balanced routing, "
              "one level after the other, on the critical path)", c.t_ep, c.moe.level_s[0], c.moe.level_s[1]);
   else if (c.plan.mesh.ep > 1)
     log.line("  ep all-to-all %.3f s (balanced routing, on the critical path)", c.t_ep);
+  if (cl.frontier.any())
+    log.line("  --frontier took off: tp %.3f s (async TP), dp %.3f s (overlapped reduce-scatter and gather), ep %.3f s "
+             "(all-to-all behind the other micro-batch)%s", c.hidden_tp, c.hidden_dp, c.hidden_ep,
+             cl.frontier.flash ? "; the attention core as FlashAttention-2 runs it" : "");
   if (c.t_moe > 0)
     log.line("  of compute, the MoE blocks %.3f s: router %.3f + experts %.3f (routing priced at %.2f × balanced) + "
              "shared experts %.3f + row copies %.3f", c.t_moe, c.moe.router_s, c.moe.experts_s, c.moe.imbalance,

@@ -4,7 +4,7 @@
 # and ZeRO stage the cell names), the MFU it measured next to the one `--plan` predicts for that
 # very mesh, and the error predicted/measured − 1. The single-node row calibrated the planner's one
 # free constant (kH100Achievable); every other row is held out.
-#   scripts/plan_vs_playbook.sh [BUILD_DIR]
+#   scripts/plan_vs_playbook.sh [BUILD_DIR] [records]
 set -euo pipefail
 build=${1:-build}
 # model nodes dp tp pp micro-batch zero measured-MFU% (the playbook, "best configurations" heatmap)
@@ -53,3 +53,28 @@ done <<<"$cells"
 printf '%s\n' "${errs[@]}" | sort -g | awk '{a[NR] = $1} END {m = NR % 2 ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2;
   over = 0; for (i = 1; i <= NR; i++) if (a[i] > 0.5) over++;
   printf "held out (2-64 nodes): %d cells, median |error| %.0f%%, largest %.0f%%, %d above 50%%\n", NR, 100 * m, 100 * a[NR], over}'
+[ "${2:-}" = records ] || exit 0
+# With `records`: the frontier's published runs, planned as the chapters run them (before) and with
+# the overlaps those runs use (--frontier all; DeepSeek-V3 also in FP8, recomputing nothing that
+# costs matmul FLOPs): Llama 3 405B's table 4 (MFU) and DeepSeek-V3's table 1 (H800 GPU-hours for
+# 14.8T tokens, from the plan's tokens/s per GPU).
+echo
+echo "| published run | published | planned before | planned after | gap after |"
+echo "|---|---|---|---|---|"
+mfu() { sed -n 's/^  step .*MFU \([0-9.]*\)%.*/\1/p' <<<"$1"; }
+# GPU-hours: 14.8T tokens in steps of 62,914,560 tokens, each the plan's step on 2,048 GPUs.
+hours() { awk -v t="$(sed -n 's/^  step \([0-9.]*\) s:.*/\1/p' <<<"$1")" 'BEGIN{printf "%.2fM", 14.8e12 / 62914560 * t * 2048 / 3600 / 1e6}'; }
+llama="--preset 405b --global-batch-tokens 16777216 --tp 8 --pp 16 --zero 1 --micro-batch 1 --schedule interleaved --virtual-stages 4 --recompute selective"
+while read -r gpus seq dp cp published name; do
+  [ -z "$gpus" ] && continue
+  args="--plan $llama --gpus $gpus --seq $seq --dp $dp --cp $cp"
+  b=$(mfu "$("$build/08_5d_mesh" $args)"); a=$(mfu "$("$build/08_5d_mesh" $args --frontier all)")
+  echo "| $name | $published% MFU | $b% | $a% | $(awk -v a="$a" -v p="$published" 'BEGIN{printf "%+.0f%%", 100 * (a / p - 1)}') |"
+done <<<"
+8192 8192 64 1 43 Llama 3 405B, 8,192 H100, tp 8 pp 16 dp 64, seq 8K
+16384 8192 128 1 41 the same on 16,384 H100, dp 128
+16384 131072 8 16 38 16,384 H100, tp 8 cp 16 pp 16 dp 8, seq 128K
+"
+ds="--plan --preset deepseek-v3 --gpu h800 --gpus 2048 --dp 128 --pp 16 --tp 1 --ep 64 --global-batch-tokens 62914560 --dispatch two-level --rank-order pp-dp-cp-tp --zero 0 --micro-batch 1 --virtual-stages 1"
+b=$(hours "$("$build/08_5d_mesh" $ds --dtype bf16 --recompute full)"); a=$(hours "$("$build/08_5d_mesh" $ds --dtype fp8 --recompute none --frontier all)")
+echo "| DeepSeek-V3, 2,048 H800, pp 16 ep 64, 14.8T tokens | 2.664M GPU-hours | $b | $a | $(awk -v a="${a%M}" 'BEGIN{printf "%+.0f%%", 100 * (a / 2.664 - 1)}') |"

@@ -34,15 +34,19 @@ Network scaled(const Network& n, double intra, double inter) {
   return s;
 }
 
+constexpr double kHopperFp8Speedup = 1.75;
 const Gpu* find_gpu(const std::string& name) {
   static const std::vector<Gpu> kGpus = {
-      {"h100", 80, 989, 3350, kH100Achievable, h100_network()},
-      {"h200", 141, 989, 4800, kH100Achievable, h100_network()},
+      // FP8 GEMMs on Hopper: 1.75× bf16's for large matmuls with 128-element block scaling, DeepSeek-V3's
+      // recipe (NVIDIA, "Boosting Matrix Multiplication Speed and Flexibility with NVIDIA cuBLAS 12.9",
+      // 2025; the datasheet's dense peaks, 1979 and 989 TFLOP/s, would say 2); the A100 has no FP8.
+      {"h100", 80, 989, 3350, kH100Achievable, h100_network(), "", kHopperFp8Speedup},
+      {"h200", 141, 989, 4800, kH100Achievable, h100_network(), "", kHopperFp8Speedup},
       {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)},
       // The H800: an H100 SXM with NVLink cut to 400 GB/s (NVIDIA's H800 datasheet), the same
       // compute and HBM3; across nodes DeepSeek-V3's cluster has the H100's 400 Gb/s InfiniBand
       // per GPU (technical report §3.1: "IB (50 GB/s)").
-      {"h800", 80, 989, 3350, kH100Achievable, scaled(h100_network(), 400.0 / 900, 1.0)}};
+      {"h800", 80, 989, 3350, kH100Achievable, scaled(h100_network(), 400.0 / 900, 1.0), "", kHopperFp8Speedup}};
   for (const Gpu& g : kGpus)
     if (name == g.name) return &g;
   return nullptr;
@@ -243,6 +247,18 @@ double recompute_factor(const ModelConfig& m, Recompute r) {
   return r == Recompute::Full ? 1 + (F / 3) / F : r == Recompute::Selective ? 1 + attn_forward / F : 1.0;
 }
 
+double fp8_speedup(const Gpu& g, const RunConfig& rc) {
+  return rc.fp8.recipe != Fp8Recipe::Off ? g.fp8_gemm_speedup : 1.0;
+}
+
+// F = 6N + 12·L·h·s with N the parameters past the embedding: take out the core, the head (V·h)
+// and, with experts, the router (L·h·E).
+double fp8_flops_per_token(const ModelConfig& m) {
+  const double core = 12.0 * m.layers * m.dim * double(m.seq), head = double(m.vocab) * m.dim;
+  const double router = double(m.layers) * m.dim * m.experts;
+  return flops_per_token_of(m) - core - 6 * (head + router);
+}
+
 // Bucket by bucket as gradients become ready (PyTorch DDP, Li et al. 2020; the playbook's "overlap
 // with backward").
 double reduction_exposed(double t_reduce, double t_window, double last_bucket_share) {
@@ -257,8 +273,10 @@ StepTerms compute_terms(const Gpu& g, const RunConfig& rc, int tp, int cp, int p
   s.pipeline = pp > 1;
   s.efficiency = layer_efficiency(g, m, double(rc.micro_batch) * m.seq / cp, tp, dtype_size(rc.dtype));
   const double tokens = double(rc.batch) * m.seq;
-  s.t_compute = flops_per_token_of(m) * tokens * recompute_factor(m, rc.recompute) / gpus /
-                (g.peak_tflops * 1e12 * s.efficiency);
+  // FP8's GEMMs (their forward again under full recomputation) at fp8_speedup times the rate.
+  const double fp8 = fp8_flops_per_token(m) * (rc.recompute == Recompute::Full ? 4.0 / 3 : 1.0);
+  s.priced_flops = flops_per_token_of(m) * recompute_factor(m, rc.recompute) - fp8 * (1 - 1 / fp8_speedup(g, rc));
+  s.t_compute = s.priced_flops * tokens / gpus / (g.peak_tflops * 1e12 * s.efficiency);
   return s;
 }
 
@@ -300,8 +318,10 @@ MoeTerms moe_terms(const Gpu& g, const RunConfig& rc, const MoeShape& x) {
   t.imbalance = x.imbalance;
   t.router_s = 6 * D * E * work / (g.peak_tflops * 1e12 * matmul_efficiency(g, mb, D, E, e));
   // Balanced, an expert receives K/E of the micro-batch tokens of each of the ep ranks.
-  t.experts_s = x.imbalance * swiglu_seconds(g, 18 * D * F * K * work, mb * K * x.ep / E, D, F, e);
-  if (m.shared_experts > 0) t.shared_s = swiglu_seconds(g, 18 * D * F * m.shared_experts * work, mb, D, F * m.shared_experts, e);
+  const double fp8 = fp8_speedup(g, rc);  // the experts are linear layers: FP8 under --dtype fp8
+  t.experts_s = x.imbalance * swiglu_seconds(g, 18 * D * F * K * work, mb * K * x.ep / E, D, F, e) / fp8;
+  if (m.shared_experts > 0)
+    t.shared_s = swiglu_seconds(g, 18 * D * F * m.shared_experts * work, mb, D, F * m.shared_experts, e) / fp8;
   t.copies_s = row_passes(x.ep) * D * e * K * work * x.imbalance / (g.hbm_gbs * 1e9);
   for (const DispatchLevel& l : x.dispatch) {
     t.level_s.push_back(collective_seconds(g.net, Collective::P2P, l.bytes, l.calls, l.nodes));
@@ -316,8 +336,9 @@ void add_moe_term(StepTerms& s, const Gpu& g, const RunConfig& rc, const MoeShap
   // compute_terms priced every FLOP at the dense layer's efficiency, spread over every rank:
   // take out the MoE blocks' share of it, forward reruns counted alike, and put in their own.
   const ModelConfig& m = rc.model;
-  const double share = moe_flops_per_token(m) * moe_recompute(rc.recompute) /
-                       (flops_per_token_of(m) * recompute_factor(m, rc.recompute));
+  const double router = 6.0 * m.layers * m.dim * m.experts;  // bf16 under fp8 too; the experts at fp8's rate
+  const double share = (router + (moe_flops_per_token(m) - router) / fp8_speedup(g, rc)) * moe_recompute(rc.recompute) /
+                       s.priced_flops;
   s.t_moe = s.moe.compute();
   s.t_compute += s.t_moe - share * s.t_compute;
   s.t_ep = s.moe.dispatch_s;

@@ -64,6 +64,7 @@ struct Gpu {
   double mem_gib, peak_tflops, hbm_gbs, achievable;
   Network net;
   std::string measured_on;  // local: the model 01 ran when make bench measured the rate ("" where unsaid)
+  double fp8_gemm_speedup = 1;  // an FP8 GEMM's rate over a bf16 one's (1: none known; local: not measured)
 };
 
 // The fraction of the bf16 peak that large matmuls reach end to end, calibrated on the playbook's
@@ -124,6 +125,13 @@ double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem
 double layer_efficiency(const Gpu& g, const ModelConfig& m, double tokens, int tp, double elem_bytes);
 // The forward work recomputation adds: 4/3 under full, the attention core under selective.
 double recompute_factor(const ModelConfig& m, Recompute r);
+// How much faster --dtype fp8's GEMMs run than bf16's on `g` (Gpu::fp8_gemm_speedup), 1 where the
+// run is not fp8.
+double fp8_speedup(const Gpu& g, const RunConfig& rc);
+// The FLOPs per token --dtype fp8 runs in FP8: the linear layers' GEMMs, forward and backward (6 per
+// parameter), without the output head and the MoE router (DeepSeek-V3 §3.3.1 keeps those, the
+// embedding, the norms and the attention core in bf16).
+double fp8_flops_per_token(const ModelConfig& m);
 // Of a reduction overlapped with a backward window: what the window cannot hide, and at least the
 // last bucket (ready only when backward ends).
 double reduction_exposed(double t_reduce, double t_window, double last_bucket_share);
@@ -143,6 +151,11 @@ struct StepTerms {
   double efficiency = 0, t_compute = 0, t_tp = 0, t_cp = 0, t_cp_exposed = 0, t_dp = 0, t_dp_exposed = 0,
          bubble = 0, t_bubble = 0, t_pp = 0, t_ep = 0, step = 0;
   double t_moe = 0;  // of t_compute: the MoE blocks' compute (add_moe_term; 0 for a dense model)
+  // The FLOPs per token t_compute priced, each at its own rate in bf16-FLOP equivalents (FP8's
+  // counted at 1/fp8_speedup; recomputation in): what add_moe_term takes the MoE share of.
+  double priced_flops = 0;
+  // What the frontier's overlaps took off tp, dp exposed and ep (lab/08_frontier.h; 0 without them).
+  double hidden_tp = 0, hidden_dp = 0, hidden_ep = 0;
   MoeTerms moe;
   bool pipeline = false;  // pp > 1: the bubble is a term (printed even where it is 0)
   double exposed() const { return t_tp + t_cp_exposed + t_dp_exposed + t_pp + t_ep; }
