@@ -159,7 +159,11 @@ TEST_CASE("each written-out collective reproduces the library's: bits where no s
   Mesh mesh = make_mesh({world_size(), 1, 1, 1, 1}, Device::CPU);
   Comm& c = mesh.world_comm();
   if (c.size() == 1) return;
-  INFO("nodes of the group: " << [&] { std::string s; for (int n : nodes_of(c)) s += std::to_string(n) + " "; return s; }());
+  // Two simulated nodes (the case below starts this one so): world rank q on node q mod 2, and two-level
+  // runs its hierarchy rather than falling back.
+  const char* cliques = getenv("MPIR_CVAR_NUM_CLIQUES");
+  for (int q = 0; q < c.size(); q++) CHECK(nodes_of(c)[size_t(q)] == (cliques && std::string(cliques) == "2" ? q % 2 : 0));
+  CHECK(algorithm_for(c, CollectiveOp::AllReduce, Collectives::TwoLevel) == Collectives::TwoLevel);
   for (const char* algo : kAlgorithms)
     for (DType dt : {DType::F32, DType::BF16})
       for (const Call& k : calls(c.size())) {
