@@ -7,12 +7,19 @@
 // size is the full buffer: all-reduce's tensor, all-gather's output, reduce-scatter's input.
 //
 //   mpirun -np 4 build/bench/bench_comm [--device auto|cpu|cuda] [--min-bytes B] [--max-bytes B] [--dtype f32|bf16]
+//                                       [--algorithms]
+// --algorithms: instead, each written-out all-reduce (--collectives; common/comm/algorithms.h) and
+// the library's over the sizes, the α–β line t = a + b·size fitted to each by least squares, and
+// the sizes where two lines cross (notes/collectives.md, "The algorithms measured"). On two
+// simulated nodes: MPIR_CVAR_NUM_CLIQUES=2 mpirun -np 4 ... --algorithms.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <string>
 #include <vector>
 
+#include "comm/algorithms.h"
 #include "comm/comm.h"
 #include "comm/watchdog.h"
 #include "comm/flight_recorder.h"
@@ -64,18 +71,103 @@ static void flight_recorder_cost(Comm& c) {
            "%.2f us without\n", book * 1e9, with_ring[1] * 1e6, with_ring[0] * 1e6);
 }
 
+// The slowest rank's mean time of `iters` all-reduces of `t` after a warm-up.
+static double time_all_reduce(Comm& c, const Tensor& t, int iters, Device dev) {
+  c.all_reduce(t);
+  c.barrier();
+  const double t0 = now();
+  for (int it = 0; it < iters; it++) c.all_reduce(t);
+  device_sync(dev);
+  double mine = (now() - t0) / iters, slowest = 0;
+  watched_allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD, "all_reduce (the slowest rank's time)");
+  return slowest;
+}
+
+// t = a + b·s by least squares on the relative error (weights 1/t²), so that the small messages,
+// whose times are a thousand times shorter, still decide the intercept a (the latency terms).
+static void fit_line(const std::vector<double>& s, const std::vector<double>& t, double& a, double& b) {
+  double s00 = 0, s01 = 0, s11 = 0, y0 = 0, y1 = 0;
+  for (size_t i = 0; i < s.size(); i++) {
+    const double w = 1 / (t[i] * t[i]);
+    s00 += w, s01 += w * s[i], s11 += w * s[i] * s[i], y0 += w * t[i], y1 += w * s[i] * t[i];
+  }
+  const double det = s00 * s11 - s01 * s01;
+  a = (y0 * s11 - y1 * s01) / det;
+  b = (s00 * y1 - s01 * y0) / det;
+}
+
+// Each algorithm's all-reduce over the sizes, its fitted a (µs) and 1/b (GB/s), then the crossovers.
+static void algorithm_fits(Comm& c, Device dev, DType dt, double min_bytes, double max_bytes) {
+  const int n = c.size();
+  const size_t es = dtype_size(dt);
+  std::string nodes;
+  for (int q : nodes_of(c)) nodes += " " + std::to_string(q);
+  if (c.rank() == 0)
+    printf("# all_reduce by algorithm: %d ranks, node of each rank:%s; %s %s; t = slowest rank's mean\n", n, nodes.c_str(),
+           device_name(dev), dtype_name(dt));
+  struct Fit { Collectives a; double lat, per_byte; };
+  std::vector<Fit> fits;
+  for (Collectives a : {Collectives::Library, Collectives::Ring, Collectives::Tree, Collectives::HalvingDoubling,
+                        Collectives::TwoLevel}) {
+    const Collectives runs = a == Collectives::Library ? a : algorithm_for(c, CollectiveOp::AllReduce, a);
+    if (runs != a) continue;  // a fall-back would only time the ring again
+    set_collectives(collectives_name(a));
+    std::vector<double> sizes, times;
+    std::string row;
+    for (double bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
+      const int64_t count = std::max<int64_t>(n, int64_t(bytes / es) / n * n);
+      Tensor t = Tensor::zeros({count}, dt, dev, Tag::Comm);
+      const int iters = int(std::min(50.0, std::max(3.0, 64.0 * (1 << 20) / bytes)));
+      sizes.push_back(double(count) * es);
+      times.push_back(time_all_reduce(c, t, iters, dev));
+      char cell[32];
+      snprintf(cell, sizeof cell, " %10.1f", times.back() * 1e6);
+      row += cell;
+    }
+    set_collectives("library");
+    Fit f{a, 0, 0};
+    fit_line(sizes, times, f.lat, f.per_byte);
+    fits.push_back(f);
+    if (c.rank() == 0) {
+      if (fits.size() == 1) {
+        printf("%-17s", "size(B):");
+        for (double s : sizes) printf(" %10.0f", s);
+        printf("  | fit: a(us)  1/b(GB/s)\n");
+      }
+      printf("%-17s%s  | %9.1f %10.3f\n", collectives_name(a), row.c_str(), f.lat * 1e6, 1e-9 / f.per_byte);
+    }
+  }
+  // Two lines a1 + b1·s and a2 + b2·s cross at s = (a2 − a1)/(b1 − b2): below it the one with the
+  // smaller a is faster, above it the one with the smaller b.
+  if (c.rank() != 0) return;
+  printf("crossovers (bytes; below it the first is faster):\n");
+  for (size_t i = 0; i < fits.size(); i++)
+    for (size_t j = i + 1; j < fits.size(); j++) {
+      const Fit &p = fits[i], &q = fits[j];
+      const double s = (q.lat - p.lat) / (p.per_byte - q.per_byte);
+      const Fit &lo = p.lat < q.lat ? p : q, &hi = p.lat < q.lat ? q : p;
+      if (s > 0 && std::isfinite(s))
+        printf("  %-16s vs %-16s %12.0f\n", collectives_name(lo.a), collectives_name(hi.a), s);
+      else
+        printf("  %-16s vs %-16s %12s (%s faster at every size)\n", collectives_name(lo.a), collectives_name(hi.a), "none",
+               collectives_name(lo.per_byte <= hi.per_byte ? lo.a : hi.a));
+    }
+}
+
 int main(int argc, char** argv) {
   comm_init(&argc, &argv);
   std::string device = "auto";
   DType dt = DType::F32;
   double min_bytes = 4096, max_bytes = 16 << 20;
+  bool algorithms = false;
   for (int i = 1; i < argc; i++) {
     std::string a = argv[i];
     if (a == "--device" && i + 1 < argc) device = argv[++i];
     else if (a == "--min-bytes" && i + 1 < argc) min_bytes = atof(argv[++i]);
     else if (a == "--max-bytes" && i + 1 < argc) max_bytes = atof(argv[++i]);
     else if (a == "--dtype" && i + 1 < argc) dt = std::string(argv[++i]) == "bf16" ? DType::BF16 : DType::F32;
-    else config_error("bench_comm: unknown argument '%s' (--device --min-bytes --max-bytes --dtype)", a.c_str());
+    else if (a == "--algorithms") algorithms = true;
+    else config_error("bench_comm: unknown argument '%s' (--device --min-bytes --max-bytes --dtype --algorithms)", a.c_str());
   }
   int world = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -83,6 +175,12 @@ int main(int argc, char** argv) {
   Mesh mesh = make_mesh({world, 1, 1, 1, 1}, dev);
   Comm& c = mesh.world_comm();
   const int n = c.size();
+  if (algorithms) {
+    algorithm_fits(c, dev, dt, min_bytes, max_bytes);
+    mesh = Mesh();
+    comm_finalize();
+    return 0;
+  }
   const double ring = double(n - 1) / n;
   std::vector<Op> ops = {{"all_reduce", 2 * ring}, {"all_gather", ring}, {"reduce_scatter", ring},
                          {"broadcast", 1}, {"all_to_all", ring}};
