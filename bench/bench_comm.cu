@@ -71,16 +71,23 @@ static void flight_recorder_cost(Comm& c) {
            "%.2f us without\n", book * 1e9, with_ring[1] * 1e6, with_ring[0] * 1e6);
 }
 
-// The slowest rank's mean time of `iters` all-reduces of `t` after a warm-up.
+// The median over `iters` all-reduces of `t` (each timed alone, after a barrier) of the slowest
+// rank's time: on a machine whose cores other jobs share, a rank descheduled mid-call makes one
+// call slow, and the median leaves it out where the mean would not.
 static double time_all_reduce(Comm& c, const Tensor& t, int iters, Device dev) {
   c.all_reduce(t);
-  c.barrier();
-  const double t0 = now();
-  for (int it = 0; it < iters; it++) c.all_reduce(t);
-  device_sync(dev);
-  double mine = (now() - t0) / iters, slowest = 0;
-  watched_allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD, "all_reduce (the slowest rank's time)");
-  return slowest;
+  std::vector<double> times;
+  for (int it = 0; it < iters; it++) {
+    c.barrier();
+    const double t0 = now();
+    c.all_reduce(t);
+    device_sync(dev);
+    double mine = now() - t0, slowest = 0;
+    watched_allreduce(&mine, &slowest, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD, "all_reduce (the slowest rank's time)");
+    times.push_back(slowest);
+  }
+  std::nth_element(times.begin(), times.begin() + long(times.size() / 2), times.end());
+  return times[times.size() / 2];
 }
 
 // t = a + b·s by least squares on the relative error (weights 1/t²), so that the small messages,
@@ -103,7 +110,7 @@ static void algorithm_fits(Comm& c, Device dev, DType dt, double min_bytes, doub
   std::string nodes;
   for (int q : nodes_of(c)) nodes += " " + std::to_string(q);
   if (c.rank() == 0)
-    printf("# all_reduce by algorithm: %d ranks, node of each rank:%s; %s %s; t = slowest rank's mean\n", n, nodes.c_str(),
+    printf("# all_reduce by algorithm: %d ranks, node of each rank:%s; %s %s; t = median over calls of the slowest rank's time (us)\n", n, nodes.c_str(),
            device_name(dev), dtype_name(dt));
   struct Fit { Collectives a; double lat, per_byte; };
   std::vector<Fit> fits;
