@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 
+#include "comm/algorithms.h"
 #include "comm/comm.h"
 #include "tensor/device.h"
 #include "comm/watchdog.h"
@@ -250,6 +251,18 @@ TEST_CASE("every collective on CUDA tensors", "[cuda]") {
     return;
   }
   run_every_collective(Device::CUDA);
+}
+
+// The same checks with each collective written out (--collectives; test_collectives.cpp checks their
+// orders): on these small integers every order sums exactly, so each equals the library bit for bit,
+// in place and out of place, blocking and async, on every group of every mesh.
+TEST_CASE("every collective written out (ring, tree, halving-doubling, two-level) on every group") {
+  for (const char* a : {"ring", "tree", "halving-doubling", "two-level"}) {
+    INFO("--collectives " << a);
+    set_collectives(a);
+    run_every_collective(Device::CPU);  // the GPU's: test_collectives.cpp, against the CPU's bits
+  }
+  set_collectives("library");
 }
 
 TEST_CASE("int32 reductions and gathers on the world group") {
