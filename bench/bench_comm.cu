@@ -103,6 +103,23 @@ static void fit_line(const std::vector<double>& s, const std::vector<double>& t,
   b = (s00 * y1 - s01 * y0) / det;
 }
 
+// The cost model's shape of each algorithm's all-reduce, t = steps·α + factor·K/β (notes/collectives.md):
+// the fitted a and b give α = a/steps and β = factor/b. Two-level's steps and bytes mix its two
+// levels, so its α and β are per message averaged over them; the library's algorithm is MPI's own
+// choice (steps 0: not split).
+static void model_shape(Comm& c, Collectives a, double& steps, double& factor) {
+  const double N = c.size(), D = std::floor(std::log2(N));
+  steps = 0, factor = 0;
+  if (a == Collectives::Ring) steps = 2 * (N - 1), factor = 2 * (N - 1) / N;
+  if (a == Collectives::HalvingDoubling) steps = 2 * std::log2(N), factor = 2 * (N - 1) / N;
+  if (a == Collectives::Tree) steps = 4 * D, factor = 2 * D;  // unpipelined, the two trees in turn
+  if (a == Collectives::TwoLevel) {
+    const std::vector<int>& node = nodes_of(c);
+    const double M = *std::max_element(node.begin(), node.end()) + 1, L = N / M;
+    steps = 2 * (L - 1) + 2 * (M - 1), factor = 2 * (L - 1) / L + 2 * (M - 1) / (L * M);
+  }
+}
+
 // Each algorithm's all-reduce over the sizes, its fitted a (µs) and 1/b (GB/s), then the crossovers.
 static void algorithm_fits(Comm& c, Device dev, DType dt, double min_bytes, double max_bytes) {
   const int n = c.size();
@@ -139,9 +156,13 @@ static void algorithm_fits(Comm& c, Device dev, DType dt, double min_bytes, doub
       if (fits.size() == 1) {
         printf("%-17s", "size(B):");
         for (double s : sizes) printf(" %10.0f", s);
-        printf("  | fit: a(us)  1/b(GB/s)\n");
+        printf("  | fit: a(us)  1/b(GB/s) | alpha(us)  beta(GB/s)\n");
       }
-      printf("%-17s%s  | %9.1f %10.3f\n", collectives_name(a), row.c_str(), f.lat * 1e6, 1e-9 / f.per_byte);
+      double steps = 0, factor = 0;
+      model_shape(c, a, steps, factor);
+      printf("%-17s%s  | %9.1f %10.3f", collectives_name(a), row.c_str(), f.lat * 1e6, 1e-9 / f.per_byte);
+      if (steps > 0) printf(" | %9.1f %10.3f\n", f.lat * 1e6 / steps, factor * 1e-9 / f.per_byte);
+      else printf(" |         -          -\n");
     }
   }
   // Two lines a1 + b1·s and a2 + b2·s cross at s = (a2 − a1)/(b1 − b2): below it the one with the
