@@ -120,50 +120,69 @@ static void model_shape(Comm& c, Collectives a, double& steps, double& factor) {
   }
 }
 
+// time[a][s]: algorithm algos[a]'s all-reduce of sizes[s] bytes. Three rounds over every size and
+// algorithm in turn, each the median of its calls, and the median of the three: load from other
+// jobs that comes and goes then falls on every algorithm alike rather than on the one it meets.
+static std::vector<std::vector<double>> time_grid(Comm& c, Device dev, DType dt, const std::vector<Collectives>& algos,
+                                                  const std::vector<double>& sizes) {
+  const int rounds = 3;
+  std::vector<std::vector<std::vector<double>>> runs(algos.size(), std::vector<std::vector<double>>(sizes.size()));
+  for (int round = 0; round < rounds; round++)
+    for (size_t s = 0; s < sizes.size(); s++) {
+      const int64_t count = int64_t(sizes[s]) / int64_t(dtype_size(dt));
+      Tensor t = Tensor::zeros({count}, dt, dev, Tag::Comm);
+      const int iters = int(std::min(30.0, std::max(3.0, 32.0 * (1 << 20) / sizes[s])));
+      for (size_t a = 0; a < algos.size(); a++) {
+        set_collectives(collectives_name(algos[a]));
+        runs[a][s].push_back(time_all_reduce(c, t, iters, dev));
+      }
+    }
+  set_collectives("library");
+  std::vector<std::vector<double>> time(algos.size(), std::vector<double>(sizes.size()));
+  for (size_t a = 0; a < algos.size(); a++)
+    for (size_t s = 0; s < sizes.size(); s++) {
+      std::vector<double>& r = runs[a][s];
+      std::sort(r.begin(), r.end());
+      time[a][s] = r[r.size() / 2];
+    }
+  return time;
+}
+
 // Each algorithm's all-reduce over the sizes, its fitted a (µs) and 1/b (GB/s), then the crossovers.
 static void algorithm_fits(Comm& c, Device dev, DType dt, double min_bytes, double max_bytes) {
   const int n = c.size();
-  const size_t es = dtype_size(dt);
   std::string nodes;
   for (int q : nodes_of(c)) nodes += " " + std::to_string(q);
   if (c.rank() == 0)
-    printf("# all_reduce by algorithm: %d ranks, node of each rank:%s; %s %s; t = median over calls of the slowest rank's time (us)\n", n, nodes.c_str(),
-           device_name(dev), dtype_name(dt));
+    printf("# all_reduce by algorithm: %d ranks, node of each rank:%s; %s %s; t = median of 3 rounds of the median over "
+           "calls of the slowest rank's time (us)\n", n, nodes.c_str(), device_name(dev), dtype_name(dt));
+  std::vector<Collectives> algos;
+  for (Collectives a : {Collectives::Library, Collectives::Ring, Collectives::Tree, Collectives::HalvingDoubling,
+                        Collectives::TwoLevel})  // a fall-back would only time the ring again
+    if (a == Collectives::Library || algorithm_for(c, CollectiveOp::AllReduce, a) == a) algos.push_back(a);
+  std::vector<double> sizes;
+  for (double bytes = min_bytes; bytes <= max_bytes; bytes *= 4)
+    sizes.push_back(double(std::max<int64_t>(n, int64_t(bytes / dtype_size(dt)) / n * n) * dtype_size(dt)));
+  const std::vector<std::vector<double>> time = time_grid(c, dev, dt, algos, sizes);
   struct Fit { Collectives a; double lat, per_byte; };
   std::vector<Fit> fits;
-  for (Collectives a : {Collectives::Library, Collectives::Ring, Collectives::Tree, Collectives::HalvingDoubling,
-                        Collectives::TwoLevel}) {
-    const Collectives runs = a == Collectives::Library ? a : algorithm_for(c, CollectiveOp::AllReduce, a);
-    if (runs != a) continue;  // a fall-back would only time the ring again
-    set_collectives(collectives_name(a));
-    std::vector<double> sizes, times;
-    std::string row;
-    for (double bytes = min_bytes; bytes <= max_bytes; bytes *= 4) {
-      const int64_t count = std::max<int64_t>(n, int64_t(bytes / es) / n * n);
-      Tensor t = Tensor::zeros({count}, dt, dev, Tag::Comm);
-      const int iters = int(std::min(50.0, std::max(3.0, 64.0 * (1 << 20) / bytes)));
-      sizes.push_back(double(count) * es);
-      times.push_back(time_all_reduce(c, t, iters, dev));
-      char cell[32];
-      snprintf(cell, sizeof cell, " %10.1f", times.back() * 1e6);
-      row += cell;
-    }
-    set_collectives("library");
-    Fit f{a, 0, 0};
-    fit_line(sizes, times, f.lat, f.per_byte);
+  if (c.rank() == 0) {
+    printf("%-17s", "size(B):");
+    for (double s : sizes) printf(" %10.0f", s);
+    printf("  | fit: a(us)  1/b(GB/s) | alpha(us)  beta(GB/s)\n");
+  }
+  for (size_t a = 0; a < algos.size(); a++) {
+    Fit f{algos[a], 0, 0};
+    fit_line(sizes, time[a], f.lat, f.per_byte);
     fits.push_back(f);
-    if (c.rank() == 0) {
-      if (fits.size() == 1) {
-        printf("%-17s", "size(B):");
-        for (double s : sizes) printf(" %10.0f", s);
-        printf("  | fit: a(us)  1/b(GB/s) | alpha(us)  beta(GB/s)\n");
-      }
-      double steps = 0, factor = 0;
-      model_shape(c, a, steps, factor);
-      printf("%-17s%s  | %9.1f %10.3f", collectives_name(a), row.c_str(), f.lat * 1e6, 1e-9 / f.per_byte);
-      if (steps > 0) printf(" | %9.1f %10.3f\n", f.lat * 1e6 / steps, factor * 1e-9 / f.per_byte);
-      else printf(" |         -          -\n");
-    }
+    double steps = 0, factor = 0;
+    model_shape(c, f.a, steps, factor);
+    if (c.rank() != 0) continue;
+    printf("%-17s", collectives_name(f.a));
+    for (double t : time[a]) printf(" %10.1f", t * 1e6);
+    printf("  | %9.1f %10.3f", f.lat * 1e6, 1e-9 / f.per_byte);
+    if (steps > 0) printf(" | %9.1f %10.3f\n", f.lat * 1e6 / steps, factor * 1e-9 / f.per_byte);
+    else printf(" |         -          -\n");
   }
   // Two lines a1 + b1·s and a2 + b2·s cross at s = (a2 − a1)/(b1 − b2): below it the one with the
   // smaller a is faster, above it the one with the smaller b.
