@@ -241,3 +241,22 @@ TEST_CASE("02 and 08 with each written-out algorithm reproduce 01, on one node a
   tst::check_errors("02_data_parallel", kTiny, {{2, "--dp 2 --collectives rings", "--collectives must be library|ring|tree|"
                                                                                     "halving-doubling|two-level (got 'rings')"}});
 }
+
+// bench_comm --algorithms (notes/collectives.md, "The algorithms measured"): a row per algorithm the
+// group can run (at 3 ranks halving-doubling falls back to the ring and is left out; two-level on
+// one node is timed), α and β split by the formula, and the crossovers of every pair.
+TEST_CASE("bench_comm --algorithms times each algorithm, fits its line and prints the crossovers", "[collectives][chapters]") {
+  if (world_size() != 1) return;
+  const tst::Result r = tst::run_bin("bench/bench_comm", "--device cpu --algorithms --min-bytes 4096 --max-bytes 65536", 3, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  CHECK(r.output.find("# all_reduce by algorithm: 3 ranks, node of each rank: 0 0 0;") != std::string::npos);
+  CHECK(r.output.find("size(B):                4092      16380      65532") != std::string::npos);
+  for (const char* row : {"\nlibrary ", "\nring ", "\ntree ", "\ntwo-level "}) CHECK(r.output.find(row) != std::string::npos);
+  CHECK(r.output.find("\nhalving-doubling ") == std::string::npos);
+  CHECK(r.output.find("collectives: all_reduce on group 'world' (3 ranks) runs as ring: halving-doubling needs a power-of-two group") ==
+        std::string::npos);  // never run: nothing to fall back
+  size_t pairs = 0;
+  for (size_t at = r.output.find(" vs "); at != std::string::npos; at = r.output.find(" vs ", at + 1)) pairs++;
+  CHECK(pairs == 6);  // 4 algorithms, every pair once
+}
