@@ -7,7 +7,8 @@
 // NCCL send/recv on the group's stream for CUDA tensors) and sums with add_inplace on the
 // tensor's device, so it runs wherever the library collective runs, the emulated GPU included.
 //
-// What each covers (anything else falls back to the ring, said once per run on stderr):
+// What each covers (anything else falls back to the ring: one line on stderr from the group's rank 0,
+// once per group and op):
 //   ring              all-reduce (= reduce-scatter + all-gather), reduce-scatter, all-gather,
 //                     broadcast (a pipelined chain from the root)
 //   tree              all-reduce, broadcast (NCCL's double binary tree, each tree half the data)
