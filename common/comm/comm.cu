@@ -1,6 +1,7 @@
 // comm.cu — collectives over MPI (CPU tensors; CUDA tensors staged through host memory) and NCCL
 // (CUDA tensors when every rank owns a GPU), with byte accounting and the watchdog.
 #include "comm/comm.h"
+#include "comm/algorithms.h"
 #include "tensor/hooks.h"
 #include "comm/flight_recorder.h"
 #include "comm/threads.h"
@@ -673,7 +674,8 @@ Work Comm::issue(const Call& c) {
 // ----- the collectives: each issued non-blocking; the blocking form waits on it ----------------
 // Each checks its arguments, counts its bytes under the ring algorithm (notes/collectives.md), and
 // hands issue() its Call: its flight record, its local copy in a group of one, its NCCL call and
-// its MPI call.
+// its MPI call. With --collectives other than library, run_written_out (algorithms.h) carries the
+// four the playbook draws (all-reduce, reduce-scatter, all-gather, broadcast) over send_recv instead.
 
 Work Comm::all_reduce_async(const Tensor& t, ReduceOp op) { return all_reduce_async(t, t, op); }
 
@@ -684,6 +686,7 @@ Work Comm::all_reduce_async(const Tensor& out, const Tensor& in, ReduceOp op) {
   TS_CHECK(out.raw() == in.raw() || !overlap(out, in), "all_reduce: out and in partly overlap");
   double K = double(in.nbytes()), N = size_;
   count("all_reduce", K, 2 * (N - 1) / N * K);  // ring: reduce-scatter, then all-gather: 2(N-1)/N K
+  if (run_written_out(*this, CollectiveOp::AllReduce, out, in, op, -1)) return Work();  // --collectives
   Call c{"all_reduce", {out, in}, {{in.numel(), in.dtype}}};
   c.alone = [&] { if (out.raw() != in.raw()) copy(out, in); };
   c.nccl = NCCL(NCCL_CHECK(ncclAllReduce(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), nccl_op(op),
@@ -718,6 +721,7 @@ Work Comm::reduce_scatter_async(const Tensor& out, const Tensor& in, ReduceOp op
   bool in_place = check_chunks("reduce_scatter", "in", in, "out", out, size_, rank_);
   double K = double(in.nbytes()), N = size_;
   count("reduce_scatter", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
+  if (run_written_out(*this, CollectiveOp::ReduceScatter, out, in, op, -1)) return Work();
   Call c{"reduce_scatter", {out, in}, {{in.numel(), in.dtype}}};
   c.alone = [&] { if (!in_place) copy(out, in); };
   c.nccl = NCCL(NCCL_CHECK(ncclReduceScatter(in.raw(), out.raw(), size_t(out.numel()), nccl_type(in.dtype),
@@ -739,6 +743,7 @@ Work Comm::all_gather_async(const Tensor& out, const Tensor& in) {
   bool in_place = check_chunks("all_gather", "out", out, "in", in, size_, rank_);
   double K = double(out.nbytes()), N = size_;
   count("all_gather", K, (N - 1) / N * K);  // ring: N-1 steps of one chunk K/N
+  if (run_written_out(*this, CollectiveOp::AllGather, out, in, ReduceOp::Sum, -1)) return Work();
   Call c{"all_gather", {out, in}, {{out.numel(), out.dtype}}};
   c.alone = [&] { if (!in_place) copy(out, in); };
   c.nccl = NCCL(NCCL_CHECK(ncclAllGather(in.raw(), out.raw(), size_t(in.numel()), nccl_type(in.dtype), c_, s_)));
@@ -758,6 +763,7 @@ Work Comm::broadcast_async(const Tensor& t, int root) {
   double K = double(t.nbytes());
   bool last = (rank_ - root + size_) % size_ == size_ - 1;
   count("broadcast", K, last ? 0 : K);
+  if (run_written_out(*this, CollectiveOp::Broadcast, t, t, ReduceOp::Sum, root)) return Work();
   Call c{"broadcast", {t}, {{t.numel(), t.dtype, root}}};
   c.nccl = NCCL(NCCL_CHECK(ncclBroadcast(t.raw(), t.raw(), size_t(t.numel()), nccl_type(t.dtype), root, c_, s_)));
   c.mpi = [&](MpiPending& p) {

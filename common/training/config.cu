@@ -3,6 +3,7 @@
 #include "training/checkpoint_files.h"
 #include "training/config_flags.h"
 
+#include "comm/algorithms.h"
 #include "formats/data.h"
 #include "training/checkpoint.h"
 #include "training/run.h"
@@ -200,6 +201,8 @@ static void parse_run_flags(Args& a, RunConfig& rc) {
   rc.dry_run = a.get_bool("--dry-run", "print the predicted memory and FLOPs and exit, allocating nothing");
   a.group("operations");
   rc.timeout = a.get_double("--timeout", rc.timeout, "seconds before a stuck collective aborts the job", positive(1e6));
+  set_collectives(a.get_str("--collectives", "library", "all-reduce, reduce-scatter, all-gather, broadcast written out: "
+                            "library (MPI/NCCL's own) | ring | tree | halving-doubling | two-level (notes/collectives.md)"));
   rc.peak_tflops = a.get_double("--peak-tflops", 0, "peak TFLOP/s for MFU (default: by device name)", at_least(0));
   a.group("run and checkpoint");
   rc.quiet = a.get_bool("--quiet", "no step lines, only a progress line every --progress-seconds");
