@@ -24,6 +24,14 @@ std::string tp_args(int tp, bool async, const std::string& rest) {
   return "--tp " + std::to_string(tp) + " --sequence-parallel " + (async ? "--async-tp " : "") + rest;
 }
 const Run& tensor(int tp, bool async, const std::string& rest) { return run("04_tensor_parallel", tp, tp_args(tp, async, rest)); }
+// OpenBLAS's SkylakeX sgemm sums each element the same way however many rows it is handed; its
+// Haswell kernels (this project's choice on Zen 4) do not (notes/04_tensor_parallel.md shows
+// both), so the bit-for-bit runs name SkylakeX where the CPU has AVX-512.
+bool has_avx512() {
+  std::ifstream f("/proc/cpuinfo");
+  return std::string(std::istreambuf_iterator<char>(f), {}).find(" avx512f") != std::string::npos;
+}
+const std::string kRowSplitFree = "OPENBLAS_CORETYPE=SkylakeX";
 bool bitwise(const Run& a, const Run& b) {
   return a.log.losses() == b.log.losses() &&
          tst::max_abs_diff_files(a.ckpt + "/model.safetensors", b.ckpt + "/model.safetensors") == 0.0;
@@ -31,10 +39,14 @@ bool bitwise(const Run& a, const Run& b) {
 
 }  // namespace
 
-TEST_CASE("async tp 2 reproduces 04 bit for bit; tp 4 and accumulation 2 reproduce 04 and 01 (fp32)",
+TEST_CASE("async tp 2 reproduces 04 bit for bit (SkylakeX sgemm); tp 4 and accumulation 2 reproduce 04 and 01 (fp32)",
           "[04a][e2e][equiv]") {
   const std::string steps = tst::steps_args(4, 8, 4);
-  CHECK(bitwise(tensor(2, true, steps), tensor(2, false, steps)));
+  if (has_avx512())
+    CHECK(bitwise(run("04_tensor_parallel", 2, tp_args(2, true, steps), kRowSplitFree),
+                  run("04_tensor_parallel", 2, tp_args(2, false, steps), kRowSplitFree)));
+  else
+    WARN("no AVX-512: OpenBLAS's SkylakeX kernels cannot run here, the bit-for-bit CPU case is skipped");
   const Run& ref = run("01_single_gpu", 1, steps);
   for (int tp : {2, 4}) {
     INFO("tp " << tp);
@@ -82,7 +94,7 @@ TEST_CASE("the trace shows the ring transfers overlapping the GEMMs", "[04a][tra
     if (!e.contains("dur") || e.at("pid").as_double() != 0) continue;
     const std::string name = e.at("name").as_string();
     const double t0 = e.at("ts").as_double(), t1 = t0 + e.at("dur").as_double();
-    if (name.find("ring (") != std::string::npos) ring.push_back({t0, t1});
+    if (e.at("tid").as_double() == 2 && name.find("ring (") != std::string::npos) ring.push_back({t0, t1});
     if (name == "async tp gemm") gemm.push_back({t0, t1});
     if (name.rfind("tp wait (", 0) == 0) waits++;
   }
