@@ -147,6 +147,7 @@ struct Variant {
   std::string flag, help;
   std::function<void(const RunConfig&, int tp, bool sp)> validate;
   std::function<void(Model&, Comm&)> install;
+  std::function<std::function<StepTerms(const Gpu&)>(const RunConfig&, int tp)> step_time_model;  // as 04's below
 };
 inline std::vector<Variant>& variants() {
   static std::vector<Variant> v;
@@ -312,7 +313,7 @@ int main(int argc, char** argv) {
   loop.step = [&](long step) { return train_step(model, opt, run.data, rc, run.mesh, sp, step); };
   loop.save = [&](long step) { save(rc, model, opt, tp, sp, step); };
   tp::add_reports(loop, run.log(), rc, run.mesh, tp, sp);
-  return run.train(loop, tp::step_time_model(rc, tp, sp));
+  return run.train(loop, variant ? variant->step_time_model(rc, tp) : tp::step_time_model(rc, tp, sp));
 }
 #endif  // TS_PROGRAM == 4
 #endif  // TS_04_TENSOR_PARALLEL_CU

@@ -44,6 +44,7 @@
 #include "04_tensor_parallel.cu"
 #include "kernels/elementwise.h"
 #include "model/linear_gemms.h"
+#include "lab/04_tensor_parallel.h"  // predict_step_time: 04's step, which async TP's prediction starts from
 
 namespace tp {
 
@@ -241,6 +242,35 @@ inline void install_async(Model& m, std::unique_ptr<AsyncTensorParallel> ops) {
   m.gemms = std::make_unique<AsyncTpGemms>(std::move(m.gemms), o);
 }
 
+// ----- the step time it predicts (make bench's row) ---------------------------------------------------
+
+// 04's prediction (lab/04_tensor_parallel.h) with the forward's f and g run as rings under the
+// GEMMs. Per layer and micro-batch two all-gathers and two reduce-scatters of (T−1)/T·K bytes,
+// each now T − 1 ring transfers (their latency T − 1 times): c seconds in all. They run beside the
+// forward GEMMs of the linears they feed, g seconds (t_compute × those GEMMs' share of the step's
+// FLOPs, 2·L·(2D² + 2·D·kv + 3·D·F) of 6N + 12·L·h·s per token). Each transfer hides behind a 1/T
+// share of its GEMMs, the last share has none beside it: exposed max(0, c − g·(T−1)/T) replaces
+// 04's forward f/g. Assumes a transfer and a GEMM each at its own full rate side by side (on a GPU
+// NCCL takes a few SMs; on the CPU MPI's copies take the cores the GEMMs run on) and the GEMMs at
+// the step's average efficiency.
+inline StepTerms predict_async_step_time(const Gpu& g, const RunConfig& rc, int T) {
+  StepTerms s = predict_step_time(g, rc, T, true);
+  if (T == 1) return s;
+  const ModelConfig& m = rc.model;
+  const double mbs = double(rc.batch) / rc.micro_batch, L = m.layers, D = m.dim, kv = double(m.kv_heads) * m.head_dim();
+  const double bytes = mbs * L * 2 * (T - 1.0) / T * double(rc.micro_batch) * m.seq * D * dtype_size(rc.dtype);
+  const std::map<std::string, double> fwd = {{"all_gather", bytes}, {"reduce_scatter", bytes}};
+  const double c04 = group_seconds(g.net, fwd, mbs * L * 4, 1), c = group_seconds(g.net, fwd, mbs * L * 4 * (T - 1), 1);
+  const double gemm = s.t_compute * 2 * L * (2 * D * D + 2 * D * kv + 3 * D * m.ffn) / flops_per_token_of(m);
+  s.t_tp += std::max(0.0, c - gemm * (T - 1) / T) - c04;
+  s.total();
+  return s;
+}
+
+inline std::function<StepTerms(const Gpu&)> async_step_time_model(const RunConfig& rc, int T) {
+  return [&rc, T](const Gpu& g) { return predict_async_step_time(g, rc, T); };
+}
+
 inline void validate_async(const RunConfig& rc, int, bool sp) {
   if (!sp)
     config_error("--async-tp needs --sequence-parallel: it overlaps the all-gather and reduce-scatter that sequence "
@@ -256,6 +286,7 @@ inline const bool kAsyncTpRegistered = add_variant({
     [](Model& m, Comm& group) {
       if (group.size() > 1) install_async(m, std::make_unique<AsyncTensorParallel>(group, m.table));
     },
+    async_step_time_model,
 });
 
 }  // namespace tp

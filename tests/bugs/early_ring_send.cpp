@@ -32,6 +32,7 @@ const bool kRegistered = tp::add_variant({
     [](ts::Model& m, ts::Comm& group) {
       if (group.size() > 1) tp::install_async(m, std::make_unique<EarlyRingSend>(group, m.table));
     },
+    tp::async_step_time_model,
 });
 
 }  // namespace
