@@ -55,6 +55,12 @@ TEST_CASE("async tp 2 reproduces 04 bit for bit (SkylakeX sgemm); tp 4 and accum
   }
 }
 
+// bf16: the ring rounds each hop's sum to bf16, as NCCL's ring does; the bf16 bounds of test_util.h.
+TEST_CASE("bf16: async tp 4 reproduces 01 bf16 by the bf16 bounds", "[04a][e2e][bf16]") {
+  const std::string steps = tst::steps_args(4, 8, 4) + " --dtype bf16";
+  tst::check_equivalent(tensor(4, true, steps), run("01_single_gpu", 1, steps), tst::bf16_bounds(8 * 32));
+}
+
 TEST_CASE("08 --async-tp at dp 2 × tp 2 and with full recompute reproduces 01", "[04a][08][e2e][equiv]") {
   const std::string steps = tst::steps_args(4, 8, 2);
   tst::check_equivalent(run("08_5d_mesh", 4, "--dp 2 " + tp_args(2, true, steps)), run("01_single_gpu", 1, steps));
@@ -65,7 +71,7 @@ TEST_CASE("08 --async-tp at dp 2 × tp 2 and with full recompute reproduces 01",
 #ifdef TS_CUDA_EMU
 // The emulated GPU, a GPU per rank: the ring's sends and receives are NCCL calls on the tp group's
 // stream. tp 2 on CUDA is bit for bit 04 on CUDA; tp 4 and dp × tp reproduce 01 on the CPU.
-TEST_CASE("emulated GPU: async tp on NCCL, bit for bit at tp 2, ≡ 01 at tp 4 and dp 2 × tp 2",
+TEST_CASE("emulated GPU: async tp on NCCL, bit for bit at tp 2, ≡ 01 at tp 4 and dp 2 × tp 2; staged on a shared GPU",
           "[04a][emu][cuda]") {
   const std::string steps = tst::steps_args(2, 8, 4), own = "TS_EMU_GPUS=8";
   const Run& async2 = run("04_tensor_parallel", 2, tp_args(2, true, steps + " --device cuda"), own);
@@ -75,6 +81,10 @@ TEST_CASE("emulated GPU: async tp on NCCL, bit for bit at tp 2, ≡ 01 at tp 4 a
   const Run& ref = run("01_single_gpu", 1, steps + " --device cpu");
   tst::check_equivalent(run("04_tensor_parallel", 4, tp_args(4, true, steps + " --device cuda"), own), ref);
   tst::check_equivalent(run("08_5d_mesh", 4, "--dp 2 " + tp_args(2, true, steps + " --device cuda"), own), ref);
+  // Two ranks on one emulated GPU: the ring's messages go by MPI, staged through host memory.
+  const Run& shared = run("04_tensor_parallel", 2, tp_args(2, true, steps + " --device cuda"), "TS_EMU_GPUS=1");
+  CHECK(shared.output.find("mpi-staged") != std::string::npos);
+  tst::check_equivalent(shared, ref);
 }
 #endif
 
