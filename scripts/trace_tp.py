@@ -5,8 +5,9 @@ async TP's ring transfers were in flight (the "comm 2" lane, beside the GEMMs th
 
   scripts/trace_tp.py TRACE.json STEPS
 
-Exposed forward f/g is the part 04a_async_tp.cu changes: 04's "tp all_gather (f)" and
-"tp reduce_scatter (g)" against async TP's waits for its rings (notes/04_tensor_parallel.md).
+"f and g" is the part 04a_async_tp.cu changes: 04's "tp all_gather (f)" (the forward's, and
+backward's rebuilding ones, which both keep) and "tp reduce_scatter (g)", against async TP's
+rebuilding all-gathers and its "tp wait" for the rings (notes/04_tensor_parallel.md).
 """
 import json
 import sys
@@ -30,7 +31,7 @@ def main():
             t["ring"] += dur
         elif lane == COMPUTE and (name.startswith("fwd ") or name.startswith("bwd ") or name.startswith("head ")):
             t["compute"] += dur
-    print("rank  exposed tp comm   of it forward f/g   ring transfers in flight   (ms per step)")
+    print("rank  exposed tp comm     of it f and g   ring transfers in flight   (ms per step)")
     for rank in sorted(tally):
         t = tally[rank]
         print(f"{rank:4d}  {t['exposed'] / 1e3 / steps:10.2f} ms   {t['forward'] / 1e3 / steps:12.2f} ms   "
