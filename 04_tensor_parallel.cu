@@ -148,6 +148,7 @@ struct Variant {
   std::function<void(const RunConfig&, int tp, bool sp)> validate;
   std::function<void(Model&, Comm&)> install;
   std::function<std::function<StepTerms(const Gpu&)>(const RunConfig&, int tp)> step_time_model;  // as 04's below
+  std::function<void(std::map<std::string, double>&, const RunConfig&, int tp)> comm;  // moves predict_comm's bytes
 };
 inline std::vector<Variant>& variants() {
   static std::vector<Variant> v;
@@ -248,7 +249,7 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
 
 // ----- the lab (lab/04_tensor_parallel.cu: the plan, the bytes sent, the step time this run predicts) -----
 void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp);
-void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, int tp, bool sp);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, int tp, bool sp, const Variant* variant = nullptr);
 std::function<StepTerms(const Gpu&)> step_time_model(const RunConfig& rc, int tp, bool sp);
 
 }  // namespace tp
@@ -312,7 +313,7 @@ int main(int argc, char** argv) {
   loop.predicted = tp::predict_memory(rc, tp, sp);
   loop.step = [&](long step) { return train_step(model, opt, run.data, rc, run.mesh, sp, step); };
   loop.save = [&](long step) { save(rc, model, opt, tp, sp, step); };
-  tp::add_reports(loop, run.log(), rc, run.mesh, tp, sp);
+  tp::add_reports(loop, run.log(), rc, run.mesh, tp, sp, variant);
   return run.train(loop, variant ? variant->step_time_model(rc, tp) : tp::step_time_model(rc, tp, sp));
 }
 #endif  // TS_PROGRAM == 4

@@ -253,12 +253,28 @@ inline void install_async(Model& m, std::unique_ptr<AsyncTensorParallel> ops) {
 // 04's forward f/g. Assumes a transfer and a GEMM each at its own full rate side by side (on a GPU
 // NCCL takes a few SMs; on the CPU MPI's copies take the cores the GEMMs run on) and the GEMMs at
 // the step's average efficiency.
+// Per step, the bytes per rank of the forward's f (or g): two (T−1)/T·K per layer and micro-batch.
+inline double forward_fg_bytes(const RunConfig& rc, int T) {
+  const ModelConfig& m = rc.model;
+  return double(rc.batch) / rc.micro_batch * m.layers * 2 * (T - 1.0) / T * double(rc.micro_batch) * m.seq * m.dim *
+         dtype_size(rc.dtype);
+}
+
+// The comm report's prediction: those bytes go as the rings' sends (twice under full recompute,
+// whose backward reruns the forward).
+inline void async_comm(std::map<std::string, double>& c, const RunConfig& rc, int T) {
+  const double b = forward_fg_bytes(rc, T) * (rc.recompute == Recompute::Full ? 2 : 1);
+  c["all_gather"] -= b;
+  c["reduce_scatter"] -= b;
+  c["send"] += 2 * b;
+}
+
 inline StepTerms predict_async_step_time(const Gpu& g, const RunConfig& rc, int T) {
   StepTerms s = predict_step_time(g, rc, T, true);
   if (T == 1) return s;
   const ModelConfig& m = rc.model;
   const double mbs = double(rc.batch) / rc.micro_batch, L = m.layers, D = m.dim, kv = double(m.kv_heads) * m.head_dim();
-  const double bytes = mbs * L * 2 * (T - 1.0) / T * double(rc.micro_batch) * m.seq * D * dtype_size(rc.dtype);
+  const double bytes = forward_fg_bytes(rc, T);
   const std::map<std::string, double> fwd = {{"all_gather", bytes}, {"reduce_scatter", bytes}};
   const double c04 = group_seconds(g.net, fwd, mbs * L * 4, 1), c = group_seconds(g.net, fwd, mbs * L * 4 * (T - 1), 1);
   const double gemm = s.t_compute * 2 * L * (2 * D * D + 2 * D * kv + 3 * D * m.ffn) / flops_per_token_of(m);
@@ -287,6 +303,7 @@ inline const bool kAsyncTpRegistered = add_variant({
       if (group.size() > 1) install_async(m, std::make_unique<AsyncTensorParallel>(group, m.table));
     },
     async_step_time_model,
+    async_comm,
 });
 
 }  // namespace tp

@@ -52,6 +52,13 @@ TEST_CASE("async tp 2 reproduces 04 bit for bit (SkylakeX sgemm); tp 4 and accum
     INFO("tp " << tp);
     tst::check_equivalent(tensor(tp, true, steps), ref);
     tst::check_equivalent(tensor(tp, true, steps), tensor(tp, false, steps));
+    // The forward's f and g travel as the rings' sends: 2 micro-batches × 2 layers × 2 × (tp−1)/tp·K
+    // each (K = 4·32 tokens × 64 × 4 bytes), and the report predicts them there.
+    const ts::Json& c = tensor(tp, true, steps).log.summary.at("comm").at("tp");
+    const double sends = 2 * 2 * 2 * 2 * (tp - 1.0) / tp * 4 * 32 * 64 * 4;
+    CHECK(c.at("send").at("bytes").as_double() == Approx(sends).epsilon(1e-12));
+    for (const char* op : {"all_gather", "reduce_scatter", "send"})
+      CHECK(c.at(op).at("bytes").as_double() == Approx(c.at(op).at("predicted").as_double()).epsilon(1e-12));
   }
 }
 

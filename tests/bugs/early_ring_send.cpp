@@ -33,6 +33,7 @@ const bool kRegistered = tp::add_variant({
       if (group.size() > 1) tp::install_async(m, std::make_unique<EarlyRingSend>(group, m.table));
     },
     tp::async_step_time_model,
+    tp::async_comm,
 });
 
 }  // namespace
