@@ -43,7 +43,9 @@
 #ifndef TS_04_TENSOR_PARALLEL_CU
 #define TS_04_TENSOR_PARALLEL_CU
 #include <cstring>
+#include <functional>
 #include <map>
+#include <vector>
 
 #include "kernels/vocab_ce.h"
 #include "formats/data.h"
@@ -139,10 +141,36 @@ class VocabParallelCrossEntropy : public LossFn {
   Comm& tp_;
 };
 
+// A frontier variant of f and g (04a_async_tp.cu, --async-tp) registers its flag, its checks and
+// what it installs in TensorParallel's place; the chapter never names it.
+struct Variant {
+  std::string flag, help;
+  std::function<void(const RunConfig&, int tp, bool sp)> validate;
+  std::function<void(Model&, Comm&)> install;
+  std::function<std::function<StepTerms(const Gpu&)>(const RunConfig&, int tp)> step_time_model;  // as 04's below
+  std::function<void(std::map<std::string, double>&, const RunConfig&, int tp)> comm;  // moves predict_comm's bytes
+};
+inline std::vector<Variant>& variants() {
+  static std::vector<Variant> v;
+  return v;
+}
+inline bool add_variant(Variant v) {
+  variants().push_back(std::move(v));
+  return true;
+}
+// The registered variants' flags: the one given (the last, if several), or null.
+inline const Variant* read_variant(Args& a) {
+  const Variant* on = nullptr;
+  for (const Variant& v : variants())
+    if (a.get_bool(v.flag, v.help)) on = &v;
+  return on;
+}
+
 // Installs tensor parallelism into a model built with the tp shard spec.
-inline void install(Model& m, Comm& group, bool sequence_parallel) {
+inline void install(Model& m, Comm& group, bool sequence_parallel, const Variant* variant = nullptr) {
   m.tp = std::make_unique<TensorParallel>(group, sequence_parallel);
   m.loss = std::make_unique<VocabParallelCrossEntropy>(group);
+  if (variant) variant->install(m, group);
 }
 
 // Under sequence parallelism a norm weight sees only this rank's tokens, so its gradient is a
@@ -188,8 +216,9 @@ inline ShardSpec shard_spec(int tp, int tp_rank) {
   return s;
 }
 
-inline void validate(const RunConfig& rc, int tp, bool sp) {
+inline void validate(const RunConfig& rc, int tp, bool sp, const Variant* variant = nullptr) {
   const ModelConfig& m = rc.model;
+  if (variant) variant->validate(rc, tp, sp);
   if (tp < 1) config_error("--tp must be >= 1 (got %d)", tp);
   if (m.heads % tp) config_error("--heads %d is not divisible by --tp %d (q_proj is split by heads)", m.heads, tp);
   if (m.kv_heads % tp)
@@ -220,7 +249,7 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, int tp, bool sp) {
 
 // ----- the lab (lab/04_tensor_parallel.cu: the plan, the bytes sent, the step time this run predicts) -----
 void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp);
-void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, int tp, bool sp);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, int tp, bool sp, const Variant* variant = nullptr);
 std::function<StepTerms(const Gpu&)> step_time_model(const RunConfig& rc, int tp, bool sp);
 
 }  // namespace tp
@@ -260,29 +289,32 @@ static void save(const RunConfig& rc, Model& model, AdamW& opt, int tp, bool sp,
   save_checkpoint(rc.save_dir, rc, model.table, {{0, model.table.total, weights_f32(model.params, opt), &opt}}, step, m);
 }
 
-// The chapter's flags: the degree, and whether sequence parallelism splits the norms' tokens.
-static bool read_tp_flags(Args& args, MeshConfig& mc) {
+// The chapter's flags: the degree, whether sequence parallelism splits the norms' tokens, and a
+// registered variant's (04a_async_tp.cu's --async-tp).
+static bool read_tp_flags(Args& args, MeshConfig& mc, const tp::Variant*& variant) {
   mc.tp = args.get_int("--tp", 1, "tensor-parallel degree (= number of ranks)", degree_range());
+  variant = tp::read_variant(args);
   return args.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
 }
 
 int main(int argc, char** argv) {
   bool sp = false;
-  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { sp = read_tp_flags(a, mc); });
+  const tp::Variant* variant = nullptr;
+  TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { sp = read_tp_flags(a, mc, variant); });
   RunConfig& rc = run.rc;
   const int tp = run.mc.tp;
-  tp::validate(rc, tp, sp);
+  tp::validate(rc, tp, sp, variant);
   if (!run.start([&] { tp::print_plan(run.log(), rc, tp, sp); }, [&] { return tp::predict_memory(rc, tp, sp); })) return 0;
   Model& model = run.build_model({tp::shard_spec(tp, run.mesh.tp_rank)});  // this rank's column/row blocks
-  tp::install(model, run.mesh.tp(), sp);
+  tp::install(model, run.mesh.tp(), sp, variant);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   run.init(model, opt);  // each rank initialises (or loads) exactly its blocks of the full model
   Loop loop;
   loop.predicted = tp::predict_memory(rc, tp, sp);
   loop.step = [&](long step) { return train_step(model, opt, run.data, rc, run.mesh, sp, step); };
   loop.save = [&](long step) { save(rc, model, opt, tp, sp, step); };
-  tp::add_reports(loop, run.log(), rc, run.mesh, tp, sp);
-  return run.train(loop, tp::step_time_model(rc, tp, sp));
+  tp::add_reports(loop, run.log(), rc, run.mesh, tp, sp, variant);
+  return run.train(loop, variant ? variant->step_time_model(rc, tp) : tp::step_time_model(rc, tp, sp));
 }
 #endif  // TS_PROGRAM == 4
 #endif  // TS_04_TENSOR_PARALLEL_CU

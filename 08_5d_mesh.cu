@@ -39,7 +39,7 @@
 #include "02_data_parallel.cu"
 #include "03_zero.cu"
 #include "03a_hsdp.cu"  // zero::hsdp_groups: --dp-shard (HSDP)
-#include "04_tensor_parallel.cu"
+#include "04a_async_tp.cu"  // and 04_tensor_parallel.cu: tp::install, with --async-tp (tp::Variant)
 #include "05_pipeline_parallel.cu"
 #include "05b_dualpipev.cu"  // pp::kDualPipeV (and 05a_zero_bubble.cu's pp::kZBH1): the schedules 08 runs
 #include "06_context_parallel.cu"
@@ -55,6 +55,7 @@ struct Plan {
   int zero = 0;  // 0: plain data parallelism (02), 1–3: ZeRO stage (03)
   int dp_shard = 0;  // HSDP (03a): ZeRO inside groups of this many dense ranks, replicated across (0: none)
   bool sp = false;
+  const tp::Variant* tp_variant = nullptr;  // --async-tp (04a_async_tp.cu), or null: 04's f and g
   bool prefetch = true;
   std::string dp_mode = "bucketed";
   double bucket_mb = 25;
@@ -137,7 +138,7 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
   if (training && p.two_level)
     config_error("--dispatch two-level is priced by --plan; 08's ep groups dispatch flat (07 runs the two-level one)");
   cp::validate(rc, p.mesh.cp, p.cp);
-  tp::validate(local_run(rc, p), p.mesh.tp, p.sp);
+  tp::validate(local_run(rc, p), p.mesh.tp, p.sp, p.tp_variant);
   if (p.cp.mode == cp::Mode::Ulysses && p.mesh.tp > 1 &&
       ((rc.model.heads / p.mesh.tp) % p.mesh.cp || (rc.model.kv_heads / p.mesh.tp) % p.mesh.cp))
     config_error("--cp-mode ulysses with --tp %d: the %d heads and %d kv heads per tp rank must divide by --cp %d",
@@ -229,7 +230,7 @@ class Composed {
   Composed(const RunConfig& rc, const Plan& p, Mesh& mesh)
       : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
         model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)), plan_(pipeline_plan(rc, p)) {
-    tp::install(model_, mesh.tp(), p.sp);
+    tp::install(model_, mesh.tp(), p.sp, p.tp_variant);
     if (p.mesh.ep > 1) moe_ = &ep::install(model_, mesh.ep(), node_of_ranks(mesh.ep()));
     if (p.mesh.cp > 1) {
       cp::install(model_, mesh.cp(), p.cp);
@@ -465,6 +466,7 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, mesh5d::Options& o) {
   plan.sp = a.get_bool("--sequence-parallel", "split the norm/residual regions' tokens across the tp ranks");
   plan.dp_shard = zero::hsdp_shard(a.get_int("--dp-shard", 0, zero::kDpShardHelp, between(0, 1 << 20)), mc.dp * mc.cp,
                                    mc.cp > 1 ? "dp × cp" : "--dp");
+  plan.tp_variant = tp::read_variant(a);
   plan.prefetch = a.get_int("--prefetch", 1, "ZeRO-3: gather the next unit during the current one (1/0)", between(0, 1));
   plan.dp_mode = a.get_str("--dp-mode", "bucketed", "plain DP: naive | bucketed");
   plan.bucket_mb = a.get_double("--bucket-mb", 25, "plain DP: gradient bucket size in MiB", dp::bucket_mb_range());

@@ -30,9 +30,11 @@ void print_plan(RunLog& log, const RunConfig& rc, int tp, bool sp) {
   for (auto& [op, b] : predict_comm(rc, tp, sp)) log.line("per-rank %s per step: %s", op.c_str(), human_bytes(b).c_str());
 }
 
-// The loop's report: the bytes the tp group sent against predict_comm.
-void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, int tp, bool sp) {
-  loop.comm = [&log, &rc, &mesh, tp, sp](long n) { return comm_report(log, mesh.tp(), n, predict_comm(rc, tp, sp)); };
+// The loop's report: the bytes the tp group sent against predict_comm (as a variant sends them).
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, int tp, bool sp, const Variant* variant) {
+  std::map<std::string, double> predicted = predict_comm(rc, tp, sp);
+  if (variant && variant->comm) variant->comm(predicted, rc, tp);
+  loop.comm = [&log, &mesh, predicted](long n) { return comm_report(log, mesh.tp(), n, predicted); };
 }
 
 // This run's step as predict_step_time prices it on a calibration's GPU (TrainingRun::train arms it).

@@ -87,6 +87,7 @@ runs=(
   "03_zero||--dp 2 --zero 1 --micro-batch 4"
   "03_zero||--dp 2 --zero 3 --micro-batch 4"
   "04_tensor_parallel||--tp 2 --sequence-parallel"
+  "04_tensor_parallel||--tp 2 --sequence-parallel --async-tp"  # 04a: the forward's f/g rings under the GEMMs
   "05_pipeline_parallel||--pp 2 --micro-batch 2"
   "05_pipeline_parallel||--pp 2 --micro-batch 1 --stage-layers 3,1"
   "06_context_parallel||--cp 2"

@@ -440,7 +440,7 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos
   a.k = act({B, S, KVH, hd});
   a.v = act({B, S, KVH, hd});
   {
-    const Tensor h = tp->f_forward(a.h1);
+    const Tensor h = tp->f_forward_into_linears(a.h1);
     linear(L.q, a.q.reshape({N, H * hd}), h);
     linear(L.k, a.k.reshape({N, KVH * hd}), h);
     linear(L.v, a.v.reshape({N, KVH * hd}), h);
@@ -463,7 +463,7 @@ Tensor Model::layer_compute(int l, LayerActs& a, int B, int S, const Tensor& pos
   {
     Tensor y2 = work({N, cfg.dim});
     TpOps& fg = mlp_tp();
-    mlp->forward(*this, l, y2, fg.f_forward(a.h2), a);
+    mlp->forward(*this, l, y2, fg.f_forward_into_linears(a.h2), a);
     add(out, a.x_mid, fg.g_forward(y2));
   }
   return out;

@@ -28,6 +28,9 @@ inline const char* sequence_parallel_refusal(const ModelConfig& c) {
 struct TpOps {
   virtual ~TpOps() = default;
   virtual Tensor f_forward(const Tensor& x) { return x; }
+  // f where its output goes only to dense linears (Model::linear: q/k/v, gate/up), which a
+  // variant may fuse with it (04a_async_tp.cu gathers ring step by step inside the GEMM).
+  virtual Tensor f_forward_into_linears(const Tensor& x) { return f_forward(x); }
   virtual Tensor f_backward(const Tensor& dx) { return dx; }
   // `tag`: what a new output is counted as (the embedding's becomes the saved residual stream).
   virtual Tensor g_forward(const Tensor& y, Tag tag = Tag::Workspace) { (void)tag; return y; }
