@@ -18,6 +18,8 @@
 #include "kernels/profile.h"
 #include "formats/data.h"
 #include "comm/comm.h"
+#include "comm/fake_world.h"
+#include "tensor/shape_only.h"
 #include "comm/flight_recorder.h"
 #include "comm/threads.h"
 #include "comm/trace.h"
@@ -58,6 +60,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   comm_init(&argc, &argv);
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
+  read_fake_world_flags(args, rc);
   numerics().configure(rc);
   set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   flight::configure(rc.flight_entries, rc.flight_dir);
@@ -70,7 +73,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   own(args, rc, mc);
   args.finish();
   rc.flags = args.effective();
-  if (!rc.dry_run) check_launch(args, mc);
+  if (!rc.dry_run && !fake_world()) check_launch(args, mc);  // a fake world checks its mesh in make_mesh
   resolve_batch(rc, mc.dp);
   log_ = std::make_unique<RunLog>(rc, Device::CPU);
 }
@@ -328,8 +331,12 @@ static void summarize(const RunConfig& rc, Device dev, RunLog& log, const TokenD
     summary["tokens_per_s_median"] = tps[tps.size() / 2];
     char eval[48] = "";
     if (rc.eval_every > 0) snprintf(eval, sizeof eval, "; eval loss %.4f", t.last_eval);
-    log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
-             t.last_loss, data.entropy_floor, eval);
+    if (shape_only())  // no values, no loss (tensor/shape_only.h); the step time is the host's bookkeeping alone
+      log.line("median step %.3f s over %zu steps (--device shape: no kernels ran, no loss)", tokens / tps[tps.size() / 2],
+               tps.size());
+    else
+      log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
+               t.last_loss, data.entropy_floor, eval);
   }
   if (!t.stalls.empty()) summary["checkpoint"] = checkpoint_report(log, rc, t.stalls);
   if (loop.step_time && !t.seconds.empty()) summary["step_time"] = loop.step_time(step_times(first, t.seconds));
