@@ -1,0 +1,106 @@
+// ranks: 1
+// The fake world (common/comm/fake_world.h) and the shape-only device (common/tensor/shape_only.h):
+// rank R of an N-rank job, run alone with --device shape --fake-world N --fake-rank R, measures
+// the same peak per memory category as rank R of the real mpirun job, byte for byte, for every
+// chapter (a pipeline's first stage and its last), and counts the same bytes per collective; bad
+// input is one clear error.
+#include <catch2/catch.hpp>
+
+#include <string>
+
+#include "test_util.h"
+
+namespace {
+
+const std::string kTiny = "--preset tiny --kv-heads 4 --layers 4 --steps 2 --batch 8 --quiet ";
+const char* kCategories[] = {"params", "grads", "optimizer", "activations", "comm", "workspace"};
+
+struct Case {
+  std::string bin;
+  int np;
+  std::string flags;
+};
+// Every chapter at a small mesh; 08 with dp × tp × pp, ZeRO-1 and SP (rank 7: the last stage).
+const Case kCases[] = {
+    {"01_single_gpu", 1, ""},
+    {"02_data_parallel", 2, "--dp 2"},
+    {"03_zero", 2, "--dp 2 --zero 3"},
+    {"04_tensor_parallel", 2, "--tp 2 --sequence-parallel"},
+    {"05_pipeline_parallel", 2, "--pp 2 --micro-batch 1"},
+    {"05_pipeline_parallel", 2, "--pp 2 --schedule interleaved --virtual-stages 2 --micro-batch 1"},
+    {"06_context_parallel", 2, "--cp 2"},
+    {"08_5d_mesh", 8, "--dp 2 --tp 2 --pp 2 --micro-batch 1 --zero 1 --sequence-parallel"},
+};
+
+tst::Log run_logged(const std::string& bin, int np, const std::string& args) {
+  tst::TempDir d;
+  const std::string log = d.file("log.jsonl");
+  tst::Result r = tst::run_bin(bin, args + " --log-json " + log, np, 180);
+  INFO(bin << " " << args << "\n" << r.output);
+  REQUIRE(r.status == 0);
+  return tst::read_log(log);
+}
+
+// Rank r's peak of `cat`: the summary's table (rank 0's, or a fake world's rank) or the real job's
+// "ranks" list.
+int64_t peak(const ts::Json& memory, int r, const char* cat, bool from_ranks) {
+  if (from_ranks) return int64_t(memory.at("ranks")[size_t(r)].at(cat).as_double());
+  return int64_t(memory.at(cat).at("measured").as_double());
+}
+
+}  // namespace
+
+TEST_CASE("a fake world's rank measures the real job's rank's memory, byte for byte, in every chapter") {
+  for (const Case& c : kCases) {
+    const tst::Log real = run_logged(c.bin, c.np, kTiny + c.flags);
+    for (int r : {0, c.np - 1}) {
+      const std::string fake_args = kTiny + c.flags + " --device shape --fake-world " + std::to_string(c.np) +
+                                    " --fake-rank " + std::to_string(r);
+      const tst::Log fake = run_logged(c.bin, 1, fake_args);
+      INFO(c.bin << " " << c.flags << ", rank " << r << " of " << c.np);
+      for (const char* cat : kCategories) {
+        INFO(cat);
+        CHECK(peak(fake.summary.at("memory"), r, cat, false) == peak(real.summary.at("memory"), r, cat, c.np > 1));
+      }
+      CHECK(fake.summary.at("memory").at("params").at("measured").as_double() > 0);
+      // No losses from tensors without values.
+      REQUIRE(!fake.steps.empty());
+      CHECK(!fake.steps[0].contains("loss"));
+    }
+    // Bytes per collective: rank 0's groups and ops, counted as the real job counts them.
+    if (c.np > 1) {
+      const tst::Log fake = run_logged(c.bin, 1, kTiny + c.flags + " --device shape --fake-world " + std::to_string(c.np));
+      const ts::Json& rc = real.summary.at("comm");
+      const ts::Json& fc = fake.summary.at("comm");
+      for (const auto& [group, ops] : rc.items())
+        for (const auto& [op, stats] : ops.items()) {
+          INFO(c.bin << " " << group << " " << op);
+          CHECK(fc.at(group).at(op).at("bytes").as_double() == stats.at("bytes").as_double());
+        }
+    }
+  }
+}
+
+TEST_CASE("a fake world at a real shape: Llama 3 70B, rank 255 of 256 (tp 8, pp 4: the last stage), as predicted") {
+  const tst::Log fake = run_logged("08_5d_mesh", 1,
+                                   "--preset 70b --tp 8 --pp 4 --dp 8 --sequence-parallel --dtype bf16 --batch 64 "
+                                   "--micro-batch 1 --steps 2 --quiet --device shape --fake-world 256 --fake-rank 255");
+  for (const char* cat : {"params", "grads", "optimizer", "activations"}) {
+    INFO(cat);
+    const ts::Json& m = fake.summary.at("memory").at(cat);
+    CHECK(m.at("measured").as_double() == m.at("predicted").as_double());
+    CHECK(m.at("measured").as_double() > 1e9);
+  }
+}
+
+TEST_CASE("fake world and shape-only device: bad input is one clear error") {
+  tst::check_errors("08_5d_mesh", kTiny, {
+      {1, "--dp 2 --tp 2 --device shape --fake-world 4 --fake-rank 4", "--fake-rank 4 is outside the fake world of 4 ranks"},
+      {1, "--dp 2 --tp 2 --device shape --fake-world 6", "--fake-world 6: the mesh dp=2 x pp=1 x cp=1 x tp=2 has 4 ranks"},
+      {1, "--dp 2 --device cpu --fake-world 2", "add --device shape"},
+      {1, "--device shape --fake-rank 1", "--fake-rank 1 needs --fake-world N"},
+      {1, "--device shape --save /tmp/ts_fake_world_never", "--save needs tensors with values"},
+      {1, "--device shape --eval-every 1", "--eval-every needs tensors with values"},
+      {2, "--dp 2 --device shape", "--device shape runs in one process"},
+  });
+}
