@@ -188,6 +188,8 @@ const char* tag_name(Tag t) {
 
 static MemStats g_stats[2];
 static std::mutex g_mem_mu;
+static AllocObserver g_observer = nullptr;
+void set_alloc_observer(AllocObserver observer) { g_observer = observer; }
 
 // `fresh`: bytes of a new block from the system behind this allocation (0 when it came from the
 // cache).
@@ -209,6 +211,7 @@ static void account(Device dev, Tag tag, size_t bytes, bool add, size_t fresh = 
     s.current[t] -= bytes;
     s.total_current -= bytes;
   }
+  if (g_observer) g_observer(dev, tag, add ? (long long)bytes : -(long long)bytes, s);
 }
 
 // Freed blocks are kept for reuse, by block size: a training step allocates the same activation

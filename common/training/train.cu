@@ -20,6 +20,7 @@
 #include "comm/comm.h"
 #include "comm/fake_world.h"
 #include "tensor/shape_only.h"
+#include "training/memory_timeline.h"
 #include "comm/flight_recorder.h"
 #include "comm/threads.h"
 #include "comm/trace.h"
@@ -61,6 +62,8 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
   read_fake_world_flags(args, rc);
+  memory_timeline_open(args.get_str("--memory-timeline", "", "write every allocation and free with its phase (forward/"
+                                    "backward unit k, optimizer) to FILE (CSV; scripts/plot.py --timeline draws it)"));
   numerics().configure(rc);
   set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   flight::configure(rc.flight_entries, rc.flight_dir);
@@ -170,6 +173,7 @@ static long load_range(const std::string& dir, const LoadedRange& r, const RunCo
 
 long init_or_resume(Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights) {
   numerics().attach(model);
+  memory_timeline_attach(model);
   const LoadedRange r{&model, &opt, b, e, weights};
   loaded_ranges().push_back(r);
   if (!rc.resume_dir.empty()) return load_range(rc.resume_dir, r, rc);
@@ -361,6 +365,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   std::string rewind_to = rc.resume_dir;  // the newest checkpoint: --on-spike rewind goes back to it
   for (long step = first; step < rc.steps && !t.stop; step++) {
     set_current_step(step);
+    memory_phase("step start");  // the micro-batches' tokens, until the first unit's forward
     numerics().begin_step(step);
     auto t0 = std::chrono::steady_clock::now();
     StepResult r = loop.step(step);
@@ -404,6 +409,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     log.line("%s: stopped after %ld of %ld steps; %s", t.stop == SIGINT ? "SIGINT" : "SIGTERM", t.done, rc.steps,
              rc.save_dir.empty() ? "no --save, so nothing to resume from" : ("resume with --resume " + rc.save_dir).c_str());
   summarize(rc, dev, log, data, loop, first, t);
+  memory_timeline_close();
   if (!rc.trace.empty()) Trace::get().write(rc.trace);
   ProfileScope::print();
 }
