@@ -6,7 +6,11 @@
 // input is one clear error.
 #include <catch2/catch.hpp>
 
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "test_util.h"
 
@@ -90,6 +94,41 @@ TEST_CASE("a fake world at a real shape: Llama 3 70B, rank 255 of 256 (tp 8, pp 
     const ts::Json& m = fake.summary.at("memory").at(cat);
     CHECK(m.at("measured").as_double() == m.at("predicted").as_double());
     CHECK(m.at("measured").as_double() > 1e9);
+  }
+}
+
+// --memory-timeline: each category's largest bytes in use over the events is its peak in the
+// summary, the largest sum the total peak; the phases name units forward and backward and the
+// optimizer. For a real run and for a fake world's last pipeline stage.
+TEST_CASE("the memory timeline holds every category's peak, in phases") {
+  const std::pair<std::string, std::string> runs[] = {
+      {"01_single_gpu", "--device cpu --micro-batch 4"},
+      {"08_5d_mesh", "--dp 2 --tp 2 --pp 2 --micro-batch 1 --zero 1 --device shape --fake-world 8 --fake-rank 7"}};
+  for (const auto& [bin, flags] : runs) {
+    tst::TempDir d;
+    const tst::Log log = run_logged(bin, 1, kTiny + flags + " --memory-timeline " + d.file("t.csv"));
+    std::ifstream f(d.file("t.csv"));
+    std::string line;
+    std::getline(f, line);
+    REQUIRE(line == "event,step,phase,device,tag,delta,params,grads,optimizer,activations,comm,workspace");
+    std::vector<int64_t> most(6, 0);
+    int64_t most_total = 0;
+    std::set<std::string> phases;
+    while (std::getline(f, line)) {
+      std::vector<std::string> v;
+      std::stringstream ss(line);
+      for (std::string x; std::getline(ss, x, ',');) v.push_back(x);
+      REQUIRE(v.size() == 12);
+      phases.insert(v[2]);
+      int64_t total = 0;
+      for (int c = 0; c < 6; c++) most[c] = std::max(most[c], int64_t(std::stoll(v[6 + c]))), total += std::stoll(v[6 + c]);
+      most_total = std::max(most_total, total);
+    }
+    INFO(bin << " " << flags);
+    for (int c = 0; c < 6; c++) CHECK(most[c] == peak(log.summary.at("memory"), 0, kCategories[c], false));
+    CHECK(most_total == int64_t(log.summary.at("memory").at("total_peak").as_double()));
+    // Unit 4 (the last layer) is on every rank: 01's, and the last stage of 08's pipeline.
+    for (const char* p : {"forward unit 4", "backward unit 4", "optimizer", "step start"}) CHECK(phases.count(p) == 1);
   }
 }
 
