@@ -19,14 +19,9 @@
 
 namespace ts {
 
-class Args;
-struct RunConfig;
-
-// --fake-world N --fake-rank R (every binary; Program reads them after the shared flags). Bad
-// input is one config_error: a rank outside the world, a fake world on a device with values,
-// under mpirun, or with a flag a shape-only run cannot honour (also checked for --device shape
-// alone: --resume, --save, --eval-every, --numerics-every).
-void read_fake_world_flags(Args& a, const RunConfig& rc);
+// Rank `rank` of a job of `world` ranks from now on (0: off): training/fake_world_flags.h reads
+// --fake-world and --fake-rank and checks them first.
+void set_fake_world(int world, int rank);
 bool fake_world();
 int fake_world_size();
 int fake_world_rank();

@@ -19,6 +19,7 @@
 #include "formats/data.h"
 #include "comm/comm.h"
 #include "comm/fake_world.h"
+#include "training/fake_world_flags.h"
 #include "tensor/shape_only.h"
 #include "training/memory_timeline.h"
 #include "comm/flight_recorder.h"
