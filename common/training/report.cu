@@ -27,6 +27,7 @@ std::string human_bytes(double b) {
 }
 
 std::string device_description(Device dev) {
+  if (shape_only()) return "shape (tensors with sizes and no values, counted as the CPU's; no kernel runs)";
 #ifdef TS_CUDA
   if (dev == Device::CUDA) {
     int d = 0;
