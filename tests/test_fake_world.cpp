@@ -85,6 +85,25 @@ TEST_CASE("a fake world's rank measures the real job's rank's memory, byte for b
   }
 }
 
+// 07: an expert's rows are decided by the router's values, which a shape-only run has not; it
+// routes every token to consecutive experts (balanced loads, model/moe.cu), the loads the
+// prediction assumes. The model states equal the real job's; the activations the prediction.
+TEST_CASE("a fake world's expert-parallel rank: model states as the real job's, activations as predicted (balanced)") {
+  const std::string flags = "--dp 2 --ep 2 --experts 4 --ffn 64";
+  const tst::Log real = run_logged("07_expert_parallel", 2, kTiny + flags);
+  for (int r : {0, 1}) {
+    const tst::Log fake = run_logged("07_expert_parallel", 1,
+                                     kTiny + flags + " --device shape --fake-world 2 --fake-rank " + std::to_string(r));
+    const ts::Json& m = fake.summary.at("memory");
+    INFO("rank " << r);
+    for (const char* cat : {"params", "grads", "optimizer"})
+      CHECK(peak(m, r, cat, false) == peak(real.summary.at("memory"), r, cat, true));
+    CHECK(m.at("activations").at("measured").as_double() == m.at("activations").at("predicted").as_double());
+    const ts::Json& ep = fake.summary.at("comm").at("ep").at("all_to_all");
+    CHECK(ep.at("bytes").as_double() == ep.at("predicted").as_double());
+  }
+}
+
 TEST_CASE("a fake world at a real shape: Llama 3 70B, rank 255 of 256 (tp 8, pp 4: the last stage), as predicted") {
   const tst::Log fake = run_logged("08_5d_mesh", 1,
                                    "--preset 70b --tp 8 --pp 4 --dp 8 --sequence-parallel --dtype bf16 --batch 64 "

@@ -193,9 +193,17 @@ int MPI_Ialltoallv(const void* in, const int sc[], const int sd[], MPI_Datatype 
                    const int rd[], MPI_Datatype rt, MPI_Comm c, MPI_Request* r) {
   const auto* f = fake_of(c);
   if (!f) return PMPI_Ialltoallv(in, sc, sd, st, out, rc, rd, rt, c, r);
-  const int me = f->rank;  // what this rank sends itself; the others' chunks are not there
-  put(static_cast<char*>(out) + rd[me] * type_bytes(rt), static_cast<const char*>(in) + sd[me] * type_bytes(st),
-      std::min(size_t(sc[me]) * type_bytes(st), size_t(rc[me]) * type_bytes(rt)));
+  // Every peer sends this rank what it sends itself. Int32 chunks are the counts an all-to-all_v
+  // exchanges first (07's dispatch), copied even in a shape-only tensor: a shape-only run routes
+  // every rank alike (balanced, model/moe.cu), so they size the rows that arrive as in the real job.
+  const int me = f->rank;
+  const char* mine = static_cast<const char*>(in) + sd[me] * type_bytes(st);
+  for (size_t p = 0; p < f->members.size(); p++) {
+    char* dst = static_cast<char*>(out) + rd[p] * type_bytes(rt);
+    const size_t bytes = std::min(size_t(sc[me]) * type_bytes(st), size_t(rc[p]) * type_bytes(rt));
+    if (st == MPI_INT && dst != mine) memmove(dst, mine, bytes);
+    else put(dst, mine, bytes);
+  }
   return done(r);
 }
 // Point to point: the peer is not there; a message completes as soon as it is posted.
