@@ -509,7 +509,7 @@ int main(int argc, char** argv) {
   fp8::install(composed.model(), rc, run.mesh, run.log());  // --dtype fp8: the dense linears' GEMMs on FP8 operands
   run.resumed(composed.init_or_resume());
   Loop loop;
-  loop.predicted = mesh5d::predict_rank_memory(rc, o.plan, 0);  // rank 0's (pipeline stage 0), the one the table reports
+  loop.predicted = memory();  // this rank's stage: the table reports the printing rank (0, or a fake world's R)
   loop.step = [&](long step) { return composed.step(run.data, step); };
   mesh5d::add_reports(loop, run.log(), rc, o.plan, composed);
   mesh5d::predict_run_step_time(loop, run.log(), rc, o, run.dev);

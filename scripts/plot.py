@@ -5,6 +5,11 @@ Runs with --numerics-every get a second row: each unit's gradient norm and outpu
 steps, and the gradient norm with the spikes and rewinds the run logged.
 
   /usr/bin/python3 scripts/plot.py RUN.jsonl [RUN.jsonl ...] [-o runs.png] [--labels a,b,...]
+  /usr/bin/python3 scripts/plot.py --timeline TIMELINE.csv [-o memory.png]
+
+--timeline draws a run's --memory-timeline file instead: the playbook's chapter-1 picture, each
+category's bytes in use stacked over every allocation and free, the first step beside the second,
+each step's peak marked with its phase (forward unit k, backward unit k, optimizer).
 
 Runs of different techniques at the same global batch lie on one loss curve (the equivalence the
 tests prove); their memory bars show where each technique saves. Needs Debian's python3-matplotlib
@@ -73,10 +78,15 @@ def tail_inset(ax, runs, floors):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("logs", nargs="+", help="--log-json files")
+    ap.add_argument("logs", nargs="*", help="--log-json files")
     ap.add_argument("-o", "--output", default="runs.png")
     ap.add_argument("--labels", help="comma-separated names, one per log (default: the file names)")
+    ap.add_argument("--timeline", help="a --memory-timeline file: draw memory over one step instead")
     args = ap.parse_args()
+    if args.timeline:
+        return timeline_figure(args.timeline, args.output)
+    if not args.logs:
+        sys.exit("give --log-json files, or --timeline FILE")
     labels = args.labels.split(",") if args.labels else [os.path.basename(p).rsplit(".", 1)[0] for p in args.logs]
     if len(labels) != len(args.logs):
         sys.exit(f"--labels names {len(labels)} runs but {len(args.logs)} logs were given")
@@ -166,6 +176,52 @@ def numerics_row(row, logs):
     ax_ev.set_yscale("log")
     ax_ev.set(title="gradient norm; x: spike, dotted: rewind", xlabel="step")
     ax_ev.legend(fontsize=8)
+
+
+def read_timeline(path):
+    """The events of the device that holds the run's tensors (cuda when any event is there)."""
+    import csv
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    dev = "cuda" if any(r["device"] == "cuda" for r in rows) else "cpu"
+    return [r for r in rows if r["device"] == dev], dev
+
+
+def timeline_figure(path, output):
+    """Stacked categories over the events of the first two steps (initialisation drawn with the
+    first), each step's peak marked: the optimizer states appear at the first update only."""
+    rows, dev = read_timeline(path)
+    steps = sorted({int(r["step"]) for r in rows if int(r["step"]) >= 0})[:2]
+    if not steps:
+        sys.exit(f"{path}: no step recorded")
+    fig, axes = plt.subplots(1, len(steps), figsize=(8 * len(steps), 4.8), squeeze=False, sharey=True)
+    mib = 1024.0 * 1024.0
+    said = []
+    for ax, step in zip(axes[0], steps):
+        part = [r for r in rows if int(r["step"]) == step or (step == steps[0] and int(r["step"]) < 0)]
+        x = list(range(len(part)))
+        ys = [[int(r[c]) / mib for r in part] for c in CATEGORIES]
+        ax.stackplot(x, ys, labels=CATEGORIES, step="post")
+        totals = [sum(int(r[c]) for c in CATEGORIES) for r in part]
+        k = max(range(len(totals)), key=totals.__getitem__)
+        ax.axvline(k, color="black", linestyle="--", linewidth=1)
+        ax.annotate(f"peak {totals[k] / mib:.2f} MiB\n{part[k]['phase']}", (k, totals[k] / mib),
+                    xytext=(5, -25), textcoords="offset points", fontsize=8)
+        last = None  # the first event of each phase family, as a tick on the x axis
+        for i, r in enumerate(part):
+            fam = r["phase"].split(" unit")[0]
+            if fam != last and fam in ("forward", "backward", "optimizer"):
+                ax.axvline(i, color="grey", linestyle=":", linewidth=0.8)
+                ax.text(i, 0.98, " " + fam, rotation=90, fontsize=8, va="top", color="dimgrey",
+                        transform=ax.get_xaxis_transform())
+            last = fam
+        ax.set(title=f"step {step}" + (" (with initialisation)" if step == steps[0] else ""),
+               xlabel="allocation / free event", ylabel=f"MiB in use ({dev})")
+        said.append(f"step {step} peak {totals[k]} B at {part[k]['phase']}")
+    axes[0][0].legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(output, dpi=80)
+    print(f"wrote {output}; " + "; ".join(said))
 
 
 if __name__ == "__main__":

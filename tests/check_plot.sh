@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/plot.py draws real logs: 01 and 02 (dp 2) at the same global batch, overlaid, into a PNG
+# scripts/plot.py draws real logs (and, last, a --memory-timeline): 01 and 02 (dp 2) at the same global batch, overlaid, into a PNG
 # of the size it asks for (16 × 4.8 in at 80 dpi = 1280 × 384 px), with 01's held-out loss
 # (--eval-every 3 over 6 steps: after steps 2 and 5) as dots; then a run with --numerics-every and
 # a poisoned batch, whose second row (per-unit norms, spikes) doubles the height.
@@ -33,3 +33,10 @@ w, h = struct.unpack(">II", data[16:24])
 assert (w, h) == (1280, 768), f"{w} x {h}: no numerics row?"
 print(f"PNG {w} x {h}, {len(data)} bytes")
 PY
+# --memory-timeline's picture: step 0 peaks below step 1 by the moments AdamW allocates at its first
+# update (8Ψ = 952,832 B for the tiny model; notes/01), each peak inside the last layer's backward.
+"$BUILD/01_single_gpu" --preset tiny --steps 2 --micro-batch 4 --quiet --device cpu --memory-timeline "$d/t.csv" >/dev/null
+out=$(/usr/bin/python3 scripts/plot.py --timeline "$d/t.csv" -o "$d/timeline.png")
+echo "$out"
+[ "$out" = "wrote $d/timeline.png; step 0 peak 2254464 B at backward unit 2; step 1 peak 3207296 B at backward unit 2" ] ||
+  { echo "expected the first-step anomaly's two peaks"; exit 1; }

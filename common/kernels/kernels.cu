@@ -14,6 +14,7 @@
 #include "kernels/kernels_internal.h"
 #include "kernels/kernels_ref.h"
 #include "kernels/profile.h"
+#include "tensor/shape_only.h"
 #ifdef TS_CUDA
 #include "kernels/kernels_cuda.h"
 #endif
@@ -118,6 +119,7 @@ void add(const Tensor& y, const Tensor& a, const Tensor& b) {
   check_float("add", "y", y);
   check_like("add", "a", a, y, "y");
   check_like("add", "b", b, y, "y");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device("add", {&y, &a, &b}) == Device::CUDA) return CUDA_TWIN(add(y, a, b));
   ref::add(y, a, b);
 }
@@ -126,6 +128,7 @@ void add_inplace(const Tensor& y, const Tensor& x) {
   TS_PROFILE_OP("add_inplace", y);
   check_float("add_inplace", "y", y);
   check_like("add_inplace", "x", x, y, "y");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device("add_inplace", {&y, &x}) == Device::CUDA) return CUDA_TWIN(add_inplace(y, x));
   ref::add(y, y, x);
 }
@@ -133,6 +136,7 @@ void add_inplace(const Tensor& y, const Tensor& x) {
 void scale_inplace(const Tensor& y, float s) {
   TS_PROFILE_OP("scale_inplace", y);
   check_float("scale_inplace", "y", y);
+  TS_SHAPE_ONLY_SKIP();
   if (y.device() == Device::CUDA) return CUDA_TWIN(scale_inplace(y, s));
   ref::scale_inplace(y, s);
 }
@@ -143,6 +147,7 @@ void convert(const Tensor& dst, const Tensor& src) {
   check_float("convert", "src", src);
   TS_CHECK(dst.numel() == src.numel(), "convert: %s <- %s: element counts differ", dst.str().c_str(),
            src.str().c_str());
+  TS_SHAPE_ONLY_SKIP();
   if (common_device("convert", {&dst, &src}) == Device::CUDA) return CUDA_TWIN(convert(dst, src));
   ref::convert(dst, src);
 }
@@ -150,6 +155,7 @@ void convert(const Tensor& dst, const Tensor& src) {
 void fill(const Tensor& t, float value) {
   TS_PROFILE_OP("fill", t);
   check_float("fill", "t", t);
+  TS_SHAPE_ONLY_SKIP();
   if (t.device() == Device::CUDA) return CUDA_TWIN(fill(t, value));
   ref::fill(t, value);
 }
@@ -164,6 +170,7 @@ void embedding_forward(const Tensor& out, const Tensor& table, const Tensor& tok
   TS_CHECK(rows_of(op, "out", out, D) == N, "%s: out %s must hold one row per token (%lld tokens)", op,
            out.str().c_str(), (long long)N);
   check_same_dtype(op, out, "out", table, "table");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&out, &table, &tokens}) == Device::CUDA)
     return CUDA_TWIN(embedding_forward(out, table, tokens, vocab_start));
   ref::embedding_forward(out, table, tokens, vocab_start);
@@ -179,6 +186,7 @@ void embedding_backward(const Tensor& dtable, const Tensor& dout, const Tensor& 
   check_float(op, "dout", dout);
   TS_CHECK(rows_of(op, "dout", dout, D) == N, "%s: dout %s must hold one row per token (%lld tokens)", op,
            dout.str().c_str(), (long long)N);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&dtable, &dout, &tokens}) == Device::CUDA)
     return CUDA_TWIN(embedding_backward(dtable, dout, tokens, vocab_start));
   cpu::embedding_backward(dtable, dout, tokens, vocab_start);
@@ -193,6 +201,7 @@ void rmsnorm_forward(const Tensor& y, const Tensor& rstd, const Tensor& x, const
   const int64_t D = w.size(0), N = rows_of(op, "x", x, D);
   check_like(op, "y", y, x, "x");
   check_numel(op, "rstd", rstd, N, DType::F32);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&y, &rstd, &x, &w}) == Device::CUDA) return CUDA_TWIN(rmsnorm_forward(y, rstd, x, w, eps));
   cpu::rmsnorm_forward(y, rstd, x, w, eps);
 }
@@ -210,6 +219,7 @@ void rmsnorm_backward(const Tensor& dx, const Tensor& dw, const Tensor& dy, cons
   check_shape(op, "dw", dw, w.shape);
   check_dtype(op, "dw", dw, DType::F32);
   check_numel(op, "rstd", rstd, N, DType::F32);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&dx, &dw, &dy, &x, &w, &rstd}) == Device::CUDA)
     return CUDA_TWIN(rmsnorm_backward(dx, dw, dy, x, w, rstd));
   cpu::rmsnorm_backward(dx, dw, dy, x, w, rstd);
@@ -228,6 +238,7 @@ void check_rope(const char* op, const Tensor& x, const Tensor& pos) {
 void rope_forward(const Tensor& x, const Tensor& pos, float theta) {
   TS_PROFILE_OP("rope_forward", x);
   check_rope("rope_forward", x, pos);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device("rope_forward", {&x, &pos}) == Device::CUDA) return CUDA_TWIN(rope_forward(x, pos, theta));
   cpu::rope_forward(x, pos, theta);
 }
@@ -235,6 +246,7 @@ void rope_forward(const Tensor& x, const Tensor& pos, float theta) {
 void rope_backward(const Tensor& dx, const Tensor& pos, float theta) {
   TS_PROFILE_OP("rope_backward", dx);
   check_rope("rope_backward", dx, pos);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device("rope_backward", {&dx, &pos}) == Device::CUDA) return CUDA_TWIN(rope_backward(dx, pos, theta));
   cpu::rope_backward(dx, pos, theta);
 }
@@ -255,6 +267,7 @@ void matmul(const Tensor& C, const Tensor& A, bool transA, const Tensor& B, bool
            "[%lld, %lld])",
            op, C.str().c_str(), A.str().c_str(), transA ? "^T" : "", B.str().c_str(), transB ? "^T" : "",
            (long long)M, (long long)K, (long long)Kb, (long long)N);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&C, &A, &B}) == Device::CUDA) return CUDA_TWIN(matmul(C, A, transA, B, transB, alpha, beta));
   cpu::matmul(C, A, transA, B, transB, alpha, beta);
 }
@@ -301,6 +314,7 @@ void attention_forward(const Tensor& out, const Tensor& lse, const Tensor& q, co
   TS_PROFILE_OP("attention_forward", out);
   const char* op = "attention_forward";
   check_attention(op, out, lse, q, k, v, qpos, kpos);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&out, &lse, &q, &k, &v, &qpos, &kpos}) == Device::CUDA)
     return CUDA_TWIN(attention_forward(out, lse, q, k, v, qpos, kpos));
   cpu::attention_forward(out, lse, q, k, v, qpos, kpos);
@@ -316,6 +330,7 @@ void attention_backward(const Tensor& dq, const Tensor& dk, const Tensor& dv, co
   check_like(op, "dout", dout, q, "q");
   check_like(op, "dk", dk, k, "k");
   check_like(op, "dv", dv, k, "k");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&dq, &dk, &dv, &dout, &out, &lse, &q, &k, &v, &qpos, &kpos}) == Device::CUDA)
     return CUDA_TWIN(attention_backward(dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos));
   cpu::attention_backward(dq, dk, dv, dout, out, lse, q, k, v, qpos, kpos);
@@ -327,6 +342,7 @@ void swiglu_forward(const Tensor& h, const Tensor& g, const Tensor& u) {
   check_float(op, "g", g);
   check_like(op, "u", u, g, "g");
   check_like(op, "h", h, g, "g");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&h, &g, &u}) == Device::CUDA) return CUDA_TWIN(swiglu_forward(h, g, u));
   ref::swiglu_forward(h, g, u);
 }
@@ -339,6 +355,7 @@ void swiglu_backward(const Tensor& dg, const Tensor& du, const Tensor& dh, const
   check_like(op, "dh", dh, g, "g");
   check_like(op, "dg", dg, g, "g");
   check_like(op, "du", du, g, "g");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&dg, &du, &dh, &g, &u}) == Device::CUDA) return CUDA_TWIN(swiglu_backward(dg, du, dh, g, u));
   ref::swiglu_backward(dg, du, dh, g, u);
 }
@@ -353,6 +370,7 @@ void cross_entropy_forward_backward(const Tensor& losses, const Tensor& dlogits,
   check_numel(op, "targets", targets, N, DType::I32);
   check_numel(op, "losses", losses, N, DType::F32);
   if (dlogits.defined()) check_like(op, "dlogits", dlogits, logits, "logits");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&losses, &dlogits, &logits, &targets}) == Device::CUDA)
     return CUDA_TWIN(cross_entropy_forward_backward(losses, dlogits, logits, targets, grad_scale));
   for (int64_t n = 0; n < N; n++)
@@ -382,6 +400,7 @@ void vocab_ce_max(const Tensor& max, const Tensor& logits) {
   TS_PROFILE_OP("vocab_ce_max", max);
   const char* op = "vocab_ce_max";
   check_vocab_ce(op, logits, max, Tensor(), Tensor());
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&max, &logits}) == Device::CUDA) return CUDA_TWIN(vocab_ce_max(max, logits));
   cpu::vocab_ce_max(max, logits);
 }
@@ -391,6 +410,7 @@ void vocab_ce_stats(const Tensor& stats, const Tensor& logits, const Tensor& max
   TS_PROFILE_OP("vocab_ce_stats", stats);
   const char* op = "vocab_ce_stats";
   const int64_t N = check_vocab_ce(op, logits, max, stats, targets);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&stats, &logits, &max, &targets}) == Device::CUDA)
     return CUDA_TWIN(vocab_ce_stats(stats, logits, max, targets, vocab_start));
   for (int64_t n = 0; n < N; n++)  // no rank would own it: its logit would silently read as 0
@@ -405,6 +425,7 @@ void vocab_ce_finish(const Tensor& losses, const Tensor& dlogits, const Tensor& 
   const int64_t N = check_vocab_ce(op, logits, max, stats, targets);
   check_numel(op, "losses", losses, N, DType::F32);
   if (dlogits.defined()) check_like(op, "dlogits", dlogits, logits, "logits");
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&losses, &dlogits, &logits, &max, &stats, &targets}) == Device::CUDA)
     return CUDA_TWIN(vocab_ce_finish(losses, dlogits, logits, max, stats, targets, vocab_start, grad_scale));
   cpu::vocab_ce_finish(losses, dlogits, logits, max, stats, targets, vocab_start, grad_scale);
@@ -425,6 +446,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
              (long long)n);
   }
   TS_CHECK(p.step >= 1, "%s: step is 1-based (bias correction 1 - beta^step), got %ld", op, p.step);
+  TS_SHAPE_ONLY_SKIP();
   if (common_device(op, {&param, &grad, &m, &v, &param_copy}) == Device::CUDA)
     return CUDA_TWIN(adamw_step(param, grad, m, v, p, decay, grad_scale, param_copy));
   ref::adamw_step(param, grad, m, v, p, decay, grad_scale, param_copy);
@@ -433,6 +455,7 @@ void adamw_step(const Tensor& param, const Tensor& grad, const Tensor& m, const 
 double sum_squares(const Tensor& x) {
   TS_PROFILE_OP("sum_squares", x);
   check_dtype("sum_squares", "x", x, DType::F32);
+  TS_SHAPE_ONLY_SKIP(0.0);
 #ifdef TS_CUDA
   if (x.device() == Device::CUDA) return cuda::sum_squares(x);
 #endif
@@ -458,6 +481,7 @@ void init_normal(const Tensor& t, uint64_t key, float std, int64_t row0, int64_t
   TS_CHECK(row0 >= 0 && col0 >= 0 && col0 + cols <= global_cols && (t.dim() == 2 || row0 == 0),
            "%s: slice rows [%lld, +%lld) cols [%lld, +%lld) does not fit a global matrix of %lld columns", op,
            (long long)row0, (long long)rows, (long long)col0, (long long)cols, (long long)global_cols);
+  TS_SHAPE_ONLY_SKIP();
   if (t.device() == Device::CUDA) return CUDA_TWIN(init_normal(t, key, std, row0, col0, global_cols));
   ref::init_normal(t, key, std, row0, col0, global_cols);
 }

@@ -1,5 +1,6 @@
 // moe.cu — the mixture-of-experts block: router, routing plan, gather/combine, experts, aux loss.
 #include "model/moe.h"
+#include "tensor/shape_only.h"
 #include "model/mlp_block.h"
 #include "kernels/kernels.h"
 
@@ -232,6 +233,12 @@ template <class T> static const T* opt_ptr(const Tensor& t) { return t.defined()
 
 // ===== public ops ================================================================================
 
+// A shape-only run's routing: token n's k-th choice is expert (n·K + k) mod E, weight 1/K, the
+// balanced loads (N·K/E rows each) that the memory and byte predictions assume.
+static void shape_only_route(const Tensor& idx, const Tensor& w, int64_t N, int E, int K) {
+  for (int64_t a = 0; a < N * K; a++) idx.i32()[a] = int32_t(a % E), w.f32()[a] = 1.0f / float(K);
+}
+
 void moe_router_forward(const Tensor& probs, const Tensor& idx, const Tensor& w, const Tensor& logits) {
   const char* op = "moe_router_forward";
   const int64_t N = logits.size(0);
@@ -239,6 +246,7 @@ void moe_router_forward(const Tensor& probs, const Tensor& idx, const Tensor& w,
   moe_check(logits.dtype == DType::F32 && probs.dtype == DType::F32 && w.dtype == DType::F32 &&
                 idx.dtype == DType::I32, op, "logits, probs, w fp32 and idx int32");
   moe_check(probs.shape == logits.shape && idx.size(0) == N && w.shape == idx.shape && K <= E, op, "shapes");
+  if (shape_only()) return shape_only_route(idx, w, N, E, K);  // no values to route by (tensor/shape_only.h)
   if (on_cuda(logits)) {
 #ifdef TS_CUDA
     MOE_LAUNCH(router_forward_kernel, N, probs.f32(), idx.i32(), w.f32(), logits.f32(), N, E, K);
@@ -257,6 +265,7 @@ void moe_router_backward(const Tensor& dlogits, const Tensor& dw, const Tensor& 
   const int E = int(probs.size(1)), K = int(idx.size(1));
   moe_check(dlogits.shape == probs.shape && dw.shape == idx.shape && N % S == 0, op, "shapes");
   moe_check(!daux.defined() || daux.numel() == N / S * E, op, "daux must be [B, E]");
+  TS_SHAPE_ONLY_SKIP();
   if (on_cuda(probs)) {
 #ifdef TS_CUDA
     MOE_LAUNCH(router_backward_kernel, N, dlogits.f32(), dw.f32(), probs.f32(), idx.i32(), opt_ptr<float>(daux), N, E,
@@ -281,6 +290,7 @@ void moe_router_sigmoid_forward(const Tensor& scores, const Tensor& idx, const T
             op, "logits, scores, w, bias fp32 and idx int32");
   moe_check(scores.shape == logits.shape && idx.size(0) == N && w.shape == idx.shape, op, "shapes");
   moe_check(G >= 1 && G <= 64 && E % G == 0 && M >= 1 && M <= G && K <= M * (E / G), op, "groups");
+  if (shape_only()) return shape_only_route(idx, w, N, E, K);  // no values to route by (tensor/shape_only.h)
   const float* b = opt_ptr<float>(bias);
   if (on_cuda(logits)) {
 #ifdef TS_CUDA
@@ -302,6 +312,7 @@ void moe_router_sigmoid_backward(const Tensor& dlogits, const Tensor& dw, const 
   const int E = int(scores.size(1)), K = int(idx.size(1));
   moe_check(dlogits.shape == scores.shape && dw.shape == idx.shape && N % S == 0, op, "shapes");
   moe_check(!daux.defined() || daux.numel() == N / S * E, op, "daux must be [B, E]");
+  TS_SHAPE_ONLY_SKIP();
   const float* da = opt_ptr<float>(daux);
   if (on_cuda(scores)) {
 #ifdef TS_CUDA
@@ -331,6 +342,7 @@ void moe_gather(const Tensor& out, const Tensor& x, const Tensor& rows, const Te
   moe_check(out.dtype == x.dtype && x.size(1) == D && rows.numel() == M && rows.dtype == DType::I32, "moe_gather",
             "out [M, D], x [N, D] of one dtype, rows int32 [M]");
   moe_check(!scale.defined() || scale.numel() == M, "moe_gather", "scale must be [M]");
+  TS_SHAPE_ONLY_SKIP();
   if (on_cuda(out)) {
 #ifdef TS_CUDA
     cuda::moe_dtype(x.dtype, [&](auto t) {
@@ -350,6 +362,7 @@ void moe_combine(const Tensor& y, const Tensor& x, const Tensor& src, const Tens
   moe_check(y.dtype == x.dtype && x.size(1) == D && src.size(0) == N && src.dtype == DType::I32, "moe_combine",
             "y [N, D], x [M, D] of one dtype, src int32 [N, K]");
   moe_check(!w.defined() || w.shape == src.shape, "moe_combine", "w must be [N, K]");
+  TS_SHAPE_ONLY_SKIP();
   if (on_cuda(y)) {
 #ifdef TS_CUDA
     cuda::moe_dtype(x.dtype, [&](auto t) {
@@ -368,6 +381,7 @@ void moe_combine_backward_weights(const Tensor& dw, const Tensor& dy, const Tens
   const int K = int(src.size(1));
   moe_check(dw.shape == src.shape && dw.dtype == DType::F32 && x.dtype == dy.dtype && x.size(1) == D,
             "moe_combine_backward_weights", "dw fp32 [N, K], dy [N, D], x [M, D]");
+  TS_SHAPE_ONLY_SKIP();
   if (on_cuda(dy)) {
 #ifdef TS_CUDA
     cuda::moe_dtype(x.dtype, [&](auto t) {

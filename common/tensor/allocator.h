@@ -28,5 +28,9 @@ void mem_free(void* p, size_t bytes, Device dev, Tag tag);
 size_t mem_block_size(size_t bytes);
 const MemStats& mem_stats(Device dev);
 void mem_reset_peaks(Device dev);  // peaks := current (used between measured phases)
+// Called after every allocation and free (under the allocator's lock; it must not allocate
+// tensors), with the figures after it: --memory-timeline's recorder (training/memory_timeline.h).
+using AllocObserver = void (*)(Device dev, Tag tag, long long delta, const MemStats& after);
+void set_alloc_observer(AllocObserver observer);  // nullptr: none
 
 }  // namespace ts

@@ -3,6 +3,7 @@
 #include "tensor/allocator.h"
 #include "tensor/hooks.h"
 #include "tensor/device.h"
+#include "tensor/shape_only.h"
 
 #include <mpi.h>
 #include <unistd.h>
@@ -159,6 +160,10 @@ bool cuda_available() {
 
 Device parse_device(const std::string& s) {
   if (s == "cpu") return Device::CPU;
+  if (s == "shape") {  // CPU tensors without values (tensor/shape_only.h)
+    enable_shape_only();
+    return Device::CPU;
+  }
   if (s == "cuda") {
 #ifndef TS_CUDA
     config_error("--device cuda: this binary was built without CUDA (build with nvcc, or use --device cpu)");
@@ -171,7 +176,7 @@ Device parse_device(const std::string& s) {
   if (s == "auto") return Device::CPU;
 #endif
   if (s == "auto") return cuda_available() ? Device::CUDA : Device::CPU;
-  config_error("--device must be auto, cpu or cuda (got '%s')", s.c_str());
+  config_error("--device must be auto, cpu, cuda or shape (got '%s')", s.c_str());
 }
 
 // ----- the tagging allocator -------------------------------------------------------------------
@@ -183,6 +188,8 @@ const char* tag_name(Tag t) {
 
 static MemStats g_stats[2];
 static std::mutex g_mem_mu;
+static AllocObserver g_observer = nullptr;
+void set_alloc_observer(AllocObserver observer) { g_observer = observer; }
 
 // `fresh`: bytes of a new block from the system behind this allocation (0 when it came from the
 // cache).
@@ -204,6 +211,7 @@ static void account(Device dev, Tag tag, size_t bytes, bool add, size_t fresh = 
     s.current[t] -= bytes;
     s.total_current -= bytes;
   }
+  if (g_observer) g_observer(dev, tag, add ? (long long)bytes : -(long long)bytes, s);
 }
 
 // Freed blocks are kept for reuse, by block size: a training step allocates the same activation
@@ -229,7 +237,7 @@ size_t mem_block_size(size_t bytes) {
 
 static void* raw_alloc(size_t n, Device dev) {
   void* p = nullptr;
-  if (dev == Device::CPU) return aligned_alloc(64, n);  // whole cache lines, what vector loads like
+  if (dev == Device::CPU) return shape_only() ? shape_block(n) : aligned_alloc(64, n);  // whole cache lines
 #ifdef TS_CUDA
   if (cudaMalloc(&p, n) != cudaSuccess) {
     cudaGetLastError();
@@ -375,6 +383,7 @@ static cudaMemcpyKind copy_kind(Device dst, Device src) {
 void copy(const Tensor& dst, const Tensor& src) {
   TS_CHECK(dst.dtype == src.dtype && dst.numel() == src.numel(), "copy: %s <- %s", dst.str().c_str(),
            src.str().c_str());
+  TS_SHAPE_ONLY_SKIP();
   if (dst.device() == Device::CPU && src.device() == Device::CPU) {
     memcpy(dst.raw(), src.raw(), src.nbytes());
     return;
@@ -387,6 +396,7 @@ void copy(const Tensor& dst, const Tensor& src) {
 }
 
 void zero(const Tensor& t) {
+  TS_SHAPE_ONLY_SKIP();
   if (t.device() == Device::CPU) {
     memset(t.raw(), 0, t.nbytes());
     return;

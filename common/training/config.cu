@@ -146,7 +146,7 @@ static void parse_fp8_flags(Args& a, Fp8Config& f, bool fp8) {
 // The numbers, the batch and the optimizer.
 static void parse_training_flags(Args& a, RunConfig& rc) {
   a.group("operations");
-  rc.device = a.get_str("--device", "auto", "auto | cpu | cuda");
+  rc.device = a.get_str("--device", "auto", "auto | cpu | cuda | shape (shapes and sizes without values: memory at any shape, no losses)");
   a.group("model");
   std::string dt = a.get_str("--dtype", "fp32",
                               "fp32 | bf16 (bf16 compute, fp32 master weights and gradients) | fp8 (bf16, and the dense "

@@ -1,4 +1,5 @@
 // optimizer.cu — AdamW over flat ranges, clipping, and the loss and gradient norm across the mesh.
+#include "training/memory_timeline.h"
 #include "training/optimizer.h"
 #include "model/linear_gemms.h"
 
@@ -100,6 +101,7 @@ double global_grad_norm(const ParamTable& t, const std::vector<GradRange>& range
 // updated with that parameter's weight-decay rule.
 void AdamW::step(const Model& m, const Tensor& w, const Tensor& g, double lr, long t, float clip_coef,
                  const RunConfig& rc) {
+  memory_phase("optimizer");  // --memory-timeline's phase (training/memory_timeline.h)
   // A skipped step (non-finite norm, or --on-spike skip) touches nothing: moments, master copy
   // and weights keep their bits (numerics.h; collective on the step's first call).
   if (!numerics().allow_update(m, g, begin, end)) return;

@@ -5,6 +5,11 @@
 #include "comm/comm.h"
 #include "training/run.h"
 #include "tensor/device.h"
+#include "tensor/shape_only.h"
+#include "comm/fake_world.h"
+#include "comm/watchdog.h"
+
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +27,7 @@ std::string human_bytes(double b) {
 }
 
 std::string device_description(Device dev) {
+  if (shape_only()) return "shape (tensors with sizes and no values, counted as the CPU's; no kernel runs)";
 #ifdef TS_CUDA
   if (dev == Device::CUDA) {
     int d = 0;
@@ -96,6 +102,7 @@ void RunLog::step(const StepRecord& r) {
   if (!rank0_) return;
   const auto now = std::chrono::steady_clock::now();
   if (first_ < 0) {
+    if (shape_only()) printf("shape-only device: tensors have sizes but no values, so no loss or gradient norm is printed\n");
     first_ = r.step;
     start_ = last_line_ = now - std::chrono::microseconds(std::llround(r.step_ms * 1e3));
   }
@@ -121,19 +128,23 @@ void RunLog::step(const StepRecord& r) {
     char rate[32];
     if (m.mfu > 0) snprintf(rate, sizeof rate, "MFU %5.2f%%", 100 * m.mfu);
     else snprintf(rate, sizeof rate, "%6.2f GFLOP/s", m.flops_per_s * 1e-9);
-    printf("step %*ld/%ld | loss %.6f%s | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s%s | %s\n",
-           width, r.step, rc_.steps, r.loss, eval_field(r.eval_loss).c_str(), r.lr, r.grad_norm, m.tokens_per_s, rate,
-           m.step_ms, human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
+    if (shape_only())  // tensors without values: no loss, no gradient norm (tensor/shape_only.h)
+      printf("step %*ld/%ld | lr %.3e | %7.1f ms | peak %s%s | %s\n", width, r.step, rc_.steps, r.lr, m.step_ms,
+             human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
+    else
+      printf("step %*ld/%ld | loss %.6f%s | lr %.3e | grad norm %.4f | %8.0f tok/s | %s | %7.1f ms | peak %s%s | %s\n",
+             width, r.step, rc_.steps, r.loss, eval_field(r.eval_loss).c_str(), r.lr, r.grad_norm, m.tokens_per_s, rate,
+             m.step_ms, human_bytes(double(r.peak_mem_bytes)).c_str(), r.note.c_str(), eta.c_str());
     fflush(stdout);
     last_line_ = now;
   }
   if (json_) {
     Json j = Json::object();
     j["step"] = r.step;
-    j["loss"] = r.loss;
+    if (!shape_only()) j["loss"] = r.loss;
     if (std::isfinite(r.eval_loss)) j["eval_loss"] = r.eval_loss;
     j["lr"] = r.lr;
-    j["grad_norm"] = r.grad_norm;
+    if (!shape_only()) j["grad_norm"] = r.grad_norm;
     j["tokens_per_s"] = r.tokens_per_s;
     j["mfu"] = r.mfu;
     j["flops_per_s"] = r.flops_per_s;
@@ -179,11 +190,31 @@ Json comm_report(RunLog& log, const Comm& group, long steps, const std::map<std:
   return c;
 }
 
+// Every rank's peak per category, gathered on rank 0 for the JSON log (null on one rank): the
+// table shows rank 0's, and a pipeline's last stage is not its first (tests/test_fake_world.cpp
+// holds a fake world's rank R to the real job's rank R with it).
+static Json peaks_of_every_rank(const MemStats& s) {
+  int world = 1, rank = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (world == 1) return Json();
+  std::vector<long long> mine(s.peak, s.peak + kNumTags), all(size_t(world) * kNumTags);
+  watched_gather(mine.data(), kNumTags, MPI_LONG_LONG, all.data(), 0, MPI_COMM_WORLD, "gather (each rank's memory peaks)");
+  Json ranks = Json::array();
+  for (int r = 0; rank == 0 && r < world; r++) {
+    Json o = Json::object();
+    for (int t = 0; t < kNumTags; t++) o[tag_name(Tag(t))] = int64_t(all[size_t(r) * kNumTags + t]);
+    ranks.push_back(std::move(o));
+  }
+  return ranks;
+}
+
 Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred, size_t staged) {
   const MemStats& s = mem_stats(dev);
   const double predicted[kNumTags] = {pred.params, pred.grads, pred.optimizer, pred.activations, -1, -1};
   Json mem = Json::object();
-  log.line("memory (rank 0, peak per category)   measured        predicted   measured/predicted");
+  log.line("memory (rank %d, peak per category)   measured        predicted   measured/predicted",
+           fake_world() ? fake_world_rank() : 0);
   for (int t = 0; t < kNumTags; t++) {
     Json c = Json::object();
     c["measured"] = int64_t(s.peak[t]);
@@ -215,7 +246,14 @@ Json memory_report(RunLog& log, Device dev, const MemoryPrediction& pred, size_t
   log.line("  %-12s %22s", "total peak", human_bytes(double(s.total_peak)).c_str());
   log.line("  %-12s %22s   (allocator, incl. cached free blocks)", "reserved",
            human_bytes(double(s.reserved_peak)).c_str());
+  if (shape_only()) {  // the proof that the tensors above took no memory
+    struct rusage u;
+    getrusage(RUSAGE_SELF, &u);
+    log.line("  (--device shape: this process's peak resident memory was %s; the tensors' bytes were never allocated)",
+             human_bytes(double(u.ru_maxrss) * 1024).c_str());
+  }
   mem["total_peak"] = int64_t(s.total_peak);
+  if (Json ranks = peaks_of_every_rank(s); !ranks.is_null()) mem["ranks"] = std::move(ranks);
   mem["reserved_peak"] = int64_t(s.reserved_peak);
   return mem;
 }

@@ -14,6 +14,7 @@
 #include "training/checkpoint.h"
 #include "tensor/device.h"
 #include "comm/watchdog.h"
+#include "tensor/shape_only.h"
 
 namespace ts {
 
@@ -132,6 +133,7 @@ static double mem_available_bytes() {
 }
 
 void check_memory_fits(const MemoryPrediction& p, Device dev) {
+  if (shape_only()) return;  // its tensors take no memory (tensor/shape_only.h)
   const double need = p.params + p.grads + p.optimizer + p.activations;
   int sharers = ranks_on_node();
   double avail = -1;

@@ -18,6 +18,10 @@
 #include "kernels/profile.h"
 #include "formats/data.h"
 #include "comm/comm.h"
+#include "comm/fake_world.h"
+#include "training/fake_world_flags.h"
+#include "tensor/shape_only.h"
+#include "training/memory_timeline.h"
 #include "comm/flight_recorder.h"
 #include "comm/threads.h"
 #include "comm/trace.h"
@@ -58,6 +62,9 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   comm_init(&argc, &argv);
   Args args(argc, argv, doc);
   rc = parse_run_config(args);
+  read_fake_world_flags(args, rc);
+  memory_timeline_open(args.get_str("--memory-timeline", "", "write every allocation and free with its phase (forward/"
+                                    "backward unit k, optimizer) to FILE (CSV; scripts/plot.py --timeline draws it)"));
   numerics().configure(rc);
   set_comm_timeout(rc.timeout);  // the watchdog's deadline, before any collective
   flight::configure(rc.flight_entries, rc.flight_dir);
@@ -70,7 +77,7 @@ Program::Program(int argc, char** argv, const char* doc, const std::function<voi
   own(args, rc, mc);
   args.finish();
   rc.flags = args.effective();
-  if (!rc.dry_run) check_launch(args, mc);
+  if (!rc.dry_run && !fake_world()) check_launch(args, mc);  // a fake world checks its mesh in make_mesh
   resolve_batch(rc, mc.dp);
   log_ = std::make_unique<RunLog>(rc, Device::CPU);
 }
@@ -167,6 +174,7 @@ static long load_range(const std::string& dir, const LoadedRange& r, const RunCo
 
 long init_or_resume(Model& model, AdamW& opt, const RunConfig& rc, int64_t b, int64_t e, const Tensor& weights) {
   numerics().attach(model);
+  memory_timeline_attach(model);
   const LoadedRange r{&model, &opt, b, e, weights};
   loaded_ranges().push_back(r);
   if (!rc.resume_dir.empty()) return load_range(rc.resume_dir, r, rc);
@@ -328,8 +336,12 @@ static void summarize(const RunConfig& rc, Device dev, RunLog& log, const TokenD
     summary["tokens_per_s_median"] = tps[tps.size() / 2];
     char eval[48] = "";
     if (rc.eval_every > 0) snprintf(eval, sizeof eval, "; eval loss %.4f", t.last_eval);
-    log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
-             t.last_loss, data.entropy_floor, eval);
+    if (shape_only())  // no values, no loss (tensor/shape_only.h); the step time is the host's bookkeeping alone
+      log.line("median step %.3f s over %zu steps (--device shape: no kernels ran, no loss)", tokens / tps[tps.size() / 2],
+               tps.size());
+    else
+      log.line("median %.0f tokens/s over %zu steps; final loss %.4f (floor %.4f)%s", tps[tps.size() / 2], tps.size(),
+               t.last_loss, data.entropy_floor, eval);
   }
   if (!t.stalls.empty()) summary["checkpoint"] = checkpoint_report(log, rc, t.stalls);
   if (loop.step_time && !t.seconds.empty()) summary["step_time"] = loop.step_time(step_times(first, t.seconds));
@@ -354,6 +366,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
   std::string rewind_to = rc.resume_dir;  // the newest checkpoint: --on-spike rewind goes back to it
   for (long step = first; step < rc.steps && !t.stop; step++) {
     set_current_step(step);
+    memory_phase("step start");  // the micro-batches' tokens, until the first unit's forward
     numerics().begin_step(step);
     auto t0 = std::chrono::steady_clock::now();
     StepResult r = loop.step(step);
@@ -397,6 +410,7 @@ void train_loop(const RunConfig& rc, Device dev, RunLog& log, const TokenData& d
     log.line("%s: stopped after %ld of %ld steps; %s", t.stop == SIGINT ? "SIGINT" : "SIGTERM", t.done, rc.steps,
              rc.save_dir.empty() ? "no --save, so nothing to resume from" : ("resume with --resume " + rc.save_dir).c_str());
   summarize(rc, dev, log, data, loop, first, t);
+  memory_timeline_close();
   if (!rc.trace.empty()) Trace::get().write(rc.trace);
   ProfileScope::print();
 }
