@@ -100,6 +100,13 @@ inline void price_collectives(StepTerms& s, const Network& net, const std::map<s
   s.t_dp_exposed = reduction_exposed(rs, stage == 1 ? s.last_backward(micro_batches) : s.backward(), 1.0 / units) + ag;
 }
 
+// HSDP's all-reduce across replicas, `calls` of them: it runs inside the backward hook that waits
+// for it (Zero::reduce_replicas), so none of it is hidden.
+inline void price_replicas(StepTerms& s, const Network& net, const std::map<std::string, double>& ops, double calls, int nodes) {
+  const double t = group_seconds(net, ops, calls, nodes);
+  s.t_dp += t, s.t_dp_exposed += t;
+}
+
 // This run's step: each of the n·R ranks computes 1/(n·R) of the tokens, then the stage's
 // collectives; replicas add their all-reduce, which waits in the backward it follows (exposed).
 inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, const ZeroPlan& p) {
@@ -108,8 +115,7 @@ inline StepTerms predict_step_time(const Gpu& g, const RunConfig& rc, const Zero
   const double mbs = double(rc.batch) / dp / rc.micro_batch;
   price_collectives(s, g.net, p.n > 1 ? predict_comm(rc, p) : std::map<std::string, double>{}, p.stage,
                     p.table.num_units(), mbs, p.prefetch, 1);
-  const double replicas = group_seconds(g.net, predict_replica_comm(p), p.table.num_units() * (p.stage == 1 ? 1 : mbs), 1);
-  s.t_dp += replicas, s.t_dp_exposed += replicas;
+  price_replicas(s, g.net, predict_replica_comm(p), p.table.num_units() * (p.stage == 1 ? 1 : mbs), 1);
   s.total();
   return s;
 }

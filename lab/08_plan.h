@@ -58,6 +58,27 @@ inline int group_nodes(const Plan& p, Axis a, int per_node) {
   for (int r : mesh_group(p.mesh, 0, a)) nodes.insert(r / per_node);
   return int(nodes.size());
 }
+// HSDP's groups (03a_hsdp.cu: shard group = consecutive dense ranks, replicas every S-th): the
+// nodes rank 0's shard group and its replica group span, {shard, replicas}.
+inline std::pair<int, int> hsdp_nodes(const Plan& p, int per_node) {
+  const std::vector<int> dense = mesh_group(p.mesh, 0, p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP);
+  std::set<int> shard, replicas;
+  for (size_t i = 0; i < size_t(p.dp_shard); i++) shard.insert(dense[i] / per_node);
+  for (size_t i = 0; i < dense.size(); i += size_t(p.dp_shard)) replicas.insert(dense[i] / per_node);
+  return {int(shard.size()), int(replicas.size())};
+}
+// The HSDP shard sizes a search tries for `p`: the one --dp-shard gave, else none and, under ZeRO-3
+// (where FSDP and torchtitan offer it), the dense ranks that share a node: the gathers on NVLink,
+// only the all-reduce across nodes. A mesh given whole is priced as given.
+inline std::vector<int> hsdp_choices(const Plan& p, int per_node) {
+  const std::vector<int> dense = mesh_group(p.mesh, 0, p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP);
+  const int n = int(dense.size());
+  if (p.dp_shard > 0) return p.zero > 0 && p.dp_shard < n && n % p.dp_shard == 0 ? std::vector<int>{p.dp_shard} : std::vector<int>{};
+  int S = 0;
+  while (S < n && dense[size_t(S)] / per_node == 0) S++;
+  if (p.zero != 3 || S < 2 || S == n || n % S) return {0};
+  return {0, S};
+}
 
 // ----- what many meshes share ----------------------------------------------------------------------------
 
@@ -92,7 +113,7 @@ struct Shared {
   }
   // The table of the rank at tp rank 0, ep rank 0 and pipeline stage pp_rank: mesh5d::local_table's.
   const ParamTable& table(const RunConfig& rc, const Plan& p, int pp_rank) {
-    const std::array<int, 7> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
+    const std::array<int, 7> key{p.zero > 0 ? shard_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
                                  p.schedule->id, pp_rank, p.mesh.ep};
     auto it = tables.find(key);
     if (it == tables.end()) it = tables.emplace(key, local_table(rc, p, 0, pp_rank)).first;
@@ -100,7 +121,7 @@ struct Shared {
   }
   // What that rank holds besides activations: mesh5d::predict_states of its table.
   const MemoryPrediction& rank_states(const RunConfig& rc, const Plan& p, int pp_rank) {
-    const std::array<int, 9> key{p.zero > 0 ? dense_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
+    const std::array<int, 9> key{p.zero > 0 ? shard_group_size(p) : 1, p.mesh.tp, p.mesh.pp, p.virtual_stages,
                                  p.schedule->id, pp_rank, p.mesh.ep, p.zero, p.prefetch};
     auto it = states.find(key);
     if (it == states.end()) it = states.emplace(key, predict_states(rc, p, table(rc, p, pp_rank))).first;
@@ -163,7 +184,8 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
   const auto comm = predict_comm(rc, p, busy, &shared.table(rc, p, busy), pl);
   const auto comm0 = busy == 0 ? comm : predict_comm(rc, p, 0, &t0, pl);
   auto ops = [&](const std::string& group) {
-    const auto& c = group == dense_group_name(p) || group == "ep_dp" ? comm0 : comm;
+    const bool stage0 = group == dense_group_name(p) || group == "ep_dp" || group == "dp_shard" || group == "dp_replicate";
+    const auto& c = stage0 ? comm0 : comm;
     const auto it = c.find(group);
     return it == c.end() ? std::map<std::string, double>{} : it->second;
   };
@@ -185,8 +207,12 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
     const double calls = dp::reduction_calls(bucketed, stage_layers(rc, p, 0), grad, p.bucket_mb);
     s.t_dp = group_seconds(g.net, ops(dense), calls, dense_nodes) + group_seconds(g.net, ops("ep_dp"), calls, nodes(Axis::EP_DP));
     s.t_dp_exposed = dp::exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), grad, p.bucket_mb);
-  } else {
+  } else if (p.dp_shard == 0) {
     zero::price_collectives(s, g.net, ops(dense), p.zero, units, mbs, p.prefetch, dense_nodes);
+  } else {  // HSDP: 03's collectives inside the shard group, the chunks' all-reduce across replicas
+    const auto [shard_nodes, replica_nodes] = hsdp_nodes(p, cl.per_node);
+    zero::price_collectives(s, g.net, ops("dp_shard"), p.zero, units, mbs, p.prefetch, shard_nodes);
+    zero::price_replicas(s, g.net, ops("dp_replicate"), units * (p.zero == 1 ? 1 : mbs), replica_nodes);
   }
   if (fr.dp_overlap && p.zero < 3) {  // Megatron's overlapped reduce-scatter and gather, chunk by chunk
     const double ag = p.zero == 0 ? 0 : group_seconds(g.net, ops(dense), zero::collective_calls(p.zero, units, mbs), dense_nodes, "all_gather");
@@ -345,10 +371,13 @@ inline std::vector<Candidate> candidates(const RunConfig& rc, const Cluster& cl,
                 for (int ep : Fixed::values(f.ep, m.experts > 0 ? dp * cpn : 1)) {
                   if ((dp * cpn) % ep || (m.experts > 0 && m.experts % ep) || (ep > 1 && zero > 0)) continue;
                   if (dp * cpn == 1 && zero > 0) continue;
-                  const Plan p = make_plan(f.base, {dp, pp, cpn, tp, ep}, zero, V, m);
+                  Plan p = make_plan(f.base, {dp, pp, cpn, tp, ep}, zero, V, m);
                   if (!composes(p, m)) continue;
-                  all.emplace_back();
-                  all.back().plan = p, all.back().micro_batch = mb, all.back().recompute = r;
+                  for (int S : f.all_fixed() ? std::vector<int>{p.dp_shard} : hsdp_choices(p, cl.per_node)) {
+                    p.dp_shard = S;
+                    all.emplace_back();
+                    all.back().plan = p, all.back().micro_batch = mb, all.back().recompute = r;
+                  }
                 }
               }
             }
@@ -367,6 +396,8 @@ inline std::string describe(const Candidate& c) {
   s += " tp " + std::to_string(m.tp) + (c.plan.sp ? "+sp" : "");
   if (m.ep > 1) s += " ep " + std::to_string(m.ep);
   s += c.plan.zero ? " ZeRO-" + std::to_string(c.plan.zero) : " DP";
+  if (c.plan.dp_shard) s += " HSDP " + std::to_string(c.plan.mesh.dp * c.plan.mesh.cp / c.plan.dp_shard) + "×" +
+                            std::to_string(c.plan.dp_shard);
   return s + ", micro-batch " + std::to_string(c.micro_batch) + ", recompute " + recompute_name(c.recompute);
 }
 
@@ -385,6 +416,7 @@ inline std::string differences(const Candidate& w, const Candidate& best) {
   add("cp", str(a.cp), str(b.cp));
   add("ep", str(a.ep), str(b.ep));
   add("ZeRO", str(w.plan.zero), str(best.plan.zero));
+  add("HSDP shard group", str(w.plan.dp_shard), str(best.plan.dp_shard));
   add("micro-batch", str(w.micro_batch), str(best.micro_batch));
   add("recompute", recompute_name(w.recompute), recompute_name(best.recompute));
   return s;
@@ -423,6 +455,7 @@ inline Json candidate_json(const Candidate& c) {
   j["virtual_stages"] = c.plan.virtual_stages;
   j["bubble"] = c.bubble;
   j["zero"] = c.plan.zero;
+  j["dp_shard"] = c.plan.dp_shard;
   j["sequence_parallel"] = c.plan.sp;
   j["micro_batch"] = c.micro_batch;
   j["recompute"] = recompute_name(c.recompute);

@@ -158,6 +158,41 @@ TEST_CASE("the nodes a group spans follow the mesh's rank order (TP innermost)",
   CHECK(group_nodes(p, Axis::PP, 8) == 16);
 }
 
+// HSDP (03a): the shard group is consecutive dense ranks, the replicas every S-th; the search tries
+// the node-sized shard group under ZeRO-3 only, and a given --dp-shard is priced as given.
+TEST_CASE("HSDP in the planner: the groups' spans, the choices searched, the price and memory", "[plan][03a]") {
+  Plan p;
+  p.mesh = {64, 1, 1, 1, 1};  // dp 64 on 8 nodes of 8
+  p.zero = 3;
+  CHECK(hsdp_choices(p, 8) == std::vector<int>{0, 8});
+  p.dp_shard = 8;
+  CHECK(hsdp_nodes(p, 8) == std::pair<int, int>{1, 8});
+  p.dp_shard = 4;
+  CHECK(hsdp_nodes(p, 8) == std::pair<int, int>{1, 16 / 2});  // 16 replicas, two per node
+  CHECK(hsdp_choices(p, 8) == std::vector<int>{4});
+  p.dp_shard = 0;
+  p.mesh = {32, 1, 1, 2, 1};  // tp 2: four dp ranks per node
+  CHECK(hsdp_choices(p, 8) == std::vector<int>{0, 4});
+  p.zero = 1;
+  CHECK(hsdp_choices(p, 8) == std::vector<int>{0});  // searched under ZeRO-3 only
+  p.mesh = {8, 1, 1, 1, 1}, p.zero = 3;
+  CHECK(hsdp_choices(p, 8) == std::vector<int>{0});  // one node: nothing to split
+
+  // 8B on 64 H100s: the shard group's gathers stay on NVLink, one all-reduce crosses the nodes;
+  // the states are ZeRO-3's over 8 ranks, not 64.
+  const std::string mesh = "--plan --preset 8b --gpus 64 --seq 4096 --global-batch-tokens 1048576 --dp 64 --tp 1 --pp 1 "
+                           "--cp 1 --zero 3 --micro-batch 2 --virtual-stages 1 --recompute none";
+  const tst::Result plain = tst::run_bin("08_5d_mesh", mesh, 1, 60), hsdp = tst::run_bin("08_5d_mesh", mesh + " --dp-shard 8", 1, 60);
+  REQUIRE(plain.status == 0);
+  REQUIRE(hsdp.status == 0);
+  CHECK(hsdp.output.find("plan: 8b on 64 × h100: dp 64 tp 1 ZeRO-3 HSDP 8×8") != std::string::npos);
+  CHECK(plain.output.find("optimizer 1.40 GiB") != std::string::npos);
+  CHECK(hsdp.output.find("optimizer 11.22 GiB") != std::string::npos);  // 12Ψ/8: m, v and the fp32 master
+  const tst::Result searched = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 64 --seq 4096 --global-batch-tokens 1048576 "
+                                            "--zero 3 --tp 1 --pp 1 --cp 1", 1, 60);
+  CHECK(searched.output.find("ZeRO-3 HSDP 8×8") != std::string::npos);
+}
+
 // The rank order reaches the plan: --rank-order pp-dp-cp-tp prices the groups at the nodes they
 // then span, and the plan line says where each group lies.
 TEST_CASE("the rank order reaches --plan: the groups' spans and their price follow the order", "[plan][e2e]") {
