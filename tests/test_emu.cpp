@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/allocator.h"
 #include "tensor/device.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
@@ -397,8 +398,8 @@ TEST_CASE("emulated GPU settings: the child run", "[.emu_settings_child]") {
   TS_LAUNCH(1, 32, 0, nullptr, nothing_kernel)(d);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   cudaFree(d);
-  printf("settings child ok: %d GPUs, %zu bytes, %s, timeout %g s, quiet %d\n", n, total,
-         emu::reverse_order() ? "reverse" : "forward", emu::nccl_timeout_s(), int(emu::quiet()));
+  printf("settings child ok: %d GPUs, %zu bytes, %s, timeout %g s, quiet %d, poison 0x%02X\n", n, total,
+         emu::reverse_order() ? "reverse" : "forward", emu::nccl_timeout_s(), int(emu::quiet()), emu::uninit_byte());
 }
 
 TEST_CASE("emulated GPU: a TS_EMU_* value the emulator cannot use stops it with one line", "[emu]") {
@@ -409,7 +410,7 @@ TEST_CASE("emulated GPU: a TS_EMU_* value the emulator cannot use stops it with 
       {"TS_EMU_NCCL_TIMEOUT", "soon"},    {"TS_EMU_NCCL_TIMEOUT", "0"},     {"TS_EMU_NCCL_TIMEOUT", "inf"},
       {"TS_EMU_GPUS", "0"},               {"TS_EMU_GPUS", "two"},           {"TS_EMU_GPUS", "8.5"},
       {"TS_EMU_GPUS", " 8"},              {"TS_EMU_GPUS", "65"},            {"TS_EMU_QUIET", "yes"},
-      {"TS_EMU_COVERAGE", "/nonexistent/dir/cover.txt"},
+      {"TS_EMU_COVERAGE", "/nonexistent/dir/cover.txt"}, {"TS_EMU_POISON", "zero"},  {"TS_EMU_POISON", "NaN"},
   };
   for (const auto& [name, value] : bad) {
     const tst::Result r = run_child(name + "='" + value + "'");
@@ -424,18 +425,39 @@ TEST_CASE("emulated GPU: a TS_EMU_* value the emulator cannot use stops it with 
 TEST_CASE("emulated GPU: good TS_EMU_* values reach the emulator", "[emu]") {
   const std::string cover = tst::scratch("settings_cover.txt");
   tst::Result r = run_child("TS_EMU_ORDER=reverse TS_EMU_MEMORY_GB=0.5 TS_EMU_NCCL_TIMEOUT=30 TS_EMU_GPUS=2 "
-                            "TS_EMU_QUIET=0 TS_EMU_COVERAGE=" + cover);
+                            "TS_EMU_QUIET=0 TS_EMU_POISON=big TS_EMU_COVERAGE=" + cover);
   INFO(r.output);
   CHECK(r.status == 0);
-  CHECK(has(r.output, "settings child ok: 2 GPUs, 536870912 bytes, reverse, timeout 30 s, quiet 0"));
+  CHECK(has(r.output, "settings child ok: 2 GPUs, 536870912 bytes, reverse, timeout 30 s, quiet 0, poison 0x7F"));
   std::ifstream f(cover);
   const std::string covered((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   CHECK(has(covered, "kernel nothing_kernel"));
   r = run_child("TS_EMU_ORDER=forward TS_EMU_MEMORY_GB=80 TS_EMU_NCCL_TIMEOUT=2.5e2 TS_EMU_GPUS=64 TS_EMU_QUIET=1 "
-                "TS_EMU_COVERAGE=");
+                "TS_EMU_POISON=nan TS_EMU_COVERAGE=");
   INFO(r.output);
   CHECK(r.status == 0);
-  CHECK(has(r.output, "settings child ok: 64 GPUs, 85899345920 bytes, forward, timeout 250 s, quiet 1"));
+  CHECK(has(r.output, "settings child ok: 64 GPUs, 85899345920 bytes, forward, timeout 250 s, quiet 1, poison 0xFF"));
+}
+
+// initcheck: what the caching allocator hands out again, and page-locked host memory, hold poison
+// (the 0xFF bytes of a fresh cudaMalloc), not last use's values or a fresh page's zeros.
+TEST_CASE("emulated GPU: recycled allocator blocks and cudaMallocHost memory start as poison", "[emu]") {
+  Fresh fresh;
+  const size_t bytes = 4096;
+  void* p = ts::mem_alloc(bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  REQUIRE(cudaMemsetAsync(p, 0x3F, bytes, ts::compute_stream()) == cudaSuccess);  // last use's values
+  ts::mem_free(p, bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  void* q = ts::mem_alloc(bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  REQUIRE(q == p);  // the same block, from the cache
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::vector<unsigned char> back = tst::to_host(static_cast<const unsigned char*>(q), bytes);
+  CHECK(std::count(back.begin(), back.end(), emu::uninit_byte()) == long(bytes));
+  ts::mem_free(q, bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  void* h = nullptr;
+  REQUIRE(cudaMallocHost(&h, bytes) == cudaSuccess);
+  const unsigned char* hb = static_cast<const unsigned char*>(h);
+  CHECK(std::count(hb, hb + bytes, emu::uninit_byte()) == long(bytes));
+  cudaFreeHost(h);
 }
 
 TEST_CASE("emulated GPU: a stream that reads without waiting for the writer's event reads NaN", "[emu]") {

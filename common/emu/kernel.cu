@@ -601,8 +601,8 @@ static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t
       t = Thread{};
       t.c = ThreadCtx{uint3{unsigned(i % bl.x), unsigned(i / bl.x % bl.y), unsigned(i / bl.x / bl.y)}, bi, bl, g};
     }
-    std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(kUninitByte));
-    if (__start_ts_emu_shared) memset(__start_ts_emu_shared, kUninitByte, size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
+    std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(uninit_byte()));
+    if (__start_ts_emu_shared) memset(__start_ts_emu_shared, uninit_byte(), size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
     b.error.clear();
     run_block(b, body, reverse);
     if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());

@@ -167,6 +167,15 @@ bool reverse_order() {
   return g_reverse == 1;
 }
 void set_reverse_order(bool on) { g_reverse = on; }
+unsigned char uninit_byte() {
+  static const unsigned char b = [] {
+    const char* v = setting("TS_EMU_POISON");
+    if (v && strcmp(v, "nan") && strcmp(v, "big"))
+      bad_setting("TS_EMU_POISON", v, "nan (0xFF bytes, the default) or big (0x7F bytes: 3.39e38, not -1 as an int)");
+    return (unsigned char)(v && !strcmp(v, "big") ? 0x7F : 0xFF);
+  }();
+  return b;
+}
 
 void check_settings() {
   gpus();
@@ -175,6 +184,7 @@ void check_settings() {
   quiet();
   coverage_path();
   reverse_order();
+  uninit_byte();
 }
 // At start-up, before main: a bad setting stops the program before it does anything.
 static const bool g_settings_checked = (check_settings(), true);
@@ -329,6 +339,10 @@ bool is_pinned(const void* p, size_t bytes) {
   return inside(g_pinned, p, bytes);
 }
 uint64_t device_to_host_copies() { return g_d2h.load(); }
+void poison_recycled(void* p, size_t bytes, cudaStream_t s) {
+  const unsigned char b = uninit_byte();
+  enqueue(s, "poisoning a recycled block", [=] { memset(p, b, bytes); });
+}
 
 }  // namespace emu
 
@@ -474,7 +488,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   }
   void* q = aligned_alloc(256, n);
   if (!q) return ret(cudaErrorMemoryAllocation);
-  memset(q, emu::kUninitByte, n);
+  memset(q, emu::uninit_byte(), n);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_device[uintptr_t(q)] = n;
   *p = q;
@@ -499,6 +513,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
   const size_t n = std::max<size_t>((bytes + 255) / 256 * 256, 256);
   *p = aligned_alloc(256, n);
   if (!*p) return ret(cudaErrorMemoryAllocation);
+  memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_pinned[uintptr_t(*p)] = n;
   return cudaSuccess;
