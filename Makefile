@@ -63,6 +63,17 @@ CPU_STAMP = $(BUILD)/.cpu-$(CPU_ID)
 HOST_FLAGS := -O3 $(CPU_ARCH) -fno-math-errno -fopenmp -Wall -Wno-unknown-pragmas
 CPPFLAGS := -Icommon $(MPI_INC)
 LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
+# SANITIZE=address: g++'s AddressSanitizer over the emulated GPU (make CUDA=emu SANITIZE=address
+# BUILD=build-asan): device allocations are heap blocks with its redzones, so a kernel's access
+# outside its allocation is a report with the kernel's source line (notes/emulated_gpu.md). The
+# fibers switch through ucontext, which tells ASan about each switch (Boost.Context's BOOST_USE_ASAN).
+ifeq ($(SANITIZE),address)
+  HOST_FLAGS += -O1 -g -fno-omit-frame-pointer -fsanitize=address
+  CPPFLAGS += -DBOOST_USE_UCONTEXT -DBOOST_USE_ASAN
+  SAN_LD := -fsanitize=address
+else ifneq ($(SANITIZE),)
+  $(error SANITIZE=$(SANITIZE): only SANITIZE=address is supported)
+endif
 
 ifeq ($(CUDA),emu)
   # The emulated GPU (common/emu/, notes/emulated_gpu.md): g++ compiles the CUDA sources against
@@ -88,7 +99,7 @@ endif
 HOST_CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 DEVICE_SRC := $(shell grep -l '__global__' common/*/*.cu 0[1-8]*_*.cu lab/*.cu bench/*.cu 2>/dev/null)
 compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
-LD := $(CXX) -fopenmp
+LD := $(CXX) -fopenmp $(SAN_LD)
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
 
 # common/ in its layers (notes/00_architecture.md, "A reader's map"); the emulated device only in its build.

@@ -88,6 +88,24 @@ __global__ void copy_kernel(float* y, const float* x, int n) {
 }
 __global__ void nothing_kernel(float*) {}
 
+// Butterfly shuffles within segments of `width` lanes; lanes at or above `active` take no part
+// (the mask names only the lanes below it).
+__global__ void segment_shuffle_kernel(int* out, int lane_mask, int width, int active) {
+  const unsigned mask = active == 32 ? 0xffffffffu : (1u << active) - 1;
+  if (int(threadIdx.x) < active) out[threadIdx.x] = __shfl_xor_sync(mask, int(threadIdx.x), lane_mask, width);
+}
+
+// Seeded: writes through whatever pointer it is given (a host std::vector's, below).
+__global__ void write_42_kernel(float* out) { out[threadIdx.x] = 42; }
+
+// Seeded: a 16-byte vector load at an address 4 bytes past 16-byte alignment (attention_v2's Chunk).
+struct alignas(16) Chunk16 {
+  uint32_t v[4];
+};
+__global__ void misaligned_chunk_kernel(Chunk16* dst, const char* src) {
+  dst[threadIdx.x] = *reinterpret_cast<const Chunk16*>(src + 4 + 16 * threadIdx.x);
+}
+
 // Shared memory at sm_90's limits: 52 KiB of static arrays (ptxas refuses such a kernel), 40 KiB
 // (legal alone, and with up to 8 KiB of dynamic memory without the opt-in), the same 52 KiB in a
 // template whose argument the launch deduces (found by name), and two kernels that use only
@@ -437,6 +455,128 @@ TEST_CASE("emulated GPU: good TS_EMU_* values reach the emulator", "[emu]") {
   INFO(r.output);
   CHECK(r.status == 0);
   CHECK(has(r.output, "settings child ok: 64 GPUs, 85899345920 bytes, forward, timeout 250 s, quiet 1, poison 0xFF"));
+}
+
+// PTX's shfl.sync.bfly with CUDA's segment clamp: at width 16 lane 20 (^16 = 4) reads lane 4, lane 4
+// (^16 = 20, above its segment) keeps its own value; at width 8 lane 9 (^8 = 1) reads lane 1.
+TEST_CASE("emulated GPU: __shfl_xor_sync with width < 32 reads as PTX's shfl.bfly does", "[emu]") {
+  Fresh fresh;
+  int* d = tst::to_device(std::vector<int>(32, 0));
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 16, 16, 32);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  std::vector<int> got = tst::to_host(d, 32);
+  CHECK(got[20] == 4);
+  CHECK(got[31] == 15);
+  CHECK(got[4] == 4);
+  CHECK(got[15] == 15);
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 8, 8, 32);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  got = tst::to_host(d, 32);
+  CHECK(got[9] == 1);
+  CHECK(got[1] == 1);
+  CHECK(got[27] == 19);
+  CHECK(got[16] == 16);
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 1, 32, 32);  // the full warp: a plain exchange
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  got = tst::to_host(d, 32);
+  for (int l = 0; l < 32; l++) CHECK(got[size_t(l)] == (l ^ 1));
+  cudaFree(d);
+}
+
+// A source lane outside the mask gives an undefined value: poison, not the lane's own or its partner's.
+TEST_CASE("emulated GPU: a shuffle reading a lane outside its mask gets poison", "[emu]") {
+  Fresh fresh;
+  int* d = tst::to_device(std::vector<int>(32, 0));
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 16, 32, 16);  // lanes 0..15 read lanes 16..31
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::vector<int> got = tst::to_host(d, 32);
+  int poison;
+  memset(&poison, emu::uninit_byte(), sizeof poison);
+  for (int l = 0; l < 16; l++) CHECK(got[size_t(l)] == poison);
+  cudaFree(d);
+}
+
+// memcheck: a kernel given a host pointer is refused before it runs, named with its argument.
+TEST_CASE("emulated GPU: a kernel launched with a host pointer is named, and does not run", "[emu]") {
+  Fresh fresh;
+  std::vector<float> host(32, 0);
+  TS_LAUNCH(1, 32, 0, nullptr, write_42_kernel)(host.data());
+  CHECK(cudaGetLastError() == cudaErrorIllegalAddress);
+  CHECK(cudaDeviceSynchronize() == cudaErrorIllegalAddress);
+  const std::string r = emu::last_report();
+  CHECK(has(r, "kernel write_42_kernel (launched at tests/test_emu.cpp:"));
+  CHECK(has(r, "argument 0 is 0x"));
+  CHECK(has(r, "a host pointer"));
+  CHECK(std::count(host.begin(), host.end(), 0.0f) == 32);
+  emu::clear_report();
+  // Device and page-locked pointers, and null, are what a kernel may take.
+  float* h = nullptr;
+  REQUIRE(cudaMallocHost(reinterpret_cast<void**>(&h), 32 * sizeof(float)) == cudaSuccess);
+  TS_LAUNCH(1, 32, 0, nullptr, write_42_kernel)(h);
+  TS_LAUNCH(1, 1, 0, nullptr, nothing_kernel)(nullptr);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(h[31] == 42);
+  cudaFreeHost(h);
+}
+
+TEST_CASE("emulated GPU: the misaligned-load child run", "[.emu_fault_child]") {
+  Chunk16* dst = nullptr;
+  char* src = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dst), 32 * sizeof(Chunk16)) == cudaSuccess);
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&src), 33 * sizeof(Chunk16)) == cudaSuccess);
+  TS_LAUNCH(1, 32, 0, nullptr, misaligned_chunk_kernel)(dst, src);
+  cudaDeviceSynchronize();
+  printf("misaligned child survived\n");
+}
+
+// A misaligned 16-byte load faults on the CPU as on the GPU; the emulator names the kernel, its
+// launch site, the block and the thread before the process dies.
+TEST_CASE("emulated GPU: a misaligned 16-byte vector load is named with its kernel and thread", "[emu]") {
+  const tst::Result r = tst::run("env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME "
+                                 "-u MPI_LOCALRANKID -u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " +
+                                     self_exe() + " '[emu_fault_child]' 2>&1", 120);
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(!has(r.output, "misaligned child survived"));
+  CHECK(has(r.output, "emulated GPU: kernel misaligned_chunk_kernel (launched at tests/test_emu.cpp:"));
+  CHECK(has(r.output, "block (0,0,0), thread (0,0,0): memory fault (SIGSEGV) with no address: a vector load or "
+                      "store misaligned for its size"));
+}
+
+// Stream order as CUDA promises it: cudaMemset, a device-to-device cudaMemcpy and a pageable
+// host-to-device cudaMemcpy go on the legacy stream and return before they have run; a kernel on a
+// non-blocking stream that reads their result without waiting reads poison, and with the wait
+// (here a synchronisation of the legacy stream) their values.
+TEST_CASE("emulated GPU: legacy-stream cudaMemset and cudaMemcpy are not ordered before a non-blocking stream", "[emu]") {
+  Fresh fresh;
+  const int n = 64;
+  cudaStream_t s;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  float* src = device_floats(std::vector<float>(n, 2.0f));
+  const std::vector<float> pageable(n, 3.0f);
+  for (int way = 0; way < 3; way++) {
+    for (bool wait : {false, true}) {
+      INFO("way " << way << (wait ? ", with the wait" : ", without"));
+      float* x = device_floats(std::vector<float>(n, 0.0f));
+      float* y = device_floats(std::vector<float>(n, 0.0f));
+      REQUIRE(cudaMemset(x, 0xFF, n * sizeof(float)) == cudaSuccess);  // x holds poison again (0xFF bytes)
+      REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+      if (way == 0) REQUIRE(cudaMemset(x, 0, n * sizeof(float)) == cudaSuccess);
+      if (way == 1) REQUIRE(cudaMemcpy(x, src, n * sizeof(float), cudaMemcpyDeviceToDevice) == cudaSuccess);
+      if (way == 2) REQUIRE(cudaMemcpy(x, pageable.data(), n * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+      if (wait) REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+      TS_LAUNCH(1, n, 0, s, copy_kernel)(y, static_cast<const float*>(x), n);
+      REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+      const std::vector<float> got = tst::to_host(y, n);
+      const float want = way == 0 ? 0.0f : way == 1 ? 2.0f : 3.0f;
+      CHECK(std::isnan(got[0]) == !wait);
+      if (wait) CHECK(got[n - 1] == want);
+      cudaFree(x);
+      cudaFree(y);
+    }
+  }
+  cudaFree(src);
+  cudaStreamDestroy(s);
 }
 
 // initcheck: what the caching allocator hands out again, and page-locked host memory, hold poison

@@ -17,6 +17,7 @@
 #include <cxxabi.h>
 #include <dlfcn.h>
 #include <elf.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -233,6 +234,21 @@ static void ldmatrix_x4(std::vector<Thread*>& w, bool trans) {
     }
 }
 
+// What lane l gets from shfl.sync.bfly.b32 (PTX ISA, "shfl.sync"), with the c operand CUDA's
+// __shfl_xor_sync(mask, v, lane_mask, width) passes: segment mask (32 - width) << 8, clamp 31. Then
+//   max_lane = (l & seg) | (31 & ~seg);  j = l ^ lane_mask;  j <= max_lane ? lane j : its own value,
+// so a lane of an upper segment may read the segment below (width 16: lane 20 ^ 16 reads lane 4),
+// while a lane of a lower segment whose partner lies above keeps its own value. A source lane
+// outside the mask gives an undefined value (PTX): poison bytes, never a plausible number.
+static uint64_t shuffle_source(const std::vector<Thread*>& w, unsigned mask, int l, int lane_mask, int width) {
+  const int seg = 32 - width, max_lane = (l & seg) | (31 & ~seg), j = (l ^ lane_mask) & 31;
+  const int src = j <= max_lane ? j : l;
+  if (mask >> src & 1u) return w[size_t(src)]->give;
+  uint64_t poison;
+  memset(&poison, uninit_byte(), sizeof poison);
+  return poison;
+}
+
 // Completes a warp operation when every lane in the mask has arrived at the same one.
 static void try_complete_warp(Block& b, Thread* t) {
   std::vector<Thread*> w = warp_of(b, t);
@@ -261,11 +277,7 @@ static void try_complete_warp(Block& b, Thread* t) {
   for (int l = 0; l < 32; l++) {
     if (!(t->mask >> l & 1u)) continue;
     Thread* o = w[size_t(l)];
-    if (o->kind == WarpKind::Shuffle) {
-      int src = l ^ o->lane_mask;
-      if (src / o->width != l / o->width) src = l;  // outside its segment: its own value
-      o->got = (t->mask >> src & 1u) ? w[size_t(src)]->give : o->give;
-    }
+    if (o->kind == WarpKind::Shuffle) o->got = shuffle_source(w, t->mask, l, o->lane_mask, o->width);
     o->wait = Wait::None;
   }
 }
@@ -580,12 +592,60 @@ static cudaError_t check_launch(const char* name, const char* site, const void* 
   return cudaSuccess;
 }
 
+// ----- memory faults inside a kernel ----------------------------------------------------------------
+// A kernel that touches unmapped memory, or makes an aligned vector access (a 16-byte Chunk, which
+// g++ loads with movdqa as nvcc does with ld.v4) at a misaligned address, faults on the CPU as it
+// would on the GPU; the handler names the kernel, launch site, block and thread that were running
+// before the process dies of the signal (compute-sanitizer's memcheck report, not a bare SIGSEGV).
+// x86 reports a misaligned aligned-vector access as a general-protection fault (si_code SI_KERNEL,
+// no address). Under AddressSanitizer (SANITIZE=address) its own handler reports instead.
+static void on_fault(int sig, siginfo_t* si, void*) {
+  const Block* b = t_block;
+  char buf[1024];
+  int n = 0;
+  if (b && b->current) {
+    const Thread& t = *b->current;
+    char what[256];
+    if (si->si_code == SI_KERNEL)
+      snprintf(what, sizeof what, "with no address: a vector load or store misaligned for its size (a 16-byte access "
+               "must be 16-byte aligned)");
+    else
+      snprintf(what, sizeof what, "at address %p, which no allocation holds", si->si_addr);
+    n = snprintf(buf, sizeof buf, "emulated GPU: kernel %s (launched at %s), block (%u,%u,%u), thread (%u,%u,%u): "
+                 "memory fault (%s) %s\n", b->kernel, b->site, t.c.block_idx.x, t.c.block_idx.y, t.c.block_idx.z,
+                 t.c.thread_idx.x, t.c.thread_idx.y, t.c.thread_idx.z, sig == SIGBUS ? "SIGBUS" : "SIGSEGV", what);
+    if (n > 0 && write(2, buf, size_t(std::min<int>(n, sizeof buf - 1)))) {}
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+static void catch_faults() {
+#ifndef __SANITIZE_ADDRESS__
+  static thread_local bool installed = false;  // the alternate stack is per thread (a fiber's may have overflowed)
+  if (installed) return;
+  installed = true;
+  stack_t alt{};
+  alt.ss_size = 64 * 1024;
+  alt.ss_sp = malloc(alt.ss_size);
+  sigaltstack(&alt, nullptr);
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa{};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigaction(SIGSEGV, &sa, nullptr);
+    sigaction(SIGBUS, &sa, nullptr);
+  });
+#endif
+}
+
 // Kernels run one at a time in the process: static __shared__ arrays are one copy in one section.
 static std::mutex g_kernel_mu;
 
 static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t smem,
                      const std::function<void()>& body) {
   std::lock_guard<std::mutex> lk(g_kernel_mu);
+  catch_faults();
   const bool reverse = reverse_order();
   const size_t nblocks = size_t(g.x) * g.y * g.z, nthreads = size_t(bl.x) * bl.y * bl.z;
   Block b;
@@ -607,6 +667,19 @@ static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t
     run_block(b, body, reverse);
     if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());
   }
+}
+
+bool pointer_arguments_ok(const char* name, const char* site, const void* const* p, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (!p[i] || is_device(p[i], 0) || is_pinned(p[i], 0)) continue;
+    device_fault(cudaErrorIllegalAddress,
+                 "kernel %s (launched at %s): argument %zu is %p, which is neither device memory (cudaMalloc) nor "
+                 "page-locked host memory (cudaMallocHost): a host pointer, which the GPU cannot dereference",
+                 name, site, i, p[i]);
+    set_last_error(cudaErrorIllegalAddress);
+    return false;
+  }
+  return true;
 }
 
 cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid, dim3 block, size_t smem,

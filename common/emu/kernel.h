@@ -60,6 +60,18 @@ template <class L> const void* address_or_null(L get) {
   else return nullptr;
 }
 
+// memcheck on a launch's arguments: each pointer a kernel takes must be null or point into device
+// memory (cudaMalloc) or page-locked host memory (cudaMallocHost), as on a GPU, where any other
+// address faults when the kernel dereferences it. A bad one is named (kernel, launch site, argument
+// index, address) and leaves the device with a sticky cudaErrorIllegalAddress; the kernel does not
+// run. Pointers inside a struct argument are not seen.
+template <class T> const void* pointer_argument(const T& v) {
+  if constexpr (std::is_pointer_v<T> && !std::is_function_v<std::remove_pointer_t<T>>)
+    return reinterpret_cast<const void*>(uintptr_t(v));
+  else return nullptr;
+}
+bool pointer_arguments_ok(const char* name, const char* site, const void* const* p, size_t n);
+
 // kernel<<<grid, block, smem, stream>>>(args...) for g++. `call` is a generic lambda that calls
 // the kernel, so a template kernel's arguments are deduced from the launch's as nvcc deduces them;
 // the arguments are copied at the launch, as the hardware copies them into parameter space.
@@ -73,7 +85,11 @@ template <class K> struct Launch {
   cudaStream_t stream;
   template <class... A> void operator()(A&&... a) const {
     std::tuple<std::decay_t<A>...> args(std::forward<A>(a)...);
-    launch(name, site, fn, grid, block, smem, stream, [k = call, args] { std::apply(k, args); });
+    const bool ok = std::apply([&](const auto&... x) {
+      const void* p[] = {pointer_argument(x)..., nullptr};
+      return pointer_arguments_ok(name, site, p, sizeof...(A));
+    }, args);
+    if (ok) launch(name, site, fn, grid, block, smem, stream, [k = call, args] { std::apply(k, args); });
   }
 };
 template <class K>

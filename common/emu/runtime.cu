@@ -9,7 +9,8 @@
 // returning, and into pageable memory a device-to-host copy has finished when it returns; an
 // asynchronous copy from or into pinned memory (cudaMallocHost) reads or writes the host buffer
 // when it runs on its stream, late, so the host must wait for it (an event) before reusing the
-// buffer. cudaMemcpy, on the legacy default stream, does not wait for streams created non-blocking.
+// buffer. cudaMemcpy and cudaMemset, on the legacy default stream, neither wait for streams created
+// non-blocking nor are waited for by them, and return as early as CUDA allows (cudaMemcpy, below).
 #include <unistd.h>
 
 #include <atomic>
@@ -563,13 +564,24 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   EMU_STICKY();
   return cudaSuccess;
 }
+// cudaMemcpy and cudaMemset on the legacy stream return as early as CUDA's API synchronisation
+// behaviour allows ("API synchronization behavior", CUDA Runtime API): a device-to-device copy and a
+// memset return at once, a host-to-device copy from pageable memory once its source is staged;
+// from pinned memory, and into host memory, the call waits for the copy. Work queued on a
+// non-blocking stream is not ordered after them (the legacy stream orders only blocking streams),
+// so a kernel there that reads their result without an event or a synchronisation reads poison.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   EMU_STICKY();
   if (bytes == 0) return cudaSuccess;
   if (cudaError_t e = check_kind(dst, src, bytes, kind)) return ret(e);
   if (kind == cudaMemcpyDeviceToHost) emu::g_d2h++;
+  if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src, bytes)) {
+    auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
+    emu::enqueue(nullptr, "cudaMemcpy host to device", [=] { memcpy(dst, staged->data(), bytes); });
+    return cudaSuccess;
+  }
   uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { memcpy(dst, src, bytes); });
-  emu::demand(emu::stream(nullptr), seq, true);
+  if (kind != cudaMemcpyDeviceToDevice) emu::demand(emu::stream(nullptr), seq, true);
   EMU_STICKY();
   return cudaSuccess;
 }
@@ -582,12 +594,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   emu::enqueue(s, "cudaMemsetAsync", [=] { memset(p, value, bytes); });
   return cudaSuccess;
 }
-cudaError_t cudaMemset(void* p, int value, size_t bytes) {
-  cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr);
-  if (e) return e;
-  emu::demand(emu::stream(nullptr), emu::last_seq(emu::stream(nullptr)), true);
-  return cudaSuccess;
-}
+cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
 
 // ----- streams and events --------------------------------------------------------------------------
 
