@@ -194,19 +194,22 @@ SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_pa
 STOP_IN := 02_data_parallel+stop_in 03_zero+stop_in 04_tensor_parallel+stop_in 05_pipeline_parallel+stop_in \
            06_context_parallel+stop_in 07_expert_parallel+stop_in
 INJECTED_FAULTS := $(STOP_IN) 01_single_gpu+crash_in_save
-BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS) $(INJECTED_FAULTS))
+# Defects seeded for the emulated GPU's sanitizer checks (tests/bugs/emu_*.cpp; its build only).
+EMU_BUGS := $(if $(filter emu,$(CUDA)),01_single_gpu+emu_host_pointer)
+BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS) $(INJECTED_FAULTS) $(EMU_BUGS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant
 $(BUILD)/tests/bugs/$(1)+$(2): $(BUILD)/$(1).o $(call beside_obj,$(call chapter_of,$(1))) $(BUILD)/tests/bugs/$(2).o $(BUILD)/common.a
 	$$(LD) $$(call wrap_flags,tests/bugs/$(2).cpp) $$^ -o $$@ $$(LIBS)
 endef
-$(foreach v,$(SEEDED_BUGS) $(INJECTED_FAULTS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
+$(foreach v,$(SEEDED_BUGS) $(INJECTED_FAULTS) $(EMU_BUGS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
 # Order-only: built with the test that runs them (when the test itself is built), never linked
 # into it; `make test` names them as well, since make skips a missing secondary file otherwise.
 $(BUILD)/tests/test_equivalence: | $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
 $(BUILD)/tests/test_reliability: | $(patsubst %,$(BUILD)/tests/bugs/%,$(STOP_IN))
 $(BUILD)/tests/test_single: | $(BUILD)/tests/bugs/01_single_gpu+crash_in_save
 $(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
+$(BUILD)/tests/test_emu_chapters: | $(patsubst %,$(BUILD)/tests/bugs/%,$(EMU_BUGS))
 $(BUILD)/tests/test_ep: | $(BUILD)/tests/bugs/07_expert_parallel+local_bias_loads \
                           $(BUILD)/tests/bugs/07_expert_parallel+skip_shared_expert \
                           $(BUILD)/tests/bugs/07_expert_parallel+per_expert_copies \

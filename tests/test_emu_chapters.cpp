@@ -186,6 +186,18 @@ TEST_CASE("emulated GPU: the chapters read no memory they did not write (the sam
   check_same_bits(cases, "TS_EMU_POISON=big");
 }
 
+// Seeded defects in the project's own code (tests/bugs/emu_*.cpp, linked into a chapter's binary):
+// each is caught with a report naming the kernel and its launch site, and the run fails.
+TEST_CASE("emulated GPU: seeded defects are reported with their kernel and the run fails", "[emu][cuda][01]") {
+  const tst::Result r = tst::run_bin("tests/bugs/01_single_gpu+emu_host_pointer", kTiny + "--device cuda", 1, 120, kOwnGpus);
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(r.output.find("runs the deliberate bug emu_host_pointer") != std::string::npos);
+  CHECK(r.output.find("emulated GPU: kernel embedding_backward_kernel (launched at common/kernels/kernels_cuda.cu:") !=
+        std::string::npos);
+  CHECK(r.output.find("argument 2 is 0x") != std::string::npos);
+}
+
 // The device's memory is a setting (TS_EMU_MEMORY_GB), so both out-of-memory paths run: a run
 // whose prediction does not fit stops before it starts; one whose prediction fits but whose
 // unpredicted workspace does not dies in the allocator, with the breakdown by category.

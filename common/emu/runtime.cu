@@ -281,7 +281,15 @@ uint64_t enqueue(cudaStream_t h, std::string what, std::function<void()> work, b
                  "%s queued on a stream of device %d while device %d is current: a stream belongs to the device that "
                  "was current when it was created (create streams and handles after cudaSetDevice)",
                  what.c_str(), s->device, t_device);
-  if (!h) {
+  if (h && s->blocking) {
+    // A blocking stream's work begins only after the legacy stream's earlier work.
+    Stream* legacy = stream(nullptr);
+    const uint64_t seq = last_seq(legacy);
+    if (seq) work = [legacy, seq, w = std::move(work)] {
+      demand(legacy, seq, true);
+      w();
+    };
+  } else if (!h) {
     // The legacy default stream: its work begins only after all earlier work on blocking streams.
     std::vector<std::pair<Stream*, uint64_t>> before;
     {
