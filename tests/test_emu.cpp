@@ -95,6 +95,14 @@ __global__ void segment_shuffle_kernel(int* out, int lane_mask, int width, int a
   if (int(threadIdx.x) < active) out[threadIdx.x] = __shfl_xor_sync(mask, int(threadIdx.x), lane_mask, width);
 }
 
+// Reads its static __shared__ array without writing it: a template kernel's array, which g++ keeps
+// outside the section of the others, must start as poison too.
+template <class T> __global__ void template_shared_kernel(T* out, int write) {
+  __shared__ T unwritten[32];
+  if (write) unwritten[threadIdx.x] = 1;  // never (write is 0): g++ may not fold the reads to the zero of .bss
+  out[threadIdx.x] = unwritten[threadIdx.x];
+}
+
 // Seeded: writes through whatever pointer it is given (a host std::vector's, below).
 __global__ void write_42_kernel(float* out) { out[threadIdx.x] = 42; }
 
@@ -577,6 +585,23 @@ TEST_CASE("emulated GPU: legacy-stream cudaMemset and cudaMemcpy are not ordered
   }
   cudaFree(src);
   cudaStreamDestroy(s);
+}
+
+TEST_CASE("emulated GPU: a template kernel's static shared memory starts as poison", "[emu]") {
+  Fresh fresh;
+  int* d = tst::to_device(std::vector<int>(32, 0));
+  int poison;
+  memset(&poison, emu::uninit_byte(), sizeof poison);
+  TS_LAUNCH(1, 32, 0, nullptr, template_shared_kernel<int>)(d, 0);  // the kernel's address is known
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  std::vector<int> got = tst::to_host(d, 32);
+  CHECK(std::count(got.begin(), got.end(), poison) == 32);
+  REQUIRE(cudaMemset(d, 0, 32 * sizeof(int)) == cudaSuccess);
+  TS_LAUNCH(1, 32, 0, nullptr, template_shared_kernel)(d, 0);  // found by name (arguments deduced)
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  got = tst::to_host(d, 32);
+  CHECK(std::count(got.begin(), got.end(), poison) == 32);
+  cudaFree(d);
 }
 
 // initcheck: what the caching allocator hands out again, and page-locked host memory, hold poison

@@ -418,15 +418,28 @@ static void run_block(Block& b, const std::function<void()>& body, bool reverse)
 // function-local static of the function mangled _Z<encoding> is mangled _ZZ<encoding>E<name>, so
 // the kernel at address fn owns the writable objects with that prefix (device code has no other
 // function-local statics), as ptxas counts them. The project's kernels declare __shared__ in the
-// kernel itself, not in the __device__ helpers they call. (The arrays of a template kernel are not
-// in the ts_emu_shared section: g++ ignores a section attribute on a template's local statics.)
+// kernel itself, not in the __device__ helpers they call. The arrays of a template kernel are not
+// in the ts_emu_shared section (g++ ignores a section attribute on a template's local statics), so
+// each block's start poisons the launched kernel's arrays by their symbols' addresses as well.
 
+struct Local {  // a writable function-local static: its mangled name, size and symbol value
+  std::string name;
+  size_t bytes;
+  uintptr_t value;
+};
+// A kernel's static __shared__ memory: the bytes ptxas would count, and where its arrays lie (poisoned
+// at every block's start; those of a template kernel are outside the ts_emu_shared section).
+struct KernelShared {
+  size_t bytes = 0;
+  std::vector<std::pair<char*, size_t>> arrays;
+};
 struct SharedSymbols {
-  bool pie = true;                                     // ET_DYN: values are offsets from the load base
-  std::map<uintptr_t, std::string> functions;          // value -> mangled name
-  std::vector<std::pair<std::string, size_t>> locals;  // writable function-local statics: name, bytes
-  std::map<const void*, size_t> by_address;            // answers so far
-  std::map<std::string, size_t> by_name;
+  bool pie = true;                             // ET_DYN: values are offsets from the load base
+  uintptr_t base = 0;                          // the load base (pie)
+  std::map<uintptr_t, std::string> functions;  // value -> mangled name
+  std::vector<Local> locals;
+  std::map<const void*, KernelShared> by_address;  // answers so far
+  std::map<std::string, KernelShared> by_name;
 };
 
 static SharedSymbols read_symbols(const char* path) {
@@ -447,7 +460,7 @@ static SharedSymbols read_symbols(const char* path) {
       if (ELF64_ST_TYPE(y.st_info) == STT_FUNC && y.st_value) out.functions[y.st_value] = name;
       else if (ELF64_ST_TYPE(y.st_info) == STT_OBJECT && !strncmp(name, "_ZZ", 3) && y.st_shndx < eh->e_shnum &&
                (sh[y.st_shndx].sh_flags & SHF_WRITE))
-        out.locals.emplace_back(name, size_t(y.st_size));
+        out.locals.push_back(Local{name, size_t(y.st_size), uintptr_t(y.st_value)});
     }
   }
   return out;
@@ -476,49 +489,57 @@ static std::string base_name(const std::string& fn) {
 
 // The most static shared memory any function called `wanted` declares (every specialization of a
 // template whose arguments the launch deduced).
-static size_t shared_bytes_by_name(const SharedSymbols& s, const std::string& wanted) {
+static KernelShared shared_by_name(const SharedSymbols& s, const std::string& wanted) {
   std::map<std::string, size_t> per_function;
-  for (const auto& [sym, bytes] : s.locals) {
+  KernelShared out;
+  for (const Local& l : s.locals) {
     int st = 0;
-    char* d = abi::__cxa_demangle(sym.c_str(), nullptr, nullptr, &st);
+    char* d = abi::__cxa_demangle(l.name.c_str(), nullptr, nullptr, &st);
     std::string owner = d && !st ? std::string(d) : "";
     free(d);
     owner = owner.substr(0, owner.rfind("::"));
-    if (!owner.empty() && base_name(owner) == wanted) per_function[owner] += bytes;
+    if (owner.empty() || base_name(owner) != wanted) continue;
+    per_function[owner] += l.bytes;
+    out.arrays.push_back({reinterpret_cast<char*>(l.value + s.base), l.bytes});
   }
-  size_t most = 0;
-  for (const auto& [f, bytes] : per_function) most = std::max(most, bytes);
-  return most;
+  for (const auto& [f, bytes] : per_function) out.bytes = std::max(out.bytes, bytes);
+  return out;
 }
 
-// Bytes of static __shared__ memory of the kernel at fn, or (fn null) of the kernel named `name`.
-static size_t static_shared_bytes(const void* fn, const char* name) {
+// The static __shared__ memory of the kernel at fn, or (fn null) of the kernel named `name`.
+static const KernelShared& static_shared(const void* fn, const char* name) {
+  static const KernelShared none;
   static std::mutex mu;
   static std::map<std::string, SharedSymbols> files;
   Dl_info info{};
-  if (!dladdr(fn ? fn : reinterpret_cast<const void*>(&static_shared_bytes), &info) || !info.dli_fname) return 0;
+  if (!dladdr(fn ? fn : reinterpret_cast<const void*>(&static_shared), &info) || !info.dli_fname) return none;
   std::lock_guard<std::mutex> lk(mu);
   auto it = files.find(info.dli_fname);
   if (it == files.end()) it = files.emplace(info.dli_fname, read_symbols(info.dli_fname)).first;
   SharedSymbols& s = it->second;
+  s.base = s.pie ? uintptr_t(info.dli_fbase) : 0;
   if (!fn) {
     std::string wanted(name);
     wanted = wanted.substr(0, wanted.find('<'));
     wanted = wanted.substr(wanted.rfind(':') == std::string::npos ? 0 : wanted.rfind(':') + 1);
     auto n = s.by_name.find(wanted);
-    return n != s.by_name.end() ? n->second : s.by_name[wanted] = shared_bytes_by_name(s, wanted);
+    return n != s.by_name.end() ? n->second : s.by_name[wanted] = shared_by_name(s, wanted);
   }
   auto a = s.by_address.find(fn);
   if (a != s.by_address.end()) return a->second;
-  size_t bytes = 0;
-  auto f = s.functions.find(uintptr_t(fn) - (s.pie ? uintptr_t(info.dli_fbase) : 0));
+  KernelShared k;
+  auto f = s.functions.find(uintptr_t(fn) - s.base);
   if (f != s.functions.end() && !f->second.compare(0, 2, "_Z")) {
     const std::string prefix = "_ZZ" + f->second.substr(2) + "E";
-    for (const auto& [sym, size] : s.locals)
-      if (!sym.compare(0, prefix.size(), prefix)) bytes += size;
+    for (const Local& l : s.locals)
+      if (!l.name.compare(0, prefix.size(), prefix)) {
+        k.bytes += l.bytes;
+        k.arrays.push_back({reinterpret_cast<char*>(l.value + s.base), l.bytes});
+      }
   }
-  return s.by_address[fn] = bytes;
+  return s.by_address[fn] = k;
 }
+static size_t static_shared_bytes(const void* fn, const char* name) { return static_shared(fn, name).bytes; }
 
 // ----- the launch ---------------------------------------------------------------------------------
 
@@ -642,7 +663,7 @@ static void catch_faults() {
 // Kernels run one at a time in the process: static __shared__ arrays are one copy in one section.
 static std::mutex g_kernel_mu;
 
-static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t smem,
+static void run_grid(const char* name, const char* site, const void* fn, dim3 g, dim3 bl, size_t smem,
                      const std::function<void()>& body) {
   std::lock_guard<std::mutex> lk(g_kernel_mu);
   catch_faults();
@@ -653,6 +674,7 @@ static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t
   b.site = site;
   b.threads.resize(nthreads);
   b.dyn_smem.resize(smem + 16);
+  const std::vector<std::pair<char*, size_t>> arrays = static_shared(fn, name).arrays;
   for (size_t k = 0; k < nblocks && sticky_error() == cudaSuccess; k++) {
     const size_t id = reverse ? nblocks - 1 - k : k;
     const uint3 bi{unsigned(id % g.x), unsigned(id / g.x % g.y), unsigned(id / g.x / g.y)};
@@ -663,6 +685,7 @@ static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t
     }
     std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(uninit_byte()));
     if (__start_ts_emu_shared) memset(__start_ts_emu_shared, uninit_byte(), size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
+    for (const auto& [p, bytes] : arrays) memset(p, uninit_byte(), bytes);  // a template kernel's too
     b.error.clear();
     run_block(b, body, reverse);
     if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());
@@ -694,7 +717,7 @@ cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid
   }
   enqueue(s, name, [=, body = std::move(body)] {
     if (covering()) cover(std::string("kernel ") + name + " " + site);
-    run_grid(name, site, grid, block, smem, body);
+    run_grid(name, site, fn, grid, block, smem, body);
   });
   return cudaSuccess;
 }
