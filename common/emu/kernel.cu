@@ -8,9 +8,11 @@
 // is wrong, and the emulator names the kernel, the block, the source lines and the threads.
 //
 // Stricter than the hardware: threads of a block run in an order that TS_EMU_ORDER=reverse turns
-// around (a result that changes is a missing barrier), shared memory starts as 0xFF bytes (NaN),
+// around (a result that changes is a missing barrier), shared memory starts as poison (emu.h),
 // a barrier must be the same source line for every thread, and a shuffle must name only live lanes
-// that reach the same shuffle. Shared memory is held to sm_90's limits per kernel: its static
+// that reach the same shuffle (with PTX's segments; a lane outside the mask gives poison). A
+// kernel's pointer arguments must be device or pinned memory, and a fault while it runs is named
+// with its thread. Shared memory is held to sm_90's limits per kernel: its static
 // __shared__ arrays (found in the program's symbol table) and the launch's dynamic bytes against
 // 48 KiB, or against what that kernel opted in to. Not checked: __launch_bounds__ (g++ cannot see
 // it), timing, occupancy, and anything about registers.

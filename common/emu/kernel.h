@@ -38,7 +38,7 @@ uint64_t shfl_xor(const char* file, int line, unsigned mask, uint64_t bits, int 
 // ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16. Every lane of the warp must execute the same one.
 void mma_m16n8k16_bf16(const char* file, int line, float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]);
 void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row, bool trans);
-// The block's dynamic shared memory (the launch's third argument), 0xFF-filled at block start.
+// The block's dynamic shared memory (the launch's third argument), poisoned at block start (emu.h).
 void* dynamic_shared();
 
 // Enqueues a grid on stream s: `body` runs once per thread. Returns the launch's error (a launch the
@@ -124,8 +124,9 @@ constexpr int warpSize = 32;
 #define __syncwarp(...) ::emu::SyncwarpAt{__FILE__, __LINE__}(__VA_ARGS__)
 #define __shfl_xor_sync(...) ::emu::shfl_xor_sync(__FILE__, __LINE__, __VA_ARGS__)
 
-// Static __shared__ arrays live in one linker section, which kernel.cu fills with 0xFF at the start
-// of every block (kernels run one at a time, so one copy serves every block). Dynamic shared memory
+// Static __shared__ arrays live in one linker section, which kernel.cu fills with poison at the start
+// of every block (kernels run one at a time, so one copy serves every block; a template kernel's
+// arrays, outside the section, are poisoned by their symbols' addresses). Dynamic shared memory
 // is declared with TS_DYNAMIC_SHARED (core.h), the one place where a kernel's source differs.
 #define __shared__ static __attribute__((section("ts_emu_shared")))
 
