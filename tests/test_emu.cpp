@@ -546,10 +546,39 @@ TEST_CASE("emulated GPU: a misaligned 16-byte vector load is named with its kern
   INFO(r.output);
   CHECK(r.status != 0);
   CHECK(!has(r.output, "misaligned child survived"));
+#ifdef __SANITIZE_ADDRESS__  // make SANITIZE=address: AddressSanitizer's own report, with the kernel in its stack
+  CHECK(has(r.output, "AddressSanitizer"));
+  CHECK(has(r.output, "misaligned_chunk_kernel"));
+#else
   CHECK(has(r.output, "emulated GPU: kernel misaligned_chunk_kernel (launched at tests/test_emu.cpp:"));
   CHECK(has(r.output, "block (0,0,0), thread (0,0,0): memory fault (SIGSEGV) with no address: a vector load or "
                       "store misaligned for its size"));
+#endif
 }
+
+#ifdef __SANITIZE_ADDRESS__
+TEST_CASE("emulated GPU: the out-of-bounds child run", "[.emu_oob_child]") {
+  float* d = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&d), 64 * sizeof(float)) == cudaSuccess);  // 256 bytes, no rounding
+  TS_LAUNCH(1, 65, 0, nullptr, write_42_kernel)(d);  // thread 64 writes one float past the end
+  cudaDeviceSynchronize();
+  printf("out-of-bounds child survived\n");
+}
+
+// make SANITIZE=address: a device allocation is a heap block with AddressSanitizer's redzones, so a
+// kernel's write one element past its end is a report naming the kernel's function and line.
+TEST_CASE("emulated GPU under AddressSanitizer: a write past a device allocation is reported", "[emu]") {
+  const tst::Result r = tst::run("env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME "
+                                 "-u MPI_LOCALRANKID -u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " +
+                                     self_exe() + " '[emu_oob_child]' 2>&1", 120);
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(!has(r.output, "out-of-bounds child survived"));
+  CHECK(has(r.output, "heap-buffer-overflow"));
+  CHECK(has(r.output, "write_42_kernel"));
+  CHECK(has(r.output, "tests/test_emu.cpp:"));
+}
+#endif
 
 // Stream order as CUDA promises it: cudaMemset, a device-to-device cudaMemcpy and a pageable
 // host-to-device cudaMemcpy go on the legacy stream and return before they have run; a kernel on a

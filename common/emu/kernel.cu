@@ -675,7 +675,7 @@ static void run_grid(const char* name, const char* site, const void* fn, dim3 g,
   b.kernel = name;
   b.site = site;
   b.threads.resize(nthreads);
-  b.dyn_smem.resize(smem + 16);
+  b.dyn_smem.resize(smem);  // exactly the launch's bytes: past them is another block's (ASan's redzone)
   const std::vector<std::pair<char*, size_t>> arrays = static_shared(fn, name).arrays;
   for (size_t k = 0; k < nblocks && sticky_error() == cudaSuccess; k++) {
     const size_t id = reverse ? nblocks - 1 - k : k;
