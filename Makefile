@@ -65,11 +65,10 @@ CPPFLAGS := -Icommon $(MPI_INC)
 LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
 # SANITIZE=address: g++'s AddressSanitizer over the emulated GPU (make CUDA=emu SANITIZE=address
 # BUILD=build-asan): device allocations are heap blocks with its redzones, so a kernel's access
-# outside its allocation is a report with the kernel's source line (notes/emulated_gpu.md). The
-# fibers switch through ucontext, which tells ASan about each switch (Boost.Context's BOOST_USE_ASAN).
+# outside its allocation is a report with the kernel's source line (notes/emulated_gpu.md). Run with
+# ASAN_OPTIONS=detect_leaks=0: the emulator's streams live to the end of the process.
 ifeq ($(SANITIZE),address)
   HOST_FLAGS += -O1 -g -fno-omit-frame-pointer -fsanitize=address
-  CPPFLAGS += -DBOOST_USE_UCONTEXT -DBOOST_USE_ASAN
   SAN_LD := -fsanitize=address
 else ifneq ($(SANITIZE),)
   $(error SANITIZE=$(SANITIZE): only SANITIZE=address is supported)
