@@ -612,8 +612,22 @@ TEST_CASE("emulated GPU: legacy-stream cudaMemset and cudaMemcpy are not ordered
       cudaFree(y);
     }
   }
+  // A blocking stream (created without cudaStreamNonBlocking) does wait for the legacy stream's
+  // earlier work, as CUDA promises: its kernel sees the memset with no wait of its own.
+  cudaStream_t blocking;
+  REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+  float* x = device_floats(std::vector<float>(n, 1.0f));
+  float* y = device_floats(std::vector<float>(n, 1.0f));
+  REQUIRE(cudaMemset(x, 0, n * sizeof(float)) == cudaSuccess);
+  TS_LAUNCH(1, n, 0, blocking, copy_kernel)(y, static_cast<const float*>(x), n);
+  REQUIRE(cudaStreamSynchronize(blocking) == cudaSuccess);
+  const std::vector<float> got = tst::to_host(y, n);
+  CHECK(std::count(got.begin(), got.end(), 0.0f) == n);
+  cudaFree(x);
+  cudaFree(y);
   cudaFree(src);
   cudaStreamDestroy(s);
+  cudaStreamDestroy(blocking);
 }
 
 TEST_CASE("emulated GPU: a template kernel's static shared memory starts as poison", "[emu]") {
