@@ -15,7 +15,8 @@
 #   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
 #
-# Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos.
+# Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos,
+#            SANITIZE=address (with CUDA=emu and its own BUILD: AddressSanitizer, below).
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA ?= auto
