@@ -15,7 +15,8 @@
 #   make fuzz       each libFuzzer target (fuzz/) for FUZZ_SECONDS (60); make test runs each for 5 s
 #   make clean
 #
-# Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos.
+# Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos,
+#            SANITIZE=address (with CUDA=emu and its own BUILD: AddressSanitizer, below).
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA ?= auto
@@ -63,6 +64,16 @@ CPU_STAMP = $(BUILD)/.cpu-$(CPU_ID)
 HOST_FLAGS := -O3 $(CPU_ARCH) -fno-math-errno -fopenmp -Wall -Wno-unknown-pragmas
 CPPFLAGS := -Icommon $(MPI_INC)
 LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
+# SANITIZE=address: g++'s AddressSanitizer over the emulated GPU (make CUDA=emu SANITIZE=address
+# BUILD=build-asan): device allocations are heap blocks with its redzones, so a kernel's access
+# outside its allocation is a report with the kernel's source line (notes/emulated_gpu.md). Run with
+# ASAN_OPTIONS=detect_leaks=0: the emulator's streams live to the end of the process.
+ifeq ($(SANITIZE),address)
+  HOST_FLAGS += -O1 -g -fno-omit-frame-pointer -fsanitize=address
+  SAN_LD := -fsanitize=address
+else ifneq ($(SANITIZE),)
+  $(error SANITIZE=$(SANITIZE): only SANITIZE=address is supported)
+endif
 
 ifeq ($(CUDA),emu)
   # The emulated GPU (common/emu/, notes/emulated_gpu.md): g++ compiles the CUDA sources against
@@ -88,7 +99,7 @@ endif
 HOST_CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 DEVICE_SRC := $(shell grep -l '__global__' common/*/*.cu 0[1-8]*_*.cu lab/*.cu bench/*.cu 2>/dev/null)
 compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
-LD := $(CXX) -fopenmp
+LD := $(CXX) -fopenmp $(SAN_LD)
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
 
 # common/ in its layers (notes/00_architecture.md, "A reader's map"); the emulated device only in its build.
@@ -184,13 +195,15 @@ SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_pa
 STOP_IN := 02_data_parallel+stop_in 03_zero+stop_in 04_tensor_parallel+stop_in 05_pipeline_parallel+stop_in \
            06_context_parallel+stop_in 07_expert_parallel+stop_in
 INJECTED_FAULTS := $(STOP_IN) 01_single_gpu+crash_in_save
-BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS) $(INJECTED_FAULTS))
+# Defects seeded for the emulated GPU's sanitizer checks (tests/bugs/emu_*.cpp; its build only).
+EMU_BUGS := $(if $(filter emu,$(CUDA)),01_single_gpu+emu_host_pointer)
+BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS) $(INJECTED_FAULTS) $(EMU_BUGS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant
 $(BUILD)/tests/bugs/$(1)+$(2): $(BUILD)/$(1).o $(call beside_obj,$(call chapter_of,$(1))) $(BUILD)/tests/bugs/$(2).o $(BUILD)/common.a
 	$$(LD) $$(call wrap_flags,tests/bugs/$(2).cpp) $$^ -o $$@ $$(LIBS)
 endef
-$(foreach v,$(SEEDED_BUGS) $(INJECTED_FAULTS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
+$(foreach v,$(SEEDED_BUGS) $(INJECTED_FAULTS) $(EMU_BUGS),$(eval $(call bug_variant,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
 # Order-only: built with the test that runs them (when the test itself is built), never linked
 # into it; `make test` names them as well, since make skips a missing secondary file otherwise.
 $(BUILD)/tests/test_equivalence: | $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS))
@@ -198,6 +211,7 @@ $(BUILD)/tests/test_reliability: | $(patsubst %,$(BUILD)/tests/bugs/%,$(STOP_IN)
 $(BUILD)/tests/test_single: | $(BUILD)/tests/bugs/01_single_gpu+crash_in_save
 $(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
 $(BUILD)/tests/test_async_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+early_ring_send
+$(BUILD)/tests/test_emu_chapters: | $(patsubst %,$(BUILD)/tests/bugs/%,$(EMU_BUGS))
 $(BUILD)/tests/test_ep: | $(BUILD)/tests/bugs/07_expert_parallel+local_bias_loads \
                           $(BUILD)/tests/bugs/07_expert_parallel+skip_shared_expert \
                           $(BUILD)/tests/bugs/07_expert_parallel+per_expert_copies \

@@ -16,6 +16,9 @@ template <class T> T* to_device(const std::vector<T>& h) {
   void* p = nullptr;
   REQUIRE(cudaMalloc(&p, h.size() * sizeof(T)) == cudaSuccess);
   REQUIRE(cudaMemcpy(p, h.data(), h.size() * sizeof(T), cudaMemcpyHostToDevice) == cudaSuccess);
+  // A pageable copy returns once its source is staged; work on non-blocking streams is not ordered
+  // after it, so the copy is finished here (the legacy stream only: other streams keep running).
+  REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
   return static_cast<T*>(p);
 }
 template <class T> std::vector<T> to_host(const T* d, size_t n) {

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tensor/core.h"
+#include "tensor/allocator.h"
 #include "tensor/device.h"
 #include "kernels/kernels.h"
 #include "model/model.h"
@@ -86,6 +87,32 @@ __global__ void copy_kernel(float* y, const float* x, int n) {
   for (int i = threadIdx.x; i < n; i += blockDim.x) y[i] = x[i];
 }
 __global__ void nothing_kernel(float*) {}
+
+// Butterfly shuffles within segments of `width` lanes; lanes at or above `active` take no part
+// (the mask names only the lanes below it).
+__global__ void segment_shuffle_kernel(int* out, int lane_mask, int width, int active) {
+  const unsigned mask = active == 32 ? 0xffffffffu : (1u << active) - 1;
+  if (int(threadIdx.x) < active) out[threadIdx.x] = __shfl_xor_sync(mask, int(threadIdx.x), lane_mask, width);
+}
+
+// Reads its static __shared__ array without writing it: a template kernel's array, which g++ keeps
+// outside the section of the others, must start as poison too.
+template <class T> __global__ void template_shared_kernel(T* out, int write) {
+  __shared__ T unwritten[32];
+  if (write) unwritten[threadIdx.x] = 1;  // never (write is 0): g++ may not fold the reads to the zero of .bss
+  out[threadIdx.x] = unwritten[threadIdx.x];
+}
+
+// Seeded: writes through whatever pointer it is given (a host std::vector's, below).
+__global__ void write_42_kernel(float* out) { out[threadIdx.x] = 42; }
+
+// Seeded: a 16-byte vector load at an address 4 bytes past 16-byte alignment (attention_v2's Chunk).
+struct alignas(16) Chunk16 {
+  uint32_t v[4];
+};
+__global__ void misaligned_chunk_kernel(Chunk16* dst, const char* src) {
+  dst[threadIdx.x] = *reinterpret_cast<const Chunk16*>(src + 4 + 16 * threadIdx.x);
+}
 
 // Shared memory at sm_90's limits: 52 KiB of static arrays (ptxas refuses such a kernel), 40 KiB
 // (legal alone, and with up to 8 KiB of dynamic memory without the opt-in), the same 52 KiB in a
@@ -397,8 +424,8 @@ TEST_CASE("emulated GPU settings: the child run", "[.emu_settings_child]") {
   TS_LAUNCH(1, 32, 0, nullptr, nothing_kernel)(d);
   REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
   cudaFree(d);
-  printf("settings child ok: %d GPUs, %zu bytes, %s, timeout %g s, quiet %d\n", n, total,
-         emu::reverse_order() ? "reverse" : "forward", emu::nccl_timeout_s(), int(emu::quiet()));
+  printf("settings child ok: %d GPUs, %zu bytes, %s, timeout %g s, quiet %d, poison 0x%02X\n", n, total,
+         emu::reverse_order() ? "reverse" : "forward", emu::nccl_timeout_s(), int(emu::quiet()), emu::uninit_byte());
 }
 
 TEST_CASE("emulated GPU: a TS_EMU_* value the emulator cannot use stops it with one line", "[emu]") {
@@ -409,7 +436,7 @@ TEST_CASE("emulated GPU: a TS_EMU_* value the emulator cannot use stops it with 
       {"TS_EMU_NCCL_TIMEOUT", "soon"},    {"TS_EMU_NCCL_TIMEOUT", "0"},     {"TS_EMU_NCCL_TIMEOUT", "inf"},
       {"TS_EMU_GPUS", "0"},               {"TS_EMU_GPUS", "two"},           {"TS_EMU_GPUS", "8.5"},
       {"TS_EMU_GPUS", " 8"},              {"TS_EMU_GPUS", "65"},            {"TS_EMU_QUIET", "yes"},
-      {"TS_EMU_COVERAGE", "/nonexistent/dir/cover.txt"},
+      {"TS_EMU_COVERAGE", "/nonexistent/dir/cover.txt"}, {"TS_EMU_POISON", "zero"},  {"TS_EMU_POISON", "NaN"},
   };
   for (const auto& [name, value] : bad) {
     const tst::Result r = run_child(name + "='" + value + "'");
@@ -424,18 +451,221 @@ TEST_CASE("emulated GPU: a TS_EMU_* value the emulator cannot use stops it with 
 TEST_CASE("emulated GPU: good TS_EMU_* values reach the emulator", "[emu]") {
   const std::string cover = tst::scratch("settings_cover.txt");
   tst::Result r = run_child("TS_EMU_ORDER=reverse TS_EMU_MEMORY_GB=0.5 TS_EMU_NCCL_TIMEOUT=30 TS_EMU_GPUS=2 "
-                            "TS_EMU_QUIET=0 TS_EMU_COVERAGE=" + cover);
+                            "TS_EMU_QUIET=0 TS_EMU_POISON=big TS_EMU_COVERAGE=" + cover);
   INFO(r.output);
   CHECK(r.status == 0);
-  CHECK(has(r.output, "settings child ok: 2 GPUs, 536870912 bytes, reverse, timeout 30 s, quiet 0"));
+  CHECK(has(r.output, "settings child ok: 2 GPUs, 536870912 bytes, reverse, timeout 30 s, quiet 0, poison 0x7F"));
   std::ifstream f(cover);
   const std::string covered((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   CHECK(has(covered, "kernel nothing_kernel"));
   r = run_child("TS_EMU_ORDER=forward TS_EMU_MEMORY_GB=80 TS_EMU_NCCL_TIMEOUT=2.5e2 TS_EMU_GPUS=64 TS_EMU_QUIET=1 "
-                "TS_EMU_COVERAGE=");
+                "TS_EMU_POISON=nan TS_EMU_COVERAGE=");
   INFO(r.output);
   CHECK(r.status == 0);
-  CHECK(has(r.output, "settings child ok: 64 GPUs, 85899345920 bytes, forward, timeout 250 s, quiet 1"));
+  CHECK(has(r.output, "settings child ok: 64 GPUs, 85899345920 bytes, forward, timeout 250 s, quiet 1, poison 0xFF"));
+}
+
+// PTX's shfl.sync.bfly with CUDA's segment clamp: at width 16 lane 20 (^16 = 4) reads lane 4, lane 4
+// (^16 = 20, above its segment) keeps its own value; at width 8 lane 9 (^8 = 1) reads lane 1.
+TEST_CASE("emulated GPU: __shfl_xor_sync with width < 32 reads as PTX's shfl.bfly does", "[emu]") {
+  Fresh fresh;
+  int* d = tst::to_device(std::vector<int>(32, 0));
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 16, 16, 32);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  std::vector<int> got = tst::to_host(d, 32);
+  CHECK(got[20] == 4);
+  CHECK(got[31] == 15);
+  CHECK(got[4] == 4);
+  CHECK(got[15] == 15);
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 8, 8, 32);
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  got = tst::to_host(d, 32);
+  CHECK(got[9] == 1);
+  CHECK(got[1] == 1);
+  CHECK(got[27] == 19);
+  CHECK(got[16] == 16);
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 1, 32, 32);  // the full warp: a plain exchange
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  got = tst::to_host(d, 32);
+  for (int l = 0; l < 32; l++) CHECK(got[size_t(l)] == (l ^ 1));
+  cudaFree(d);
+}
+
+// A source lane outside the mask gives an undefined value: poison, not the lane's own or its partner's.
+TEST_CASE("emulated GPU: a shuffle reading a lane outside its mask gets poison", "[emu]") {
+  Fresh fresh;
+  int* d = tst::to_device(std::vector<int>(32, 0));
+  TS_LAUNCH(1, 32, 0, nullptr, segment_shuffle_kernel)(d, 16, 32, 16);  // lanes 0..15 read lanes 16..31
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::vector<int> got = tst::to_host(d, 32);
+  int poison;
+  memset(&poison, emu::uninit_byte(), sizeof poison);
+  for (int l = 0; l < 16; l++) CHECK(got[size_t(l)] == poison);
+  cudaFree(d);
+}
+
+// memcheck: a kernel given a host pointer is refused before it runs, named with its argument.
+TEST_CASE("emulated GPU: a kernel launched with a host pointer is named, and does not run", "[emu]") {
+  Fresh fresh;
+  std::vector<float> host(32, 0);
+  TS_LAUNCH(1, 32, 0, nullptr, write_42_kernel)(host.data());
+  CHECK(cudaGetLastError() == cudaErrorIllegalAddress);
+  CHECK(cudaDeviceSynchronize() == cudaErrorIllegalAddress);
+  const std::string r = emu::last_report();
+  CHECK(has(r, "kernel write_42_kernel (launched at tests/test_emu.cpp:"));
+  CHECK(has(r, "argument 0 is 0x"));
+  CHECK(has(r, "a host pointer"));
+  CHECK(std::count(host.begin(), host.end(), 0.0f) == 32);
+  emu::clear_report();
+  // Device and page-locked pointers, and null, are what a kernel may take.
+  float* h = nullptr;
+  REQUIRE(cudaMallocHost(reinterpret_cast<void**>(&h), 32 * sizeof(float)) == cudaSuccess);
+  TS_LAUNCH(1, 32, 0, nullptr, write_42_kernel)(h);
+  TS_LAUNCH(1, 1, 0, nullptr, nothing_kernel)(nullptr);
+  CHECK(cudaDeviceSynchronize() == cudaSuccess);
+  CHECK(h[31] == 42);
+  cudaFreeHost(h);
+}
+
+TEST_CASE("emulated GPU: the misaligned-load child run", "[.emu_fault_child]") {
+  Chunk16* dst = nullptr;
+  char* src = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&dst), 32 * sizeof(Chunk16)) == cudaSuccess);
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&src), 33 * sizeof(Chunk16)) == cudaSuccess);
+  TS_LAUNCH(1, 32, 0, nullptr, misaligned_chunk_kernel)(dst, src);
+  cudaDeviceSynchronize();
+  printf("misaligned child survived\n");
+}
+
+// A misaligned 16-byte load faults on the CPU as on the GPU; the emulator names the kernel, its
+// launch site, the block and the thread before the process dies.
+TEST_CASE("emulated GPU: a misaligned 16-byte vector load is named with its kernel and thread", "[emu]") {
+  const tst::Result r = tst::run("env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME "
+                                 "-u MPI_LOCALRANKID -u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " +
+                                     self_exe() + " '[emu_fault_child]' 2>&1", 120);
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(!has(r.output, "misaligned child survived"));
+#ifdef __SANITIZE_ADDRESS__  // make SANITIZE=address: AddressSanitizer's own report, with the kernel in its stack
+  CHECK(has(r.output, "AddressSanitizer"));
+  CHECK(has(r.output, "misaligned_chunk_kernel"));
+#else
+  CHECK(has(r.output, "emulated GPU: kernel misaligned_chunk_kernel (launched at tests/test_emu.cpp:"));
+  CHECK(has(r.output, "block (0,0,0), thread (0,0,0): memory fault (SIGSEGV) with no address: a vector load or "
+                      "store misaligned for its size"));
+#endif
+}
+
+#ifdef __SANITIZE_ADDRESS__
+TEST_CASE("emulated GPU: the out-of-bounds child run", "[.emu_oob_child]") {
+  float* d = nullptr;
+  REQUIRE(cudaMalloc(reinterpret_cast<void**>(&d), 64 * sizeof(float)) == cudaSuccess);  // 256 bytes, no rounding
+  TS_LAUNCH(1, 65, 0, nullptr, write_42_kernel)(d);  // thread 64 writes one float past the end
+  cudaDeviceSynchronize();
+  printf("out-of-bounds child survived\n");
+}
+
+// make SANITIZE=address: a device allocation is a heap block with AddressSanitizer's redzones, so a
+// kernel's write one element past its end is a report naming the kernel's function and line.
+TEST_CASE("emulated GPU under AddressSanitizer: a write past a device allocation is reported", "[emu]") {
+  const tst::Result r = tst::run("env -u PMI_RANK -u PMI_SIZE -u PMI_FD -u PMI_PORT -u PMI_ID -u PMI_HOSTNAME "
+                                 "-u MPI_LOCALRANKID -u MPI_LOCALNRANKS -u PMIX_RANK -u PMI_SPAWNED -u PMI_APPNUM " +
+                                     self_exe() + " '[emu_oob_child]' 2>&1", 120);
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(!has(r.output, "out-of-bounds child survived"));
+  CHECK(has(r.output, "heap-buffer-overflow"));
+  CHECK(has(r.output, "write_42_kernel"));
+  CHECK(has(r.output, "tests/test_emu.cpp:"));
+}
+#endif
+
+// Stream order as CUDA promises it: cudaMemset, a device-to-device cudaMemcpy and a pageable
+// host-to-device cudaMemcpy go on the legacy stream and return before they have run; a kernel on a
+// non-blocking stream that reads their result without waiting reads poison, and with the wait
+// (here a synchronisation of the legacy stream) their values.
+TEST_CASE("emulated GPU: legacy-stream cudaMemset and cudaMemcpy are not ordered before a non-blocking stream", "[emu]") {
+  Fresh fresh;
+  const int n = 64;
+  cudaStream_t s;
+  REQUIRE(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) == cudaSuccess);
+  float* src = device_floats(std::vector<float>(n, 2.0f));
+  const std::vector<float> pageable(n, 3.0f);
+  for (int way = 0; way < 3; way++) {
+    for (bool wait : {false, true}) {
+      INFO("way " << way << (wait ? ", with the wait" : ", without"));
+      float* x = device_floats(std::vector<float>(n, 0.0f));
+      float* y = device_floats(std::vector<float>(n, 0.0f));
+      REQUIRE(cudaMemset(x, 0xFF, n * sizeof(float)) == cudaSuccess);  // x holds poison again (0xFF bytes)
+      REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+      if (way == 0) REQUIRE(cudaMemset(x, 0, n * sizeof(float)) == cudaSuccess);
+      if (way == 1) REQUIRE(cudaMemcpy(x, src, n * sizeof(float), cudaMemcpyDeviceToDevice) == cudaSuccess);
+      if (way == 2) REQUIRE(cudaMemcpy(x, pageable.data(), n * sizeof(float), cudaMemcpyHostToDevice) == cudaSuccess);
+      if (wait) REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);
+      TS_LAUNCH(1, n, 0, s, copy_kernel)(y, static_cast<const float*>(x), n);
+      REQUIRE(cudaStreamSynchronize(s) == cudaSuccess);
+      const std::vector<float> got = tst::to_host(y, n);
+      const float want = way == 0 ? 0.0f : way == 1 ? 2.0f : 3.0f;
+      CHECK(std::isnan(got[0]) == !wait);
+      if (wait) CHECK(got[n - 1] == want);
+      cudaFree(x);
+      cudaFree(y);
+    }
+  }
+  // A blocking stream (created without cudaStreamNonBlocking) does wait for the legacy stream's
+  // earlier work, as CUDA promises: its kernel sees the memset with no wait of its own.
+  cudaStream_t blocking;
+  REQUIRE(cudaStreamCreate(&blocking) == cudaSuccess);
+  float* x = device_floats(std::vector<float>(n, 1.0f));
+  float* y = device_floats(std::vector<float>(n, 1.0f));
+  REQUIRE(cudaMemset(x, 0, n * sizeof(float)) == cudaSuccess);
+  TS_LAUNCH(1, n, 0, blocking, copy_kernel)(y, static_cast<const float*>(x), n);
+  REQUIRE(cudaStreamSynchronize(blocking) == cudaSuccess);
+  const std::vector<float> got = tst::to_host(y, n);
+  CHECK(std::count(got.begin(), got.end(), 0.0f) == n);
+  cudaFree(x);
+  cudaFree(y);
+  cudaFree(src);
+  cudaStreamDestroy(s);
+  cudaStreamDestroy(blocking);
+}
+
+TEST_CASE("emulated GPU: a template kernel's static shared memory starts as poison", "[emu]") {
+  Fresh fresh;
+  int* d = tst::to_device(std::vector<int>(32, 0));
+  int poison;
+  memset(&poison, emu::uninit_byte(), sizeof poison);
+  TS_LAUNCH(1, 32, 0, nullptr, template_shared_kernel<int>)(d, 0);  // the kernel's address is known
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  std::vector<int> got = tst::to_host(d, 32);
+  CHECK(std::count(got.begin(), got.end(), poison) == 32);
+  REQUIRE(cudaMemset(d, 0, 32 * sizeof(int)) == cudaSuccess);
+  TS_LAUNCH(1, 32, 0, nullptr, template_shared_kernel)(d, 0);  // found by name (arguments deduced)
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  got = tst::to_host(d, 32);
+  CHECK(std::count(got.begin(), got.end(), poison) == 32);
+  cudaFree(d);
+}
+
+// initcheck: what the caching allocator hands out again, and page-locked host memory, hold poison
+// (the 0xFF bytes of a fresh cudaMalloc), not last use's values or a fresh page's zeros.
+TEST_CASE("emulated GPU: recycled allocator blocks and cudaMallocHost memory start as poison", "[emu]") {
+  Fresh fresh;
+  const size_t bytes = 4096;
+  void* p = ts::mem_alloc(bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  REQUIRE(cudaMemsetAsync(p, 0x3F, bytes, ts::compute_stream()) == cudaSuccess);  // last use's values
+  ts::mem_free(p, bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  void* q = ts::mem_alloc(bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  REQUIRE(q == p);  // the same block, from the cache
+  REQUIRE(cudaDeviceSynchronize() == cudaSuccess);
+  const std::vector<unsigned char> back = tst::to_host(static_cast<const unsigned char*>(q), bytes);
+  CHECK(std::count(back.begin(), back.end(), emu::uninit_byte()) == long(bytes));
+  ts::mem_free(q, bytes, ts::Device::CUDA, ts::Tag::Workspace);
+  void* h = nullptr;
+  REQUIRE(cudaMallocHost(&h, bytes) == cudaSuccess);
+  const unsigned char* hb = static_cast<const unsigned char*>(h);
+  CHECK(std::count(hb, hb + bytes, emu::uninit_byte()) == long(bytes));
+  cudaFreeHost(h);
 }
 
 TEST_CASE("emulated GPU: a stream that reads without waiting for the writer's event reads NaN", "[emu]") {

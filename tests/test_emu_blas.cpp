@@ -44,6 +44,7 @@ void* device_bytes(const void* host, size_t bytes) {
   void* p = nullptr;
   REQUIRE(cudaMalloc(&p, bytes) == cudaSuccess);
   if (host) REQUIRE(cudaMemcpy(p, host, bytes, cudaMemcpyHostToDevice) == cudaSuccess);
+  REQUIRE(cudaStreamSynchronize(nullptr) == cudaSuccess);  // a pageable copy returns before it has run
   return p;
 }
 std::vector<uint8_t> host_bytes(const void* dev, size_t bytes) {

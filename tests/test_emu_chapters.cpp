@@ -145,25 +145,58 @@ TEST_CASE("emulated GPU: FP8 (tensorwise through cuBLASLt, delayed, blockwise) r
 // Every kernel the chapters launch runs here: 01's in fp32, bf16 and FP8 (quantization, amax),
 // 04's vocabulary-parallel cross-entropy, 06's attention merge and Ulysses packing, 07's router,
 // gather and combine.
+namespace {
+// Each case run twice, the second time with `env2` added: the same losses and weights, bit for bit.
+void check_same_bits(const std::vector<Case>& cases, const std::string& env2) {
+  for (const Case& c : cases) {
+    INFO(c.bin << " " << c.args << " against " << env2);
+    const std::string args = kTiny + c.args + " --device cuda";
+    const tst::CachedRun& one = tst::cached_run(c.bin, c.np, args, 600, c.env);
+    const tst::CachedRun& two = tst::cached_run(c.bin, c.np, args, 600, c.env + " " + env2);
+    CHECK(one.log.losses() == two.log.losses());
+    CHECK(tst::max_abs_diff_files(one.ckpt + "/model.safetensors", two.ckpt + "/model.safetensors") == 0);
+  }
+}
+const std::vector<Case> kEveryKernel = {
+    {"01_single_gpu", 1, "--dtype fp32", kOwnGpus, ""},
+    {"01_single_gpu", 1, "--dtype bf16", kOwnGpus, ""},
+    {"01_single_gpu", 1, "--dtype fp8 --fp8-recipe blockwise --fp8-tile 16", kOwnGpus, ""},
+    {"04_tensor_parallel", 2, "--tp 2 --sequence-parallel", kOwnGpus, ""},
+    {"06_context_parallel", 2, "--cp 2 --cp-mode ring --zigzag 1", kOwnGpus, ""},
+    {"06_context_parallel", 2, "--cp 2 --cp-mode ulysses", kOwnGpus, ""},
+    {"07_expert_parallel", 2, "--experts 4 --ffn 64 --top-k 2 --dp 2 --ep 2", kOwnGpus, ""},
+};
+}  // namespace
+
 TEST_CASE("emulated GPU: the chapters on CUDA give the same bits with every block's threads run in reverse",
           "[emu][cuda]") {
-  const std::vector<Case> cases = {
-      {"01_single_gpu", 1, "--dtype fp32", kOwnGpus, ""},
-      {"01_single_gpu", 1, "--dtype bf16", kOwnGpus, ""},
-      {"01_single_gpu", 1, "--dtype fp8 --fp8-recipe blockwise --fp8-tile 16", kOwnGpus, ""},
-      {"04_tensor_parallel", 2, "--tp 2 --sequence-parallel", kOwnGpus, ""},
-      {"06_context_parallel", 2, "--cp 2 --cp-mode ring --zigzag 1", kOwnGpus, ""},
-      {"06_context_parallel", 2, "--cp 2 --cp-mode ulysses", kOwnGpus, ""},
-      {"07_expert_parallel", 2, "--experts 4 --ffn 64 --top-k 2 --dp 2 --ep 2", kOwnGpus, ""},
-  };
-  for (const Case& c : cases) {
-    INFO(c.bin << " " << c.args);
-    const std::string args = kTiny + c.args + " --device cuda";
-    const tst::CachedRun& fwd = tst::cached_run(c.bin, c.np, args, 600, c.env);
-    const tst::CachedRun& rev = tst::cached_run(c.bin, c.np, args, 600, c.env + " TS_EMU_ORDER=reverse");
-    CHECK(fwd.log.losses() == rev.log.losses());
-    CHECK(tst::max_abs_diff_files(fwd.ckpt + "/model.safetensors", rev.ckpt + "/model.safetensors") == 0);
-  }
+  check_same_bits(kEveryKernel, "TS_EMU_ORDER=reverse");
+}
+
+// initcheck by two poisons: device memory (fresh and recycled by the caching allocator), shared
+// memory and pinned host memory start as 0xFF bytes (NaN; -1 as an int) or, under
+// TS_EMU_POISON=big, 0x7F bytes (3.39e38, which fmaxf keeps; 2139062143 as an int). A run that
+// reads nothing unwritten cannot tell them apart: the same bits. Every kernel the chapters launch
+// (the cases above), attention v2, the staged MPI path and ZeRO-3's gathers.
+TEST_CASE("emulated GPU: the chapters read no memory they did not write (the same bits under both poisons)",
+          "[emu][cuda]") {
+  std::vector<Case> cases = kEveryKernel;
+  cases.push_back({"01_single_gpu", 1, "--dtype bf16 --dim 128 --heads 2 --kv-heads 2", kOwnGpus, ""});
+  cases.push_back({"02_data_parallel", 2, "--dp 2", kSharedGpu, ""});  // pinned staging through host memory
+  cases.push_back({"03_zero", 2, "--dp 2 --zero 3", kOwnGpus, ""});
+  check_same_bits(cases, "TS_EMU_POISON=big");
+}
+
+// Seeded defects in the project's own code (tests/bugs/emu_*.cpp, linked into a chapter's binary):
+// each is caught with a report naming the kernel and its launch site, and the run fails.
+TEST_CASE("emulated GPU: seeded defects are reported with their kernel and the run fails", "[emu][cuda][01]") {
+  const tst::Result r = tst::run_bin("tests/bugs/01_single_gpu+emu_host_pointer", kTiny + "--device cuda", 1, 120, kOwnGpus);
+  INFO(r.output);
+  CHECK(r.status != 0);
+  CHECK(r.output.find("runs the deliberate bug emu_host_pointer") != std::string::npos);
+  CHECK(r.output.find("emulated GPU: kernel embedding_backward_kernel (launched at common/kernels/kernels_cuda.cu:") !=
+        std::string::npos);
+  CHECK(r.output.find("argument 2 is 0x") != std::string::npos);
 }
 
 // The device's memory is a setting (TS_EMU_MEMORY_GB), so both out-of-memory paths run: a run

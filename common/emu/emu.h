@@ -43,9 +43,16 @@ uint64_t last_seq(Stream* s);
 bool on_stream_thread();
 
 // ----- memory ------------------------------------------------------------------------------------
-// Device memory is host memory the emulator registered; it starts as 0xFF bytes, a NaN in f32 and
-// bf16, so a kernel that reads what nothing wrote produces NaN instead of the zero a fresh page holds.
-constexpr unsigned char kUninitByte = 0xFF;
+// Device memory is host memory the emulator registered; it starts as poison bytes, so a kernel that
+// reads what nothing wrote does not get the zero a fresh page holds. TS_EMU_POISON picks the byte:
+// nan (the default, 0xFF: NaN in f32 and bf16, but -1 as an int32 and dropped by fmaxf) or big (0x7F:
+// 3.39e38 in f32 and bf16, 2139062143 as an int32, which wins every fmaxf). Shared memory, recycled
+// blocks of the project's caching allocator and cudaMallocHost memory get the same byte. A run that
+// reads nothing unwritten gives the same bits under both (tests/test_emu_chapters.cpp).
+unsigned char uninit_byte();
+// Fills [p, p + bytes) of a recycled device block with the poison byte, on `s` (stream-ordered, as
+// the caching allocator hands a block to the stream's next work): the allocator's hook.
+void poison_recycled(void* p, size_t bytes, cudaStream_t s);
 // Whether [p, p + bytes) lies inside one live cudaMalloc allocation.
 bool is_device(const void* p, size_t bytes = 1);
 // Whether [p, p + bytes) lies inside one live cudaMallocHost allocation (page-locked host memory).
@@ -64,7 +71,7 @@ void cover(const std::string& what);
 // TS_EMU_GPUS: GPUs on this emulated node (default 8); TS_EMU_MEMORY_GB: each one's memory (80);
 // TS_EMU_ORDER=reverse: every block's threads, and a grid's blocks, run in reverse order;
 // TS_EMU_NCCL_TIMEOUT: seconds an NCCL operation waits (240); TS_EMU_QUIET=1: no report lines;
-// TS_EMU_COVERAGE=FILE. Each is parsed strictly: a value it cannot use ends the process with one
+// TS_EMU_COVERAGE=FILE; TS_EMU_POISON=nan|big (uninit_byte). Each is parsed strictly: a value it cannot use ends the process with one
 // line ("emulated GPU: NAME="VALUE" cannot be used: NAME accepts ...") and exit status 2, at
 // start-up and wherever it is read.
 int gpus();

@@ -8,15 +8,18 @@
 // is wrong, and the emulator names the kernel, the block, the source lines and the threads.
 //
 // Stricter than the hardware: threads of a block run in an order that TS_EMU_ORDER=reverse turns
-// around (a result that changes is a missing barrier), shared memory starts as 0xFF bytes (NaN),
+// around (a result that changes is a missing barrier), shared memory starts as poison (emu.h),
 // a barrier must be the same source line for every thread, and a shuffle must name only live lanes
-// that reach the same shuffle. Shared memory is held to sm_90's limits per kernel: its static
+// that reach the same shuffle (with PTX's segments; a lane outside the mask gives poison). A
+// kernel's pointer arguments must be device or pinned memory, and a fault while it runs is named
+// with its thread. Shared memory is held to sm_90's limits per kernel: its static
 // __shared__ arrays (found in the program's symbol table) and the launch's dynamic bytes against
 // 48 KiB, or against what that kernel opted in to. Not checked: __launch_bounds__ (g++ cannot see
 // it), timing, occupancy, and anything about registers.
 #include <cxxabi.h>
 #include <dlfcn.h>
 #include <elf.h>
+#include <signal.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -233,6 +236,21 @@ static void ldmatrix_x4(std::vector<Thread*>& w, bool trans) {
     }
 }
 
+// What lane l gets from shfl.sync.bfly.b32 (PTX ISA, "shfl.sync"), with the c operand CUDA's
+// __shfl_xor_sync(mask, v, lane_mask, width) passes: segment mask (32 - width) << 8, clamp 31. Then
+//   max_lane = (l & seg) | (31 & ~seg);  j = l ^ lane_mask;  j <= max_lane ? lane j : its own value,
+// so a lane of an upper segment may read the segment below (width 16: lane 20 ^ 16 reads lane 4),
+// while a lane of a lower segment whose partner lies above keeps its own value. A source lane
+// outside the mask gives an undefined value (PTX): poison bytes, never a plausible number.
+static uint64_t shuffle_source(const std::vector<Thread*>& w, unsigned mask, int l, int lane_mask, int width) {
+  const int seg = 32 - width, max_lane = (l & seg) | (31 & ~seg), j = (l ^ lane_mask) & 31;
+  const int src = j <= max_lane ? j : l;
+  if (mask >> src & 1u) return w[size_t(src)]->give;
+  uint64_t poison;
+  memset(&poison, uninit_byte(), sizeof poison);
+  return poison;
+}
+
 // Completes a warp operation when every lane in the mask has arrived at the same one.
 static void try_complete_warp(Block& b, Thread* t) {
   std::vector<Thread*> w = warp_of(b, t);
@@ -261,11 +279,7 @@ static void try_complete_warp(Block& b, Thread* t) {
   for (int l = 0; l < 32; l++) {
     if (!(t->mask >> l & 1u)) continue;
     Thread* o = w[size_t(l)];
-    if (o->kind == WarpKind::Shuffle) {
-      int src = l ^ o->lane_mask;
-      if (src / o->width != l / o->width) src = l;  // outside its segment: its own value
-      o->got = (t->mask >> src & 1u) ? w[size_t(src)]->give : o->give;
-    }
+    if (o->kind == WarpKind::Shuffle) o->got = shuffle_source(w, t->mask, l, o->lane_mask, o->width);
     o->wait = Wait::None;
   }
 }
@@ -406,15 +420,28 @@ static void run_block(Block& b, const std::function<void()>& body, bool reverse)
 // function-local static of the function mangled _Z<encoding> is mangled _ZZ<encoding>E<name>, so
 // the kernel at address fn owns the writable objects with that prefix (device code has no other
 // function-local statics), as ptxas counts them. The project's kernels declare __shared__ in the
-// kernel itself, not in the __device__ helpers they call. (The arrays of a template kernel are not
-// in the ts_emu_shared section: g++ ignores a section attribute on a template's local statics.)
+// kernel itself, not in the __device__ helpers they call. The arrays of a template kernel are not
+// in the ts_emu_shared section (g++ ignores a section attribute on a template's local statics), so
+// each block's start poisons the launched kernel's arrays by their symbols' addresses as well.
 
+struct Local {  // a writable function-local static: its mangled name, size and symbol value
+  std::string name;
+  size_t bytes;
+  uintptr_t value;
+};
+// A kernel's static __shared__ memory: the bytes ptxas would count, and where its arrays lie (poisoned
+// at every block's start; those of a template kernel are outside the ts_emu_shared section).
+struct KernelShared {
+  size_t bytes = 0;
+  std::vector<std::pair<char*, size_t>> arrays;
+};
 struct SharedSymbols {
-  bool pie = true;                                     // ET_DYN: values are offsets from the load base
-  std::map<uintptr_t, std::string> functions;          // value -> mangled name
-  std::vector<std::pair<std::string, size_t>> locals;  // writable function-local statics: name, bytes
-  std::map<const void*, size_t> by_address;            // answers so far
-  std::map<std::string, size_t> by_name;
+  bool pie = true;                             // ET_DYN: values are offsets from the load base
+  uintptr_t base = 0;                          // the load base (pie)
+  std::map<uintptr_t, std::string> functions;  // value -> mangled name
+  std::vector<Local> locals;
+  std::map<const void*, KernelShared> by_address;  // answers so far
+  std::map<std::string, KernelShared> by_name;
 };
 
 static SharedSymbols read_symbols(const char* path) {
@@ -435,7 +462,7 @@ static SharedSymbols read_symbols(const char* path) {
       if (ELF64_ST_TYPE(y.st_info) == STT_FUNC && y.st_value) out.functions[y.st_value] = name;
       else if (ELF64_ST_TYPE(y.st_info) == STT_OBJECT && !strncmp(name, "_ZZ", 3) && y.st_shndx < eh->e_shnum &&
                (sh[y.st_shndx].sh_flags & SHF_WRITE))
-        out.locals.emplace_back(name, size_t(y.st_size));
+        out.locals.push_back(Local{name, size_t(y.st_size), uintptr_t(y.st_value)});
     }
   }
   return out;
@@ -464,49 +491,57 @@ static std::string base_name(const std::string& fn) {
 
 // The most static shared memory any function called `wanted` declares (every specialization of a
 // template whose arguments the launch deduced).
-static size_t shared_bytes_by_name(const SharedSymbols& s, const std::string& wanted) {
+static KernelShared shared_by_name(const SharedSymbols& s, const std::string& wanted) {
   std::map<std::string, size_t> per_function;
-  for (const auto& [sym, bytes] : s.locals) {
+  KernelShared out;
+  for (const Local& l : s.locals) {
     int st = 0;
-    char* d = abi::__cxa_demangle(sym.c_str(), nullptr, nullptr, &st);
+    char* d = abi::__cxa_demangle(l.name.c_str(), nullptr, nullptr, &st);
     std::string owner = d && !st ? std::string(d) : "";
     free(d);
     owner = owner.substr(0, owner.rfind("::"));
-    if (!owner.empty() && base_name(owner) == wanted) per_function[owner] += bytes;
+    if (owner.empty() || base_name(owner) != wanted) continue;
+    per_function[owner] += l.bytes;
+    out.arrays.push_back({reinterpret_cast<char*>(l.value + s.base), l.bytes});
   }
-  size_t most = 0;
-  for (const auto& [f, bytes] : per_function) most = std::max(most, bytes);
-  return most;
+  for (const auto& [f, bytes] : per_function) out.bytes = std::max(out.bytes, bytes);
+  return out;
 }
 
-// Bytes of static __shared__ memory of the kernel at fn, or (fn null) of the kernel named `name`.
-static size_t static_shared_bytes(const void* fn, const char* name) {
+// The static __shared__ memory of the kernel at fn, or (fn null) of the kernel named `name`.
+static const KernelShared& static_shared(const void* fn, const char* name) {
+  static const KernelShared none;
   static std::mutex mu;
   static std::map<std::string, SharedSymbols> files;
   Dl_info info{};
-  if (!dladdr(fn ? fn : reinterpret_cast<const void*>(&static_shared_bytes), &info) || !info.dli_fname) return 0;
+  if (!dladdr(fn ? fn : reinterpret_cast<const void*>(&static_shared), &info) || !info.dli_fname) return none;
   std::lock_guard<std::mutex> lk(mu);
   auto it = files.find(info.dli_fname);
   if (it == files.end()) it = files.emplace(info.dli_fname, read_symbols(info.dli_fname)).first;
   SharedSymbols& s = it->second;
+  s.base = s.pie ? uintptr_t(info.dli_fbase) : 0;
   if (!fn) {
     std::string wanted(name);
     wanted = wanted.substr(0, wanted.find('<'));
     wanted = wanted.substr(wanted.rfind(':') == std::string::npos ? 0 : wanted.rfind(':') + 1);
     auto n = s.by_name.find(wanted);
-    return n != s.by_name.end() ? n->second : s.by_name[wanted] = shared_bytes_by_name(s, wanted);
+    return n != s.by_name.end() ? n->second : s.by_name[wanted] = shared_by_name(s, wanted);
   }
   auto a = s.by_address.find(fn);
   if (a != s.by_address.end()) return a->second;
-  size_t bytes = 0;
-  auto f = s.functions.find(uintptr_t(fn) - (s.pie ? uintptr_t(info.dli_fbase) : 0));
+  KernelShared k;
+  auto f = s.functions.find(uintptr_t(fn) - s.base);
   if (f != s.functions.end() && !f->second.compare(0, 2, "_Z")) {
     const std::string prefix = "_ZZ" + f->second.substr(2) + "E";
-    for (const auto& [sym, size] : s.locals)
-      if (!sym.compare(0, prefix.size(), prefix)) bytes += size;
+    for (const Local& l : s.locals)
+      if (!l.name.compare(0, prefix.size(), prefix)) {
+        k.bytes += l.bytes;
+        k.arrays.push_back({reinterpret_cast<char*>(l.value + s.base), l.bytes});
+      }
   }
-  return s.by_address[fn] = bytes;
+  return s.by_address[fn] = k;
 }
+static size_t static_shared_bytes(const void* fn, const char* name) { return static_shared(fn, name).bytes; }
 
 // ----- the launch ---------------------------------------------------------------------------------
 
@@ -580,19 +615,68 @@ static cudaError_t check_launch(const char* name, const char* site, const void* 
   return cudaSuccess;
 }
 
+// ----- memory faults inside a kernel ----------------------------------------------------------------
+// A kernel that touches unmapped memory, or makes an aligned vector access (a 16-byte Chunk, which
+// g++ loads with movdqa as nvcc does with ld.v4) at a misaligned address, faults on the CPU as it
+// would on the GPU; the handler names the kernel, launch site, block and thread that were running
+// before the process dies of the signal (compute-sanitizer's memcheck report, not a bare SIGSEGV).
+// x86 reports a misaligned aligned-vector access as a general-protection fault (si_code SI_KERNEL,
+// no address). Under AddressSanitizer (SANITIZE=address) its own handler reports instead.
+static void on_fault(int sig, siginfo_t* si, void*) {
+  const Block* b = t_block;
+  char buf[1024];
+  int n = 0;
+  if (b && b->current) {
+    const Thread& t = *b->current;
+    char what[256];
+    if (si->si_code == SI_KERNEL)
+      snprintf(what, sizeof what, "with no address: a vector load or store misaligned for its size (a 16-byte access "
+               "must be 16-byte aligned)");
+    else
+      snprintf(what, sizeof what, "at address %p, which no allocation holds", si->si_addr);
+    n = snprintf(buf, sizeof buf, "emulated GPU: kernel %s (launched at %s), block (%u,%u,%u), thread (%u,%u,%u): "
+                 "memory fault (%s) %s\n", b->kernel, b->site, t.c.block_idx.x, t.c.block_idx.y, t.c.block_idx.z,
+                 t.c.thread_idx.x, t.c.thread_idx.y, t.c.thread_idx.z, sig == SIGBUS ? "SIGBUS" : "SIGSEGV", what);
+    if (n > 0 && write(2, buf, size_t(std::min<int>(n, sizeof buf - 1)))) {}
+  }
+  signal(sig, SIG_DFL);
+  raise(sig);
+}
+static void catch_faults() {
+#ifndef __SANITIZE_ADDRESS__
+  static thread_local bool installed = false;  // the alternate stack is per thread (a fiber's may have overflowed)
+  if (installed) return;
+  installed = true;
+  stack_t alt{};
+  alt.ss_size = 64 * 1024;
+  alt.ss_sp = malloc(alt.ss_size);
+  sigaltstack(&alt, nullptr);
+  static std::once_flag once;
+  std::call_once(once, [] {
+    struct sigaction sa{};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigaction(SIGSEGV, &sa, nullptr);
+    sigaction(SIGBUS, &sa, nullptr);
+  });
+#endif
+}
+
 // Kernels run one at a time in the process: static __shared__ arrays are one copy in one section.
 static std::mutex g_kernel_mu;
 
-static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t smem,
+static void run_grid(const char* name, const char* site, const void* fn, dim3 g, dim3 bl, size_t smem,
                      const std::function<void()>& body) {
   std::lock_guard<std::mutex> lk(g_kernel_mu);
+  catch_faults();
   const bool reverse = reverse_order();
   const size_t nblocks = size_t(g.x) * g.y * g.z, nthreads = size_t(bl.x) * bl.y * bl.z;
   Block b;
   b.kernel = name;
   b.site = site;
   b.threads.resize(nthreads);
-  b.dyn_smem.resize(smem + 16);
+  b.dyn_smem.resize(smem);  // exactly the launch's bytes: past them is another block's (ASan's redzone)
+  const std::vector<std::pair<char*, size_t>> arrays = static_shared(fn, name).arrays;
   for (size_t k = 0; k < nblocks && sticky_error() == cudaSuccess; k++) {
     const size_t id = reverse ? nblocks - 1 - k : k;
     const uint3 bi{unsigned(id % g.x), unsigned(id / g.x % g.y), unsigned(id / g.x / g.y)};
@@ -601,12 +685,26 @@ static void run_grid(const char* name, const char* site, dim3 g, dim3 bl, size_t
       t = Thread{};
       t.c = ThreadCtx{uint3{unsigned(i % bl.x), unsigned(i / bl.x % bl.y), unsigned(i / bl.x / bl.y)}, bi, bl, g};
     }
-    std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(kUninitByte));
-    if (__start_ts_emu_shared) memset(__start_ts_emu_shared, kUninitByte, size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
+    std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(uninit_byte()));
+    if (__start_ts_emu_shared) memset(__start_ts_emu_shared, uninit_byte(), size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
+    for (const auto& [p, bytes] : arrays) memset(p, uninit_byte(), bytes);  // a template kernel's too
     b.error.clear();
     run_block(b, body, reverse);
     if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());
   }
+}
+
+bool pointer_arguments_ok(const char* name, const char* site, const void* const* p, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (!p[i] || is_device(p[i], 0) || is_pinned(p[i], 0)) continue;
+    device_fault(cudaErrorIllegalAddress,
+                 "kernel %s (launched at %s): argument %zu is %p, which is neither device memory (cudaMalloc) nor "
+                 "page-locked host memory (cudaMallocHost): a host pointer, which the GPU cannot dereference",
+                 name, site, i, p[i]);
+    set_last_error(cudaErrorIllegalAddress);
+    return false;
+  }
+  return true;
 }
 
 cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid, dim3 block, size_t smem,
@@ -621,7 +719,7 @@ cudaError_t launch(const char* name, const char* site, const void* fn, dim3 grid
   }
   enqueue(s, name, [=, body = std::move(body)] {
     if (covering()) cover(std::string("kernel ") + name + " " + site);
-    run_grid(name, site, grid, block, smem, body);
+    run_grid(name, site, fn, grid, block, smem, body);
   });
   return cudaSuccess;
 }

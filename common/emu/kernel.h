@@ -38,7 +38,7 @@ uint64_t shfl_xor(const char* file, int line, unsigned mask, uint64_t bits, int 
 // ldmatrix.sync.aligned.m8n8.x4{.trans}.shared.b16. Every lane of the warp must execute the same one.
 void mma_m16n8k16_bf16(const char* file, int line, float d[4], const uint32_t a[4], const uint32_t b[2], const float c[4]);
 void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row, bool trans);
-// The block's dynamic shared memory (the launch's third argument), 0xFF-filled at block start.
+// The block's dynamic shared memory (the launch's third argument), poisoned at block start (emu.h).
 void* dynamic_shared();
 
 // Enqueues a grid on stream s: `body` runs once per thread. Returns the launch's error (a launch the
@@ -60,6 +60,18 @@ template <class L> const void* address_or_null(L get) {
   else return nullptr;
 }
 
+// memcheck on a launch's arguments: each pointer a kernel takes must be null or point into device
+// memory (cudaMalloc) or page-locked host memory (cudaMallocHost), as on a GPU, where any other
+// address faults when the kernel dereferences it. A bad one is named (kernel, launch site, argument
+// index, address) and leaves the device with a sticky cudaErrorIllegalAddress; the kernel does not
+// run. Pointers inside a struct argument are not seen.
+template <class T> const void* pointer_argument(const T& v) {
+  if constexpr (std::is_pointer_v<T> && !std::is_function_v<std::remove_pointer_t<T>>)
+    return reinterpret_cast<const void*>(uintptr_t(v));
+  else return nullptr;
+}
+bool pointer_arguments_ok(const char* name, const char* site, const void* const* p, size_t n);
+
 // kernel<<<grid, block, smem, stream>>>(args...) for g++. `call` is a generic lambda that calls
 // the kernel, so a template kernel's arguments are deduced from the launch's as nvcc deduces them;
 // the arguments are copied at the launch, as the hardware copies them into parameter space.
@@ -73,7 +85,11 @@ template <class K> struct Launch {
   cudaStream_t stream;
   template <class... A> void operator()(A&&... a) const {
     std::tuple<std::decay_t<A>...> args(std::forward<A>(a)...);
-    launch(name, site, fn, grid, block, smem, stream, [k = call, args] { std::apply(k, args); });
+    const bool ok = std::apply([&](const auto&... x) {
+      const void* p[] = {pointer_argument(x)..., nullptr};
+      return pointer_arguments_ok(name, site, p, sizeof...(A));
+    }, args);
+    if (ok) launch(name, site, fn, grid, block, smem, stream, [k = call, args] { std::apply(k, args); });
   }
 };
 template <class K>
@@ -108,8 +124,9 @@ constexpr int warpSize = 32;
 #define __syncwarp(...) ::emu::SyncwarpAt{__FILE__, __LINE__}(__VA_ARGS__)
 #define __shfl_xor_sync(...) ::emu::shfl_xor_sync(__FILE__, __LINE__, __VA_ARGS__)
 
-// Static __shared__ arrays live in one linker section, which kernel.cu fills with 0xFF at the start
-// of every block (kernels run one at a time, so one copy serves every block). Dynamic shared memory
+// Static __shared__ arrays live in one linker section, which kernel.cu fills with poison at the start
+// of every block (kernels run one at a time, so one copy serves every block; a template kernel's
+// arrays, outside the section, are poisoned by their symbols' addresses). Dynamic shared memory
 // is declared with TS_DYNAMIC_SHARED (core.h), the one place where a kernel's source differs.
 #define __shared__ static __attribute__((section("ts_emu_shared")))
 

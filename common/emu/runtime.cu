@@ -9,7 +9,8 @@
 // returning, and into pageable memory a device-to-host copy has finished when it returns; an
 // asynchronous copy from or into pinned memory (cudaMallocHost) reads or writes the host buffer
 // when it runs on its stream, late, so the host must wait for it (an event) before reusing the
-// buffer. cudaMemcpy, on the legacy default stream, does not wait for streams created non-blocking.
+// buffer. cudaMemcpy and cudaMemset, on the legacy default stream, neither wait for streams created
+// non-blocking nor are waited for by them, and return as early as CUDA allows (cudaMemcpy, below).
 #include <unistd.h>
 
 #include <atomic>
@@ -167,6 +168,15 @@ bool reverse_order() {
   return g_reverse == 1;
 }
 void set_reverse_order(bool on) { g_reverse = on; }
+unsigned char uninit_byte() {
+  static const unsigned char b = [] {
+    const char* v = setting("TS_EMU_POISON");
+    if (v && strcmp(v, "nan") && strcmp(v, "big"))
+      bad_setting("TS_EMU_POISON", v, "nan (0xFF bytes, the default) or big (0x7F bytes: 3.39e38, not -1 as an int)");
+    return (unsigned char)(v && !strcmp(v, "big") ? 0x7F : 0xFF);
+  }();
+  return b;
+}
 
 void check_settings() {
   gpus();
@@ -175,6 +185,7 @@ void check_settings() {
   quiet();
   coverage_path();
   reverse_order();
+  uninit_byte();
 }
 // At start-up, before main: a bad setting stops the program before it does anything.
 static const bool g_settings_checked = (check_settings(), true);
@@ -270,7 +281,15 @@ uint64_t enqueue(cudaStream_t h, std::string what, std::function<void()> work, b
                  "%s queued on a stream of device %d while device %d is current: a stream belongs to the device that "
                  "was current when it was created (create streams and handles after cudaSetDevice)",
                  what.c_str(), s->device, t_device);
-  if (!h) {
+  if (h && s->blocking) {
+    // A blocking stream's work begins only after the legacy stream's earlier work.
+    Stream* legacy = stream(nullptr);
+    const uint64_t seq = last_seq(legacy);
+    if (seq) work = [legacy, seq, w = std::move(work)] {
+      demand(legacy, seq, true);
+      w();
+    };
+  } else if (!h) {
     // The legacy default stream: its work begins only after all earlier work on blocking streams.
     std::vector<std::pair<Stream*, uint64_t>> before;
     {
@@ -329,6 +348,10 @@ bool is_pinned(const void* p, size_t bytes) {
   return inside(g_pinned, p, bytes);
 }
 uint64_t device_to_host_copies() { return g_d2h.load(); }
+void poison_recycled(void* p, size_t bytes, cudaStream_t s) {
+  const unsigned char b = uninit_byte();
+  enqueue(s, "poisoning a recycled block", [=] { memset(p, b, bytes); });
+}
 
 }  // namespace emu
 
@@ -474,7 +497,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   }
   void* q = aligned_alloc(256, n);
   if (!q) return ret(cudaErrorMemoryAllocation);
-  memset(q, emu::kUninitByte, n);
+  memset(q, emu::uninit_byte(), n);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_device[uintptr_t(q)] = n;
   *p = q;
@@ -499,6 +522,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
   const size_t n = std::max<size_t>((bytes + 255) / 256 * 256, 256);
   *p = aligned_alloc(256, n);
   if (!*p) return ret(cudaErrorMemoryAllocation);
+  memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_pinned[uintptr_t(*p)] = n;
   return cudaSuccess;
@@ -548,13 +572,24 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   EMU_STICKY();
   return cudaSuccess;
 }
+// cudaMemcpy and cudaMemset on the legacy stream return as early as CUDA's API synchronisation
+// behaviour allows ("API synchronization behavior", CUDA Runtime API): a device-to-device copy and a
+// memset return at once, a host-to-device copy from pageable memory once its source is staged;
+// from pinned memory, and into host memory, the call waits for the copy. Work queued on a
+// non-blocking stream is not ordered after them (the legacy stream orders only blocking streams),
+// so a kernel there that reads their result without an event or a synchronisation reads poison.
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
   EMU_STICKY();
   if (bytes == 0) return cudaSuccess;
   if (cudaError_t e = check_kind(dst, src, bytes, kind)) return ret(e);
   if (kind == cudaMemcpyDeviceToHost) emu::g_d2h++;
+  if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src, bytes)) {
+    auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
+    emu::enqueue(nullptr, "cudaMemcpy host to device", [=] { memcpy(dst, staged->data(), bytes); });
+    return cudaSuccess;
+  }
   uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { memcpy(dst, src, bytes); });
-  emu::demand(emu::stream(nullptr), seq, true);
+  if (kind != cudaMemcpyDeviceToDevice) emu::demand(emu::stream(nullptr), seq, true);
   EMU_STICKY();
   return cudaSuccess;
 }
@@ -567,12 +602,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
   emu::enqueue(s, "cudaMemsetAsync", [=] { memset(p, value, bytes); });
   return cudaSuccess;
 }
-cudaError_t cudaMemset(void* p, int value, size_t bytes) {
-  cudaError_t e = cudaMemsetAsync(p, value, bytes, nullptr);
-  if (e) return e;
-  emu::demand(emu::stream(nullptr), emu::last_seq(emu::stream(nullptr)), true);
-  return cudaSuccess;
-}
+cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
 
 // ----- streams and events --------------------------------------------------------------------------
 

@@ -4,6 +4,9 @@
 #include "tensor/hooks.h"
 #include "tensor/device.h"
 #include "tensor/shape_only.h"
+#ifdef TS_CUDA_EMU
+#include "emu.h"  // the emulated GPU's poison for recycled blocks
+#endif
 
 #include <mpi.h>
 #include <unistd.h>
@@ -273,6 +276,11 @@ void* mem_alloc(size_t bytes, Device dev, Tag tag) {
       g_cache[int(dev)].erase(it);
     }
   }
+#ifdef TS_CUDA_EMU
+  // The emulated GPU poisons a recycled block as it does a fresh one (initcheck: last use's values
+  // would hide a read of what this use never wrote), in order on the stream its next user runs on.
+  if (p && dev == Device::CUDA) emu::poison_recycled(p, n, compute_stream());
+#endif
   size_t fresh = 0;
   if (!p) {
     p = raw_alloc(n, dev);

@@ -13,7 +13,8 @@ void read_fake_world_flags(Args& a, const RunConfig& rc) {
   const int r = a.get_int("--fake-rank", 0, "the rank of the --fake-world job this process is", at_least(0));
   a.group(old);
   const bool shape = rc.device == "shape";
-  if (a.has("--fake-rank") && n == 0) config_error("--fake-rank %d needs --fake-world N (the job's ranks)", r);
+  // (A run's recorded flags, --config ck/trainer.json, hold --fake-rank 0 without a fake world.)
+  if (r > 0 && n == 0) config_error("--fake-rank %d needs --fake-world N (the job's ranks)", r);
   if (n > 0 && r >= n) config_error("--fake-rank %d is outside the fake world of %d ranks (0..%d)", r, n, n - 1);
   if (n > 0 && !shape)
     config_error("--fake-world runs one rank without its peers, so its tensors can hold no values: add --device shape");
