@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "emu.h"
+#include "tensor/hooks.h"  // set_recycle_hook: the caching allocator's recycled blocks
 
 namespace emu {
 
@@ -352,6 +353,10 @@ void poison_recycled(void* p, size_t bytes, cudaStream_t s) {
   const unsigned char b = uninit_byte();
   enqueue(s, "poisoning a recycled block", [=] { memset(p, b, bytes); });
 }
+// The caching allocator (tensor layer, below this one) calls it through its hook.
+static const bool kRecycleHooked = (ts::set_recycle_hook([](void* p, size_t n, void* s) {
+  poison_recycled(p, n, static_cast<cudaStream_t>(s));
+}), true);
 
 }  // namespace emu
 

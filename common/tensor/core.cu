@@ -4,9 +4,6 @@
 #include "tensor/hooks.h"
 #include "tensor/device.h"
 #include "tensor/shape_only.h"
-#ifdef TS_CUDA_EMU
-#include "emu.h"  // the emulated GPU's poison for recycled blocks
-#endif
 
 #include <mpi.h>
 #include <unistd.h>
@@ -65,6 +62,8 @@ long current_step() { return g_step; }
 static void (*g_fatal_hook)(const char*) = nullptr;
 void set_fatal_hook(void (*hook)(const char* message)) { g_fatal_hook = hook; }
 static std::string (*g_fatal_cleanup)() = nullptr;
+static void (*g_recycle_hook)(void*, size_t, void*) = nullptr;
+void set_recycle_hook(void (*hook)(void* p, size_t bytes, void* stream)) { g_recycle_hook = hook; }
 void set_fatal_cleanup(std::string (*cleanup)()) { g_fatal_cleanup = cleanup; }
 static void (*g_finalize)() = nullptr;  // comm_init sets comm_finalize
 void set_finalize_hook(void (*finalize)()) { g_finalize = finalize; }
@@ -276,10 +275,8 @@ void* mem_alloc(size_t bytes, Device dev, Tag tag) {
       g_cache[int(dev)].erase(it);
     }
   }
-#ifdef TS_CUDA_EMU
-  // The emulated GPU poisons a recycled block as it does a fresh one (initcheck: last use's values
-  // would hide a read of what this use never wrote), in order on the stream its next user runs on.
-  if (p && dev == Device::CUDA) emu::poison_recycled(p, n, compute_stream());
+#ifdef TS_CUDA
+  if (p && dev == Device::CUDA && g_recycle_hook) g_recycle_hook(p, n, compute_stream());  // hooks.h
 #endif
   size_t fresh = 0;
   if (!p) {
