@@ -23,34 +23,19 @@
 #include <string>
 
 #include "03_zero.cu"
-#include "comm/watchdog.h"  // watched_split, watched_blocking, NCCL_CHECK
+#include "comm/mesh.h"  // split_group
 
 namespace zero {
 using namespace ts;
-
-// `parent`'s ranks of one colour, ordered by `key`, as a group that reduces over MPI or, where the
-// parent has an NCCL communicator, over NCCL (split from it, as the mesh splits its groups).
-inline std::shared_ptr<Comm> split_group(Comm& parent, int color, int key, const std::string& name) {
-  MPI_Comm mc = watched_split(parent.mpi(), color, key, "the '" + name + "' groups");
-  void* nc = nullptr;
-#ifdef TS_CUDA
-  if (parent.nccl()) {
-    ncclComm_t sub = nullptr;
-    watched_blocking(parent.mpi(), "ncclCommSplit (the '" + name + "' groups)", [&] {
-      NCCL_CHECK(ncclCommSplit(static_cast<ncclComm_t>(parent.nccl()), color, key, &sub, nullptr));
-    });
-    nc = sub;
-  }
-#endif
-  return std::make_shared<Comm>(name, mc, nc);
-}
 
 // Rank d of `dense` (the ranks that reduce one gradient: dp, or dp × cp in 08) sits at position
 // d mod S of shard group d / S, and at position d / S of replica group d mod S (the R ranks that
 // hold the same chunks).
 inline Groups hsdp_groups(Comm& dense, int S) {
-  const int d = dense.rank();
-  return {split_group(dense, d / S, d % S, "dp_shard"), split_group(dense, d % S, d / S, "dp_replicate")};
+  const int d = dense.rank(), R = dense.size() / S;
+  // Split as the mesh splits its axes: over MPI, and over NCCL where the dense group has it.
+  return {split_group(dense.mpi(), dense.nccl(), d / S, d % S, S, "dp_shard", "HSDP's 'dp_shard' groups"),
+          split_group(dense.mpi(), dense.nccl(), d % S, d / S, R, "dp_replicate", "HSDP's 'dp_replicate' groups")};
 }
 
 // --dp-shard S over a dense group of n ranks: 0 (the default) or n is ZeRO over all of it, 1 is

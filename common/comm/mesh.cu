@@ -160,29 +160,41 @@ Mesh make_mesh(const MeshConfig& cfg, Device dev) {
     }
   }
 #endif
+#ifndef TS_CUDA
+  void* nccl_world = nullptr;
+#endif
+  // The world's own Comm holds a duplicate of MPI_COMM_WORLD and the world's NCCL communicator.
+  m.groups[int(Axis::World)] = std::make_shared<Comm>(
+      axis_name(Axis::World), watched_split(MPI_COMM_WORLD, 0, m.rank, "the mesh's 'world' groups"), nccl_world);
   for (int a = 0; a < kNumAxes; a++) {
+    if (Axis(a) == Axis::World) continue;
     std::vector<int> g = mesh_group(cfg, m.rank, Axis(a));
     int key = 0;
     while (g[key] != m.rank) key++;
     // Groups partition the world, so their first member names them (the split colour).
-    MPI_Comm mc = watched_split(MPI_COMM_WORLD, g[0], key, std::string("the mesh's '") + axis_name(Axis(a)) + "' groups");
-    void* nc = nullptr;
-#ifdef TS_CUDA
-    if (nccl_world && Axis(a) == Axis::World) {
-      nc = nccl_world;
-    } else if (nccl_world) {
-      // Every rank of the parent takes part in each split; groups of one get no communicator.
-      ncclComm_t sub = nullptr;
-      watched_blocking(MPI_COMM_WORLD, std::string("ncclCommSplit (the mesh's '") + axis_name(Axis(a)) + "' groups)", [&] {
-        NCCL_CHECK(ncclCommSplit(static_cast<ncclComm_t>(nccl_world), g.size() > 1 ? g[0] : NCCL_SPLIT_NOCOLOR, key,
-                                 &sub, nullptr));
-      });
-      nc = sub;
-    }
-#endif
-    m.groups[a] = std::make_shared<Comm>(axis_name(Axis(a)), mc, nc);
+    const std::string name = axis_name(Axis(a));
+    m.groups[a] = split_group(MPI_COMM_WORLD, nccl_world, g[0], key, int(g.size()), name, "the mesh's '" + name + "' groups");
   }
   return m;
+}
+
+std::shared_ptr<Comm> split_group(MPI_Comm parent, void* parent_nccl, int color, int key, int size, const std::string& name,
+                                  const std::string& what) {
+  MPI_Comm mc = watched_split(parent, color, key, what);
+  void* nc = nullptr;
+#ifdef TS_CUDA
+  if (parent_nccl) {
+    // Every rank of the parent takes part in each split; groups of one get no communicator.
+    ncclComm_t sub = nullptr;
+    watched_blocking(parent, "ncclCommSplit (" + what + ")", [&] {
+      NCCL_CHECK(ncclCommSplit(static_cast<ncclComm_t>(parent_nccl), size > 1 ? color : NCCL_SPLIT_NOCOLOR, key, &sub, nullptr));
+    });
+    nc = sub;
+  }
+#else
+  (void)parent_nccl, (void)size;
+#endif
+  return std::make_shared<Comm>(name, mc, nc);
 }
 
 std::vector<int> node_of_ranks(Comm& group) {

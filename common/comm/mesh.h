@@ -70,6 +70,14 @@ struct Mesh {
 // CUDA it also selects this rank's GPU (local rank modulo the GPUs visible). TS_NCCL=0 in the
 // environment forces the staged MPI path even when NCCL could run.
 Mesh make_mesh(const MeshConfig& cfg, Device dev);
+// The ranks of `parent` that pass the same `color`, ordered by `key`, as one group of `size` ranks
+// named `name` (`what` in a stalled call's report): an MPI communicator, and where the parent carries CUDA tensors by NCCL
+// (`parent_nccl`), an NCCL communicator split from it (none for a group of one). Collective over
+// the parent: every rank calls it. make_mesh builds its axes with it; a chapter that regroups an
+// axis (HSDP's shard and replica groups) splits that axis's Comm the same way.
+std::shared_ptr<Comm> split_group(MPI_Comm parent, void* parent_nccl, int color, int key, int size, const std::string& name,
+                                  const std::string& what);
+
 // Which node each rank of `group` runs on, in group-rank order: the ranks that MPI's shared-memory
 // split (MPI_COMM_TYPE_SHARED) puts together share a node, named by their lowest world
 // rank, numbered 0, 1, … in that order. Collective over the world. A cluster's nodes are its
