@@ -135,6 +135,7 @@ void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, const Plan& plan,
     m["dp"] = plan.mesh.dp;
     m["tp"] = plan.mesh.tp;
     m["zero"] = plan.zero;
+    if (plan.dp_shard) m["dp_shard"] = plan.dp_shard;
     m["cp"] = plan.mesh.cp;
     m["pp"] = plan.mesh.pp;
     m["ep"] = plan.mesh.ep;
