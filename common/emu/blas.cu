@@ -15,6 +15,7 @@
 #include "tensor/core.h"  // bf16 as the project rounds it
 #include "kernels/fp8.h"   // and its FP8 codes
 #include "emu.h"
+#include "shadow.h"  // the memcheck build: D is written
 
 #include <cmath>
 #include <cstring>
@@ -200,6 +201,8 @@ void run_product(const Product& p) {
       store(d, p.d.type, i + j * p.d.ld, v);
     }
   }
+  const size_t es = type_bytes(p.d.type);
+  for (int64_t j = 0; j < n; ++j) emu::shadow::written(static_cast<char*>(d) + size_t(j * p.d.ld) * es, size_t(m) * es);
 }
 
 // ===== checks shared by both libraries ================================================================

@@ -34,6 +34,7 @@
 
 #include "tensor/device.h"  // bf16 as the project decodes it
 #include "emu.h"
+#include "shadow.h"  // the memcheck build's initcheck and memcheck (shadow.cu)
 
 extern "C" char __start_ts_emu_shared[] __attribute__((weak));
 extern "C" char __stop_ts_emu_shared[] __attribute__((weak));
@@ -138,6 +139,15 @@ struct Abandon {};
 [[noreturn]] static void fail_here(const std::string& msg) {
   if (t_block->error.empty()) t_block->error = msg;
   throw Abandon{};
+}
+
+// A defect the memcheck build's shadow found in the running thread (shadow.cu): the block keeps the
+// first and stops at its next barrier; the instrumented access itself returns (gcc assumes it cannot
+// throw). `now`: the access is about to fault, so the report cannot wait for the block's end.
+void kernel_defect(const std::string& what, bool now) {
+  if (!t_block || !t_block->current || !t_block->error.empty()) return;
+  t_block->error = where(*t_block, *t_block->current) + ": " + what;
+  if (now) report("%s", t_block->error.c_str());
 }
 
 void* dynamic_shared() {
@@ -675,7 +685,8 @@ static void run_grid(const char* name, const char* site, const void* fn, dim3 g,
   b.kernel = name;
   b.site = site;
   b.threads.resize(nthreads);
-  b.dyn_smem.resize(smem);  // exactly the launch's bytes: past them is another block's (ASan's redzone)
+  b.dyn_smem.resize(smem + shadow::redzone());  // exactly the launch's bytes: past them is a redzone (ASan's, or the shadow's)
+  shadow::Grid checked(name, b.dyn_smem.data(), smem);
   const std::vector<std::pair<char*, size_t>> arrays = static_shared(fn, name).arrays;
   for (size_t k = 0; k < nblocks && sticky_error() == cudaSuccess; k++) {
     const size_t id = reverse ? nblocks - 1 - k : k;
@@ -688,6 +699,7 @@ static void run_grid(const char* name, const char* site, const void* fn, dim3 g,
     std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(uninit_byte()));
     if (__start_ts_emu_shared) memset(__start_ts_emu_shared, uninit_byte(), size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
     for (const auto& [p, bytes] : arrays) memset(p, uninit_byte(), bytes);  // a template kernel's too
+    shadow::block_start(arrays, b.dyn_smem.data(), smem);
     b.error.clear();
     run_block(b, body, reverse);
     if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());
