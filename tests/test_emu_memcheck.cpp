@@ -98,6 +98,11 @@ TEST_CASE("memcheck build: seeded defects are reported with their kernel and lin
        "initcheck: a read of memory that nothing wrote: read of 4 bytes", "byte 1020 of the 1024-byte device allocation",
        cuda + ":" + std::to_string(line_of(cuda, "embedding_forward_kernel(", "int64_t(tokens[n])")) +
            " (void ts::cuda::embedding_forward_kernel<float>)"},
+      {"memcheck_device_overrun", "kernel embedding_forward_kernel (launched at " + cuda + ":",
+       "memcheck: an access outside its allocation or shared array: write of 4 bytes",
+       "0 bytes past the end of the 65280-byte device allocation",
+       cuda + ":" + std::to_string(line_of(cuda, "embedding_forward_kernel(", "out[i] = row >= 0")) +
+           " (void ts::cuda::embedding_forward_kernel<float>)"},
       {"memcheck_shared_overrun", "kernel row_sums_kernel (launched at " + overrun + ":",
        "memcheck: an access outside its allocation or shared array: write of 4 bytes",
        "0 bytes past the end of the 32-byte shared array partial",

@@ -188,6 +188,7 @@ void copied(void* dst, const void* src, size_t bytes) {
 
 static thread_local bool t_grid = false;      // a kernel's threads run on this host thread
 static thread_local bool t_reported = false;  // this grid has reported: one report per grid
+static thread_local void* t_dyn_named = nullptr;  // the dynamic shared memory the ranges name
 
 Grid::Grid(const char*, void* d, size_t n) : dyn(d), bytes(n) {
   t_grid = on();
@@ -195,7 +196,9 @@ Grid::Grid(const char*, void* d, size_t n) : dyn(d), bytes(n) {
 }
 Grid::~Grid() {
   t_grid = false;
-  if (on() && dyn) set(uintptr_t(dyn), bytes + kRedzoneBytes, kUntracked);  // the vector's memory is the heap's again
+  if (!on() || !dyn) return;
+  set(uintptr_t(dyn), bytes + kRedzoneBytes, kUntracked);  // the vector's memory is the heap's again
+  if (t_dyn_named == dyn) drop_range(uintptr_t(dyn)), t_dyn_named = nullptr;
 }
 
 // Static arrays in the ts_emu_shared section (registered by the instrumented objects, with gcc's
@@ -219,8 +222,7 @@ void block_start(const std::vector<std::pair<char*, size_t>>& arrays, void* dyn,
   if (dyn) {
     set(uintptr_t(dyn), bytes, kUnwritten);
     set(uintptr_t(dyn) + bytes, kRedzoneBytes, kRedzone);
-    static thread_local void* known = nullptr;
-    if (known != dyn) add_range(uintptr_t(dyn), bytes, bytes, "dynamic shared memory"), known = dyn;
+    if (t_dyn_named != dyn) add_range(uintptr_t(dyn), bytes, bytes, "dynamic shared memory"), t_dyn_named = dyn;
   }
 }
 
