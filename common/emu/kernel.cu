@@ -232,6 +232,9 @@ static void ldmatrix_x4(std::vector<Thread*>& w, bool trans) {
     if (uintptr_t(row) % 16 || !in_shared(b, row))
       fail_here(where(b, *w[size_t(l)]) + ": ldmatrix row address " + std::to_string(uintptr_t(row)) +
                 (uintptr_t(row) % 16 ? " is not 16-byte aligned" : " is not in the block's shared memory"));
+    if (const char* why = shadow::unreadable(row, 16))  // the memcheck build: its 16 bytes were written
+      fail_here(where(b, *w[size_t(l)]) + ": " + why + ": the row of " + kind_name(w[size_t(l)]->kind) + " at " +
+                w[size_t(l)]->file + ":" + std::to_string(w[size_t(l)]->line));
   }
   auto element = [&](int j, int r, int c) {  // matrix j's element (r, c), 16 bits
     uint16_t e;

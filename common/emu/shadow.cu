@@ -184,6 +184,17 @@ void copied(void* dst, const void* src, size_t bytes) {
   }
 }
 
+const char* unreadable(const void* p, size_t n) {
+  if (!on()) return nullptr;
+  const char* why = nullptr;
+  for (size_t i = 0; i < n; i++) {
+    const uint8_t st = state_at(uintptr_t(p) + i);
+    if (st == kRedzone) return "memcheck: a read outside its shared array";
+    if (st == kUnwritten) why = "initcheck: a read of shared memory that nothing wrote";
+  }
+  return why;
+}
+
 // ----- the running grid ----------------------------------------------------------------------------
 
 static thread_local bool t_grid = false;      // a kernel's threads run on this host thread

@@ -38,6 +38,10 @@ void unwritten(const void* p, size_t bytes);
 // A copy: each destination byte is written where the source byte was (host memory counts as written).
 void copied(void* dst, const void* src, size_t bytes);
 
+// What the emulator itself reads for a kernel (ldmatrix's rows, kernel.cu): null when [p, p + n)
+// may be read, else why not (initcheck's or memcheck's words). Always null when the shadow is off.
+const char* unreadable(const void* p, size_t n);
+
 // A grid runs on this host thread (kernel.cu's run_grid): the kernel's loads are checked while it
 // lives; `dyn` is the block's dynamic shared memory, `bytes` long with a redzone after it.
 struct Grid {
