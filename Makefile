@@ -244,7 +244,8 @@ MEMCHECK_OBJ := $(patsubst %.cu,$(MEMCHECK)/%.o,$(MEMCHECK_SRC))
 # technique, and the seeded defects (tests/bugs/memcheck_*.cpp), each in 01.
 MEMCHECK_TESTS := test_kernels test_flash test_fp8 test_moe test_attention_merge
 MEMCHECK_BUGS := 01_single_gpu+memcheck_short_index 01_single_gpu+memcheck_misaligned_tile \
-                 01_single_gpu+memcheck_shared_overrun 01_single_gpu+memcheck_device_overrun
+                 01_single_gpu+memcheck_shared_overrun 01_single_gpu+memcheck_device_overrun \
+                 01_single_gpu+memcheck_extra_partial
 MEMCHECK_BIN := $(patsubst %,$(MEMCHECK)/tests/%,$(MEMCHECK_TESTS)) $(patsubst %,$(MEMCHECK)/tests/bugs/%,$(MEMCHECK_BUGS)) \
                 $(patsubst %.cu,$(MEMCHECK)/%,$(TECH_SRC))
 $(MEMCHECK)/%.o: %.cu $(CPU_STAMP)

@@ -92,7 +92,7 @@ TEST_CASE("memcheck build: seeded defects are reported with their kernel and lin
     std::string kernel, kind, where, line;
   };
   const std::string cuda = "common/kernels/kernels_cuda.cu", overrun = "tests/bugs/memcheck_shared_overrun.cpp",
-                    tile = "tests/bugs/memcheck_misaligned_tile.cpp";
+                    tile = "tests/bugs/memcheck_misaligned_tile.cpp", partial = "tests/bugs/memcheck_extra_partial.cpp";
   const std::vector<Bug> bugs = {
       {"memcheck_short_index", "kernel embedding_forward_kernel (launched at " + cuda + ":",
        "initcheck: a read of memory that nothing wrote: read of 4 bytes", "byte 1020 of the 1024-byte device allocation",
@@ -103,6 +103,9 @@ TEST_CASE("memcheck build: seeded defects are reported with their kernel and lin
        "0 bytes past the end of the 65280-byte device allocation",
        cuda + ":" + std::to_string(line_of(cuda, "embedding_forward_kernel(", "out[i] = row >= 0")) +
            " (void ts::cuda::embedding_forward_kernel<float>)"},
+      {"memcheck_extra_partial", "kernel row_max_kernel (launched at " + partial + ":",
+       "initcheck: a read of memory that nothing wrote: read of 4 bytes", "byte 32 of the 128-byte shared array sh",
+       partial + ":" + std::to_string(line_of(partial, "", "lane <= nwarps ? sh[lane]")) + " (row_max_kernel)"},
       {"memcheck_shared_overrun", "kernel row_sums_kernel (launched at " + overrun + ":",
        "memcheck: an access outside its allocation or shared array: write of 4 bytes",
        "0 bytes past the end of the 32-byte shared array partial",
