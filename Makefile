@@ -229,11 +229,11 @@ $(BUILD)/tests/test_operations: | $(BUILD)/tests/bugs/02_data_parallel+skip_coll
 
 # SANITIZE=memory, and make test under the emulated GPU: initcheck and memcheck as reports
 # (common/emu/shadow.h, notes/emulated_gpu.md). The code that holds kernels (DEVICE_SRC) and the
-# seeded defects that bring their own kernels are compiled again into $(BUILD)/memcheck/ with g++'s kernel-address instrumentation: a
-# call into the emulator's shadow before every load and store, redzones between static __shared__
-# arrays, -g for the reports' source lines, and neither the vectoriser nor SRA, so that each access
-# is the source's own, of its size and alignment (attention v2's 16-byte Chunk stays one 16-byte
-# load). Every other object is $(BUILD)'s, linked as it is.
+# seeded defects that bring their own kernels are compiled again into $(BUILD)/memcheck/ with g++'s
+# kernel-address instrumentation: a call into the emulator's shadow before every load and store,
+# redzones between static __shared__ arrays, -g for the reports' source lines, and neither the
+# vectoriser nor SRA, so that each access is the source's own, of its size and alignment (attention
+# v2's 16-byte Chunk stays one 16-byte load). Every other object is $(BUILD)'s, linked as it is.
 MEMCHECK := $(BUILD)/memcheck
 MEMCHECK_FLAGS := -g -fsanitize=kernel-address --param asan-instrumentation-with-call-threshold=0 \
                   --param asan-stack=0 --param asan-globals=1 -fsanitize-sections=ts_emu_shared \
