@@ -263,7 +263,7 @@ static std::string source_of(void* pc) {
       line = s.substr(0, s.find(" (discriminator"));
       if (line.compare(0, cwd.size(), cwd) == 0) line = line.substr(cwd.size());
       // The frames the emulator's launch wraps around the kernel (std::apply, kernel.h) are not the kernel's.
-      if (line[0] == '/' || line.compare(0, 11, "common/emu/") == 0) break;
+      if (line.compare(0, 5, "/usr/") == 0 || line.find("common/emu/") != std::string::npos) break;
       out += out.empty() ? line + " (" + fn + ")" : ", inlined into " + fn + " at " + line;
     }
     pclose(f);
