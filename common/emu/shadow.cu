@@ -257,6 +257,7 @@ static std::string source_of(void* pc) {
       std::string s(buf);
       while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
       if (k % 2 == 0) {
+        for (size_t a; (a = s.find("(anonymous namespace)::")) != std::string::npos;) s.erase(a, 23);
         fn = s.substr(0, s.find('('));
         continue;
       }
