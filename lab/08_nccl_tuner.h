@@ -122,6 +122,18 @@ inline Priced nccl_choose(Collective op, Span s, double beta, double bytes) {
   return best;
 }
 
+// Where a ring and a tree all-reduce under protocol `p` cost the same in the formulas above, for
+// messages past the ring's plateau threshold and before the tree's correction factors: the latency
+// the tree saves over the bandwidth it loses, (L_ring − L_tree) / (1/B_tree − 1/B_ring) bytes (the
+// ring is cheaper above it; ∞ where the tree is never slower per byte, 0 where its latency is not lower).
+inline double crossover_bytes(Span s, double beta, Proto p) {
+  const Collective ar = Collective::AllReduce;
+  const double plateau = p == Proto::Simple && s.nodes > 1 ? kRingPlateau : 1;
+  const double saved = 1e-6 * (plateau * nccl_latency_us(ar, Algo::Ring, p, s) - nccl_latency_us(ar, Algo::Tree, p, s));
+  const double lost = 1e-9 / nccl_algbw_gbs(ar, Algo::Tree, p, s, beta) - 1e-9 / nccl_algbw_gbs(ar, Algo::Ring, p, s, beta);
+  return saved <= 0 ? 0 : lost <= 0 ? 1e300 : saved / lost;
+}
+
 // The wire bytes per rank of one call per message byte (the ring formulas every predict_comm counts).
 inline double wire_factor(Collective op, int ranks) {
   return op == Collective::AllReduce ? 2.0 * (ranks - 1) / ranks : double(ranks - 1) / ranks;

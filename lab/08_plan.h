@@ -814,6 +814,10 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
            100 * kMemoryHeadroom, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch, double(rc.batch) * rc.model.seq,
            job.default_batch ? "; the default: set --global-batch-tokens" : "");
   print_assumptions(log, *cl.gpu);
+  if (group_network(cl, "", 2, 1).price)
+    log.line("collectives: all-reduce, all-gather and reduce-scatter at the algorithm and protocol NCCL's tuner picks for "
+             "each call's size, ranks and nodes (lab/08_nccl_tuner.h: tuning.cc's latencies, β from the table at its 256 MB), "
+             "in place of the flat latency; sends and all-to-all as above");
   const std::string beyond = beyond_table(cl.gpu->net, (cl.gpus + cl.per_node - 1) / cl.per_node);
   if (!beyond.empty()) log.line("%s", beyond.c_str());
   Search search(rc, cl, fixed, job.exhaustive);
