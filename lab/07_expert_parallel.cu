@@ -76,15 +76,17 @@ void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Exper
 // The run's prediction, priced at the imbalance its routing has shown by the time it is asked
 // (RoutedLoads tallies each step's loads), its dispatch flat or two-level over the ep group's nodes.
 std::function<StepTerms(const Gpu&)> predictor(Loop& loop, const RunConfig& rc, int dp, int ep, double bucket_mb,
-                                                const ExpertParallelMoe& moe) {
+                                                const ExpertParallelMoe& moe, const Schedule* schedule) {
   auto loads = std::make_shared<RoutedLoads>(rc.model, ep);
   loop.step = loads->tally(loop.step);
   const auto* two = dynamic_cast<const TwoLevelMoe*>(&moe);
   const int nodes = two ? two->topology().nodes : 0;
-  return [&rc, dp, ep, bucket_mb, loads, nodes](const Gpu& g) {
+  return [&rc, dp, ep, bucket_mb, loads, nodes, schedule](const Gpu& g) {
     const double mbs = double(rc.batch) / dp / rc.micro_batch;
-    return predict_step_time(g, rc, dp, ep, bucket_mb, loads->imbalance(),
-                             nodes > 1 ? two_level_dispatch(rc, dp, ep, nodes, mbs) : std::vector<DispatchLevel>{});
+    StepTerms s = predict_step_time(g, rc, dp, ep, bucket_mb, loads->imbalance(),
+                                    nodes > 1 ? two_level_dispatch(rc, dp, ep, nodes, mbs) : std::vector<DispatchLevel>{});
+    if (schedule && schedule->step_time) schedule->step_time(s);  // --overlap-a2a: the all-to-all it hides
+    return s;
   };
 }
 }  // namespace ep
