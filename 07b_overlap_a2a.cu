@@ -22,8 +22,8 @@
 //
 // Progress. On the CPU a dispatch is MPI_Ialltoallv (Comm::all_to_all_v_async), and MPICH moves a
 // message only inside MPI calls (no progress thread unless MPIR_CVAR_ASYNC_PROGRESS=1): the other
-// micro-batch's dense GEMMs (PollingGemms) and its experts each start with an MPI_Test of what is in
-// flight (poll), as 04a's GEMM slices do. On CUDA the all-to-all is NCCL's grouped send/recv on the
+// micro-batch's dense GEMMs (PollingGemms) each start with an MPI_Test of what is in flight (poll),
+// as 04a's GEMM slices do, and so does each micro-batch's compute after an all-to-all it waited for. On CUDA the all-to-all is NCCL's grouped send/recv on the
 // ep group's communication stream, after an event on the compute stream; wait makes the compute
 // stream wait for it: the GPU overlaps the two streams by itself while the host queues the other
 // micro-batch's kernels.
@@ -154,13 +154,13 @@ class OverlappedMoe : public ExpertParallelMoe {
                c.name() + " all_to_all_v (" + what + ")", Trace::get().now_us()};
     in_flight_.push_back(&t);
     Interleave::pass_on();  // the other micro-batch computes while the rows travel
-    complete(t, out, what);
+    complete(t, what);
     in_flight_.erase(std::find(in_flight_.begin(), in_flight_.end(), &t));
+    poll();  // the other micro-batch's, before this one computes on what arrived
   }
-  // The rows of `out` are read after this: wait for them (tests/bugs/early_combine_read.cpp reads
-  // a combine's before). The host's wait is the exposed all-to-all: "ep wait (...)" on the trace.
-  virtual void complete(InFlight& t, const Tensor& out, const char* what) {
-    (void)out;
+  // The rows the caller reads next are there after this (tests/bugs/early_combine_read.cpp reads a
+  // combine's before). The host's wait is the exposed all-to-all: "ep wait (...)" on the trace.
+  static void complete(InFlight& t, const char* what) {
     if (!t.active) return;  // a poll saw it complete
     {
       TraceScope s(std::string("ep wait (") + what + ")", Lane::Comm);
