@@ -3,8 +3,8 @@
 // waiting, so bit for bit 07 without the flag and by the fp32 criterion 01, at (dp, ep) ∈ {(2, 2),
 // (4, 2), (4, 4)} with 2 and 4 micro-batches per rank, under full recompute, with OpenBLAS's
 // SkylakeX kernels, and on the emulated GPU (NCCL's grouped send/recv on the ep group's stream); the
-// trace shows an all-to-all in flight while a layer of the other micro-batch starts; a seeded bug
-// (a combine read before its all-to-all completes) fails the criterion; bad input.
+// trace shows an all-to-all in flight while a layer of the other micro-batch starts; 08 at dp × tp ×
+// ep; a seeded bug (a combine read before its all-to-all completes) fails the criterion; bad input.
 #include <catch2/catch.hpp>
 
 #include <fstream>
@@ -51,6 +51,17 @@ TEST_CASE("--overlap-a2a reproduces 07 bit for bit and 01 (fp32) at ep 2 and 4, 
 TEST_CASE("--overlap-a2a with OpenBLAS's SkylakeX kernels reproduces 01", "[07b][e2e][equiv]") {
   const std::string env = "OPENBLAS_CORETYPE=SkylakeX";
   tst::check_equivalent(expert(4, 2, 1, true, "", env), tst::cached_run("01_single_gpu", 1, kMoe + tst::steps_args(4, 8, 8), 180, env));
+}
+
+// 08 runs the same schedule on its mesh where no pipeline orders the micro-batches: dp 2 × tp 2 ×
+// ep 2 (each tp rank its own ep group's all-to-alls, handed over in the same order on every rank).
+TEST_CASE("08 --overlap-a2a at dp 2 × tp 2 × ep 2 and dp 4 × ep 4 reproduces 01", "[07b][08][e2e][equiv]") {
+  for (auto [dp, tp, ep] : {std::tuple<int, int, int>{2, 2, 2}, {4, 1, 4}}) {
+    INFO("dp " << dp << " tp " << tp << " ep " << ep);
+    tst::check_equivalent(tst::cached_run("08_5d_mesh", dp * tp, kMoe + mesh(dp, ep, 1) + "--tp " + std::to_string(tp) +
+                                                                       " --kv-heads 4 --overlap-a2a"),
+                          single("--kv-heads 4"));
+  }
 }
 
 #ifdef TS_CUDA_EMU
@@ -126,5 +137,9 @@ TEST_CASE("bad input: --overlap-a2a refused with one line on every rank", "[07b]
       {2, "--dp 2 --ep 2 --batch 6 --micro-batch 1", "--overlap-a2a pairs micro-batches: each rank's 3"},
       {2, "--dp 2 --ep 2 --batch 8 --micro-batch 4", "--overlap-a2a pairs micro-batches: each rank's 1"},
       {2, "--dp 2 --ep 2 --dispatch two-level", "--overlap-a2a overlaps the flat dispatch"},
+  });
+  tst::check_errors("08_5d_mesh", kMoe + "--steps 1 --overlap-a2a ", {
+      {4, "--dp 2 --ep 2 --pp 2", "--overlap-a2a with --pp 2 is not composed"},
+      {2, "--dp 2 --ep 2 --batch 2 --micro-batch 1", "--overlap-a2a pairs micro-batches: each rank's 1"},
   });
 }
