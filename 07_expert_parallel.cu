@@ -442,13 +442,18 @@ static EpFlags read_ep_flags(Args& args, MeshConfig& mc) {
   return f;
 }
 
+// 07's checks, then a registered schedule's (--overlap-a2a's), before any collective.
+static void validate(const RunConfig& rc, const MeshConfig& mc, const EpFlags& f) {
+  ep::validate(rc, mc);
+  if (f.schedule) f.schedule->validate(rc, mc, *f.dispatch);
+}
+
 int main(int argc, char** argv) {
   EpFlags f;
   TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_ep_flags(a, mc); });
   RunConfig& rc = run.rc;
   const MeshConfig& mc = run.mc;
-  ep::validate(rc, mc);
-  if (f.schedule) f.schedule->validate(rc, mc, *f.dispatch);
+  validate(rc, mc, f);
   if (!run.start([&] { ep::print_plan(run.log(), rc, mc.dp, mc.ep); }, [&] { return ep::predict_memory(rc, mc.ep); }))
     return 0;
   const std::vector<int> nodes = ep::report_nodes(run.log(), run.mesh.ep());  // its experts placed by them:
