@@ -4,13 +4,15 @@
 //
 // Why: 07 runs a MoE layer's dispatch and combine on the critical path: every rank waits while the
 // rows travel. DeepSeek-V3's DualPipe (technical report §3.2.1) and Megatron-LM's MoE communication
-// overlap (--overlap-moe-expert-parallel-comm, its "1F1B A2A overlap") pair two micro-batches and
-// run one's all-to-all while the other computes. Here two micro-batches A and B run as two
-// coroutines on this thread, and each all-to-all hands over to the other at its post:
+// overlap (--overlap-moe-expert-parallel-comm) pair two micro-batches and run one's all-to-all while
+// the other computes. Here two micro-batches A and B run as two coroutines on this thread, and each
+// all-to-all hands over to the other at its post. One MoE layer, turn by turn:
 //
-//   A: attn, router │ post dispatch(A) ─┐                     ┌ wait, experts(A), post combine(A) ─┐
-//   B:              │                   └ attn, router(B),     │                                    └ wait dispatch(B), experts(B), ...
-//                   │                     post dispatch(B) ────┘
+//   A  attn, router, post dispatch(A) |                               | wait dispatch(A), experts(A),
+//   B                                 | attn, router, post dispatch(B) |   post combine(A) ...
+//
+//   ... | wait dispatch(B), experts(B), post combine(B) | wait combine(A), sum, next layer's attn ...
+//
 // so dispatch(A) travels under B's attention and router, dispatch(B) under A's experts, combine(A)
 // under B's experts, combine(B) under A's next layer's attention; backward mirrors it (each
 // exchange of 07's experts_backward hands over the same way). notes/07_expert_parallel.md draws
@@ -23,10 +25,10 @@
 // Progress. On the CPU a dispatch is MPI_Ialltoallv (Comm::all_to_all_v_async), and MPICH moves a
 // message only inside MPI calls (no progress thread unless MPIR_CVAR_ASYNC_PROGRESS=1): the other
 // micro-batch's dense GEMMs (PollingGemms) each start with an MPI_Test of what is in flight (poll),
-// as 04a's GEMM slices do, and so does each micro-batch's compute after an all-to-all it waited for. On CUDA the all-to-all is NCCL's grouped send/recv on the
-// ep group's communication stream, after an event on the compute stream; wait makes the compute
-// stream wait for it: the GPU overlaps the two streams by itself while the host queues the other
-// micro-batch's kernels.
+// as 04a's GEMM slices do, and so does each micro-batch's compute after an all-to-all it waited
+// for. On CUDA the all-to-all is NCCL's grouped send/recv on the ep group's communication stream,
+// after an event on the compute stream; wait makes the compute stream wait for it: the GPU overlaps
+// the two streams by itself while the host queues the other micro-batch's kernels.
 //
 //   mpirun -np 4 ./build/07_expert_parallel --dp 4 --ep 4 --experts 8 --top-k 2 --micro-batch 1 --overlap-a2a
 #ifndef TS_07B_OVERLAP_A2A_CU
