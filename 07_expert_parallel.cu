@@ -330,6 +330,7 @@ struct Schedule {
   std::function<ExpertParallelMoe&(Model& m, Comm& group, const std::vector<int>& nodes)> install;
   std::function<void(int n, const std::function<void(int)>& resume, const std::function<void(int)>& one)> run;
   std::function<void(StepTerms&)> step_time;  // what it hides of the predicted step (lab)
+  int live_microbatches = 1;                  // whose activations are alive at once (the memory predicted)
 };
 inline std::vector<Schedule>& schedules() {
   static std::vector<Schedule> s;
@@ -350,9 +351,10 @@ inline const Schedule* read_schedule(Args& a) {
 // The plan and the memory predicted before the run; after it, the all-to-all bytes against the
 // balanced prediction and this run's routing, both reductions' bytes; the step time predicted at
 // the imbalance the run's routing shows (it tallies the loads of `loop.step`, set before).
-void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep);
-MemoryPrediction predict_memory(const RunConfig& rc, int ep);
-void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, ExpertParallelMoe& moe);
+void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep, const Schedule* schedule = nullptr);
+MemoryPrediction predict_memory(const RunConfig& rc, int ep, const Schedule* schedule = nullptr);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, ExpertParallelMoe& moe,
+                 const Schedule* schedule = nullptr);
 std::function<StepTerms(const Gpu&)> predictor(Loop& loop, const RunConfig& rc, int dp, int ep, double bucket_mb,
                                                 const ExpertParallelMoe& moe, const Schedule* schedule = nullptr);
 }  // namespace ep
@@ -454,7 +456,8 @@ int main(int argc, char** argv) {
   RunConfig& rc = run.rc;
   const MeshConfig& mc = run.mc;
   validate(rc, mc, f);
-  if (!run.start([&] { ep::print_plan(run.log(), rc, mc.dp, mc.ep); }, [&] { return ep::predict_memory(rc, mc.ep); }))
+  if (!run.start([&] { ep::print_plan(run.log(), rc, mc.dp, mc.ep, f.schedule); },
+                 [&] { return ep::predict_memory(rc, mc.ep, f.schedule); }))
     return 0;
   const std::vector<int> nodes = ep::report_nodes(run.log(), run.mesh.ep());  // its experts placed by them:
   Model& model = run.build_model({ep::shard_spec(mc.ep, f.dispatch->place(run.log(), run.mesh, rc.model, nodes))});
@@ -465,7 +468,7 @@ int main(int argc, char** argv) {
   Loop loop;
   loop.step = [&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step, f.schedule); };
   loop.save = [&](long step) { save(rc, run.mesh, model, opt, step); };
-  ep::add_reports(loop, run.log(), rc, run.mesh, moe);
+  ep::add_reports(loop, run.log(), rc, run.mesh, moe, f.schedule);
   return run.train(loop, ep::predictor(loop, rc, mc.dp, mc.ep, f.bucket_mb, moe, f.schedule), "dp");
 }
 #endif  // TS_PROGRAM == 7

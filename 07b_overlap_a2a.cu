@@ -239,6 +239,7 @@ inline const bool kOverlapA2aRegistered = add_schedule({
     },
     run_pairs,
     hide_all_to_all,
+    2,  // the pair's activations, both alive until its backward
 });
 
 }  // namespace ep

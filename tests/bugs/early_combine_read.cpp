@@ -36,6 +36,7 @@ const bool kRegistered = ep::add_schedule({
     },
     ep::run_pairs,
     ep::hide_all_to_all,
+    2,
 });
 
 }  // namespace
