@@ -206,13 +206,16 @@ inline ExpertParallelMoe& install_overlapped(Model& m, OverlappedMoe* b) {
   return *b;
 }
 
+// Refused on every rank alike (each checks the same flags), one line each.
 inline void validate_overlap(const RunConfig& rc, const MeshConfig& mc, const Dispatch& d) {
-  if (mc.ep < 2) config_error("--overlap-a2a needs --ep > 1: it hides the expert all-to-all, which --ep %d does not run", mc.ep);
-  if (d.name != "flat") config_error("--overlap-a2a overlaps the flat dispatch's all-to-all (got --dispatch %s)", d.name.c_str());
+  if (mc.ep < 2)
+    config_error("--overlap-a2a needs --ep > 1: it hides the expert all-to-all, which --ep %d does not run", mc.ep);
+  if (d.name != "flat")
+    config_error("--overlap-a2a overlaps the flat dispatch's all-to-all (got --dispatch %s)", d.name.c_str());
   const int n = mc.dp > 0 && rc.micro_batch > 0 ? rc.batch / mc.dp / rc.micro_batch : 0;
   if (n % 2 || n == 0)
-    config_error("--overlap-a2a pairs micro-batches: each rank's %d (--batch %d / --dp %d / --micro-batch %d) must be even",
-                 n, rc.batch, mc.dp, rc.micro_batch);
+    config_error("--overlap-a2a pairs micro-batches: each rank's %d (--batch %d / --dp %d / --micro-batch %d) "
+                 "must be even", n, rc.batch, mc.dp, rc.micro_batch);
 }
 
 // ----- the step time it predicts (make bench's row) -----------------------------------------------
@@ -239,7 +242,7 @@ inline const bool kOverlapA2aRegistered = add_schedule({
     },
     run_pairs,
     hide_all_to_all,
-    2,  // the pair's activations, both alive until its backward
+    2,  // a pair's activations at once (an upper bound: the first frees some before the second's forward ends)
 });
 
 }  // namespace ep

@@ -53,19 +53,24 @@ TEST_CASE("--overlap-a2a with OpenBLAS's SkylakeX kernels reproduces 01", "[07b]
   tst::check_equivalent(expert(4, 2, 1, true, "", env), tst::cached_run("01_single_gpu", 1, kMoe + tst::steps_args(4, 8, 8), 180, env));
 }
 
-// A pair's activations are alive at once, twice one micro-batch's: measured = predicted where routing
+// A pair's activations are alive at once: the prediction holds both micro-batches' whole, twice
+// one's, an upper bound; the measured peak comes when the second finishes its forward, by which time
+// the first has freed a little of its backward's (here 82,176 of 1,327,616 bytes: 6%). Where routing
 // moves no rows unevenly (2 experts, top-2: every token to both), in 07 and 08.
-TEST_CASE("--overlap-a2a: activations measured = predicted, a pair's", "[07b][e2e][mem]") {
-  const std::string two = "--experts 2 --top-k 2 --dp 2 --ep 2 --micro-batch 2 --steps 2 --overlap-a2a";
+TEST_CASE("--overlap-a2a: activations measured within the pair's predicted", "[07b][e2e][mem]") {
+  const std::string two = "--experts 2 --top-k 2 --dp 2 --ep 2 --micro-batch 2 --steps 2";
+  const auto activations = [&](const char* bin, const std::string& more) -> const ts::Json& {
+    return tst::cached_run(bin, 2, kMoe + two + more).log.summary.at("memory").at("activations");
+  };
+  const double one = activations("07_expert_parallel", "").at("predicted").as_double();
+  CHECK(activations("07_expert_parallel", "").at("measured").as_double() == one);
   for (const char* bin : {"07_expert_parallel", "08_5d_mesh"}) {
-    const ts::Json& m = tst::cached_run(bin, 2, kMoe + two).log.summary.at("memory").at("activations");
+    const ts::Json& m = activations(bin, " --overlap-a2a");
     INFO(bin);
-    CHECK(m.at("measured").as_double() == m.at("predicted").as_double());
+    CHECK(m.at("predicted").as_double() == 2 * one);
+    CHECK(m.at("measured").as_double() <= m.at("predicted").as_double());
+    CHECK(m.at("measured").as_double() >= 0.9 * m.at("predicted").as_double());
   }
-  const ts::Json& one = tst::cached_run("07_expert_parallel", 2, kMoe + two.substr(0, two.find(" --overlap")))
-                            .log.summary.at("memory").at("activations");
-  CHECK(one.at("predicted").as_double() * 2 ==
-        tst::cached_run("07_expert_parallel", 2, kMoe + two).log.summary.at("memory").at("activations").at("predicted").as_double());
 }
 
 // 08 runs the same schedule on its mesh where no pipeline orders the micro-batches: dp 2 × tp 2 ×
