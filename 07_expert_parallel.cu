@@ -444,10 +444,14 @@ static EpFlags read_ep_flags(Args& args, MeshConfig& mc) {
   return f;
 }
 
-// 07's checks, then a registered schedule's (--overlap-a2a's), before any collective.
-static void validate(const RunConfig& rc, const MeshConfig& mc, const EpFlags& f) {
-  ep::validate(rc, mc);
-  if (f.schedule) f.schedule->validate(rc, mc, *f.dispatch);
+// 07's checks, then a registered schedule's (--overlap-a2a's), before any collective; the plan and
+// the memory predicted. False after --dry-run.
+static bool start(TrainingRun& run, const EpFlags& f) {
+  ep::validate(run.rc, run.mc);
+  if (f.schedule) f.schedule->validate(run.rc, run.mc, *f.dispatch);
+  const ep::Schedule* s = f.schedule;
+  return run.start([&run, s] { ep::print_plan(run.log(), run.rc, run.mc.dp, run.mc.ep, s); },
+                   [&run, s] { return ep::predict_memory(run.rc, run.mc.ep, s); });
 }
 
 int main(int argc, char** argv) {
@@ -455,10 +459,7 @@ int main(int argc, char** argv) {
   TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_ep_flags(a, mc); });
   RunConfig& rc = run.rc;
   const MeshConfig& mc = run.mc;
-  validate(rc, mc, f);
-  if (!run.start([&] { ep::print_plan(run.log(), rc, mc.dp, mc.ep, f.schedule); },
-                 [&] { return ep::predict_memory(rc, mc.ep, f.schedule); }))
-    return 0;
+  if (!start(run, f)) return 0;
   const std::vector<int> nodes = ep::report_nodes(run.log(), run.mesh.ep());  // its experts placed by them:
   Model& model = run.build_model({ep::shard_spec(mc.ep, f.dispatch->place(run.log(), run.mesh, rc.model, nodes))});
   ep::ExpertParallelMoe& moe = (f.schedule ? f.schedule->install : f.dispatch->install)(model, run.mesh.ep(), nodes);
