@@ -193,7 +193,7 @@ SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_pa
                04_tensor_parallel+no_split_table 02_data_parallel+skip_collective 02_data_parallel+short_collective \
                07_expert_parallel+local_bias_loads 07_expert_parallel+skip_shared_expert \
                07_expert_parallel+per_expert_copies 07_expert_parallel+lost_partial \
-               04_tensor_parallel+early_ring_send
+               04_tensor_parallel+early_ring_send 07_expert_parallel+early_combine_read
 # The faults the reliability tests inject the same way (tests/bugs/stop_in.cpp: a rank stopped or
 # killed in a named collective; crash_in_save.cpp: a save cut short): the technique code has no
 # test switch of its own (notes/00_architecture.md, "Seeded bugs").
@@ -216,6 +216,7 @@ $(BUILD)/tests/test_reliability: | $(patsubst %,$(BUILD)/tests/bugs/%,$(STOP_IN)
 $(BUILD)/tests/test_single: | $(BUILD)/tests/bugs/01_single_gpu+crash_in_save
 $(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
 $(BUILD)/tests/test_async_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+early_ring_send
+$(BUILD)/tests/test_overlap_a2a: | $(BUILD)/tests/bugs/07_expert_parallel+early_combine_read
 $(BUILD)/tests/test_emu_chapters: | $(patsubst %,$(BUILD)/tests/bugs/%,$(EMU_BUGS))
 $(BUILD)/tests/test_ep: | $(BUILD)/tests/bugs/07_expert_parallel+local_bias_loads \
                           $(BUILD)/tests/bugs/07_expert_parallel+skip_shared_expert \

@@ -860,7 +860,9 @@ inline void predict_step_time(Loop& loop, RunLog& log, const RunConfig& rc, cons
   const std::string dense = dense_group_name(p) + (p.zero ? " ZeRO-" + std::to_string(p.zero) : "");
   const int world = p.mesh.dp * p.mesh.pp * p.mesh.cp * p.mesh.tp;
   ts::predict_step_time(loop, log, rc, cal, dev, dense, [rc, p, world](const Gpu& g) {
-    return step_terms(rc, Cluster{&g, g.mem_gib, world, world}, p);
+    StepTerms s = step_terms(rc, Cluster{&g, g.mem_gib, world, world}, p);
+    if (p.ep_schedule && p.ep_schedule->step_time) p.ep_schedule->step_time(s);  // --overlap-a2a (07b)
+    return s;
   });
 }
 
