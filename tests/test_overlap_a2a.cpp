@@ -81,8 +81,8 @@ TEST_CASE("--overlap-a2a: activations measured = predicted, the pair priced at i
   CHECK(activations("07_expert_parallel", 2, two + " --overlap-a2a").at("predicted").as_double() == 1245440);
   CHECK(one == 663808);
   // DeepSeekMoE's shared experts run after the combine, so B waits there without its last layer's
-  // shared set and the pair's peak falls on a later turn: the prediction is then an upper bound, by
-  // at most that set (3·Fs·e per token); here by one of its three tensors, 64 tokens × 64 × 4 B.
+  // shared set and the pair's peak falls on a later turn (not derived): the prediction then exceeds
+  // the measured peak by at most that set (3·Fs·e per token); here by 64 tokens × 256 B.
   const ts::Json& sh = activations("07_expert_parallel", 2, two + "--shared-experts 1 --overlap-a2a");
   CHECK(sh.at("predicted").as_double() - sh.at("measured").as_double() == 64 * 64 * 4);
 }
