@@ -330,7 +330,7 @@ struct Schedule {
   std::function<ExpertParallelMoe&(Model& m, Comm& group, const std::vector<int>& nodes)> install;
   std::function<void(int n, const std::function<void(int)>& resume, const std::function<void(int)>& one)> run;
   std::function<void(StepTerms&)> step_time;  // what it hides of the predicted step (lab)
-  int live_microbatches = 1;                  // whose activations are alive at once (the memory predicted)
+  int live_microbatches = 1;                  // alive at once: 2, a pair (lab/07's schedule_activations)
 };
 inline std::vector<Schedule>& schedules() {
   static std::vector<Schedule> s;

@@ -242,7 +242,7 @@ inline const bool kOverlapA2aRegistered = add_schedule({
     },
     run_pairs,
     hide_all_to_all,
-    2,  // a pair's activations at once (an upper bound: the first frees some before the second's forward ends)
+    2,  // a pair's activations at once, priced at the turn of their peak (lab/07's schedule_activations)
 });
 
 }  // namespace ep

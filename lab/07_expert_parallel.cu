@@ -19,8 +19,7 @@ namespace ep {
 MemoryPrediction predict_memory(const RunConfig& rc, int ep, const Schedule* schedule) {
   const ParamSplit s = param_split(rc, ep);
   MemoryPrediction p = predict_states(s.dense + s.experts, s.dense + s.experts, rc.dtype, rc.master_weights);
-  p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);  // balanced routing
-  if (schedule) p.activations *= schedule->live_microbatches;  // --overlap-a2a: a pair's, both alive
+  p.activations = schedule_activations(schedule, rc.model, rc.micro_batch, rc.dtype, rc.recompute);  // balanced routing
   p.comm_also_holds(comm_holds(ep));
   return p;
 }

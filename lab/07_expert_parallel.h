@@ -37,6 +37,19 @@ inline ParamSplit param_split(const RunConfig& rc, int ep) { return param_split(
 // What the memory table's comm row holds (Tag::Comm): the counts, not the rows (those are activations).
 inline std::string comm_holds(int ep) { return ep > 1 ? "the per-expert row counts exchanged before each all-to-all" : ""; }
 
+// Saved activations at the peak: one micro-batch's (predict_activations), or under a schedule that
+// keeps a pair alive (07b's --overlap-a2a) the pair's. A leads B by one turn, so whenever A stands
+// at its own peak (the end of its forward or its last layer's forward) B has posted its last
+// layer's combine and waits there: at its last-layer moment, that layer's whole set (the combine's
+// receive buffer in it) and its output allocated. The two moments are activation_moments'; the
+// turns that follow hold less (notes/07's "What it costs" derives it).
+inline double schedule_activations(const Schedule* s, const ModelConfig& c, int64_t b, DType dt, Recompute rc,
+                                   int tp = 1, bool sp = false) {
+  if (!s || s->live_microbatches < 2) return predict_activations(c, b, dt, rc, tp, sp);
+  const ActivationMoments m = activation_moments(c, b, dt, rc, tp, sp);
+  return std::max(m.end_of_forward, m.last_layer) + m.last_layer;
+}
+
 // ----- predict: step time (the pieces in common/training/step_time.h) ------------------------------------------
 
 // All-to-all calls per step: per layer a dispatch and a combine forward, and both again backward.

@@ -58,14 +58,18 @@ double head_activation_bytes(const ModelConfig& c, DType dt, int tp, bool sp) {
 // The peak of saved activations is the larger of two moments:
 //  A) the end of the forward: every layer's saved set + the head's (final norm in/out, logits);
 //  F) the forward of the last layer: L-1 saved sets + that layer's complete set + its output.
-double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp, bool sp) {
+ActivationMoments activation_moments(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp, bool sp) {
   const double e = double(dtype_size(dt)), tokens = double(b) * c.seq, t = tp, r = sp ? 1.0 / tp : 1.0;
   const double saved = layer_saved_per_token(c, e, rc, t, r);
   const double all = layer_saved_per_token(c, e, Recompute::None, t, r);
   const double head = head_saved_per_token(c, e, t, r);
   const double A = c.layers * saved + head;
   const double F = (c.layers - 1) * saved + all + r * c.dim * e;
-  return tokens * std::max(A, F);
+  return {tokens * A, tokens * F};
+}
+double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp, bool sp) {
+  const ActivationMoments m = activation_moments(c, b, dt, rc, tp, sp);
+  return std::max(m.end_of_forward, m.last_layer);
 }
 
 }  // namespace ts

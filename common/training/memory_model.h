@@ -31,6 +31,10 @@ MemoryPrediction predict_replica(const RunConfig& rc, int64_t psi_local);
 // Peak bytes of saved activations for one micro-batch of b sequences (see notes/01), at tensor
 // parallelism tp with or without sequence parallelism (notes/04).
 double predict_activations(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp = 1, bool sp = false);
+// The two moments it takes the larger of (memory_model.cu): the end of the forward, and the last
+// layer's forward with its output allocated (07b's pair of micro-batches prices one of each).
+struct ActivationMoments { double end_of_forward = 0, last_layer = 0; };
+ActivationMoments activation_moments(const ModelConfig& c, int64_t b, DType dt, Recompute rc, int tp = 1, bool sp = false);
 // Its terms, per token of the micro-batch: what one decoder layer saves for backward under `rc`
 // (Recompute::None: the layer's complete set), and what the head holds at its peak. Pipeline
 // stages build their own peaks from them (micro-batches in flight × layers held).
