@@ -16,7 +16,7 @@
 #   make clean
 #
 # Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos,
-#            SANITIZE=address (with CUDA=emu and its own BUILD: AddressSanitizer, below).
+#            SANITIZE=address|thread (with CUDA=emu and its own BUILD: Address- or ThreadSanitizer, below).
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA ?= auto
@@ -71,8 +71,16 @@ LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
 ifeq ($(SANITIZE),address)
   HOST_FLAGS += -O1 -g -fno-omit-frame-pointer -fsanitize=address
   SAN_LD := -fsanitize=address
+else ifeq ($(SANITIZE),thread)
+  # SANITIZE=thread: ThreadSanitizer over the emulated GPU (make CUDA=emu SANITIZE=thread
+  # BUILD=build-tsan): each CUDA thread is a TSan fiber, barriers and event waits are its
+  # happens-before edges (common/emu/tsan.h), so a data race between threads, blocks, streams or an
+  # NCCL call and a kernel is a report naming the kernel and both source lines.
+  HOST_FLAGS += -O1 -g -fno-omit-frame-pointer -fsanitize=thread
+  SAN_LD := -fsanitize=thread
+  CPPFLAGS += -DTS_EMU_TSAN
 else ifneq ($(SANITIZE),)
-  $(error SANITIZE=$(SANITIZE): only SANITIZE=address is supported)
+  $(error SANITIZE=$(SANITIZE): only SANITIZE=address and SANITIZE=thread are supported)
 endif
 
 ifeq ($(CUDA),emu)
@@ -99,6 +107,11 @@ endif
 HOST_CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 DEVICE_SRC := $(shell grep -l '__global__' common/*/*.cu 0[1-8]*_*.cu lab/*.cu bench/*.cu 2>/dev/null)
 compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
+ifeq ($(SANITIZE),thread)
+  # The emulator's own sources are not instrumented: its bookkeeping is not the program's, and what
+  # it does to the program's memory is declared to TSan by hand (common/emu/tsan.h).
+  $(BUILD)/common/emu/%.o: HOST_CU := $(filter-out -fsanitize=thread,$(HOST_CU))
+endif
 LD := $(CXX) -fopenmp $(SAN_LD)
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
 

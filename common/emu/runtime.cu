@@ -23,12 +23,14 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
 
 #include "emu.h"
+#include "tsan.h"  // SANITIZE=thread: what orders stream work, as happens-before
 #include "tensor/hooks.h"  // set_recycle_hook: the caching allocator's recycled blocks
 
 namespace emu {
@@ -197,6 +199,15 @@ struct Op {
   uint64_t seq;
   std::string what;
   std::function<void()> work;
+  std::shared_ptr<char> issued;  // SANITIZE=thread: what the host had done when it queued the op
+};
+
+// SANITIZE=thread: each op's completion is its own sync object, acquired only by who waits for that
+// op (a ring of the last kDoneRing; a wait for an older op takes the newest, a little too much).
+constexpr size_t kDoneRing = 1024;
+struct DoneRing {
+  std::vector<std::unique_ptr<char>> sync = std::vector<std::unique_ptr<char>>(kDoneRing);
+  std::vector<uint64_t> seq = std::vector<uint64_t>(kDoneRing, 0);
 };
 
 struct Stream {
@@ -209,7 +220,22 @@ struct Stream {
   bool blocking = true;   // created without cudaStreamNonBlocking (the null stream waits for it)
   int device = 0;         // the device current when it was created: its work may only be queued there
   bool destroyed = false;
+  std::unique_ptr<DoneRing> ring = tsan::kOn ? std::make_unique<DoneRing>() : nullptr;
 };
+
+// SANITIZE=thread (the caller holds s->mu): op seq has run; and who saw it finish acquires it.
+static void tsan_done(Stream* s, uint64_t seq) {
+  if (!tsan::kOn) return;
+  auto& slot = s->ring->sync[seq % kDoneRing];
+  slot.reset(new char);
+  s->ring->seq[seq % kDoneRing] = seq;
+  tsan::release(slot.get());
+}
+static void tsan_saw_done(Stream* s, uint64_t seq) {
+  if (!tsan::kOn || !seq) return;
+  const size_t i = s->ring->seq[seq % kDoneRing] == seq ? seq % kDoneRing : s->done % kDoneRing;
+  if (s->ring->sync[i]) tsan::acquire(s->ring->sync[i].get());
+}
 
 static thread_local bool t_on_stream = false;
 static thread_local int t_device = 0;  // cudaSetDevice's, per host thread as in CUDA
@@ -219,15 +245,18 @@ bool on_stream_thread() { return t_on_stream; }
 // long as it likes and other threads may queue behind it.
 static void worker(Stream* s) {
   t_on_stream = true;
+  tsan::stream_thread(s->blocking ? "emulated stream (blocking)" : "emulated stream (non-blocking)");
   std::unique_lock<std::mutex> lk(s->mu);
   for (;;) {
     s->cv.wait(lk, [&] { return !s->queue.empty() && s->queue.front().seq <= s->demanded; });
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
     lk.unlock();
+    if (op.issued) tsan::acquire(op.issued.get());
     if (sticky_error() == cudaSuccess) op.work();  // after a fault nothing more runs, as on hardware
     op.work = nullptr;
     lk.lock();
+    tsan_done(s, op.seq);
     s->done = op.seq;
     s->cv.notify_all();
   }
@@ -263,6 +292,7 @@ uint64_t last_seq(Stream* s) {
 }
 bool finished(Stream* s, uint64_t seq) {
   std::lock_guard<std::mutex> lk(s->mu);
+  if (s->done >= seq) tsan_saw_done(s, seq);  // a query that finds it complete has synchronised
   return s->done >= seq;
 }
 
@@ -272,7 +302,10 @@ void demand(Stream* s, uint64_t seq, bool wait) {
     s->demanded = seq;
     s->cv.notify_all();
   }
-  if (wait) s->cv.wait(lk, [&] { return s->done >= seq; });
+  if (wait) {
+    s->cv.wait(lk, [&] { return s->done >= seq; });
+    tsan_saw_done(s, seq);
+  }
 }
 
 uint64_t enqueue(cudaStream_t h, std::string what, std::function<void()> work, bool eager) {
@@ -304,9 +337,11 @@ uint64_t enqueue(cudaStream_t h, std::string what, std::function<void()> work, b
         w();
       };
   }
+  std::shared_ptr<char> issued;
+  if (tsan::kOn) issued.reset(new char), tsan::release(issued.get());
   std::lock_guard<std::mutex> lk(s->mu);
   uint64_t seq = ++s->issued;
-  s->queue.push_back(Op{seq, std::move(what), std::move(work)});
+  s->queue.push_back(Op{seq, std::move(what), std::move(work), std::move(issued)});
   if (eager) s->demanded = std::max(s->demanded, seq);
   s->cv.notify_all();
   return seq;
@@ -349,9 +384,21 @@ bool is_pinned(const void* p, size_t bytes) {
   return inside(g_pinned, p, bytes);
 }
 uint64_t device_to_host_copies() { return g_d2h.load(); }
+// A stream's copies and memsets, as the program's accesses (SANITIZE=thread: tsan.h).
+static void* declared_write(void* dst, size_t bytes) {
+  tsan::write(dst, bytes);
+  return dst;
+}
+static void declared_copy(void* dst, const void* src, size_t bytes) {
+  tsan::read(src, bytes);
+  memcpy(declared_write(dst, bytes), src, bytes);
+}
 void poison_recycled(void* p, size_t bytes, cudaStream_t s) {
   const unsigned char b = uninit_byte();
-  enqueue(s, "poisoning a recycled block", [=] { memset(p, b, bytes); });
+  enqueue(s, "poisoning a recycled block", [=] {
+    tsan::Quiet quiet;  // the emulator's poison, not the program's write
+    memset(p, b, bytes);
+  });
 }
 // The caching allocator (tensor layer, below this one) calls it through its hook.
 static const bool kRecycleHooked = (ts::set_recycle_hook([](void* p, size_t n, void* s) {
@@ -502,7 +549,10 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   }
   void* q = aligned_alloc(256, n);
   if (!q) return ret(cudaErrorMemoryAllocation);
-  memset(q, emu::uninit_byte(), n);
+  {
+    emu::tsan::Quiet quiet;
+    memset(q, emu::uninit_byte(), n);
+  }
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_device[uintptr_t(q)] = n;
   *p = q;
@@ -527,7 +577,10 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
   const size_t n = std::max<size_t>((bytes + 255) / 256 * 256, 256);
   *p = aligned_alloc(256, n);
   if (!*p) return ret(cudaErrorMemoryAllocation);
-  memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
+  {
+    emu::tsan::Quiet quiet;
+    memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
+  }
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_pinned[uintptr_t(*p)] = n;
   return cudaSuccess;
@@ -566,12 +619,12 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src, bytes)) {
     // Pageable source: CUDA stages it before returning, so the caller may reuse it at once.
     auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
-    emu::enqueue(s, "cudaMemcpyAsync host to device", [=] { memcpy(dst, staged->data(), bytes); });
+    emu::enqueue(s, "cudaMemcpyAsync host to device", [=] { memcpy(emu::declared_write(dst, bytes), staged->data(), bytes); });
     return cudaSuccess;
   }
   // Pinned host memory is read or written by the copy itself, when it runs on the stream (late):
   // a pinned source overwritten before then is copied as it is then, as the copy engine would.
-  uint64_t seq = emu::enqueue(s, "cudaMemcpyAsync", [=] { memcpy(dst, src, bytes); });
+  uint64_t seq = emu::enqueue(s, "cudaMemcpyAsync", [=] { emu::declared_copy(dst, src, bytes); });
   // Pageable destination: the call returns once the copy is done.
   if (kind == cudaMemcpyDeviceToHost && !emu::is_pinned(dst, bytes)) emu::demand(emu::stream(s), seq, true);
   EMU_STICKY();
@@ -590,10 +643,10 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   if (kind == cudaMemcpyDeviceToHost) emu::g_d2h++;
   if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src, bytes)) {
     auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
-    emu::enqueue(nullptr, "cudaMemcpy host to device", [=] { memcpy(dst, staged->data(), bytes); });
+    emu::enqueue(nullptr, "cudaMemcpy host to device", [=] { memcpy(emu::declared_write(dst, bytes), staged->data(), bytes); });
     return cudaSuccess;
   }
-  uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { memcpy(dst, src, bytes); });
+  uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { emu::declared_copy(dst, src, bytes); });
   if (kind != cudaMemcpyDeviceToDevice) emu::demand(emu::stream(nullptr), seq, true);
   EMU_STICKY();
   return cudaSuccess;
@@ -604,7 +657,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
     emu::report("cudaMemsetAsync(%p, %zu bytes): not inside one device allocation", p, bytes);
     return ret(cudaErrorInvalidValue);
   }
-  emu::enqueue(s, "cudaMemsetAsync", [=] { memset(p, value, bytes); });
+  emu::enqueue(s, "cudaMemsetAsync", [=] { memset(emu::declared_write(p, bytes), value, bytes); });
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }
