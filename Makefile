@@ -210,6 +210,9 @@ STOP_IN := 02_data_parallel+stop_in 03_zero+stop_in 04_tensor_parallel+stop_in 0
 INJECTED_FAULTS := $(STOP_IN) 01_single_gpu+crash_in_save
 # Defects seeded for the emulated GPU's sanitizer checks (tests/bugs/emu_*.cpp; its build only).
 EMU_BUGS := $(if $(filter emu,$(CUDA)),01_single_gpu+emu_host_pointer)
+# ... and for its ThreadSanitizer build (SANITIZE=thread), races that tests/test_emu_races.cpp expects reported.
+EMU_RACE_BUGS := 01_single_gpu+emu_missing_barrier 01_single_gpu+emu_ownership_slip 02_data_parallel+emu_no_ready_wait
+EMU_BUGS += $(if $(filter thread,$(SANITIZE)),$(EMU_RACE_BUGS))
 BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS) $(INJECTED_FAULTS) $(EMU_BUGS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant

@@ -700,14 +700,14 @@ static void catch_faults() {
 #endif
 }
 
-// SANITIZE=thread: thread i of the grid's k-th block runs as a TSan fiber from this host thread's
-// pool. The pool holds kSets sets of a block's threads, used in turn, so consecutive blocks never
-// share a fiber (a shared fiber's program order, and the barriers it passed, would order the two
-// blocks); blocks kSets apart do, so races between them are missed (TSan's fibers are threads: at
-// most 8,128 in a process, never recycled). The fiber's name says which CUDA thread it is now.
+// SANITIZE=thread: thread i of the grid's k-th block runs as TSan fiber (k % 2)·n + i of this host
+// thread's pool: two sets of a block's threads, used in turn, so consecutive blocks never share a
+// fiber (a shared fiber's program order, and the barriers it passed, would order the two blocks).
+// Blocks an even distance apart do share them, so a race only between such blocks is missed. More
+// sets would miss less, but TSan's fibers are threads (at most 8,128 in a process, never recycled)
+// and every barrier costs each fiber a vector clock as long as the fibers there are.
 static void tsan_fiber(Block& b, Thread& t, size_t k, size_t i) {
-  const size_t n = b.threads.size(), sets = std::max<size_t>(1, std::min<size_t>(8, 2048 / n));
-  t.tsan = tsan::slot_fiber(k % sets * n + i, kStack, &t.stack_top);
+  t.tsan = tsan::slot_fiber(k % 2 * b.threads.size() + i, kStack, &t.stack_top);
   char label[160];
   snprintf(label, sizeof label, "%s block (%u,%u,%u) thread (%u,%u,%u)", b.kernel, t.c.block_idx.x, t.c.block_idx.y,
            t.c.block_idx.z, t.c.thread_idx.x, t.c.thread_idx.y, t.c.thread_idx.z);  // TSan keeps 63 characters

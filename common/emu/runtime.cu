@@ -252,7 +252,7 @@ static void worker(Stream* s) {
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
     lk.unlock();
-    if (op.issued) tsan::acquire(op.issued.get());
+    if (op.issued) tsan::acquire(op.issued.get()), tsan::thread_name(("emulated stream running " + op.what).c_str());
     if (sticky_error() == cudaSuccess) op.work();  // after a fault nothing more runs, as on hardware
     op.work = nullptr;
     lk.lock();

@@ -47,6 +47,7 @@ struct Quiet {                       // the emulator's own writes (poison): not 
 };
 void read(const void* p, size_t bytes);
 void write(void* p, size_t bytes);
+void thread_name(const char* s);  // the stream thread's: what it runs now (a report shows the current name)
 #else
 constexpr bool kOn = false;
 inline void stream_thread(const char*) {}
@@ -61,6 +62,7 @@ inline void forget(void*, size_t) {}
 struct Quiet {};
 inline void read(const void*, size_t) {}
 inline void write(void*, size_t) {}
+inline void thread_name(const char*) {}
 #endif
 
 }  // namespace emu::tsan
