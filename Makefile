@@ -259,9 +259,15 @@ $(BUILD)/tests/gpu_probe: $(BUILD)/tests/gpu_probe.o $(BUILD)/common.a
 deps:
 	@scripts/ensure-deps.sh
 
+# The emulated GPU's ThreadSanitizer build that tests/test_emu_races.cpp drives (build-tsan/, only
+# where make test runs on the emulated GPU): the kernel tests, every chapter and the seeded races.
+TSAN_BUILD := build-tsan
+TSAN_BIN := $(patsubst %,$(TSAN_BUILD)/%,tests/test_kernels $(basename $(TECH_SRC)) $(addprefix tests/bugs/,$(EMU_RACE_BUGS)))
+
 test: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) CUDA=$(CUDA) BUILD=$(BUILD) all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
-	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
+	$(if $(filter emu,$(CUDA)),@$(MAKE) --no-print-directory -j$(JOBS) CUDA=emu SANITIZE=thread BUILD=$(TSAN_BUILD) $(TSAN_BIN))
+	@BUILD=$(BUILD) CUDA=$(CUDA) TS_TSAN_BUILD=$(TSAN_BUILD) tests/run_tests.sh
 
 NP ?= 1
 # The demo builds what it runs and no more: 01 and the objects it links, on every core, and the
@@ -287,6 +293,6 @@ ptxas:
 	  --cflags "-Icommon $(MPI_INC) -DTS_CUDA -I$(CUDA_HOME)/include --expt-relaxed-constexpr" $(DEVICE_SRC)
 
 clean:
-	rm -rf build build-cpu build-emu $(BUILD)
+	rm -rf build build-cpu build-emu $(TSAN_BUILD) $(BUILD)
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

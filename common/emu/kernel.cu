@@ -484,8 +484,13 @@ struct SharedSymbols {
 
 static SharedSymbols read_symbols(const char* path) {
   SharedSymbols out;
-  std::ifstream f(path, std::ios::binary);
-  std::string elf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  std::string elf(size_t(std::max<std::streamoff>(0, f.tellg())), '\0');
+  {
+    tsan::Quiet quiet;  // SANITIZE=thread: the emulator reading its own binary is not the program's access
+    f.seekg(0);
+    f.read(&elf[0], std::streamsize(elf.size()));
+  }
   if (elf.size() < sizeof(Elf64_Ehdr) || memcmp(elf.data(), ELFMAG, SELFMAG)) return out;
   const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(elf.data());
   out.pie = eh->e_type == ET_DYN;

@@ -7,7 +7,6 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 #include <new>
 #include <vector>
@@ -36,11 +35,11 @@ void __tsan_java_free(unsigned long ptr, unsigned long size);
 // The build's own settings (TSAN_OPTIONS and a suppressions file still add to them): a report ends
 // the run with exit status 66 at once; MPICH is not instrumented, and what its interceptors see
 // (its shared-memory transport's copies, its locks) is not the program's (called_from_lib). Never
-// a suppression of the project's code. UCX (MPICH's network layer) hooks madvise, and its hook
-// faults under TSan when a thread exits: its memory events are turned off unless set.
+// a suppression of the project's code. (UCX, MPICH's network layer, hooks madvise, and its hook
+// faults under TSan when a thread exits: run with UCX_MEM_EVENTS=no, which its libraries read
+// before any of the program's initialisers could set it.)
 extern "C" const char* __tsan_default_options() { return "exitcode=66:halt_on_error=1:history_size=3"; }
 extern "C" const char* __tsan_default_suppressions() { return "called_from_lib:libmpich.so\n"; }
-static const bool kUcxQuiet = (setenv("UCX_MEM_EVENTS", "no", 0), true);
 
 namespace emu::tsan {
 
