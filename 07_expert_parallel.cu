@@ -175,8 +175,8 @@ class ExpertParallelMoe : public MoeBlock {
   std::shared_ptr<MoeActs> new_acts() const override { return std::make_shared<EpActs>(); }
 
   // One all-to-all_v of rows of D elements over `c`: in_rows[p] rows of `in` to peer p, out_rows[p]
-  // from it into `out`.
-  void exchange(Comm& c, const Tensor& out, const std::vector<int64_t>& out_rows, const Tensor& in,
+  // from it into `out` (07b_overlap_a2a.cu's hands over to the other micro-batch while it travels).
+  virtual void exchange(Comm& c, const Tensor& out, const std::vector<int64_t>& out_rows, const Tensor& in,
                 const std::vector<int64_t>& in_rows, const char* what) {
     TraceScope t(c.name() + " all_to_all_v (" + what + ")", Lane::Comm);
     const int64_t D = in.size(1);
@@ -320,15 +320,43 @@ inline std::vector<int> report_nodes(RunLog& log, Comm& group) {
   return nodes;
 }
 
+// ----- how a step's micro-batches run (--overlap-a2a) ----------------------------------------------
+// One after another here. A file read after this one may register a schedule that interleaves
+// them (07b_overlap_a2a.cu): its flag, its checks, its MoE block, and `run`, which runs micro-batch
+// i by one(i) and calls resume(i) each time micro-batch i goes on (the reducers' sync is its own).
+struct Schedule {
+  std::string flag, help;
+  std::function<void(const RunConfig&, const MeshConfig&, const Dispatch&)> validate;
+  std::function<ExpertParallelMoe&(Model& m, Comm& group, const std::vector<int>& nodes)> install;
+  std::function<void(int n, const std::function<void(int)>& resume, const std::function<void(int)>& one)> run;
+  std::function<void(StepTerms&)> step_time;  // what it hides of the predicted step (lab)
+  int live_microbatches = 1;                  // whose activations are alive at once (the memory predicted)
+};
+inline std::vector<Schedule>& schedules() {
+  static std::vector<Schedule> s;
+  return s;
+}
+inline bool add_schedule(Schedule s) {
+  schedules().push_back(std::move(s));
+  return true;
+}
+inline const Schedule* read_schedule(Args& a) {
+  const Schedule* on = nullptr;
+  for (const Schedule& s : schedules())
+    if (a.get_bool(s.flag, s.help)) on = &s;
+  return on;
+}
+
 // ----- the lab (lab/07_expert_parallel.cu, read after this file) ----------------------------------
 // The plan and the memory predicted before the run; after it, the all-to-all bytes against the
 // balanced prediction and this run's routing, both reductions' bytes; the step time predicted at
 // the imbalance the run's routing shows (it tallies the loads of `loop.step`, set before).
-void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep);
-MemoryPrediction predict_memory(const RunConfig& rc, int ep);
-void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, ExpertParallelMoe& moe);
+void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep, const Schedule* schedule = nullptr);
+MemoryPrediction predict_memory(const RunConfig& rc, int ep, const Schedule* schedule = nullptr);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, ExpertParallelMoe& moe,
+                 const Schedule* schedule = nullptr);
 std::function<StepTerms(const Gpu&)> predictor(Loop& loop, const RunConfig& rc, int dp, int ep, double bucket_mb,
-                                                const ExpertParallelMoe& moe);
+                                                const ExpertParallelMoe& moe, const Schedule* schedule = nullptr);
 }  // namespace ep
 
 // ----- the program ------------------------------------------------------------------------------------
@@ -369,14 +397,17 @@ struct Reducers {
 // reducing. The gradient norm counts the dense tensors once (ep rank 0) and each expert on its
 // owner, summed over the ep group (every ep group holds the same reduced values).
 static StepResult train_step(Model& model, AdamW& opt, Reducers& reducers, const TokenData& data, const RunConfig& rc,
-                             Mesh& mesh, long step) {
-  const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp;
+                             Mesh& mesh, long step, const ep::Schedule* schedule) {
+  const int T = rc.model.seq, mb = rc.micro_batch, local = rc.batch / mesh.cfg.dp, n = local / mb;
   ts::zero(model.grads);
-  for (int s0 = 0; s0 < local; s0 += mb) {
-    reducers.set_sync(s0 + mb == local);
-    MicroBatch b = make_microbatch(data, step, rc.batch, T, mesh.dp_rank * local + s0, mb, model.dev);
+  const auto resume = [&](int i) { reducers.set_sync(i + 1 == n); };
+  const auto one = [&](int i) {
+    MicroBatch b = make_microbatch(data, step, rc.batch, T, mesh.dp_rank * local + i * mb, mb, model.dev);
     model.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc.batch) * T));
-  }
+  };
+  if (schedule) schedule->run(n, resume, one);
+  else
+    for (int i = 0; i < n; i++) resume(i), one(i);
   reducers.finish();
   const double norm = global_grad_norm(model.table, {{0, model.grads}}, {mesh.ep().mpi()});
   opt.step(model, model.params, model.grads, lr_at(rc, step), step + 1, clip_coefficient(norm, rc.clip), rc);
@@ -400,6 +431,7 @@ static void save(const RunConfig& rc, Mesh& mesh, Model& model, AdamW& opt, long
 struct EpFlags {
   double bucket_mb = 25;
   const ep::Dispatch* dispatch = nullptr;
+  const ep::Schedule* schedule = nullptr;  // --overlap-a2a (07b_overlap_a2a.cu), or null: one after another
 };
 static EpFlags read_ep_flags(Args& args, MeshConfig& mc) {
   mc.dp = args.get_int("--dp", 1, "data-parallel degree (= number of ranks)", degree_range());
@@ -408,7 +440,18 @@ static EpFlags read_ep_flags(Args& args, MeshConfig& mc) {
   EpFlags f;
   f.bucket_mb = args.get_double("--bucket-mb", 25, "gradient bucket size in MiB", dp::bucket_mb_range());
   f.dispatch = &ep::read_dispatch(args, ep::dispatch_help());
+  f.schedule = ep::read_schedule(args);
   return f;
+}
+
+// 07's checks, then a registered schedule's (--overlap-a2a's), before any collective; the plan and
+// the memory predicted. False after --dry-run.
+static bool start(TrainingRun& run, const EpFlags& f) {
+  ep::validate(run.rc, run.mc);
+  if (f.schedule) f.schedule->validate(run.rc, run.mc, *f.dispatch);
+  const ep::Schedule* s = f.schedule;
+  return run.start([&run, s] { ep::print_plan(run.log(), run.rc, run.mc.dp, run.mc.ep, s); },
+                   [&run, s] { return ep::predict_memory(run.rc, run.mc.ep, s); });
 }
 
 int main(int argc, char** argv) {
@@ -416,20 +459,18 @@ int main(int argc, char** argv) {
   TrainingRun run(argc, argv, kDoc, [&](Args& a, RunConfig&, MeshConfig& mc) { f = read_ep_flags(a, mc); });
   RunConfig& rc = run.rc;
   const MeshConfig& mc = run.mc;
-  ep::validate(rc, mc);
-  if (!run.start([&] { ep::print_plan(run.log(), rc, mc.dp, mc.ep); }, [&] { return ep::predict_memory(rc, mc.ep); }))
-    return 0;
+  if (!start(run, f)) return 0;
   const std::vector<int> nodes = ep::report_nodes(run.log(), run.mesh.ep());  // its experts placed by them:
   Model& model = run.build_model({ep::shard_spec(mc.ep, f.dispatch->place(run.log(), run.mesh, rc.model, nodes))});
-  ep::ExpertParallelMoe& moe = f.dispatch->install(model, run.mesh.ep(), nodes);
+  ep::ExpertParallelMoe& moe = (f.schedule ? f.schedule->install : f.dispatch->install)(model, run.mesh.ep(), nodes);
   AdamW opt(model, 0, model.table.total, rc.master_weights);
   run.init(model, opt);  // each rank initialises (or loads) its experts and the dense weights
   Reducers reducers(model, run.mesh, f.bucket_mb);
   Loop loop;
-  loop.step = [&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step); };
+  loop.step = [&](long step) { return train_step(model, opt, reducers, run.data, rc, run.mesh, step, f.schedule); };
   loop.save = [&](long step) { save(rc, run.mesh, model, opt, step); };
-  ep::add_reports(loop, run.log(), rc, run.mesh, moe);
-  return run.train(loop, ep::predictor(loop, rc, mc.dp, mc.ep, f.bucket_mb, moe), "dp");
+  ep::add_reports(loop, run.log(), rc, run.mesh, moe, f.schedule);
+  return run.train(loop, ep::predictor(loop, rc, mc.dp, mc.ep, f.bucket_mb, moe, f.schedule), "dp");
 }
 #endif  // TS_PROGRAM == 7
 #endif  // TS_07_EXPERT_PARALLEL_CU

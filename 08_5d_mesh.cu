@@ -43,7 +43,7 @@
 #include "05_pipeline_parallel.cu"
 #include "05b_dualpipev.cu"  // pp::kDualPipeV (and 05a_zero_bubble.cu's pp::kZBH1): the schedules 08 runs
 #include "06_context_parallel.cu"
-#include "07_expert_parallel.cu"
+#include "07b_overlap_a2a.cu"  // and 07_expert_parallel.cu: ep::install, with --overlap-a2a (ep::Schedule)
 #include "training/fp8_linear.h"  // fp8::install on the composed model
 
 namespace mesh5d {
@@ -64,6 +64,7 @@ struct Plan {
   int virtual_stages = 1;
   std::string stage_layers;  // --stage-layers a,b,… ("": pp::balanced_split)
   bool two_level = false;    // --dispatch two-level: --plan prices 07's two-level dispatch (08 runs the flat one)
+  const ep::Schedule* ep_schedule = nullptr;  // --overlap-a2a (07b_overlap_a2a.cu), or null: one after another
 };
 
 // The layers of each virtual stage (05's split: even, the ends lighter, or --stage-layers).
@@ -154,6 +155,10 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
   if (m.experts > 0 && p.mesh.cp > 1)
     config_error("--experts with --cp %d is not composed: expert capacity and the aux loss are per sequence, and cp "
                  "splits each sequence across ranks", p.mesh.cp);
+  if (training && p.ep_schedule && p.mesh.pp > 1)
+    config_error("%s with --pp %d is not composed: it pairs the micro-batches 08 runs one after another, and the "
+                 "pipeline's schedule orders them itself", p.ep_schedule->flag.c_str(), p.mesh.pp);
+  if (training && p.ep_schedule) p.ep_schedule->validate(rc, p.mesh, ep::dispatches().front());
   if (p.mesh.ep > 1 && p.zero > 0)
     config_error("--zero %d with --ep %d is not composed: expert weights differ across the dp ranks of an ep group; "
                  "ZeRO shards one flat buffer over dp", p.zero, p.mesh.ep);
@@ -231,7 +236,8 @@ class Composed {
       : rc_(rc), p_(p), mesh_(mesh), dense_(p.mesh.cp > 1 ? mesh.dp_cp() : mesh.dp()),
         model_(rc.model, mesh.device, rc.dtype, rc.recompute, layout(rc, p, mesh)), plan_(pipeline_plan(rc, p)) {
     tp::install(model_, mesh.tp(), p.sp, p.tp_variant);
-    if (p.mesh.ep > 1) moe_ = &ep::install(model_, mesh.ep(), node_of_ranks(mesh.ep()));
+    if (p.mesh.ep > 1) moe_ = &(p.ep_schedule ? p.ep_schedule->install : ep::dispatches().front().install)(
+                           model_, mesh.ep(), node_of_ranks(mesh.ep()));
     if (p.mesh.cp > 1) {
       cp::install(model_, mesh.cp(), p.cp);
       mine_ = cp::positions(rc.model.seq, p.mesh.cp, mesh.cp_rank, p.cp.zigzag);
@@ -308,6 +314,11 @@ class Composed {
     if (pipe_) {  // the stage's schedule runs every micro-batch; the reductions leave in its cooldown
       pipe_->run_step(data, rc_, step);
       if (zero_) zero_->end_microbatch(true);  // what is still in flight
+    } else if (p_.ep_schedule) {  // --overlap-a2a: micro-batches in pairs (zero_ is refused with --ep)
+      p_.ep_schedule->run(n, [&](int i) { set_last(i + 1 == n); }, [&](int i) {
+        const MicroBatch b = local_microbatch(data, step, i);
+        model_.forward_backward(b.inputs, b.targets, mb, 1.f / (float(rc_.batch) * T), pos_);
+      });
     } else {
       for (int i = 0; i < n; i++) {
         if (zero_) zero_->begin_microbatch();
@@ -482,6 +493,7 @@ static void declare_mesh_flags(Args& a, MeshConfig& mc, mesh5d::Options& o) {
   if (!pp::parse_schedule(sched, plan.schedule))
     config_error("unknown --schedule '%s' (%s)", sched.c_str(), pp::schedule_names(", ", " or ").c_str());
   if (plan.schedule == pp::kDualPipeV) read_dualpipev_stages(a, plan);
+  plan.ep_schedule = ep::read_schedule(a);
   plan.two_level = ep::read_dispatch(a, "--plan: price the ep all-to-all as flat, or as 07's two-level dispatch across "
                                         "the nodes an ep group spans (DeepSeek-V3 §3.2.2)").name == "two-level";
 }

@@ -16,7 +16,9 @@
 #   make clean
 #
 # Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos,
-#            SANITIZE=address|thread (with CUDA=emu and its own BUILD: Address- or ThreadSanitizer, below).
+#            SANITIZE=address (with CUDA=emu and its own BUILD: AddressSanitizer, below),
+#            SANITIZE=memory (with CUDA=emu: initcheck and memcheck reports, into $(BUILD)/memcheck/),
+#            SANITIZE=thread (with CUDA=emu and its own BUILD: ThreadSanitizer's races, below).
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA ?= auto
@@ -71,6 +73,10 @@ LIBS := $(MPI_LIB) -lopenblas -lgomp -lpthread
 ifeq ($(SANITIZE),address)
   HOST_FLAGS += -O1 -g -fno-omit-frame-pointer -fsanitize=address
   SAN_LD := -fsanitize=address
+else ifeq ($(SANITIZE),memory)
+  ifneq ($(CUDA),emu)
+    $(error SANITIZE=memory needs CUDA=emu: initcheck and memcheck are the emulated GPU's)
+  endif
 else ifeq ($(SANITIZE),thread)
   # SANITIZE=thread: ThreadSanitizer over the emulated GPU (make CUDA=emu SANITIZE=thread
   # BUILD=build-tsan): each CUDA thread is a TSan fiber, barriers and event waits are its
@@ -80,7 +86,7 @@ else ifeq ($(SANITIZE),thread)
   SAN_LD := -fsanitize=thread
   CPPFLAGS += -DTS_EMU_TSAN
 else ifneq ($(SANITIZE),)
-  $(error SANITIZE=$(SANITIZE): only SANITIZE=address and SANITIZE=thread are supported)
+  $(error SANITIZE=$(SANITIZE): SANITIZE=address, SANITIZE=memory or SANITIZE=thread (with CUDA=emu))
 endif
 
 ifeq ($(CUDA),emu)
@@ -201,7 +207,7 @@ SEEDED_BUGS := 02_data_parallel+drop_microbatch 03_zero+stale_shard 04_tensor_pa
                04_tensor_parallel+no_split_table 02_data_parallel+skip_collective 02_data_parallel+short_collective \
                07_expert_parallel+local_bias_loads 07_expert_parallel+skip_shared_expert \
                07_expert_parallel+per_expert_copies 07_expert_parallel+lost_partial \
-               04_tensor_parallel+early_ring_send
+               04_tensor_parallel+early_ring_send 07_expert_parallel+early_combine_read
 # The faults the reliability tests inject the same way (tests/bugs/stop_in.cpp: a rank stopped or
 # killed in a named collective; crash_in_save.cpp: a save cut short): the technique code has no
 # test switch of its own (notes/00_architecture.md, "Seeded bugs").
@@ -227,6 +233,7 @@ $(BUILD)/tests/test_reliability: | $(patsubst %,$(BUILD)/tests/bugs/%,$(STOP_IN)
 $(BUILD)/tests/test_single: | $(BUILD)/tests/bugs/01_single_gpu+crash_in_save
 $(BUILD)/tests/test_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+no_split_table
 $(BUILD)/tests/test_async_tp: | $(BUILD)/tests/bugs/04_tensor_parallel+early_ring_send
+$(BUILD)/tests/test_overlap_a2a: | $(BUILD)/tests/bugs/07_expert_parallel+early_combine_read
 $(BUILD)/tests/test_emu_chapters: | $(patsubst %,$(BUILD)/tests/bugs/%,$(EMU_BUGS))
 $(BUILD)/tests/test_ep: | $(BUILD)/tests/bugs/07_expert_parallel+local_bias_loads \
                           $(BUILD)/tests/bugs/07_expert_parallel+skip_shared_expert \
@@ -237,6 +244,53 @@ $(BUILD)/tests/test_operations: | $(BUILD)/tests/bugs/02_data_parallel+skip_coll
                                  $(BUILD)/tests/bugs/02_data_parallel+stop_in \
                                  $(BUILD)/tests/bugs/04_tensor_parallel+stop_in \
                                  $(BUILD)/tests/bugs/05_pipeline_parallel+stop_in
+
+# SANITIZE=memory, and make test under the emulated GPU: initcheck and memcheck as reports
+# (common/emu/shadow.h, notes/emulated_gpu.md). The code that holds kernels (DEVICE_SRC) and the
+# seeded defects that bring their own kernels are compiled again into $(BUILD)/memcheck/ with g++'s
+# kernel-address instrumentation: a call into the emulator's shadow before every load and store,
+# redzones between static __shared__ arrays, -g for the reports' source lines, and neither the
+# vectoriser nor SRA, so that each access is the source's own, of its size and alignment (attention
+# v2's 16-byte Chunk stays one 16-byte load). Every other object is $(BUILD)'s, linked as it is.
+MEMCHECK := $(BUILD)/memcheck
+MEMCHECK_FLAGS := -g -fsanitize=kernel-address --param asan-instrumentation-with-call-threshold=0 \
+                  --param asan-stack=0 --param asan-globals=1 -fsanitize-sections=ts_emu_shared \
+                  -fno-tree-vectorize -fno-tree-slp-vectorize -fno-tree-sra
+MEMCHECK_SRC := $(DEVICE_SRC)
+MEMCHECK_OBJ := $(patsubst %.cu,$(MEMCHECK)/%.o,$(MEMCHECK_SRC))
+# What make test runs there (tests/test_emu_memcheck.cpp): the kernel twins, one chapter per
+# technique, and the seeded defects (tests/bugs/memcheck_*.cpp), each in 01.
+MEMCHECK_TESTS := test_kernels test_flash test_fp8 test_moe test_attention_merge
+MEMCHECK_BUGS := 01_single_gpu+memcheck_short_index 01_single_gpu+memcheck_misaligned_tile \
+                 01_single_gpu+memcheck_shared_overrun 01_single_gpu+memcheck_device_overrun \
+                 01_single_gpu+memcheck_extra_partial
+MEMCHECK_BIN := $(patsubst %,$(MEMCHECK)/tests/%,$(MEMCHECK_TESTS)) $(patsubst %,$(MEMCHECK)/tests/bugs/%,$(MEMCHECK_BUGS)) \
+                $(patsubst %.cu,$(MEMCHECK)/%,$(TECH_SRC))
+$(MEMCHECK)/%.o: %.cu $(CPU_STAMP)
+	@mkdir -p $(dir $@)
+	$(CU) $(MEMCHECK_FLAGS) $(CPPFLAGS) -MMD -MP -c $< -o $@
+$(MEMCHECK)/tests/bugs/%.o: tests/bugs/%.cpp $(CPU_STAMP)
+	@mkdir -p $(dir $@)
+	$(TESTCXX) $(MEMCHECK_FLAGS) $(CPPFLAGS) -MMD -MP -c $< -o $@
+$(MEMCHECK)/common.a: $(MEMCHECK_OBJ) $(filter-out $(patsubst %.cu,$(BUILD)/%.o,$(MEMCHECK_SRC)),$(COMMON_OBJ))
+	rm -f $@ && ar rcs $@ $^
+$(MEMCHECK)/tests/test_%: $(BUILD)/tests/test_%.o $(BUILD)/tests/catch_main.o $(MEMCHECK)/common.a
+	@mkdir -p $(dir $@)
+	$(LD) $^ -o $@ $(LIBS)
+$(MEMCHECK)/0%: $(BUILD)/0%.o $$(call beside_obj,$$(call chapter_of,0$$*)) $(MEMCHECK)/common.a
+	@mkdir -p $(dir $@)
+	$(LD) $^ -o $@ $(LIBS)
+define memcheck_bug
+$(MEMCHECK)/tests/bugs/$(1)+$(2): $(BUILD)/$(1).o $(call beside_obj,$(call chapter_of,$(1))) $(MEMCHECK)/tests/bugs/$(2).o $(MEMCHECK)/common.a
+	$$(LD) $$(call wrap_flags,tests/bugs/$(2).cpp) $$^ -o $$@ $$(LIBS)
+endef
+ifeq ($(CUDA),emu)
+$(foreach v,$(MEMCHECK_BUGS),$(eval $(call memcheck_bug,$(firstword $(subst +, ,$(v))),$(lastword $(subst +, ,$(v))))))
+$(BUILD)/tests/test_emu_memcheck: | $(MEMCHECK_BIN)
+ifeq ($(SANITIZE),memory)
+all: $(MEMCHECK_BIN)
+endif
+endif
 
 $(BUILD)/fuzz/common/%.o: common/%.cu
 	@mkdir -p $(dir $@)
@@ -265,7 +319,7 @@ TSAN_BUILD := build-tsan
 TSAN_BIN := $(patsubst %,$(TSAN_BUILD)/%,tests/test_kernels $(basename $(TECH_SRC)) $(addprefix tests/bugs/,$(EMU_RACE_BUGS)))
 
 test: deps
-	@$(MAKE) --no-print-directory -j$(JOBS) CUDA=$(CUDA) BUILD=$(BUILD) all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN)
+	@$(MAKE) --no-print-directory -j$(JOBS) CUDA=$(CUDA) BUILD=$(BUILD) all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN) $(if $(filter emu,$(CUDA)),$(MEMCHECK_BIN))
 	$(if $(filter emu,$(CUDA)),@$(MAKE) --no-print-directory -j$(JOBS) CUDA=emu SANITIZE=thread BUILD=$(TSAN_BUILD) $(TSAN_BIN))
 	@BUILD=$(BUILD) CUDA=$(CUDA) TS_TSAN_BUILD=$(TSAN_BUILD) tests/run_tests.sh
 

@@ -16,17 +16,18 @@
 
 namespace ep {
 
-MemoryPrediction predict_memory(const RunConfig& rc, int ep) {
+MemoryPrediction predict_memory(const RunConfig& rc, int ep, const Schedule* schedule) {
   const ParamSplit s = param_split(rc, ep);
   MemoryPrediction p = predict_states(s.dense + s.experts, s.dense + s.experts, rc.dtype, rc.master_weights);
   p.activations = predict_activations(rc.model, rc.micro_batch, rc.dtype, rc.recompute);  // balanced routing
+  if (schedule) p.activations *= schedule->live_microbatches;  // --overlap-a2a: a pair's, both alive
   p.comm_also_holds(comm_holds(ep));
   return p;
 }
 
-void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
+void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep, const Schedule* schedule) {
   const ParamSplit s = param_split(rc, ep);
-  const MemoryPrediction p = predict_memory(rc, ep);
+  const MemoryPrediction p = predict_memory(rc, ep, schedule);
   const ModelConfig& m = rc.model;
   print_model(log, m);
   const double e = dtype_size(rc.dtype);
@@ -46,8 +47,9 @@ void print_plan(RunLog& log, const RunConfig& rc, int dp, int ep) {
 // The loop's predicted memory (balanced routing) and its comm report: the all-to-all bytes against
 // the balanced prediction and this run's routing (the flat dispatch's, or the two-level one's
 // levels); both reductions' bytes.
-void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, ExpertParallelMoe& moe) {
-  loop.predicted = predict_memory(rc, mesh.cfg.ep);
+void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, ExpertParallelMoe& moe,
+                 const Schedule* schedule) {
+  loop.predicted = predict_memory(rc, mesh.cfg.ep, schedule);
   loop.comm = [&](long steps_run) {
     const double n = double(std::max(1L, steps_run));
     const ParamSplit split = param_split(rc, mesh.cfg.ep);
@@ -76,15 +78,17 @@ void add_reports(Loop& loop, RunLog& log, const RunConfig& rc, Mesh& mesh, Exper
 // The run's prediction, priced at the imbalance its routing has shown by the time it is asked
 // (RoutedLoads tallies each step's loads), its dispatch flat or two-level over the ep group's nodes.
 std::function<StepTerms(const Gpu&)> predictor(Loop& loop, const RunConfig& rc, int dp, int ep, double bucket_mb,
-                                                const ExpertParallelMoe& moe) {
+                                                const ExpertParallelMoe& moe, const Schedule* schedule) {
   auto loads = std::make_shared<RoutedLoads>(rc.model, ep);
   loop.step = loads->tally(loop.step);
   const auto* two = dynamic_cast<const TwoLevelMoe*>(&moe);
   const int nodes = two ? two->topology().nodes : 0;
-  return [&rc, dp, ep, bucket_mb, loads, nodes](const Gpu& g) {
+  return [&rc, dp, ep, bucket_mb, loads, nodes, schedule](const Gpu& g) {
     const double mbs = double(rc.batch) / dp / rc.micro_batch;
-    return predict_step_time(g, rc, dp, ep, bucket_mb, loads->imbalance(),
-                             nodes > 1 ? two_level_dispatch(rc, dp, ep, nodes, mbs) : std::vector<DispatchLevel>{});
+    StepTerms s = predict_step_time(g, rc, dp, ep, bucket_mb, loads->imbalance(),
+                                    nodes > 1 ? two_level_dispatch(rc, dp, ep, nodes, mbs) : std::vector<DispatchLevel>{});
+    if (schedule && schedule->step_time) schedule->step_time(s);  // --overlap-a2a: the all-to-all it hides
+    return s;
   };
 }
 }  // namespace ep

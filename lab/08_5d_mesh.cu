@@ -50,6 +50,11 @@ void read_planner_flags(Args& a, Options& o) {
   q.cluster.frontier = parse_frontier(a.get_str("--frontier", "none", "--plan: price overlaps frontier stacks run and 02–07 "
                                                 "do not: async-tp, a2a-overlap, dp-overlap, flash (comma-separated), all "
                                                 "or none (lab/08_frontier.h)"));
+  const std::string model = a.get_str("--collective-model", "nccl", "--plan: nccl (each collective at the algorithm and "
+                                      "protocol NCCL's tuner picks for its size and span, lab/08_nccl_tuner.h) | flat (the "
+                                      "bus-bandwidth table and one latency per call)");
+  if (model != "nccl" && model != "flat") config_error("--collective-model must be nccl or flat (got '%s')", model.c_str());
+  q.cluster.nccl_tuner = model == "nccl";
   q.batch_tokens = a.get_double("--global-batch-tokens", 0, "--plan: tokens per step (0: --batch × --seq, or 1M when neither is given)");
   q.job.train_tokens = a.get_double("--train-tokens", 0, "--plan: tokens to train, for days and cost (0: 20 per parameter)");
   q.job.usd_per_gpu_hour = a.get_double("--usd-per-gpu-hour", 2.0, "--plan: price of one GPU-hour, for the cost to train");

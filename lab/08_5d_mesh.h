@@ -78,8 +78,9 @@ inline MemoryPrediction predict_memory(const RunConfig& rc, const Plan& p, int p
   if (pl)
     m.activations = pp::predict_stage_activations(*pl, pp_rank, local, rc.micro_batch, rc.dtype, rc.recompute,
                                                   p.mesh.tp, p.sp);
-  else
-    m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp);
+  else  // --overlap-a2a (07b): a pair of micro-batches alive at once
+    m.activations = predict_activations(local, rc.micro_batch, rc.dtype, rc.recompute, p.mesh.tp, p.sp) *
+                    (p.ep_schedule ? p.ep_schedule->live_microbatches : 1);
   m.comm_also_holds(pl_holds);
   m.comm_also_holds(cp::comm_holds(p.cp, p.mesh.cp));
   m.comm_also_holds(ep::comm_holds(p.mesh.ep));

@@ -25,6 +25,7 @@
 #include "kernels/kernels.h"
 #include "07a_two_level_dispatch.h"  // ep::two_level_dispatch (07a's two levels, priced)
 #include "08_frontier.h"             // --frontier: the overlaps frontier stacks run, priced
+#include "08_nccl_tuner.h"           // each collective at the algorithm NCCL's tuner picks for it
 #include "formats/json.h"
 #include "training/config_flags.h"
 #include "training/log.h"
@@ -42,7 +43,19 @@ struct Cluster {
   double mem_gib;  // memory per GPU (--gpu-mem overrides the table)
   int gpus, per_node;
   Frontier frontier = {};  // --frontier: what the stack overlaps beyond 02–07 (priced, not run)
+  // Collectives at the algorithm and protocol NCCL's tuner picks per call (lab/08_nccl_tuner.h) on
+  // the playbook's table (and the tables scaled from it); false, or another network: the table's
+  // bus bandwidth and a flat latency per call. `trace` collects each group's choice (the plan's line).
+  bool nccl_tuner = true;
+  std::vector<TunedCall>* trace = nullptr;
 };
+
+// The network a group of `ranks` over `nodes` nodes is priced on (see Cluster::nccl_tuner).
+inline Network group_network(const Cluster& cl, const std::string& group, int ranks, int nodes) {
+  const Network& n = cl.gpu->net;
+  if (!cl.nccl_tuner || n.source != h100_network().source) return n;
+  return tuned_network(n, group, Span{ranks, nodes}, cl.per_node, cl.trace);
+}
 
 // Of the GPU's memory, the share a plan may fill: the rest is CUDA's context, NCCL's buffers,
 // workspace and the caching allocator's fragmentation. The size of that rest comes from the
@@ -190,32 +203,40 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
     return it == c.end() ? std::map<std::string, double>{} : it->second;
   };
   auto nodes = [&](Axis a) { return group_nodes(p, a, cl.per_node); };
-  s.t_tp = group_seconds(g.net, ops("tp"), tp::collective_calls(mbs, layers, p.sp), nodes(Axis::TP));
+  auto net = [&](const std::string& group, Axis a) {
+    return group_network(cl, group, int(mesh_group(p.mesh, 0, a).size()), nodes(a));
+  };
+  s.t_tp = group_seconds(net("tp", Axis::TP), ops("tp"), tp::collective_calls(mbs, layers, p.sp), nodes(Axis::TP));
   if (fr.async_tp && p.sp && p.mesh.tp > 1) {  // the layers' ten collectives as ring steps behind their GEMMs
     const Overlapped o = async_tp_layer(g, rc, double(rc.micro_batch) * rc.model.seq / p.mesh.cp, p.mesh.tp, nodes(Axis::TP));
     s.hidden_tp = std::min(s.t_tp, mbs * layers * (o.whole - o.exposed));
     s.t_tp -= s.hidden_tp;
   }
-  s.t_cp = group_seconds(g.net, ops("cp"), cp::collective_calls(mbs, layers, p.mesh.cp), nodes(Axis::CP));
+  s.t_cp = group_seconds(net("cp", Axis::CP), ops("cp"), cp::collective_calls(mbs, layers, p.mesh.cp), nodes(Axis::CP));
   s.t_cp_exposed = cp::exposed_seconds(p.cp.mode, s.t_cp, s.t_compute, rc.model);
   // The dense group (dp × cp) and, with experts, ep_dp: 02's buckets, or 03's stage.
   const std::string dense = dense_group_name(p);
   const int dense_nodes = nodes(p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP);
+  const Network dense_net = net(dense, p.mesh.cp > 1 ? Axis::DP_CP : Axis::DP);
   if (p.zero == 0) {
     const bool bucketed = p.dp_mode != "naive";
     const double grad = 4.0 * double(t0.total);  // the fp32 gradients this rank holds: what plain DP reduces
     const double calls = dp::reduction_calls(bucketed, stage_layers(rc, p, 0), grad, p.bucket_mb);
-    s.t_dp = group_seconds(g.net, ops(dense), calls, dense_nodes) + group_seconds(g.net, ops("ep_dp"), calls, nodes(Axis::EP_DP));
+    s.t_dp = group_seconds(dense_net, ops(dense), calls, dense_nodes) +
+             group_seconds(net("ep_dp", Axis::EP_DP), ops("ep_dp"), calls, nodes(Axis::EP_DP));
     s.t_dp_exposed = dp::exposed_seconds(bucketed, s.t_dp, s.last_backward(mbs), grad, p.bucket_mb);
   } else if (p.dp_shard == 0) {
-    zero::price_collectives(s, g.net, ops(dense), p.zero, units, mbs, p.prefetch, dense_nodes);
+    zero::price_collectives(s, dense_net, ops(dense), p.zero, units, mbs, p.prefetch, dense_nodes);
   } else {  // HSDP: 03's collectives inside the shard group, the chunks' all-reduce across replicas
     const auto [shard_nodes, replica_nodes] = hsdp_nodes(p, cl.per_node);
-    zero::price_collectives(s, g.net, ops("dp_shard"), p.zero, units, mbs, p.prefetch, shard_nodes);
-    zero::price_replicas(s, g.net, ops("dp_replicate"), units * (p.zero == 1 ? 1 : mbs), replica_nodes);
+    const int dense_ranks = p.mesh.dp * p.mesh.cp;
+    zero::price_collectives(s, group_network(cl, "dp_shard", p.dp_shard, shard_nodes), ops("dp_shard"), p.zero, units,
+                            mbs, p.prefetch, shard_nodes);
+    zero::price_replicas(s, group_network(cl, "dp_replicate", dense_ranks / p.dp_shard, replica_nodes), ops("dp_replicate"),
+                         units * (p.zero == 1 ? 1 : mbs), replica_nodes);
   }
   if (fr.dp_overlap && p.zero < 3) {  // Megatron's overlapped reduce-scatter and gather, chunk by chunk
-    const double ag = p.zero == 0 ? 0 : group_seconds(g.net, ops(dense), zero::collective_calls(p.zero, units, mbs), dense_nodes, "all_gather");
+    const double ag = p.zero == 0 ? 0 : group_seconds(dense_net, ops(dense), zero::collective_calls(p.zero, units, mbs), dense_nodes, "all_gather");
     const double e = dp_overlap_exposed(s.t_dp_exposed - ag, ag, s.t_compute, mbs, p.mesh.pp, p.virtual_stages, units);
     s.hidden_dp = std::max(0.0, s.t_dp_exposed - e);
     s.t_dp_exposed -= s.hidden_dp;
@@ -648,6 +669,38 @@ inline std::string fixed3(double x) {
   return b;
 }
 
+// Which algorithm each group's collectives were priced at (Cluster::nccl_tuner): one line per group
+// and collective, the message of one call, the pick with its time, and the best of the other
+// algorithm beside it (and, across nodes, what 02–08's --collectives two-level would take).
+inline void print_collectives(RunLog& log, const RunConfig& rc, const Cluster& cl, const Candidate& c) {
+  std::vector<TunedCall> trace;
+  Cluster traced = cl;
+  traced.trace = &trace;
+  step_terms(candidate_run(rc, c), traced, c.plan);
+  std::set<std::string> shown;
+  double latency = 0;
+  for (const TunedCall& t : trace) {
+    if (!shown.insert(t.group + " " + t.op).second) continue;
+    const Collective op = collective_of(t.op);
+    const double beta = table_beta(cl.gpu->net, op, t.span.nodes, cl.per_node);
+    std::string other;
+    for (Algo a : {Algo::Ring, Algo::Tree}) {
+      if (a == t.choice.algo || (a == Algo::Tree && (op != Collective::AllReduce || t.span.ranks <= 2))) continue;
+      double best = 1e300;
+      for (Proto p : {Proto::LL, Proto::LL128, Proto::Simple}) best = std::min(best, nccl_seconds(op, a, p, t.span, beta, t.bytes));
+      other += std::string(", ") + algo_name(a) + " " + fixed3(1e3 * best) + " ms";
+    }
+    if (op == Collective::AllReduce && t.span.nodes > 1 && t.span.ranks % t.span.nodes == 0)
+      other += ", two-level " + fixed3(1e3 * two_level_seconds(t.span, table_beta(cl.gpu->net, op, 1, cl.per_node), beta, t.bytes)) + " ms";
+    log.line("  %s %s: %s a call × %.0f over %d ranks on %d node(s): %s/%s %.3f ms a call, %.3f of it latency (NCCL's "
+             "pick%s)", t.group.c_str(), t.op.c_str(), human_bytes(t.bytes).c_str(), t.calls, t.span.ranks, t.span.nodes,
+             algo_name(t.choice.algo), proto_name(t.choice.proto), 1e3 * t.choice.seconds, 1e3 * t.choice.latency_s,
+             other.c_str());
+    latency += t.calls * t.choice.latency_s;
+  }
+  if (!shown.empty()) log.line("  collectives' latency terms: %.3f s a step, before what each technique hides", latency);
+}
+
 // One candidate's parts.
 inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl, const Candidate& c) {
   log.line("plan: %s on %d × %s: %s", model_name(rc).c_str(), cl.gpus, cl.gpu->name.c_str(), describe(c).c_str());
@@ -675,6 +728,7 @@ inline void print_candidate(RunLog& log, const RunConfig& rc, const Cluster& cl,
     log.line("  --frontier took off: tp %.3f s (async TP), dp %.3f s (overlapped reduce-scatter and gather), ep %.3f s "
              "(all-to-all behind the other micro-batch)%s", c.hidden_tp, c.hidden_dp, c.hidden_ep,
              cl.frontier.flash ? "; the attention core as FlashAttention-2 runs it" : "");
+  print_collectives(log, rc, cl, c);
   if (c.t_moe > 0)
     log.line("  of compute, the MoE blocks %.3f s: router %.3f + experts %.3f (routing priced at %.2f × balanced) + "
              "shared experts %.3f + row copies %.3f", c.t_moe, c.moe.router_s, c.moe.experts_s, c.moe.imbalance,
@@ -760,6 +814,10 @@ inline int plan_only(RunLog& log, const RunConfig& rc, const Cluster& cl, const 
            100 * kMemoryHeadroom, cl.mem_gib, cl.per_node, rc.model.seq, rc.batch, double(rc.batch) * rc.model.seq,
            job.default_batch ? "; the default: set --global-batch-tokens" : "");
   print_assumptions(log, *cl.gpu);
+  if (group_network(cl, "", 2, 1).price)
+    log.line("collectives: all-reduce, all-gather and reduce-scatter at the algorithm and protocol NCCL's tuner picks for "
+             "each call's size, ranks and nodes (lab/08_nccl_tuner.h: tuning.cc's latencies, β from the table at its 256 MB), "
+             "in place of the flat latency; sends and all-to-all as above");
   const std::string beyond = beyond_table(cl.gpu->net, (cl.gpus + cl.per_node - 1) / cl.per_node);
   if (!beyond.empty()) log.line("%s", beyond.c_str());
   Search search(rc, cl, fixed, job.exhaustive);
@@ -802,7 +860,9 @@ inline void predict_step_time(Loop& loop, RunLog& log, const RunConfig& rc, cons
   const std::string dense = dense_group_name(p) + (p.zero ? " ZeRO-" + std::to_string(p.zero) : "");
   const int world = p.mesh.dp * p.mesh.pp * p.mesh.cp * p.mesh.tp;
   ts::predict_step_time(loop, log, rc, cal, dev, dense, [rc, p, world](const Gpu& g) {
-    return step_terms(rc, Cluster{&g, g.mem_gib, world, world}, p);
+    StepTerms s = step_terms(rc, Cluster{&g, g.mem_gib, world, world}, p);
+    if (p.ep_schedule && p.ep_schedule->step_time) p.ep_schedule->step_time(s);  // --overlap-a2a (07b)
+    return s;
   });
 }
 

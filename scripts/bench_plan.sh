@@ -94,6 +94,8 @@ runs=(
   "07_expert_parallel|--experts 2 --top-k 2|--dp 2 --ep 2 --micro-batch 4"
   "07_expert_parallel|--experts 4 --top-k 2|--dp 2 --ep 2 --micro-batch 4"
   "07_expert_parallel|$deepseek|--dp 2 --ep 2 --micro-batch 4"
+  "07_expert_parallel|--experts 4 --top-k 2|--dp 2 --ep 2 --micro-batch 2"
+  "07_expert_parallel|--experts 4 --top-k 2|--dp 2 --ep 2 --micro-batch 2 --overlap-a2a"  # 07b: the pair's all-to-alls under compute
   "08_5d_mesh||--dp 2 --zero 1 --micro-batch 2"
 )
 if [ -n "${ONLY:-}" ]; then

@@ -5,6 +5,7 @@
 # very mesh, and the error predicted/measured − 1. The single-node row calibrated the planner's one
 # free constant (kH100Achievable); every other row is held out.
 #   scripts/plan_vs_playbook.sh [BUILD_DIR] [records]
+# PLAN_FLAGS adds flags to every cell's --plan (PLAN_FLAGS="--collective-model flat": the table alone).
 set -euo pipefail
 build=${1:-build}
 # model nodes dp tp pp micro-batch zero measured-MFU% (the playbook, "best configurations" heatmap)
@@ -44,7 +45,7 @@ while read -r model nodes dp tp pp mb zero measured; do
   extra=""
   [ "$tp" -gt 8 ] && extra="--kv-heads $tp"  # tp 16 needs 16 kv heads (the preset has 8)
   out=$("$build/08_5d_mesh" --plan --preset "$model" --gpus $((8 * nodes)) --seq 4096 --global-batch-tokens 1048576 \
-        --dp "$dp" --tp "$tp" --pp "$pp" --micro-batch "$mb" --zero "$zero" --virtual-stages 1 --recompute none $extra)
+        --dp "$dp" --tp "$tp" --pp "$pp" --micro-batch "$mb" --zero "$zero" --virtual-stages 1 --recompute none $extra ${PLAN_FLAGS:-})
   pred=$(sed -n 's/.*MFU \([0-9.]*\)%.*/\1/p' <<<"$out" | head -1)
   err=$(awk -v p="$pred" -v m="$measured" 'BEGIN{printf "%+.0f%%", 100 * (p / m - 1)}')
   [ "$nodes" -gt 1 ] && errs+=("$(awk -v p="$pred" -v m="$measured" 'BEGIN{e = p / m - 1; print (e < 0 ? -e : e)}')")
@@ -67,7 +68,7 @@ hours() { awk -v t="$(sed -n 's/^  step \([0-9.]*\) s:.*/\1/p' <<<"$1")" 'BEGIN{
 llama="--preset 405b --global-batch-tokens 16777216 --tp 8 --pp 16 --zero 1 --micro-batch 1 --schedule interleaved --virtual-stages 4 --recompute selective"
 while read -r gpus seq dp cp published name; do
   [ -z "$gpus" ] && continue
-  args="--plan $llama --gpus $gpus --seq $seq --dp $dp --cp $cp"
+  args="--plan $llama --gpus $gpus --seq $seq --dp $dp --cp $cp ${PLAN_FLAGS:-}"
   b=$(mfu "$("$build/08_5d_mesh" $args)"); a=$(mfu "$("$build/08_5d_mesh" $args --frontier all)")
   echo "| $name | $published% MFU | $b% | $a% | $(awk -v a="$a" -v p="$published" 'BEGIN{printf "%+.0f%%", 100 * (a / p - 1)}') |"
 done <<<"
@@ -75,6 +76,6 @@ done <<<"
 16384 8192 128 1 41 the same on 16,384 H100, dp 128
 16384 131072 8 16 38 16,384 H100, tp 8 cp 16 pp 16 dp 8, seq 128K
 "
-ds="--plan --preset deepseek-v3 --gpu h800 --gpus 2048 --dp 128 --pp 16 --tp 1 --ep 64 --global-batch-tokens 62914560 --dispatch two-level --rank-order pp-dp-cp-tp --zero 0 --micro-batch 1 --virtual-stages 1"
+ds="--plan --preset deepseek-v3 --gpu h800 --gpus 2048 --dp 128 --pp 16 --tp 1 --ep 64 --global-batch-tokens 62914560 --dispatch two-level --rank-order pp-dp-cp-tp --zero 0 --micro-batch 1 --virtual-stages 1 ${PLAN_FLAGS:-}"
 b=$(hours "$("$build/08_5d_mesh" $ds --dtype bf16 --recompute full)"); a=$(hours "$("$build/08_5d_mesh" $ds --dtype fp8 --recompute none --frontier all)")
 echo "| DeepSeek-V3, 2,048 H800, pp 16 ep 64, 14.8T tokens | 2.664M GPU-hours | $b | $a | $(awk -v a="${a%M}" 'BEGIN{printf "%+.0f%%", 100 * (a / 2.664 - 1)}') |"

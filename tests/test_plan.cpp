@@ -1053,3 +1053,99 @@ TEST_CASE("under --frontier all, step_floor is still below every candidate's ste
     }
   }
 }
+
+// ----- which algorithm NCCL runs (lab/08_nccl_tuner.h) ----------------------------------------------------------
+
+// tuning.cc's model by hand: the latencies (µs) and algorithm bandwidths, the crossover the
+// formulas give, the chooser's picks on each side of it, and β inverted from the playbook's table.
+TEST_CASE("NCCL's tuner: ring for large messages on few nodes, tree for small ones and on many nodes", "[plan][nccl]") {
+  const Collective ar = Collective::AllReduce;
+  const Span node{8, 1}, two{16, 2}, many{512, 64};
+  // Ring: 2(N−1) steps, 2(M−1) of them across nodes at 14 µs, the rest at max(3.4, 3 × 1) µs (Simple).
+  CHECK(nccl_latency_us(ar, Algo::Ring, Proto::Simple, many) == Approx(8.4 + 896 * 3.4 + 126 * 14.0).epsilon(1e-12));
+  CHECK(nccl_latency_us(ar, Algo::Ring, Proto::Simple, node) == Approx(8.4 + 14 * 3.4).epsilon(1e-12));
+  CHECK(nccl_latency_us(Collective::AllGather, Algo::Ring, Proto::LL128, two) == Approx(14 + 14 * 1.9 + 1 * 4.0).epsilon(1e-12));
+  // Tree: 2·((N/M − 1)·α_nvlink + log2(M)·α_net): 2·(7·4 + 6·14) at 64 nodes.
+  CHECK(nccl_latency_us(ar, Algo::Tree, Proto::Simple, many) == Approx(8.4 + 2 * (7 * 4.0 + 6 * 14.0)).epsilon(1e-12));
+  CHECK(nccl_latency_us(ar, Algo::Tree, Proto::LL, two) == Approx(6.8 + 2 * (7 * 0.6 + 1 * 5.0)).epsilon(1e-12));
+  // Bandwidth: the ring's busbw × N/(2(N−1)); the tree's busbw × 0.92 × 1/2.
+  CHECK(nccl_algbw_gbs(ar, Algo::Ring, Proto::Simple, node, 100) == Approx(100.0 * 8 / 14).epsilon(1e-12));
+  CHECK(nccl_algbw_gbs(ar, Algo::Tree, Proto::Simple, node, 100) == Approx(46).epsilon(1e-12));
+  CHECK(nccl_algbw_gbs(ar, Algo::Tree, Proto::LL128, many, 40) == Approx(40 * 0.92 * 120 / 128 * 0.5).epsilon(1e-12));
+  CHECK(nccl_algbw_gbs(ar, Algo::Ring, Proto::LL, many, 100) == Approx(20.4 * 512 / 1022).epsilon(1e-12));
+  // The crossover (Simple, the ring past its plateau): 64 nodes, β 40 — the ring's 1.4 × 4818.8 µs
+  // against the tree's 232.4 µs over 1/(0.46·40) − 1022/(512·40) ns per byte: 1.47 GB; in one node
+  // the tree's latency is not lower (64.4 µs against 56), so never.
+  const double lr = 1.4 * (8.4 + 896 * 3.4 + 126 * 14.0), lt = 8.4 + 2 * (7 * 4.0 + 6 * 14.0);
+  CHECK(crossover_bytes(many, 40, Proto::Simple) ==
+        Approx(1e-6 * (lr - lt) / (1e-9 / (0.46 * 40) - 1e-9 * 1022 / (512 * 40))).epsilon(1e-9));
+  CHECK(crossover_bytes(many, 40, Proto::Simple) == Approx(1.4653e9).epsilon(1e-3));
+  CHECK(crossover_bytes(node, 436, Proto::Simple) == 0);
+  // 2 nodes, β 50: 64 KiB goes down the tree in LL, 43.2 µs (6.8 + 2·(7·0.6 + 5) µs, then
+  // 65536 B at min(50·0.92/3.8, 39)/2 GB/s × 0.6, the correction at 2^10 × 64 B), where the ring
+  // in LL would take 44.9 µs (6.6 + 28·1 + 2·2.7 µs, 65536 B at min(39, 25)·16/30 GB/s); 128 KiB
+  // round the ring in LL, 49.8 µs (the tree's best, LL128 at ×0.6: 58.6 µs); 1 GiB round the ring
+  // in Simple (the plateau's 1.4 on 131.6 µs, 1 GiB at 50·16/30 GB/s).
+  const Priced small = nccl_choose(ar, two, 50, 65536), large = nccl_choose(ar, two, 50, 1073741824.0);
+  CHECK((small.algo == Algo::Tree && small.proto == Proto::LL));
+  CHECK(small.seconds == Approx(1e-6 * 25.2 + 65536 / (50 * 0.92 / 3.8 * 0.5 * 0.6 * 1e9)).epsilon(1e-9));
+  const Priced medium = nccl_choose(ar, two, 50, 131072);
+  CHECK((medium.algo == Algo::Ring && medium.proto == Proto::LL));
+  CHECK(medium.seconds == Approx(1e-6 * 40 + 131072 / (25 * 16 / 30.0 * 1e9)).epsilon(1e-9));
+  CHECK(nccl_seconds(ar, Algo::Ring, Proto::LL, two, 50, 65536) == Approx(1e-6 * 40 + 65536 / (25 * 16 / 30.0 * 1e9)).epsilon(1e-9));
+  CHECK((large.algo == Algo::Ring && large.proto == Proto::Simple));
+  CHECK(large.seconds == Approx(1e-6 * 1.4 * 131.6 + 1073741824.0 / (50e9 * 16 / 30)).epsilon(1e-9));
+  // Where the pick turns from tree to ring (doubling from 1 KiB): on 2 nodes at 128 KiB, as above,
+  // far below the Simple crossover (15.4 MB): the tree's correction factors (0.5–0.7 from 4 KiB to
+  // 8 MiB) and LL's low latency decide it; on 64 nodes at 2 GiB, the first power of two above the
+  // Simple crossover, 1.47 GB: every message a training step sends takes the tree there.
+  auto turns = [&](Span s, double beta) {
+    for (double k = 1024; k <= 4294967296.0; k *= 2)
+      if (nccl_choose(ar, s, beta, k).algo == Algo::Ring) return k;
+    return 0.0;
+  };
+  CHECK(crossover_bytes(two, 50, Proto::Simple) == Approx(1e-6 * (1.4 * 131.6 - 92.4) / (1e-9 / 23 - 1e-9 * 30 / 800)).epsilon(1e-9));
+  CHECK(turns(two, 50) == 131072);
+  CHECK(turns(many, 40) == 2147483648.0);
+  CHECK(turns(node, 436) == 1024);  // one node: the ring throughout
+  // Reduce-scatter and all-gather run as rings whatever the size (no tree for them in NCCL).
+  CHECK(nccl_choose(Collective::AllGather, many, 40, 1024).algo == Algo::Ring);
+  // β from the table: the model's best call at 256 MB on 8 GPUs a node takes the measured time.
+  const Network& net = h100_network();
+  for (int nodes : {1, 2, 8, 64})
+    for (Collective op : {ar, Collective::AllGather}) {
+      const double beta = table_beta(net, op, nodes, 8), f = wire_factor(op, 8 * nodes);
+      CHECK(nccl_choose(op, {8 * nodes, nodes}, beta, kTableBytes).seconds ==
+            Approx(f * kTableBytes / (bus_bandwidth(net, op, nodes) * 1e9)).epsilon(1e-6));
+    }
+}
+
+// The plan says which algorithm it priced, group by group; --collective-model flat keeps the
+// table's bus bandwidth and flat latency; send/recv are priced as before either way.
+TEST_CASE("--plan prints NCCL's pick per collective; --collective-model flat and bad values", "[plan][nccl][e2e]") {
+  const std::string cell = "--plan --preset 8b --gpus 512 --seq 4096 --global-batch-tokens 1048576 --dp 128 --tp 4 --pp 1 "
+                           "--micro-batch 2 --zero 0 --virtual-stages 1 --recompute none";
+  const tst::Result r = tst::run_bin("08_5d_mesh", cell, 1, 60), flat = tst::run_bin("08_5d_mesh", cell + " --collective-model flat", 1, 60);
+  INFO(r.output << flat.output);
+  REQUIRE(r.status == 0);
+  REQUIRE(flat.status == 0);
+  CHECK(r.output.find("  dp all_reduce: 25.00 MiB a call × 306 over 128 ranks on 64 node(s): tree/LL128 ") != std::string::npos);
+  CHECK(r.output.find("  tp all_gather: 145.50 MiB a call × 85 over 4 ranks on 1 node(s): ring/Simple ") != std::string::npos);
+  CHECK(r.output.find("collectives' latency terms: ") != std::string::npos);
+  CHECK(flat.output.find("NCCL's pick") == std::string::npos);
+  CHECK(r.output.find("MFU 14.9%") != std::string::npos);  // the pick and its time reach the step
+  CHECK(r.output.find("collectives: all-reduce, all-gather and reduce-scatter at the algorithm and protocol NCCL's tuner") !=
+        std::string::npos);
+  CHECK(flat.output.find("MFU 16.6%") != std::string::npos);
+  const tst::Result bad = tst::run_bin("08_5d_mesh", "--plan --preset 8b --gpus 8 --collective-model tree", 1, 60);
+  CHECK(bad.status == 2);
+  CHECK(bad.output.find("--collective-model must be nccl or flat (got 'tree')") != std::string::npos);
+  // A pipeline's sends are not tuned: the same p2p term under both models.
+  Cluster a{find_gpu("h100"), 80, 64, 8}, b = a;
+  b.nccl_tuner = false;
+  RunConfig rc = bf16_8b(64);
+  rc.micro_batch = 1;
+  const Plan p = make_plan(Plan{}, {4, 16, 1, 1, 1, false}, 1, 1, rc.model);
+  CHECK(step_terms(rc, a, p).t_pp == step_terms(rc, b, p).t_pp);
+  CHECK(step_terms(rc, a, p).t_dp != step_terms(rc, b, p).t_dp);
+}

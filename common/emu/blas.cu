@@ -16,6 +16,7 @@
 #include "kernels/fp8.h"   // and its FP8 codes
 #include "emu.h"
 #include "tsan.h"  // SANITIZE=thread: the product's reads and writes, declared
+#include "shadow.h"  // the memcheck build: D is written
 
 #include <cmath>
 #include <cstring>
@@ -216,6 +217,8 @@ void run_product(const Product& p) {
       store(d, p.d.type, i + j * p.d.ld, v);
     }
   }
+  const size_t es = type_bytes(p.d.type);
+  for (int64_t j = 0; j < n; ++j) emu::shadow::written(static_cast<char*>(d) + size_t(j * p.d.ld) * es, size_t(m) * es);
 }
 
 // ===== checks shared by both libraries ================================================================

@@ -36,6 +36,7 @@
 #include "tensor/device.h"  // bf16 as the project decodes it
 #include "emu.h"
 #include "tsan.h"  // SANITIZE=thread: fibers, barriers and grids as happens-before
+#include "shadow.h"  // the memcheck build's initcheck and memcheck (shadow.cu)
 
 extern "C" char __start_ts_emu_shared[] __attribute__((weak));
 extern "C" char __stop_ts_emu_shared[] __attribute__((weak));
@@ -147,6 +148,15 @@ struct Abandon {};
   throw Abandon{};
 }
 
+// A defect the memcheck build's shadow found in the running thread (shadow.cu): the block keeps the
+// first and stops at its next barrier; the instrumented access itself returns (gcc assumes it cannot
+// throw). `now`: the access is about to fault, so the report cannot wait for the block's end.
+void kernel_defect(const std::string& what, bool now) {
+  if (!t_block || !t_block->current || !t_block->error.empty()) return;
+  t_block->error = where(*t_block, *t_block->current) + ": " + what;
+  if (now) report("%s", t_block->error.c_str());
+}
+
 void* dynamic_shared() {
   if (!t_block || !t_block->current) fail_here("dynamic shared memory used outside a kernel");
   return t_block->dyn_smem.data();
@@ -229,6 +239,9 @@ static void ldmatrix_x4(std::vector<Thread*>& w, bool trans) {
     if (uintptr_t(row) % 16 || !in_shared(b, row))
       fail_here(where(b, *w[size_t(l)]) + ": ldmatrix row address " + std::to_string(uintptr_t(row)) +
                 (uintptr_t(row) % 16 ? " is not 16-byte aligned" : " is not in the block's shared memory"));
+    if (const char* why = shadow::unreadable(row, 16))  // the memcheck build: its 16 bytes were written
+      fail_here(where(b, *w[size_t(l)]) + ": " + why + ": the row of " + kind_name(w[size_t(l)]->kind) + " at " +
+                w[size_t(l)]->file + ":" + std::to_string(w[size_t(l)]->line));
   }
   auto element = [&](int j, int r, int c) {  // matrix j's element (r, c), 16 bits
     uint16_t e;
@@ -732,7 +745,8 @@ static void run_grid(const char* name, const char* site, const void* fn, dim3 g,
   b.kernel = name;
   b.site = site;
   b.threads.resize(nthreads);
-  b.dyn_smem.resize(smem);  // exactly the launch's bytes: past them is another block's (ASan's redzone)
+  b.dyn_smem.resize(smem + shadow::redzone());  // exactly the launch's bytes: past them is a redzone (ASan's, or the shadow's)
+  shadow::Grid checked(name, b.dyn_smem.data(), smem);
   const std::vector<std::pair<char*, size_t>> arrays = static_shared(fn, name).arrays;
   const std::unique_ptr<char[]> grid_sync(new char[2]);  // SANITIZE=thread: the grid's start and end
   b.launched = &grid_sync[0], b.ended = &grid_sync[1], b.host = tsan::current();
@@ -757,6 +771,7 @@ static void run_grid(const char* name, const char* site, const void* fn, dim3 g,
       if (__start_ts_emu_shared) tsan::forget(__start_ts_emu_shared, size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
       for (const auto& [p, bytes] : arrays) tsan::forget(p, bytes);
     }
+    shadow::block_start(arrays, b.dyn_smem.data(), smem);
     b.error.clear();
     run_block(b, body, reverse);
     if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());

@@ -53,6 +53,7 @@
 #include "tensor/device.h"  // bf16 as the project rounds it
 #include "emu.h"
 #include "tsan.h"  // SANITIZE=thread: the operation's reads and writes, declared
+#include "shadow.h"  // the memcheck build: an operation's output is written
 
 // ----- communicators -------------------------------------------------------------------------------
 
@@ -628,6 +629,13 @@ void pause(int idle) {
     usleep(std::min(1000, 10 * idle));
 }
 
+// What a finished operation wrote (recvbuff's bytes), for the memcheck build's initcheck (shadow.h).
+void mark_output(const Op& o) {
+  const size_t bytes = o.count * type_size(o.type);
+  if (o.kind == Kind::Send) return;
+  emu::shadow::written(o.recvbuff, o.kind == Kind::AllGather ? bytes * size_t(o.comm->size) : bytes);
+}
+
 // Progresses every operation of the launch until all have finished or been aborted. Sends and
 // receives all progress at once; collectives on one communicator run one after another (NCCL runs
 // a group's collectives in order), those on different communicators side by side.
@@ -649,6 +657,7 @@ void progress(const Launch& L) {
       const size_t before = o->next;
       if (advance(*o)) {
         o->state = Op::Done;
+        mark_output(*o);
         o->comm->count(&ncclComm::running, -1);
         busy.erase(o->comm.get());
       }

@@ -31,6 +31,7 @@
 
 #include "emu.h"
 #include "tsan.h"  // SANITIZE=thread: what orders stream work, as happens-before
+#include "shadow.h"        // the memcheck build's shadow: allocations, copies, recycled blocks
 #include "tensor/hooks.h"  // set_recycle_hook: the caching allocator's recycled blocks
 
 namespace emu {
@@ -384,20 +385,20 @@ bool is_pinned(const void* p, size_t bytes) {
   return inside(g_pinned, p, bytes);
 }
 uint64_t device_to_host_copies() { return g_d2h.load(); }
-// A stream's copies and memsets, as the program's accesses (SANITIZE=thread: tsan.h).
-static void* declared_write(void* dst, size_t bytes) {
-  tsan::write(dst, bytes);
-  return dst;
-}
-static void declared_copy(void* dst, const void* src, size_t bytes) {
+// A copy as a stream runs it: the bytes, and in the memcheck build what was written of them; under
+// SANITIZE=thread, the program's read and write (tsan.h).
+static void copy(void* dst, const void* src, size_t bytes) {
   tsan::read(src, bytes);
-  memcpy(declared_write(dst, bytes), src, bytes);
+  tsan::write(dst, bytes);
+  memcpy(dst, src, bytes);
+  shadow::copied(dst, src, bytes);
 }
 void poison_recycled(void* p, size_t bytes, cudaStream_t s) {
   const unsigned char b = uninit_byte();
   enqueue(s, "poisoning a recycled block", [=] {
     tsan::Quiet quiet;  // the emulator's poison, not the program's write
     memset(p, b, bytes);
+    shadow::unwritten(p, bytes);
   });
 }
 // The caching allocator (tensor layer, below this one) calls it through its hook.
@@ -547,12 +548,15 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
     if (emu::g_used + n > emu::memory_bytes()) return ret(cudaErrorMemoryAllocation);
     emu::g_used += n;
   }
-  void* q = aligned_alloc(256, n);
+  const size_t rz = emu::shadow::redzone();  // the memcheck build's redzones on both sides
+  char* q = static_cast<char*>(aligned_alloc(256, n + 2 * rz));
   if (!q) return ret(cudaErrorMemoryAllocation);
+  q += rz;
   {
     emu::tsan::Quiet quiet;
     memset(q, emu::uninit_byte(), n);
   }
+  emu::shadow::allocated(q, bytes, n, emu::shadow::Kind::Device);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_device[uintptr_t(q)] = n;
   *p = q;
@@ -569,18 +573,22 @@ cudaError_t cudaFree(void* p) {
     return ret(cudaErrorInvalidValue);
   }
   emu::g_used -= it->second;
+  emu::shadow::released(p, it->second);
   emu::g_device.erase(it);
-  free(p);
+  free(static_cast<char*>(p) - emu::shadow::redzone());
   return cudaSuccess;
 }
 cudaError_t cudaMallocHost(void** p, size_t bytes) {
   const size_t n = std::max<size_t>((bytes + 255) / 256 * 256, 256);
-  *p = aligned_alloc(256, n);
-  if (!*p) return ret(cudaErrorMemoryAllocation);
+  const size_t rz = emu::shadow::redzone();
+  char* q = static_cast<char*>(aligned_alloc(256, n + 2 * rz));
+  if (!q) return ret(cudaErrorMemoryAllocation);
+  *p = q + rz;
   {
     emu::tsan::Quiet quiet;
     memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
   }
+  emu::shadow::allocated(*p, bytes, n, emu::shadow::Kind::Pinned);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_pinned[uintptr_t(*p)] = n;
   return cudaSuccess;
@@ -589,8 +597,11 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
 cudaError_t cudaFreeHost(void* p) {
   emu::demand_all(true);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
-  if (!emu::g_pinned.erase(uintptr_t(p))) return ret(cudaErrorInvalidValue);
-  free(p);
+  auto it = emu::g_pinned.find(uintptr_t(p));
+  if (it == emu::g_pinned.end()) return ret(cudaErrorInvalidValue);
+  emu::shadow::released(p, it->second);
+  emu::g_pinned.erase(it);
+  free(static_cast<char*>(p) - emu::shadow::redzone());
   return cudaSuccess;
 }
 
@@ -619,12 +630,12 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t bytes, cudaMemcpy
   if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src, bytes)) {
     // Pageable source: CUDA stages it before returning, so the caller may reuse it at once.
     auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
-    emu::enqueue(s, "cudaMemcpyAsync host to device", [=] { memcpy(emu::declared_write(dst, bytes), staged->data(), bytes); });
+    emu::enqueue(s, "cudaMemcpyAsync host to device", [=] { emu::copy(dst, staged->data(), bytes); });
     return cudaSuccess;
   }
   // Pinned host memory is read or written by the copy itself, when it runs on the stream (late):
   // a pinned source overwritten before then is copied as it is then, as the copy engine would.
-  uint64_t seq = emu::enqueue(s, "cudaMemcpyAsync", [=] { emu::declared_copy(dst, src, bytes); });
+  uint64_t seq = emu::enqueue(s, "cudaMemcpyAsync", [=] { emu::copy(dst, src, bytes); });
   // Pageable destination: the call returns once the copy is done.
   if (kind == cudaMemcpyDeviceToHost && !emu::is_pinned(dst, bytes)) emu::demand(emu::stream(s), seq, true);
   EMU_STICKY();
@@ -643,10 +654,10 @@ cudaError_t cudaMemcpy(void* dst, const void* src, size_t bytes, cudaMemcpyKind 
   if (kind == cudaMemcpyDeviceToHost) emu::g_d2h++;
   if (kind == cudaMemcpyHostToDevice && !emu::is_pinned(src, bytes)) {
     auto staged = std::make_shared<std::vector<char>>((const char*)src, (const char*)src + bytes);
-    emu::enqueue(nullptr, "cudaMemcpy host to device", [=] { memcpy(emu::declared_write(dst, bytes), staged->data(), bytes); });
+    emu::enqueue(nullptr, "cudaMemcpy host to device", [=] { emu::copy(dst, staged->data(), bytes); });
     return cudaSuccess;
   }
-  uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { emu::declared_copy(dst, src, bytes); });
+  uint64_t seq = emu::enqueue(nullptr, "cudaMemcpy", [=] { emu::copy(dst, src, bytes); });
   if (kind != cudaMemcpyDeviceToDevice) emu::demand(emu::stream(nullptr), seq, true);
   EMU_STICKY();
   return cudaSuccess;
@@ -657,7 +668,11 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
     emu::report("cudaMemsetAsync(%p, %zu bytes): not inside one device allocation", p, bytes);
     return ret(cudaErrorInvalidValue);
   }
-  emu::enqueue(s, "cudaMemsetAsync", [=] { memset(emu::declared_write(p, bytes), value, bytes); });
+  emu::enqueue(s, "cudaMemsetAsync", [=] {
+    emu::tsan::write(p, bytes);
+    memset(p, value, bytes);
+    emu::shadow::written(p, bytes);
+  });
   return cudaSuccess;
 }
 cudaError_t cudaMemset(void* p, int value, size_t bytes) { return cudaMemsetAsync(p, value, bytes, nullptr); }

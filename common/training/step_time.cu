@@ -190,6 +190,7 @@ double bus_bandwidth(const Network& n, Collective op, int nodes) {
 // size / bw").
 double collective_seconds(const Network& n, Collective op, double wire_bytes, double calls, int nodes) {
   if (wire_bytes <= 0) return 0;
+  if (n.price && op != Collective::P2P) return n.price(op, wire_bytes, calls, nodes);
   return calls * (nodes > 1 ? n.latency_inter_s : n.latency_intra_s) + wire_bytes / (bus_bandwidth(n, op, nodes) * 1e9);
 }
 

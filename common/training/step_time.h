@@ -51,6 +51,9 @@ struct Network {
   double latency_intra_s;  // per call, inside a node
   double latency_inter_s;  // per call, across nodes
   std::string source = "the playbook's measurement";  // where the numbers come from, for the plan's assumptions
+  // A planner's own pricing of all-reduce, all-gather and reduce-scatter for one group (08's NCCL
+  // tuner, lab/08_nccl_tuner.h): collective_seconds calls it where set; empty: the α–β above.
+  std::function<double(Collective op, double wire_bytes, double calls, int nodes)> price;
 };
 
 // The Ultra-Scale Playbook's measurement (pipeline-parallelism chapter, "communication bandwidth
