@@ -17,7 +17,8 @@
 #
 # Variables: CUDA=auto|0|1|emu, CUDA_ARCH="80 90" (sm list), BUILD=build, NP=mpirun ranks for demos,
 #            SANITIZE=address (with CUDA=emu and its own BUILD: AddressSanitizer, below),
-#            SANITIZE=memory (with CUDA=emu: initcheck and memcheck reports, into $(BUILD)/memcheck/).
+#            SANITIZE=memory (with CUDA=emu: initcheck and memcheck reports, into $(BUILD)/memcheck/),
+#            SANITIZE=thread (with CUDA=emu and its own BUILD: ThreadSanitizer's races, below).
 
 NVCC ?= $(shell command -v nvcc 2>/dev/null || ls /usr/local/cuda/bin/nvcc 2>/dev/null)
 CUDA ?= auto
@@ -76,8 +77,16 @@ else ifeq ($(SANITIZE),memory)
   ifneq ($(CUDA),emu)
     $(error SANITIZE=memory needs CUDA=emu: initcheck and memcheck are the emulated GPU's)
   endif
+else ifeq ($(SANITIZE),thread)
+  # SANITIZE=thread: ThreadSanitizer over the emulated GPU (make CUDA=emu SANITIZE=thread
+  # BUILD=build-tsan): each CUDA thread is a TSan fiber, barriers and event waits are its
+  # happens-before edges (common/emu/tsan.h), so a data race between threads, blocks, streams or an
+  # NCCL call and a kernel is a report naming the kernel and both source lines.
+  HOST_FLAGS += -O1 -g -fno-omit-frame-pointer -fsanitize=thread
+  SAN_LD := -fsanitize=thread
+  CPPFLAGS += -DTS_EMU_TSAN
 else ifneq ($(SANITIZE),)
-  $(error SANITIZE=$(SANITIZE): SANITIZE=address or SANITIZE=memory (with CUDA=emu))
+  $(error SANITIZE=$(SANITIZE): SANITIZE=address, SANITIZE=memory or SANITIZE=thread (with CUDA=emu))
 endif
 
 ifeq ($(CUDA),emu)
@@ -104,6 +113,11 @@ endif
 HOST_CU := $(CXX) -std=c++17 -x c++ $(HOST_FLAGS)
 DEVICE_SRC := $(shell grep -l '__global__' common/*/*.cu 0[1-8]*_*.cu lab/*.cu bench/*.cu 2>/dev/null)
 compiler_for = $(if $(filter $(1),$(DEVICE_SRC)),$(CU),$(HOST_CU))
+ifeq ($(SANITIZE),thread)
+  # The emulator's own sources are not instrumented: its bookkeeping is not the program's, and what
+  # it does to the program's memory is declared to TSan by hand (common/emu/tsan.h).
+  $(BUILD)/common/emu/%.o: HOST_CU := $(filter-out -fsanitize=thread,$(HOST_CU))
+endif
 LD := $(CXX) -fopenmp $(SAN_LD)
 TESTCXX := $(CXX) -std=c++17 $(HOST_FLAGS) -Itests
 
@@ -202,6 +216,9 @@ STOP_IN := 02_data_parallel+stop_in 03_zero+stop_in 04_tensor_parallel+stop_in 0
 INJECTED_FAULTS := $(STOP_IN) 01_single_gpu+crash_in_save
 # Defects seeded for the emulated GPU's sanitizer checks (tests/bugs/emu_*.cpp; its build only).
 EMU_BUGS := $(if $(filter emu,$(CUDA)),01_single_gpu+emu_host_pointer)
+# ... and for its ThreadSanitizer build (SANITIZE=thread), races that tests/test_emu_races.cpp expects reported.
+EMU_RACE_BUGS := 01_single_gpu+emu_missing_barrier 01_single_gpu+emu_ownership_slip 02_data_parallel+emu_no_ready_wait
+EMU_BUGS += $(if $(filter thread,$(SANITIZE)),$(EMU_RACE_BUGS))
 BUG_BIN := $(patsubst %,$(BUILD)/tests/bugs/%,$(SEEDED_BUGS) $(INJECTED_FAULTS) $(EMU_BUGS))
 wrap_flags = $(patsubst __wrap_%,-Xlinker --wrap=%,$(sort $(shell grep -o '__wrap_[A-Za-z0-9_]*' $(1))))
 define bug_variant
@@ -296,9 +313,15 @@ $(BUILD)/tests/gpu_probe: $(BUILD)/tests/gpu_probe.o $(BUILD)/common.a
 deps:
 	@scripts/ensure-deps.sh
 
+# The emulated GPU's ThreadSanitizer build that tests/test_emu_races.cpp drives (build-tsan/, only
+# where make test runs on the emulated GPU): the kernel tests, every chapter and the seeded races.
+TSAN_BUILD := build-tsan
+TSAN_BIN := $(patsubst %,$(TSAN_BUILD)/%,tests/test_kernels $(basename $(TECH_SRC)) $(addprefix tests/bugs/,$(EMU_RACE_BUGS)))
+
 test: deps
 	@$(MAKE) --no-print-directory -j$(JOBS) CUDA=$(CUDA) BUILD=$(BUILD) all $(TEST_BIN) $(BUG_BIN) $(BUILD)/tests/comm_error_prog $(BUILD)/tests/gpu_probe $(FUZZ_BIN) $(if $(filter emu,$(CUDA)),$(MEMCHECK_BIN))
-	@BUILD=$(BUILD) CUDA=$(CUDA) tests/run_tests.sh
+	$(if $(filter emu,$(CUDA)),@$(MAKE) --no-print-directory -j$(JOBS) CUDA=emu SANITIZE=thread BUILD=$(TSAN_BUILD) $(TSAN_BIN))
+	@BUILD=$(BUILD) CUDA=$(CUDA) TS_TSAN_BUILD=$(TSAN_BUILD) tests/run_tests.sh
 
 NP ?= 1
 # The demo builds what it runs and no more: 01 and the objects it links, on every core, and the
@@ -324,6 +347,6 @@ ptxas:
 	  --cflags "-Icommon $(MPI_INC) -DTS_CUDA -I$(CUDA_HOME)/include --expt-relaxed-constexpr" $(DEVICE_SRC)
 
 clean:
-	rm -rf build build-cpu build-emu $(BUILD)
+	rm -rf build build-cpu build-emu $(TSAN_BUILD) $(BUILD)
 
 -include $(shell find $(BUILD) -name '*.d' 2>/dev/null)

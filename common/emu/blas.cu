@@ -15,6 +15,7 @@
 #include "tensor/core.h"  // bf16 as the project rounds it
 #include "kernels/fp8.h"   // and its FP8 codes
 #include "emu.h"
+#include "tsan.h"  // SANITIZE=thread: the product's reads and writes, declared
 #include "shadow.h"  // the memcheck build: D is written
 
 #include <cmath>
@@ -175,12 +176,27 @@ bool still_device(const Product& p, const char* name, const void* ptr, size_t by
   return false;
 }
 
+// SANITIZE=thread: a matrix's columns (ld apart), read or written by the product's stream thread.
+void declare(const Mat& x, bool write) {
+  const size_t es = type_bytes(x.type);
+  for (int64_t j = 0; x.p && j < x.cols; ++j) {
+    char* col = static_cast<char*>(const_cast<void*>(x.p)) + size_t(j * x.ld) * es;
+    write ? emu::tsan::write(col, size_t(x.rows) * es) : emu::tsan::read(col, size_t(x.rows) * es);
+  }
+}
+
 void run_product(const Product& p) {
   if (!still_device(p, "A", p.a.p, p.a.span()) || !still_device(p, "B", p.b.p, p.b.span()) ||
       !still_device(p, "C", p.beta != 0.f ? p.c.p : nullptr, p.c.span()) ||
       !still_device(p, "D", p.d.p, p.d.span()) || !still_device(p, "the A scale", p.scale_a, 4) ||
       !still_device(p, "the B scale", p.scale_b, 4))
     return;
+  if (emu::tsan::kOn) {
+    declare(p.a, false), declare(p.b, false), declare(p.d, true);
+    if (p.beta != 0.f) declare(p.c, false);
+    if (p.scale_a) emu::tsan::read(p.scale_a, 4);
+    if (p.scale_b) emu::tsan::read(p.scale_b, 4);
+  }
   // The scales are read here, on the stream, as the hardware reads them: not when the call was made.
   const float scale = p.alpha * (p.scale_a ? *p.scale_a : 1.f) * (p.scale_b ? *p.scale_b : 1.f);
   const std::vector<float> A = widen(p.a, p.ta), B = widen(p.b, p.tb);  // m × k and k × n

@@ -28,12 +28,14 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "tensor/device.h"  // bf16 as the project decodes it
 #include "emu.h"
+#include "tsan.h"  // SANITIZE=thread: fibers, barriers and grids as happens-before
 #include "shadow.h"  // the memcheck build's initcheck and memcheck (shadow.cu)
 
 extern "C" char __start_ts_emu_shared[] __attribute__((weak));
@@ -103,6 +105,8 @@ struct Thread {
   int lane_mask = 0, width = 32;
   uint64_t give = 0, got = 0;
   uint32_t frag_in[10] = {}, frag_out[4] = {};
+  void* tsan = nullptr;       // its TSan fiber (SANITIZE=thread), and that fiber's stack
+  char* stack_top = nullptr;
 };
 
 struct Block {
@@ -113,6 +117,8 @@ struct Block {
   bc::fiber scheduler;  // where a waiting thread returns to
   Thread* current = nullptr;
   std::string error;  // a broken rule, found by a thread or by the scheduler
+  void* host = nullptr;                                    // SANITIZE=thread: the stream thread's context,
+  const char* launched = nullptr, *ended = nullptr;        // and the grid's start and end (tsan.h)
 };
 
 static thread_local Block* t_block = nullptr;
@@ -130,6 +136,7 @@ static std::string where(const Block& b, const Thread& t) {
 // A thread stops here until the scheduler resumes it.
 static void suspend() {
   Block* b = t_block;
+  tsan::switch_to(b->host);
   b->scheduler = std::move(b->scheduler).resume();
   t_block = b;
 }
@@ -287,6 +294,12 @@ static void try_complete_warp(Block& b, Thread* t) {
       fail_here(buf);
     }
   }
+  if (tsan::kOn && t->kind == WarpKind::Sync) {  // only __syncwarp orders the lanes' memory (PTX)
+    std::vector<void*> f;
+    for (int l = 0; l < 32; l++)
+      if (t->mask >> l & 1u) f.push_back(w[size_t(l)]->tsan);
+    tsan::sync_among(f.data(), f.size(), t->tsan);
+  }
   if (t->kind == WarpKind::Mma) mma_m16n8k16(w);
   if (t->kind == WarpKind::Ldmatrix || t->kind == WarpKind::LdmatrixTrans) ldmatrix_x4(w, t->kind == WarpKind::LdmatrixTrans);
   for (int l = 0; l < 32; l++) {
@@ -335,23 +348,40 @@ void mma_m16n8k16_bf16(const char* file, int line, float d[4], const uint32_t a[
   memcpy(d, t_block->current->frag_out, 16);
 }
 void ldmatrix_x4(const char* file, int line, uint32_t r[4], const void* row, bool trans) {
+  if (in_shared(*t_block, static_cast<const char*>(row))) tsan::read(row, 16);  // each lane reads the row it names
   warp_op(file, line, 0xffffffffu, trans ? WarpKind::LdmatrixTrans : WarpKind::Ldmatrix, uint64_t(uintptr_t(row)), 0, 32);
   memcpy(r, t_block->current->frag_out, 16);
 }
 
 // ----- the scheduler -----------------------------------------------------------------------------
 
+struct SlotStack {  // SANITIZE=thread: the stack of the thread's TSan fiber (tsan::slot_fiber)
+  char* top;
+  bc::stack_context allocate() {
+    bc::stack_context sc;
+    sc.size = kStack;
+    sc.sp = top;
+    return sc;
+  }
+  void deallocate(bc::stack_context&) {}
+};
+
 static bc::fiber start(Block& b, Thread& t, const std::function<void()>& body) {
-  return bc::fiber(std::allocator_arg, PoolRef{}, [&b, &t, &body](bc::fiber&& sched) {
+  auto run = [&b, &t, &body](bc::fiber&& sched) {
     b.scheduler = std::move(sched);
     t_block = &b;
+    tsan::acquire(b.launched);
     try {
       body();
     } catch (const Abandon&) {
     }
     t.wait = Wait::Done;
+    tsan::release(b.ended);
+    tsan::switch_to(b.host);
     return std::move(b.scheduler);
-  });
+  };
+  if (tsan::kOn) return bc::fiber(std::allocator_arg, SlotStack{t.stack_top}, run);
+  return bc::fiber(std::allocator_arg, PoolRef{}, run);
 }
 
 // Why a warp operation can no longer complete: a lane it names has exited, or waits elsewhere.
@@ -399,8 +429,10 @@ static bool release_barrier(Block& b) {
     }
   }
   if (!first) return false;  // all done
+  std::vector<void*> f;
   for (Thread& t : b.threads)
-    if (t.wait == Wait::Block) t.wait = Wait::None;
+    if (t.wait == Wait::Block) t.wait = Wait::None, f.push_back(t.tsan);
+  tsan::sync_among(f.data(), f.size(), b.host);  // __syncthreads: every live thread releases, then acquires
   return true;
 }
 
@@ -417,6 +449,7 @@ static void run_block(Block& b, const std::function<void()>& body, bool reverse)
         if (t.wait != Wait::None) continue;
         b.current = &t;
         t_block = &b;
+        tsan::switch_to(t.tsan);
         t.fiber = std::move(t.fiber).resume();
         b.current = nullptr;
         ran = true;
@@ -425,7 +458,12 @@ static void run_block(Block& b, const std::function<void()>& body, bool reverse)
     if (!b.error.empty() || !release_barrier(b)) break;
   }
   t_block = nullptr;
-  for (Thread& t : b.threads) t.fiber = bc::fiber();  // unwinds any fiber left waiting
+  for (Thread& t : b.threads) {  // unwinds any fiber left waiting, as that thread
+    if (!t.fiber) continue;
+    tsan::switch_to(t.tsan);
+    t.fiber = bc::fiber();
+    tsan::switch_to(b.host);
+  }
 }
 
 // ----- static shared memory, per kernel -----------------------------------------------------------
@@ -459,8 +497,13 @@ struct SharedSymbols {
 
 static SharedSymbols read_symbols(const char* path) {
   SharedSymbols out;
-  std::ifstream f(path, std::ios::binary);
-  std::string elf((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
+  std::string elf(size_t(std::max<std::streamoff>(0, f.tellg())), '\0');
+  {
+    tsan::Quiet quiet;  // SANITIZE=thread: the emulator reading its own binary is not the program's access
+    f.seekg(0);
+    f.read(&elf[0], std::streamsize(elf.size()));
+  }
   if (elf.size() < sizeof(Elf64_Ehdr) || memcmp(elf.data(), ELFMAG, SELFMAG)) return out;
   const auto* eh = reinterpret_cast<const Elf64_Ehdr*>(elf.data());
   out.pie = eh->e_type == ET_DYN;
@@ -675,6 +718,20 @@ static void catch_faults() {
 #endif
 }
 
+// SANITIZE=thread: thread i of the grid's k-th block runs as TSan fiber (k % 2)·n + i of this host
+// thread's pool: two sets of a block's threads, used in turn, so consecutive blocks never share a
+// fiber (a shared fiber's program order, and the barriers it passed, would order the two blocks).
+// Blocks an even distance apart do share them, so a race only between such blocks is missed. More
+// sets would miss less, but TSan's fibers are threads (at most 8,128 in a process, never recycled)
+// and every barrier costs each fiber a vector clock as long as the fibers there are.
+static void tsan_fiber(Block& b, Thread& t, size_t k, size_t i) {
+  t.tsan = tsan::slot_fiber(k % 2 * b.threads.size() + i, kStack, &t.stack_top);
+  char label[160];
+  snprintf(label, sizeof label, "%s block (%u,%u,%u) thread (%u,%u,%u)", b.kernel, t.c.block_idx.x, t.c.block_idx.y,
+           t.c.block_idx.z, t.c.thread_idx.x, t.c.thread_idx.y, t.c.thread_idx.z);  // TSan keeps 63 characters
+  tsan::name(t.tsan, label);
+}
+
 // Kernels run one at a time in the process: static __shared__ arrays are one copy in one section.
 static std::mutex g_kernel_mu;
 
@@ -691,6 +748,9 @@ static void run_grid(const char* name, const char* site, const void* fn, dim3 g,
   b.dyn_smem.resize(smem + shadow::redzone());  // exactly the launch's bytes: past them is a redzone (ASan's, or the shadow's)
   shadow::Grid checked(name, b.dyn_smem.data(), smem);
   const std::vector<std::pair<char*, size_t>> arrays = static_shared(fn, name).arrays;
+  const std::unique_ptr<char[]> grid_sync(new char[2]);  // SANITIZE=thread: the grid's start and end
+  b.launched = &grid_sync[0], b.ended = &grid_sync[1], b.host = tsan::current();
+  tsan::release(b.launched);  // the grid sees what its stream did before it
   for (size_t k = 0; k < nblocks && sticky_error() == cudaSuccess; k++) {
     const size_t id = reverse ? nblocks - 1 - k : k;
     const uint3 bi{unsigned(id % g.x), unsigned(id / g.x % g.y), unsigned(id / g.x / g.y)};
@@ -698,15 +758,25 @@ static void run_grid(const char* name, const char* site, const void* fn, dim3 g,
       Thread& t = b.threads[i];
       t = Thread{};
       t.c = ThreadCtx{uint3{unsigned(i % bl.x), unsigned(i / bl.x % bl.y), unsigned(i / bl.x / bl.y)}, bi, bl, g};
+      if (tsan::kOn) tsan_fiber(b, t, k, i);
     }
-    std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(uninit_byte()));
-    if (__start_ts_emu_shared) memset(__start_ts_emu_shared, uninit_byte(), size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
-    for (const auto& [p, bytes] : arrays) memset(p, uninit_byte(), bytes);  // a template kernel's too
+    {
+      tsan::Quiet quiet;  // the poison is the emulator's, not a write the program made
+      std::fill(b.dyn_smem.begin(), b.dyn_smem.end(), char(uninit_byte()));
+      if (__start_ts_emu_shared) memset(__start_ts_emu_shared, uninit_byte(), size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
+      for (const auto& [p, bytes] : arrays) memset(p, uninit_byte(), bytes);  // a template kernel's too
+    }
+    if (tsan::kOn) {  // a block's shared memory is its own: the previous block's accesses do not race with it
+      tsan::forget(b.dyn_smem.data(), b.dyn_smem.size());
+      if (__start_ts_emu_shared) tsan::forget(__start_ts_emu_shared, size_t(__stop_ts_emu_shared - __start_ts_emu_shared));
+      for (const auto& [p, bytes] : arrays) tsan::forget(p, bytes);
+    }
     shadow::block_start(arrays, b.dyn_smem.data(), smem);
     b.error.clear();
     run_block(b, body, reverse);
     if (!b.error.empty()) device_fault(cudaErrorLaunchFailure, "%s", b.error.c_str());
   }
+  tsan::acquire(b.ended);  // the stream's later work sees the grid's
 }
 
 bool pointer_arguments_ok(const char* name, const char* site, const void* const* p, size_t n) {

@@ -52,6 +52,7 @@
 
 #include "tensor/device.h"  // bf16 as the project rounds it
 #include "emu.h"
+#include "tsan.h"  // SANITIZE=thread: the operation's reads and writes, declared
 #include "shadow.h"  // the memcheck build: an operation's output is written
 
 // ----- communicators -------------------------------------------------------------------------------
@@ -669,10 +670,23 @@ void progress(const Launch& L) {
   }
 }
 
+// SANITIZE=thread: what the operation reads and writes, on its stream's thread, when it starts (MPI
+// and the reductions are not instrumented): the whole send buffer, then the whole receive buffer.
+void declare_accesses(const Op& o) {
+  const size_t bytes = o.count * type_size(o.type), n = size_t(o.comm->size);
+  const bool root = o.kind == Kind::Broadcast && o.comm->rank == o.peer;
+  const size_t in = o.kind == Kind::ReduceScatter ? bytes * n : o.kind == Kind::Recv ? 0 : bytes;
+  const size_t out = o.kind == Kind::AllGather ? bytes * n : o.kind == Kind::Send ? 0 : bytes;
+  if (o.kind != Kind::Broadcast || root) emu::tsan::read(o.sendbuff, in);
+  if (o.kind != Kind::Broadcast || !root || o.sendbuff != o.recvbuff) emu::tsan::write(o.recvbuff, out);
+}
+
 // What the stream runs: the launch, in its turn.
 void run(const std::shared_ptr<Launch>& L) {
   if (wait_turn(*L)) {
     L->started = true;
+    if (emu::tsan::kOn)
+      for (auto& o : L->ops) declare_accesses(*o);
     progress(*L);
   } else {
     for (auto& o : L->ops) o->state = Op::Cancelled;

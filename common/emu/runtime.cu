@@ -23,12 +23,14 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
 #include <vector>
 
 #include "emu.h"
+#include "tsan.h"  // SANITIZE=thread: what orders stream work, as happens-before
 #include "shadow.h"        // the memcheck build's shadow: allocations, copies, recycled blocks
 #include "tensor/hooks.h"  // set_recycle_hook: the caching allocator's recycled blocks
 
@@ -198,6 +200,15 @@ struct Op {
   uint64_t seq;
   std::string what;
   std::function<void()> work;
+  std::shared_ptr<char> issued;  // SANITIZE=thread: what the host had done when it queued the op
+};
+
+// SANITIZE=thread: each op's completion is its own sync object, acquired only by who waits for that
+// op (a ring of the last kDoneRing; a wait for an older op takes the newest, a little too much).
+constexpr size_t kDoneRing = 1024;
+struct DoneRing {
+  std::vector<std::unique_ptr<char>> sync = std::vector<std::unique_ptr<char>>(kDoneRing);
+  std::vector<uint64_t> seq = std::vector<uint64_t>(kDoneRing, 0);
 };
 
 struct Stream {
@@ -210,7 +221,22 @@ struct Stream {
   bool blocking = true;   // created without cudaStreamNonBlocking (the null stream waits for it)
   int device = 0;         // the device current when it was created: its work may only be queued there
   bool destroyed = false;
+  std::unique_ptr<DoneRing> ring = tsan::kOn ? std::make_unique<DoneRing>() : nullptr;
 };
+
+// SANITIZE=thread (the caller holds s->mu): op seq has run; and who saw it finish acquires it.
+static void tsan_done(Stream* s, uint64_t seq) {
+  if (!tsan::kOn) return;
+  auto& slot = s->ring->sync[seq % kDoneRing];
+  slot.reset(new char);
+  s->ring->seq[seq % kDoneRing] = seq;
+  tsan::release(slot.get());
+}
+static void tsan_saw_done(Stream* s, uint64_t seq) {
+  if (!tsan::kOn || !seq) return;
+  const size_t i = s->ring->seq[seq % kDoneRing] == seq ? seq % kDoneRing : s->done % kDoneRing;
+  if (s->ring->sync[i]) tsan::acquire(s->ring->sync[i].get());
+}
 
 static thread_local bool t_on_stream = false;
 static thread_local int t_device = 0;  // cudaSetDevice's, per host thread as in CUDA
@@ -220,15 +246,18 @@ bool on_stream_thread() { return t_on_stream; }
 // long as it likes and other threads may queue behind it.
 static void worker(Stream* s) {
   t_on_stream = true;
+  tsan::stream_thread(s->blocking ? "emulated stream (blocking)" : "emulated stream (non-blocking)");
   std::unique_lock<std::mutex> lk(s->mu);
   for (;;) {
     s->cv.wait(lk, [&] { return !s->queue.empty() && s->queue.front().seq <= s->demanded; });
     Op op = std::move(s->queue.front());
     s->queue.pop_front();
     lk.unlock();
+    if (op.issued) tsan::acquire(op.issued.get()), tsan::thread_name(("emulated stream running " + op.what).c_str());
     if (sticky_error() == cudaSuccess) op.work();  // after a fault nothing more runs, as on hardware
     op.work = nullptr;
     lk.lock();
+    tsan_done(s, op.seq);
     s->done = op.seq;
     s->cv.notify_all();
   }
@@ -264,6 +293,7 @@ uint64_t last_seq(Stream* s) {
 }
 bool finished(Stream* s, uint64_t seq) {
   std::lock_guard<std::mutex> lk(s->mu);
+  if (s->done >= seq) tsan_saw_done(s, seq);  // a query that finds it complete has synchronised
   return s->done >= seq;
 }
 
@@ -273,7 +303,10 @@ void demand(Stream* s, uint64_t seq, bool wait) {
     s->demanded = seq;
     s->cv.notify_all();
   }
-  if (wait) s->cv.wait(lk, [&] { return s->done >= seq; });
+  if (wait) {
+    s->cv.wait(lk, [&] { return s->done >= seq; });
+    tsan_saw_done(s, seq);
+  }
 }
 
 uint64_t enqueue(cudaStream_t h, std::string what, std::function<void()> work, bool eager) {
@@ -305,9 +338,11 @@ uint64_t enqueue(cudaStream_t h, std::string what, std::function<void()> work, b
         w();
       };
   }
+  std::shared_ptr<char> issued;
+  if (tsan::kOn) issued.reset(new char), tsan::release(issued.get());
   std::lock_guard<std::mutex> lk(s->mu);
   uint64_t seq = ++s->issued;
-  s->queue.push_back(Op{seq, std::move(what), std::move(work)});
+  s->queue.push_back(Op{seq, std::move(what), std::move(work), std::move(issued)});
   if (eager) s->demanded = std::max(s->demanded, seq);
   s->cv.notify_all();
   return seq;
@@ -350,14 +385,18 @@ bool is_pinned(const void* p, size_t bytes) {
   return inside(g_pinned, p, bytes);
 }
 uint64_t device_to_host_copies() { return g_d2h.load(); }
-// A copy as a stream runs it: the bytes, and in the memcheck build what was written of them.
+// A copy as a stream runs it: the bytes, and in the memcheck build what was written of them; under
+// SANITIZE=thread, the program's read and write (tsan.h).
 static void copy(void* dst, const void* src, size_t bytes) {
+  tsan::read(src, bytes);
+  tsan::write(dst, bytes);
   memcpy(dst, src, bytes);
   shadow::copied(dst, src, bytes);
 }
 void poison_recycled(void* p, size_t bytes, cudaStream_t s) {
   const unsigned char b = uninit_byte();
   enqueue(s, "poisoning a recycled block", [=] {
+    tsan::Quiet quiet;  // the emulator's poison, not the program's write
     memset(p, b, bytes);
     shadow::unwritten(p, bytes);
   });
@@ -513,7 +552,10 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   char* q = static_cast<char*>(aligned_alloc(256, n + 2 * rz));
   if (!q) return ret(cudaErrorMemoryAllocation);
   q += rz;
-  memset(q, emu::uninit_byte(), n);
+  {
+    emu::tsan::Quiet quiet;
+    memset(q, emu::uninit_byte(), n);
+  }
   emu::shadow::allocated(q, bytes, n, emu::shadow::Kind::Device);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_device[uintptr_t(q)] = n;
@@ -542,7 +584,10 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
   char* q = static_cast<char*>(aligned_alloc(256, n + 2 * rz));
   if (!q) return ret(cudaErrorMemoryAllocation);
   *p = q + rz;
-  memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
+  {
+    emu::tsan::Quiet quiet;
+    memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
+  }
   emu::shadow::allocated(*p, bytes, n, emu::shadow::Kind::Pinned);
   std::lock_guard<std::mutex> lk(emu::g_mem_mu);
   emu::g_pinned[uintptr_t(*p)] = n;
@@ -624,6 +669,7 @@ cudaError_t cudaMemsetAsync(void* p, int value, size_t bytes, cudaStream_t s) {
     return ret(cudaErrorInvalidValue);
   }
   emu::enqueue(s, "cudaMemsetAsync", [=] {
+    emu::tsan::write(p, bytes);
     memset(p, value, bytes);
     emu::shadow::written(p, bytes);
   });
