@@ -553,7 +553,7 @@ cudaError_t cudaMalloc(void** p, size_t bytes) {
   if (!q) return ret(cudaErrorMemoryAllocation);
   q += rz;
   {
-    emu::tsan::Quiet quiet;
+    emu::tsan::Quiet quiet;  // the poison is the emulator's write, not the program's
     memset(q, emu::uninit_byte(), n);
   }
   emu::shadow::allocated(q, bytes, n, emu::shadow::Kind::Device);
@@ -585,7 +585,7 @@ cudaError_t cudaMallocHost(void** p, size_t bytes) {
   if (!q) return ret(cudaErrorMemoryAllocation);
   *p = q + rz;
   {
-    emu::tsan::Quiet quiet;
+    emu::tsan::Quiet quiet;  // the poison is the emulator's write, not the program's
     memset(*p, emu::uninit_byte(), n);  // page-locked memory holds whatever was there: poison
   }
   emu::shadow::allocated(*p, bytes, n, emu::shadow::Kind::Pinned);
