@@ -429,10 +429,13 @@ static bool release_barrier(Block& b) {
     }
   }
   if (!first) return false;  // all done
-  std::vector<void*> f;
+  std::vector<void*> f;  // SANITIZE=thread only: the default build allocates nothing per barrier
   for (Thread& t : b.threads)
-    if (t.wait == Wait::Block) t.wait = Wait::None, f.push_back(t.tsan);
-  tsan::sync_among(f.data(), f.size(), b.host);  // __syncthreads: every live thread releases, then acquires
+    if (t.wait == Wait::Block) {
+      t.wait = Wait::None;
+      if (tsan::kOn) f.push_back(t.tsan);
+    }
+  if (tsan::kOn) tsan::sync_among(f.data(), f.size(), b.host);  // __syncthreads: every live thread releases, then acquires
   return true;
 }
 
