@@ -84,6 +84,7 @@ inline Overlapped decompose(const Gpu& g, const RunConfig& rc, Collective op, do
   Overlapped o;
   o.whole = alpha + (tp - 1.0) / tp * K / bw;
   o.exposed = (tp - 1) * std::max(0.0, t_step - t_piece) + std::max(0.0, tp * t_piece - t_full);
+  o.exposed = std::min(o.exposed, o.whole);  // where the pieces' waves lose more than the ring hides: 04's blocking
   return o;
 }
 

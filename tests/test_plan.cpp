@@ -214,7 +214,25 @@ TEST_CASE("the rank order reaches --plan: the groups' spans and their price foll
 
 TEST_CASE("matmul efficiency: the roofline caps small shapes, large ones reach the achievable fraction", "[plan]") {
   const Gpu& h100 = *find_gpu("h100");
-  CHECK(matmul_efficiency(h100, 8192, 8192, 8192, 2) == kH100Achievable);
+  // Waves of 132 blocks: 8192² in 256×128 tiles is 2048 blocks, 16 waves of which the last is 52% full.
+  CHECK(wave_efficiency(h100, 8192, 8192, 8192, 2) == Approx(2048.0 / (16 * 132)).epsilon(1e-12));
+  CHECK(matmul_efficiency(h100, 8192, 8192, 8192, 2) == Approx(kH100Achievable * 2048 / (16 * 132)).epsilon(1e-12));
+  // 12 × 11 tiles of 256×128: one wave, full. A row more: a 13th row of tiles and a second wave
+  // (50%), 128×128 tiles 3 waves (67%); splitting k recovers some of it, never all.
+  CHECK(wave_efficiency(h100, 3072, 4096, 1408, 2) == 1);
+  CHECK(wave_efficiency(h100, 3073, 4096, 1408, 2) > 3073.0 * 1408 / (3 * 132 * 128 * 128));
+  CHECK(wave_efficiency(h100, 3073, 4096, 1408, 2) < 0.75);
+  // A 1,024-row shard by 2,304 columns (405B's q,k,v at tp 8 under async TP): unsplit, 144 tiles of
+  // 128×128 fill 55% of 2 waves; split 4 ways, 576 blocks fill 87% of 5, for a pass over 4 fp32
+  // partials and the bf16 output at 3350 GB/s.
+  const double ideal = 2.0 * 1024 * 16384 * 2304 / (989e12 * kH100Achievable);
+  CHECK(wave_efficiency(h100, 1024, 16384, 2304, 2) ==
+        Approx(ideal / (ideal / (576.0 / 660) + 18.0 * 1024 * 2304 / 3350e9)).epsilon(1e-12));
+  CHECK(wave_efficiency(h100, 1024, 16384, 2304, 2) > 144.0 / 264 + 0.25);
+  // A CPU has no waves.
+  Gpu cpu = h100;
+  cpu.sms = 0;
+  CHECK(wave_efficiency(cpu, 1024, 16384, 2304, 2) == 1);
   // A matrix-vector product: 2·4096² FLOPs over 2·(4096 + 4096² + 4096) bytes ≈ 1 FLOP/byte, so
   // 3350 GB/s buys 3.35 of 989 TFLOP/s.
   const double intensity = 2.0 * 4096 * 4096 / (2.0 * (4096 + 4096.0 * 4096 + 4096));
@@ -222,7 +240,8 @@ TEST_CASE("matmul efficiency: the roofline caps small shapes, large ones reach t
   // A layer of the 8b preset at 4096 tokens is compute-bound; at 16 tokens it is not.
   ModelConfig m;
   REQUIRE(apply_preset("8b", m));
-  CHECK(layer_efficiency(h100, m, 4096, 1, 2) == Approx(kH100Achievable));
+  CHECK(layer_efficiency(h100, m, 4096, 1, 2) < kH100Achievable);
+  CHECK(layer_efficiency(h100, m, 4096, 1, 2) > 0.95 * kH100Achievable);
   CHECK(layer_efficiency(h100, m, 16, 8, 2) < 0.1);
 }
 
@@ -761,16 +780,20 @@ TEST_CASE("the MoE term: router, busiest experts, shared experts, row copies, di
   x.dispatch = {{1e9, 128, 1}, {2e9, 128, 2}};
   const MoeTerms t = moe_terms(g, rc, x);
   CHECK(t.router_s == Approx(6 * D * E * tokens * L / (peak * matmul_efficiency(g, 4096, D, E, 2))).epsilon(1e-12));
-  // An expert's rows: 4096 · 2 · 8 / 8 = 8192, large enough for the achievable fraction.
-  CHECK(matmul_efficiency(g, 8192, D, 2 * F, 2) == kH100Achievable);
-  CHECK(t.experts_s == Approx(1.25 * 18 * D * F * K * tokens * L / (peak * kH100Achievable)).epsilon(1e-12));
+  // An expert's rows: 4096 · 2 · 8 / 8 = 8192, compute-bound: gate and up (2/3 of the FLOPs) and
+  // down each at the achievable fraction times their waves' fill.
+  auto swiglu = [&](double rows, double width) {
+    return 2.0 / 3 / matmul_efficiency(g, rows, D, 2 * width, 2) + 1.0 / 3 / matmul_efficiency(g, rows, width, D, 2);
+  };
+  CHECK(matmul_efficiency(g, 8192, D, 2 * F, 2) == Approx(kH100Achievable * wave_efficiency(g, 8192, D, 2 * F, 2)));
+  CHECK(t.experts_s == Approx(1.25 * 18 * D * F * K * tokens * L * swiglu(8192, F) / peak).epsilon(1e-12));
   CHECK(t.shared_s == 0);
   CHECK(t.copies_s == Approx(16 * D * 2 * K * tokens * L * 1.25 / 3350e9).epsilon(1e-12));
   CHECK(t.dispatch_s == Approx(collective_seconds(g.net, Collective::P2P, 1e9, 128, 1) +
                                collective_seconds(g.net, Collective::P2P, 2e9, 128, 2)).epsilon(1e-12));
   // Shared experts: one SwiGLU of width S·F_e over every token.
   rc.model.shared_experts = 2, rc.model.expert_ffn = 1024;
-  CHECK(moe_terms(g, rc, x).shared_s == Approx(18 * D * 2048 * tokens * L / (peak * kH100Achievable)).epsilon(1e-12));
+  CHECK(moe_terms(g, rc, x).shared_s == Approx(18 * D * 2048 * tokens * L * swiglu(4096, 2048) / peak).epsilon(1e-12));
   // A dense model: add_moe_term changes nothing.
   RunConfig dense = rc;
   dense.model.experts = 0;
@@ -945,8 +968,9 @@ TEST_CASE("the other overlaps by hand: DP chunk by chunk, the all-to-all beside 
   const Gpu& g = *find_gpu("h100");
   StepTerms c = compute_terms(g, rc, 1, 1, 1, 8);
   const double before = c.t_compute, core = 4.0 * 32 * 4096 * 4096, F = flops_per_token_of(rc.model);
+  const double eta = c.efficiency;  // the layer's GEMMs, which compute_terms priced the core at
   flash_attention(c, rc);
-  CHECK(c.t_compute / before == Approx((F - 3 * core + 1.5 * core * 0.47 / 0.35) / F).epsilon(1e-12));
+  CHECK(c.t_compute / before == Approx((F - 3 * core + 1.5 * core * eta / 0.35) / F).epsilon(1e-12));
   // FP8: the linears' GEMMs at 1.75× (cuBLAS 12.9's block-scaled FP8 on Hopper), the rest at bf16's.
   RunConfig f8 = rc;
   f8.fp8.recipe = Fp8Recipe::Blockwise;
@@ -1001,7 +1025,7 @@ TEST_CASE("the planner against the public record: Llama 3 405B and DeepSeek-V3",
 // The playbook's heatmap of best configurations (scripts/plan_vs_playbook.sh's cells: nodes of 8
 // H100s, sequences of 4096, 1M tokens a step), priced as the chapters run them (no --frontier: nanotron
 // overlaps none of it). Held out, every cell past one node: the median error within 15%, and none
-// beyond 50% but the 80B on 4 nodes (+120%), which notes/08 explains and the planner cannot price.
+// beyond 50% but the 80B on 4 nodes (+118%), which notes/08 explains and the planner cannot price.
 TEST_CASE("the planner against the playbook's measured meshes", "[plan][record]") {
   struct Cell {
     const char* model;

@@ -40,13 +40,15 @@ const Gpu* find_gpu(const std::string& name) {
       // FP8 GEMMs on Hopper: 1.75× bf16's for large matmuls with 128-element block scaling, DeepSeek-V3's
       // recipe (NVIDIA, "Boosting Matrix Multiplication Speed and Flexibility with NVIDIA cuBLAS 12.9",
       // 2025; the datasheet's dense peaks, 1979 and 989 TFLOP/s, would say 2); the A100 has no FP8.
-      {"h100", 80, 989, 3350, kH100Achievable, h100_network(), "", kHopperFp8Speedup},
-      {"h200", 141, 989, 4800, kH100Achievable, h100_network(), "", kHopperFp8Speedup},
-      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5)},
+      // SMs: 132 on the H100 SXM5 and its H200 and H800 variants, 108 on the A100 (NVIDIA's Hopper
+      // and Ampere architecture whitepapers).
+      {"h100", 80, 989, 3350, kH100Achievable, h100_network(), "", kHopperFp8Speedup, 132},
+      {"h200", 141, 989, 4800, kH100Achievable, h100_network(), "", kHopperFp8Speedup, 132},
+      {"a100", 80, 312, 2039, kH100Achievable, scaled(h100_network(), 600.0 / 900, 0.5), "", 1, 108},
       // The H800: an H100 SXM with NVLink cut to 400 GB/s (NVIDIA's H800 datasheet), the same
       // compute and HBM3; across nodes DeepSeek-V3's cluster has the H100's 400 Gb/s InfiniBand
       // per GPU (technical report §3.1: "IB (50 GB/s)").
-      {"h800", 80, 989, 3350, kH100Achievable, scaled(h100_network(), 400.0 / 900, 1.0), "", kHopperFp8Speedup}};
+      {"h800", 80, 989, 3350, kH100Achievable, scaled(h100_network(), 400.0 / 900, 1.0), "", kHopperFp8Speedup, 132}};
   for (const Gpu& g : kGpus)
     if (name == g.name) return &g;
   return nullptr;
@@ -219,11 +221,34 @@ double flops_per_token_of(const ModelConfig& m) {
   return flops;
 }
 
+// Tile and wave quantization (NVIDIA, "Matrix Multiplication Background User's Guide", §3): cuBLAS
+// computes the m×n output in tiles, one thread block each, padded at the edges, and runs them in
+// waves of one block per SM, the last wave partly empty. The guide names 256×128 and 128×256 as
+// cuBLAS's most efficient tiles and 128×128 as the next. A short, wide-k shape can also split k
+// over 2 or 4 blocks per tile (cuBLASLt's split-K), filling more of the waves for a second pass
+// that reads the s fp32 partials and writes the output at memory bandwidth. The fraction of the
+// achievable rate the best of these reaches: ~0.97 for large shapes (16384 rows by 3072: 12 waves,
+// the last 64% full); 0.82 for a 1,024-row shard by 2,304 columns over k = 16,384 (split 4: 576
+// blocks in 5 waves, less the 42 MB pass) where unsplit it would fill 55% (144 tiles in 2 waves).
+double wave_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes) {
+  if (g.sms <= 0) return 1;
+  const double ideal = 2 * m * k * n / (g.peak_tflops * 1e12 * g.achievable);  // every wave full
+  double best = 0;
+  for (const auto& [tm, tn] : {std::pair{256.0, 128.0}, {128.0, 256.0}, {128.0, 128.0}})
+    for (const double split : {1.0, 2.0, 4.0}) {
+      const double blocks = std::ceil(m / tm) * std::ceil(n / tn) * split;
+      const double fill = m * n * split / (std::ceil(blocks / g.sms) * g.sms * tm * tn);
+      const double pass = split > 1 ? (4 * split + elem_bytes) * m * n / (g.hbm_gbs * 1e9) : 0;
+      best = std::max(best, ideal / (ideal / fill + pass));
+    }
+  return best;
+}
+
 // The roofline (Williams, Waterman & Patterson 2009): a matmul of m×k by k×n runs at
-// min(achievable peak, arithmetic intensity × memory bandwidth).
+// min(achievable peak × the waves' fill, arithmetic intensity × memory bandwidth).
 double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes) {
   const double intensity = 2 * m * k * n / (elem_bytes * (m * k + k * n + m * n));  // FLOPs per byte moved
-  return std::min(g.achievable, intensity * g.hbm_gbs / (g.peak_tflops * 1e3));
+  return std::min(g.achievable * wave_efficiency(g, m, k, n, elem_bytes), intensity * g.hbm_gbs / (g.peak_tflops * 1e3));
 }
 
 // The layer's matmuls (q,k,v; o; gate,up; down), weighted by their FLOPs. SP gathers a tp group's

@@ -68,11 +68,12 @@ struct Gpu {
   Network net;
   std::string measured_on;  // local: the model 01 ran when make bench measured the rate ("" where unsaid)
   double fp8_gemm_speedup = 1;  // an FP8 GEMM's rate over a bf16 one's (1: none known; local: not measured)
+  int sms = 0;  // streaming multiprocessors, the slots of a GEMM's waves (0: a CPU, no waves to quantize)
 };
 
 // The fraction of the bf16 peak that large matmuls reach end to end, calibrated on the playbook's
 // three single-node runs (notes/08): MFU × (1 + bubble) of 44.3%, 46.7% and 45.2%.
-constexpr double kH100Achievable = 0.47;
+constexpr double kH100Achievable = 0.48;
 
 // `n` with its in-node bandwidths scaled by `intra` and its cross-node ones by `inter`.
 Network scaled(const Network& n, double intra, double inter);
@@ -122,7 +123,11 @@ double group_seconds(const Network& n, const std::map<std::string, double>& ops,
 // flops_per_token(m), the last model's remembered: it builds the model's parameter table to count
 // Ψ, and a planner prices thousands of meshes of one model (every term below asks for it).
 double flops_per_token_of(const ModelConfig& m);
-// The roofline fraction of the peak for one m×k by k×n matmul.
+// The fraction of the achievable rate an m×k by k×n matmul keeps after tile and wave quantization,
+// at the best of cuBLAS's large tiles and split-K; 1 where the GPU has no SM count.
+double wave_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes);
+// The fraction of the peak for one m×k by k×n matmul: the roofline, and below it the achievable
+// fraction times the waves' fill.
 double matmul_efficiency(const Gpu& g, double m, double k, double n, double elem_bytes);
 // The FLOP-weighted efficiency of one rank's layer matmuls at `tokens` rows after tp's splits.
 double layer_efficiency(const Gpu& g, const ModelConfig& m, double tokens, int tp, double elem_bytes);
