@@ -18,6 +18,7 @@
 #ifndef TS_05B_DUALPIPEV_CU
 #define TS_05B_DUALPIPEV_CU
 #include <algorithm>
+#include <array>
 #include <vector>
 
 #include "05a_zero_bubble.cu"
@@ -171,6 +172,42 @@ inline const Schedule kDualPipeV = add_schedule([] {
   k.validate = validate_dualpipev;
   return k;
 }());
+// The lists with each F&B pair as dualpipev.py's _forward_backward_chunk runs it, one block: both
+// inputs received before the F, then the F, the B and the B's W adjacent, then both outputs sent.
+// For an executor that runs a pair's halves side by side (08 under --overlap-a2a); 05's own runs
+// each action as it comes. The clock checks the new lists complete, as build_plan's.
+struct PairBlocks {
+  Plan plan;
+  std::vector<std::vector<std::array<Action, 3>>> pairs;  // per rank: each pair's F, B and W
+};
+inline PairBlocks pair_blocks(const Plan& pl) {
+  PairBlocks out{pl, std::vector<std::vector<std::array<Action, 3>>>(size_t(pl.p))};
+  for (int s = 0; s < pl.p; s++) {
+    const std::vector<bool> opens = dualpipev_pairs(pl.p, pl.m, s);
+    const std::vector<Action>& list = pl.actions[size_t(s)];
+    std::vector<Action> o;
+    for (size_t i = 0, n = 0; i < list.size(); i++) {  // n: the compute actions before list[i]
+      if (!is_compute(list[i].op) || !opens[n]) {
+        o.push_back(list[i]), n += is_compute(list[i].op);
+        continue;
+      }
+      std::vector<Action> block, sends;
+      for (; i < list.size() && block.size() < 3; i++)
+        (is_compute(list[i].op) ? block : is_send(list[i].op) ? sends : o).push_back(list[i]);
+      const bool full = block.size() == 3 && block[1].op == Op::B && block[2] == Action{Op::W, block[1].mb, block[1].chunk};
+      TS_CHECK(full,
+               "dualpipev: rank %d's pair at micro-batch %d is not an F then a full backward", s, block[0].mb);
+      o.insert(o.end(), block.begin(), block.end());
+      o.insert(o.end(), sends.begin(), sends.end());
+      out.pairs[size_t(s)].push_back({block[0], block[1], block[2]});
+      i--, n += 3;
+    }
+    out.plan.actions[size_t(s)] = o;
+  }
+  TS_CHECK(simulate(out.plan).complete, "dualpipev: its pairs as blocks deadlock at pp %d, m %d", pl.p, pl.m);
+  return out;
+}
+
 // What the lab prints for it beyond the others' (lab/05_pipeline_parallel.h).
 inline const bool kDualPipeVPrints = [] {
   prints_also()[kDualPipeV] = {dualpipev_beside_bubble,

@@ -155,9 +155,9 @@ inline void validate(const RunConfig& rc, const Plan& p, bool training = true) {
   if (m.experts > 0 && p.mesh.cp > 1)
     config_error("--experts with --cp %d is not composed: expert capacity and the aux loss are per sequence, and cp "
                  "splits each sequence across ranks", p.mesh.cp);
-  if (training && p.ep_schedule && p.mesh.pp > 1)
-    config_error("%s with --pp %d is not composed: it pairs the micro-batches 08 runs one after another, and the "
-                 "pipeline's schedule orders them itself", p.ep_schedule->flag.c_str(), p.mesh.pp);
+  if (training && p.ep_schedule && p.mesh.pp > 1 && p.schedule != pp::kDualPipeV)
+    config_error("%s with --pp %d pairs the F and B of --schedule dualpipev (the schedule orders the micro-batches; "
+                 "%s has no pairs)", p.ep_schedule->flag.c_str(), p.mesh.pp, pp::schedule_name(p.schedule));
   if (training && p.ep_schedule) p.ep_schedule->validate(rc, p.mesh, ep::dispatches().front());
   if (p.mesh.ep > 1 && p.zero > 0)
     config_error("--zero %d with --ep %d is not composed: expert weights differ across the dp ranks of an ep group; "
@@ -215,7 +215,10 @@ inline double token_share(const Plan& p) { return 1.0 / p.mesh.cp / (p.sp ? p.me
 // not after the flush.
 class MeshPipeline : public pp::Pipeline {
  public:
-  using pp::Pipeline::Pipeline;
+  MeshPipeline(Model& m, Comm& pp, const pp::Plan& plan, int rank, int64_t rows, const pp::PairBlocks* paired)
+      : pp::Pipeline(m, pp, paired ? paired->plan : plan, rank, rows), model_(m) {
+    if (paired) pairs_ = paired->pairs[size_t(rank)];
+  }
   std::function<ForwardState(const TokenData& data, long step, int mb)> microbatch;
   std::function<void(const pp::Action& a)> before_compute;
 
@@ -224,9 +227,41 @@ class MeshPipeline : public pp::Pipeline {
     return microbatch(data, step, mb);
   }
   void compute(const pp::Action& a, const TokenData& data, const RunConfig& rc, long step) override {
+    if (!ran_.empty() && ran_.front() == a) return ran_.erase(ran_.begin()), void();  // ran in its pair
+    for (const auto& pair : pairs_)
+      if (pair[0] == a) return run_pair(pair, data, rc, step);
     before_compute(a);
     pp::Pipeline::compute(a, data, rc, step);
   }
+
+ private:
+  // --overlap-a2a under DualPipeV (pairs_ from 05b's pair_blocks, whose lists hold each pair's F, B
+  // and W adjacent): the F and the backward as two coroutines (07b's Interleave), each one's
+  // all-to-all travelling while the other computes, as DualPipe overlaps them (DeepSeek-V3
+  // §3.2.1). They run different stages' layers, so no gradient sees their order. At each turn the
+  // half that resumes gets back its reducers' sync (before_compute) and its place in a deferring
+  // backward (Model::deferral), which the other half's work would otherwise take.
+  void run_pair(const std::array<pp::Action, 3>& pair, const TokenData& data, const RunConfig& rc, long step) {
+    const pp::Action* now[2] = {&pair[0], &pair[1]};
+    Model::Deferral held[2];
+    int last = -1;
+    ep::Interleave halves;
+    halves.run(0, 2, [&](int h) {
+      if (last >= 0) held[last] = model_.deferral();
+      model_.set_deferral(held[h]), last = h;
+      before_compute(*now[h]);
+    }, [&](int h) {
+      for (size_t i = h == 0 ? 0 : 1; i < (h == 0 ? 1 : 3); i++) {
+        now[h] = &pair[i];
+        before_compute(pair[i]);
+        pp::Pipeline::compute(pair[i], data, rc, step);
+      }
+    });
+    ran_ = {pair[1], pair[2]};  // the list's next two entries
+  }
+  Model& model_;
+  std::vector<std::array<pp::Action, 3>> pairs_;
+  std::vector<pp::Action> ran_;
 };
 
 // One model on one mesh, with the pieces of 02/03/04 attached to it.
@@ -245,7 +280,8 @@ class Composed {
     }
     if (p.mesh.pp > 1) {
       const int64_t rows = std::llround(double(rc.micro_batch) * rc.model.seq * token_share(p));
-      pipe_ = std::make_unique<MeshPipeline>(model_, mesh.pp(), plan_, mesh.pp_rank, rows);
+      if (p.ep_schedule) paired_ = std::make_unique<pp::PairBlocks>(pp::pair_blocks(plan_));  // --overlap-a2a
+      pipe_ = std::make_unique<MeshPipeline>(model_, mesh.pp(), plan_, mesh.pp_rank, rows, paired_.get());
       pipe_->microbatch = [this](const TokenData& data, long step, int mb) {
         const MicroBatch b = local_microbatch(data, step, mb);
         return model_.begin_microbatch(b.inputs, b.targets, rc_.micro_batch, pos_);
@@ -406,6 +442,7 @@ class Composed {
   std::vector<int32_t> mine_;  // this cp rank's token positions (cp > 1)
   Tensor pos_;
   pp::Plan plan_;
+  std::unique_ptr<pp::PairBlocks> paired_;  // --overlap-a2a under DualPipeV: plan_ with its pairs as blocks
   std::unique_ptr<MeshPipeline> pipe_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<dp::GradReducer> reducer_;

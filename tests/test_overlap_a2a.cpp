@@ -98,6 +98,69 @@ TEST_CASE("08 --overlap-a2a at dp 2 × tp 2 × ep 2 and dp 4 × ep 4 reproduces 
   }
 }
 
+// Rank 0's spans in a run's trace: name, start, end.
+struct Span {
+  std::string name;
+  double t0, t1;
+};
+std::vector<Span> rank0_spans(const std::string& bin, int np, const std::string& args, const std::string& file) {
+  const std::string path = tst::scratch(file);
+  const tst::Result r = tst::run_bin(bin, args + " --trace " + path, np, 120);
+  INFO(r.output);
+  REQUIRE(r.status == 0);
+  std::ifstream f(path);
+  const ts::Json t = ts::Json::parse(std::string(std::istreambuf_iterator<char>(f), {}));
+  std::vector<Span> out;
+  for (const ts::Json& e : t.at("traceEvents").as_array())
+    if (e.contains("dur") && e.at("pid").as_double() == 0)
+      out.push_back({e.at("name").as_string(), e.at("ts").as_double(), e.at("ts").as_double() + e.at("dur").as_double()});
+  return out;
+}
+bool starts(const std::string& s, const char* prefix) { return s.rfind(prefix, 0) == 0; }
+// How many spans `inner` names start strictly inside a span `outer` names.
+template <class In, class Out>
+int started_inside(const std::vector<Span>& spans, In inner, Out outer) {
+  int n = 0;
+  for (const Span& a : spans)
+    for (const Span& b : spans) n += inner(a.name) && outer(b.name) && b.t0 < a.t0 && a.t0 < b.t1;
+  return n;
+}
+
+// Under a pipeline the micro-batches are the schedule's to order: DualPipeV pairs the F of one with
+// the full backward of another (05b's pairs), and 08 runs each pair's halves as two coroutines, each
+// one's all-to-all travelling while the other computes. The halves run different stages' layers,
+// so no sum changes order: bit for bit 08 without the flag, and 01 by the criterion; with 4 and 8
+// micro-batches per rank (1 and 5 pairs on rank 0), under full recompute.
+const Run& dualpipev(int batch, bool overlap, const std::string& rest = "") {
+  return tst::cached_run("08_5d_mesh", 4, kMoe + "--layers 4 --dp 2 --ep 2 --pp 2 --schedule dualpipev " +
+                                              tst::steps_args(4, batch, 1) + " " + (overlap ? "--overlap-a2a " : "") + rest);
+}
+TEST_CASE("08 --overlap-a2a under DualPipeV: each F&B pair side by side, bit for bit and ≡ 01", "[07b][08][e2e][equiv]") {
+  for (int batch : {8, 16}) {
+    INFO("batch " << batch);
+    const Run& r = dualpipev(batch, true);
+    CHECK(bitwise(r, dualpipev(batch, false)));
+    tst::check_equivalent(r, tst::cached_run("01_single_gpu", 1, kMoe + "--layers 4 " + tst::steps_args(4, batch, batch)));
+  }
+  tst::check_equivalent(dualpipev(8, true, "--recompute full"),
+                        tst::cached_run("01_single_gpu", 1, kMoe + "--layers 4 " + tst::steps_args(4, 8, 8) + " --recompute full"));
+}
+
+// On rank 0 of a DualPipeV run: how many B spans start inside an F span (a pair's halves side by
+// side); one after the other, none do.
+int paired_spans(bool overlap) {
+  const auto spans = rank0_spans("08_5d_mesh", 4, kMoe + "--layers 4 --dp 2 --ep 2 --pp 2 --schedule dualpipev " +
+                                                      tst::steps_args(2, 16, 1) + (overlap ? " --overlap-a2a" : ""),
+                                 overlap ? "dualpipev_pairs_trace.json" : "dualpipev_trace.json");
+  return started_inside(spans, [](const std::string& n) { return starts(n, "B mb ") || starts(n, "B (input grad) mb "); },
+                        [](const std::string& n) { return starts(n, "F mb "); });
+}
+
+TEST_CASE("the trace shows DualPipeV's pairs side by side under --overlap-a2a", "[07b][08][trace]") {
+  CHECK(paired_spans(true) > 0);
+  CHECK(paired_spans(false) == 0);
+}
+
 #ifdef TS_CUDA_EMU
 // The emulated GPU, a GPU per rank: the dispatch and combine are NCCL grouped send/recv on the ep
 // group's stream, ordered by events; the result is 01's on the CPU.
@@ -110,6 +173,12 @@ TEST_CASE("emulated GPU: --overlap-a2a on NCCL at dp 2 × ep 2 and ep 4 reproduc
     CHECK(r.output.find("nccl") != std::string::npos);
     tst::check_equivalent(r, ref);
   }
+  // DualPipeV's pairs on NCCL: each half's all-to-all on the ep group's stream while the other half's
+  // kernels queue.
+  const Run& v = tst::cached_run("08_5d_mesh", 4, kMoe + "--layers 4 --dp 2 --ep 2 --pp 2 --schedule dualpipev " +
+                                                      tst::steps_args(4, 8, 1) + " --overlap-a2a --device cuda", 300, own);
+  INFO(v.output);
+  tst::check_equivalent(v, tst::cached_run("01_single_gpu", 1, kMoe + "--layers 4 " + tst::steps_args(4, 8, 8) + " --device cpu"));
 }
 #endif
 
@@ -138,26 +207,10 @@ TEST_CASE("seeded bug: a combine read before the all-to-all completes", "[07b][e
 // a layer's forward or backward (the other micro-batch's, which runs while it travels); without the
 // flag the blocking all-to-alls never do.
 int overlapped_layers(bool overlap) {
-  const std::string path = tst::scratch(overlap ? "a2a_overlap_trace.json" : "a2a_trace.json");
-  const tst::Result r = tst::run_bin("07_expert_parallel", kMoe + mesh(2, 2, 1) + (overlap ? "--overlap-a2a " : "") +
-                                                              "--trace " + path, 2, 120);
-  INFO(r.output);
-  REQUIRE(r.status == 0);
-  std::ifstream f(path);
-  const ts::Json t = ts::Json::parse(std::string(std::istreambuf_iterator<char>(f), {}));
-  std::vector<std::pair<double, double>> a2a;
-  std::vector<double> layers;
-  for (const ts::Json& e : t.at("traceEvents").as_array()) {
-    if (!e.contains("dur") || e.at("pid").as_double() != 0) continue;
-    const std::string name = e.at("name").as_string();
-    const double t0 = e.at("ts").as_double();
-    if (name.rfind("ep all_to_all_v (", 0) == 0) a2a.push_back({t0, t0 + e.at("dur").as_double()});
-    if (name.rfind("fwd layer ", 0) == 0 || name.rfind("bwd layer ", 0) == 0) layers.push_back(t0);
-  }
-  int n = 0;
-  for (double s : layers)
-    for (auto [t0, t1] : a2a) n += t0 < s && s < t1;
-  return n;
+  const auto spans = rank0_spans("07_expert_parallel", 2, kMoe + mesh(2, 2, 1) + (overlap ? "--overlap-a2a" : ""),
+                                 overlap ? "a2a_overlap_trace.json" : "a2a_trace.json");
+  return started_inside(spans, [](const std::string& n) { return starts(n, "fwd layer ") || starts(n, "bwd layer "); },
+                        [](const std::string& n) { return starts(n, "ep all_to_all_v ("); });
 }
 
 TEST_CASE("the trace shows an all-to-all in flight while the other micro-batch's layer starts", "[07b][trace]") {
@@ -173,7 +226,7 @@ TEST_CASE("bad input: --overlap-a2a refused with one line on every rank", "[07b]
       {2, "--dp 2 --ep 2 --dispatch two-level", "--overlap-a2a overlaps the flat dispatch"},
   });
   tst::check_errors("08_5d_mesh", kMoe + "--steps 1 --overlap-a2a ", {
-      {4, "--dp 2 --ep 2 --pp 2", "--overlap-a2a with --pp 2 is not composed"},
+      {4, "--dp 2 --ep 2 --pp 2", "--overlap-a2a with --pp 2 pairs the F and B of --schedule dualpipev"},
       {2, "--dp 2 --ep 2 --batch 2 --micro-batch 1", "--overlap-a2a pairs micro-batches: each rank's 1"},
   });
 }

@@ -371,14 +371,14 @@ void Model::bind_unit_grads(int u, const Tensor& flat) { bind_views(g_, table, u
 
 void Model::linear_backward(const Tensor& dx, const Tensor& dW, const Tensor& dy, const Tensor& x, const Tensor& W,
                             bool accumulate_dx) {
-  if (!defer_) return ts::linear_backward(dx, dW, dy, x, W, accumulate_dx);
+  if (!defer_.queue) return ts::linear_backward(dx, dW, dy, x, W, accumulate_dx);
   ts::linear_backward(dx, Tensor(), dy, x, W, accumulate_dx);
   defer_weight_grad(-1, dW, dy, x);
 }
 
 void Model::linear_backward(int e, const Tensor& dx, const Tensor& dy, const Tensor& x, bool accumulate_dx) {
   gemms->input_grad(e, dx, dy, w_[size_t(e)], accumulate_dx);
-  if (defer_) return defer_weight_grad(e, g_[size_t(e)], dy, x);
+  if (defer_.queue) return defer_weight_grad(e, g_[size_t(e)], dy, x);
   gemms->weight_grad(e, g_[size_t(e)], dy, x);
 }
 
@@ -386,7 +386,7 @@ void Model::defer_weight_grad(int e, const Tensor& dW, const Tensor& dy, const T
   // dy is snapshotted: the layer keeps updating the residual gradient it may alias.
   Tensor keep = Tensor::empty(dy.shape, dy.dtype, dev, Tag::Activations);
   copy(keep, dy);
-  defer_->push_back({defer_unit_, dW, keep, x, e});
+  defer_.queue->push_back({defer_.unit, dW, keep, x, e});
 }
 
 // ----- forward -------------------------------------------------------------------------------------
@@ -622,8 +622,7 @@ void Model::unit_backward(int u, ForwardState& st, Tensor& dx, bool defer_weight
   TS_CHECK(u <= cfg.layers, "unit_backward: the head's backward runs inside its unit_forward");
   if (u > 0) before_unit(u);  // the embedding's backward is a scatter of dx: it reads no weights
   before_backward(u);
-  defer_ = defer_weights ? &st.deferred : nullptr;
-  defer_unit_ = u;
+  defer_ = {defer_weights ? &st.deferred : nullptr, u};
   if (u == 0) {
     TraceScope t("bwd embedding");
     embed_backward(st, dx);  // a scatter, no matmul: nothing to defer
@@ -631,7 +630,7 @@ void Model::unit_backward(int u, ForwardState& st, Tensor& dx, bool defer_weight
     TraceScope t(std::string(defer_weights ? "bwd input layer " : "bwd layer ") + std::to_string(u - 1));
     layer_backward(u - 1, st, dx);
   }
-  defer_ = nullptr;
+  defer_.queue = nullptr;
   unit_input_grad(u, dx);
   if (defer_weights && u > 0) return;
   unit_grads_ready(u);

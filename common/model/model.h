@@ -298,6 +298,11 @@ class Model {
   // weight-gradient matmuls in st.deferred for unit_backward_weights (zero-bubble B/W split).
   // Fires before_unit/before_backward, and unit_grads_ready/after_unit unless deferred.
   void unit_backward(int u, ForwardState& st, Tensor& dx, bool defer_weights = false);
+  // The backward in progress's deferral (none outside one): a caller that suspends a backward
+  // mid-unit to run another pass saves it, and puts it back when the backward resumes.
+  struct Deferral { std::vector<DeferredGrad>* queue = nullptr; int unit = -1; };
+  Deferral deferral() const { return defer_; }
+  void set_deferral(Deferral d) { defer_ = d; }
   // The W half: runs the queued weight-gradient matmuls of unit u, then fires its
   // unit_grads_ready and after_unit.
   void unit_backward_weights(int u, ForwardState& st);
@@ -332,8 +337,7 @@ class Model {
   std::vector<LayerIdx> li_;
   int emb_ = -1, normf_ = -1, head_ = -1;
   std::vector<Tensor> w_, g_;
-  std::vector<DeferredGrad>* defer_ = nullptr;  // where linear_backward queues dW while deferring
-  int defer_unit_ = -1;                         // the unit whose weight gradients are being queued
+  Deferral defer_;  // where linear_backward queues dW while deferring, and for which unit
   void defer_weight_grad(int e, const Tensor& dW, const Tensor& dy, const Tensor& x);
   // The f and g around the MLP block: tp's, or the identity for a block replicated over tp.
   TpOps& mlp_tp();
