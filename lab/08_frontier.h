@@ -123,12 +123,13 @@ inline double dp_overlap_exposed(double rs_exposed, double ag, double t_compute,
 
 // DualPipe: a micro-batch's dispatch and combine run while the other micro-batch it is paired with
 // computes, and the hop across nodes and the NVLink forward of the chunk before run at once; what
-// shows is what outlasts the compute. The communication kernels hold 20 of the GPU's 132 SMs all the
-// while (DeepSeek-V3 §3.2.2; 132 SMs: the H100/H800 SXM datasheet), so the compute beside them runs
-// on the other 112. Returns the all-to-all's exposed seconds; slows s.t_compute.
-constexpr double kCommSms = 20, kGpuSms = 132;
-inline double overlap_all_to_all(StepTerms& s) {
-  s.t_compute *= kGpuSms / (kGpuSms - kCommSms);
+// shows is what outlasts the compute. The communication kernels hold 20 of the GPU's SMs all the
+// while (DeepSeek-V3 §3.2.2), so on an H800's 132 (Gpu::sms) the compute beside them runs on the
+// other 112 (a GPU without an SM count gives none up). Returns the all-to-all's exposed seconds;
+// slows s.t_compute.
+constexpr int kCommSms = 20;
+inline double overlap_all_to_all(StepTerms& s, const Gpu& g) {
+  if (g.sms > kCommSms) s.t_compute *= double(g.sms) / (g.sms - kCommSms);
   const std::vector<double>& l = s.moe.level_s;
   const double t = l.size() > 1 ? *std::max_element(l.begin(), l.end()) : s.t_ep;
   return std::max(0.0, t - s.t_compute);

@@ -242,7 +242,7 @@ inline StepTerms step_terms(const RunConfig& rc, const Cluster& cl, const Plan& 
     s.t_dp_exposed -= s.hidden_dp;
   }
   add_moe_term(s, g, rc, moe_shape(g, rc, p, mbs, ops("ep"), layers, nodes(Axis::EP)));
-  if (fr.a2a_overlap && s.t_ep > 0) s.hidden_ep = s.t_ep - overlap_all_to_all(s), s.t_ep -= s.hidden_ep;
+  if (fr.a2a_overlap && s.t_ep > 0) s.hidden_ep = s.t_ep - overlap_all_to_all(s, g), s.t_ep -= s.hidden_ep;
   if (p.mesh.pp > 1) pp::price_pipeline(s, g.net, rc, shared.pipeline(rc, p).plan, token_share(p), mbs, nodes(Axis::PP));
   s.total();
   return s;

@@ -38,6 +38,11 @@ tst::Result run_tsan(const std::string& bin, const std::string& args, int np = 1
 }
 
 bool has(const tst::Result& r, const std::string& s) { return r.output.find(s) != std::string::npos; }
+// A seeded bug's run: it announced itself and TSan reported a race.
+void race_reported(const tst::Result& r, const std::string& bug) {
+  CHECK(has(r, "runs the deliberate bug " + bug));
+  CHECK(has(r, "WARNING: ThreadSanitizer: data race"));
+}
 
 const std::string kSmall = "--preset tiny --quiet --steps 1 --batch 2 --seq 16 --device cuda ";
 
@@ -80,8 +85,7 @@ TEST_CASE("TSan build: seeded races are reported with their kernel and line, and
     const tst::Result r = run_tsan("tests/bugs/01_single_gpu+emu_missing_barrier", kSmall);
     INFO(r.output);
     CHECK(r.status == 66);
-    CHECK(has(r, "runs the deliberate bug emu_missing_barrier"));
-    CHECK(has(r, "WARNING: ThreadSanitizer: data race"));
+    race_reported(r, "emu_missing_barrier");
     CHECK(has(r, "ts::cuda::block_sum<double>(double, double*) common/kernels/kernels_cuda.cu:"));
     CHECK(has(r, "cross_entropy_kernel"));  // the kernel whose block_sum lost its barrier, in both stacks
   }
@@ -89,8 +93,7 @@ TEST_CASE("TSan build: seeded races are reported with their kernel and line, and
     const tst::Result r = run_tsan("tests/bugs/01_single_gpu+emu_ownership_slip", kSmall);
     INFO(r.output);
     CHECK(r.status == 66);
-    CHECK(has(r, "runs the deliberate bug emu_ownership_slip"));
-    CHECK(has(r, "WARNING: ThreadSanitizer: data race"));
+    race_reported(r, "emu_ownership_slip");
     CHECK(has(r, "embedding_backward_kernel<float>(float*, float const*, int const*, long, long, long, long, long) "
                  "common/kernels/kernels_cuda.cu:"));
     CHECK(has(r, "'embedding_backward_kernel block (0,"));  // the fibers' names: block and thread
@@ -99,8 +102,7 @@ TEST_CASE("TSan build: seeded races are reported with their kernel and line, and
     const tst::Result r = run_tsan("tests/bugs/02_data_parallel+emu_no_ready_wait", kSmall + "--dp 2", 2);
     INFO(r.output);
     CHECK(r.status != 0);
-    CHECK(has(r, "runs the deliberate bug emu_no_ready_wait"));
-    CHECK(has(r, "WARNING: ThreadSanitizer: data race"));
+    race_reported(r, "emu_no_ready_wait");
     // The all-reduce's side, on its communicator's stream, and the compute stream's work it is no
     // longer ordered after (the first such access: the gradients' zeroing, a cudaMemsetAsync).
     CHECK(has(r, "'emulated stream running ncclAllReduce'"));

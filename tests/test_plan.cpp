@@ -957,11 +957,12 @@ TEST_CASE("the other overlaps by hand: DP chunk by chunk, the all-to-all beside 
   CHECK(dp_overlap_exposed(0.8, 0.6, 0.3, 32, 16, 4, 33) == Approx(0.2 + 0.6 - 0.1 * 16 / 32).epsilon(1e-12));
   // The all-to-all: the larger level against compute slowed to 112 of 132 SMs.
   StepTerms s;
+  const Gpu& h800 = *find_gpu("h800");
   s.t_compute = 10, s.t_ep = 9, s.moe.level_s = {6, 3};
-  CHECK(overlap_all_to_all(s) == 0);
+  CHECK(overlap_all_to_all(s, h800) == 0);
   CHECK(s.t_compute == Approx(10 * 132.0 / 112).epsilon(1e-12));
   s.t_compute = 4;
-  CHECK(overlap_all_to_all(s) == Approx(6 - 4 * 132.0 / 112).epsilon(1e-12));
+  CHECK(overlap_all_to_all(s, h800) == Approx(6 - 4 * 132.0 / 112).epsilon(1e-12));
   // The attention core: its executed half at 35% instead of the GEMMs' η.
   RunConfig rc = bf16_8b(64);
   rc.micro_batch = 1;
