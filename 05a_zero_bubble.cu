@@ -8,7 +8,7 @@
 // moves each W into what would be a bubble. With 1F1B's bound on the micro-batches in flight (p
 // until their W), the bubble drops from (p − 1)/m to (p − 1)/(3m) at the same memory for the
 // activations, plus the snapshots a deferred W holds (lab/05_pipeline_parallel.h,
-// deferred_bytes_per_token).
+// deferred_set_per_token).
 //
 // How it plugs in: a registry entry (pp::add_schedule, as 05 registers its own three) with
 // split_backward set (B and W one slot each, so the executor defers) and an order the clock

@@ -33,23 +33,40 @@ inline std::string split_text(const std::vector<int>& split) {
 
 // ----- predict: memory and p2p bytes per stage (notes/05 derives each line) ------------------------
 
-// What one layer still holds between its B and its W (ZB-H1, DualPipeV), per token: the snapshotted
-// output gradients of its seven matmuls (q D, k and v KV each, o D, gate and up F, down D) and
-// the inputs they multiply (h1, y, h2, silu(g)·u).
-inline double deferred_bytes_per_token(const ModelConfig& c, DType dt) {
-  const double e = dtype_size(dt), D = c.dim, KV = c.kv_dim(), F = c.ffn;
-  return ((3 * D + 2 * KV + 2 * F) + (3 * D + F)) * e;
+// What one layer still holds between its B and its W (ZB-H1, DualPipeV), per token: the snapshots
+// of the output gradients its deferred matmuls multiply — its MLP block's, then attention's (q D,
+// k and v KV each, o D) — and the inputs they multiply (h1, y, h2 and the block's own). Between
+// the block's backward and attention's, the B frees the block's saved tensors that no deferred
+// matmul multiplies.
+struct DeferredSet {
+  double mlp_snapshots = 0, attention_snapshots = 0, inputs = 0, freed_after_mlp = 0;
+  double total() const { return mlp_snapshots + attention_snapshots + inputs; }
+};
+inline DeferredSet deferred_set_per_token(const ModelConfig& c, DType dt) {
+  const double e = dtype_size(dt), D = c.dim, KV = c.kv_dim(), F = c.ffn, f32 = sizeof(float), i32 = sizeof(int32_t);
+  DeferredSet s;
+  s.attention_snapshots = (2 * D + 2 * KV) * e;
+  if (c.experts == 0) {  // SwiGLU: gate and up F each, down D; inputs h2 and silu(g)·u
+    s.mlp_snapshots = (D + 2 * F) * e;
+    s.inputs = (3 * D + F) * e;
+    s.freed_after_mlp = (2 * F + D) * e + f32;  // g, u, x_mid and 1/rms₂ (fp32)
+    return s;
+  }
+  // MoE (moe.cu), per token: the router's gate (E); per routed row (K) an expert's down (D), gate
+  // and up (F_e); the S shared experts' SwiGLU of width S·F_e. Inputs: h2 (router, shared), each
+  // row's input (D) and product (F_e), the shared product. Freed: x_mid, the rows' g, u and outputs,
+  // the shared g and u, 1/rms₂ and the routing (fp32 probabilities and weights, int32 choices,
+  // slots and row tokens).
+  const double E = c.experts, K = c.top_k, Fe = c.expert_width(), Fs = double(c.shared_experts) * Fe;
+  s.mlp_snapshots = (E + K * (D + 2 * Fe) + (Fs > 0 ? D + 2 * Fs : 0)) * e;
+  s.inputs = (3 * D + K * (D + Fe) + Fs) * e;
+  s.freed_after_mlp = (D + K * (2 * Fe + D) + 2 * Fs) * e + f32 * (1 + E + K) + i32 * 3 * K;
+  return s;
 }
-// The extra a layer's deferred B holds on top of its complete set: the MLP's three snapshots
-// (down D, gate and up F) before its saved tensors go, or, later, all seven snapshots (3D + 2KV +
-// 2F) less what went from the complete set by then: g and u (F each), x_mid (D) and 1/rms₂ (one
-// fp32 per token, as layer_activation_bytes counts the norms' statistics).
-inline double deferred_b_peak_per_token(const ModelConfig& c, DType dt) {
-  const double e = dtype_size(dt), D = c.dim, KV = c.kv_dim(), F = c.ffn;
-  const double rstd_bytes = sizeof(float);  // 1/rms₂ of one token
-  const double mlp_snapshots = (D + 2 * F) * e;
-  const double all_snapshots_less_freed = (3 * D + 2 * KV + 2 * F) * e - (2 * F + D) * e - rstd_bytes;
-  return std::max(mlp_snapshots, all_snapshots_less_freed);
+// The extra a layer's deferred B holds on top of its complete set: the MLP block's snapshots before
+// its saved tensors go, or, later, all of them less what went by then.
+inline double deferred_b_peak_per_token(const DeferredSet& s) {
+  return std::max(s.mlp_snapshots, s.mlp_snapshots + s.attention_snapshots - s.freed_after_mlp);
 }
 
 // Peak saved activations of a rank, by replaying its compute list: a micro-batch chunk holds its
@@ -65,7 +82,8 @@ inline double predict_stage_activations(const Plan& pl, int rank, const ModelCon
   // (the next layer's input, [b·s, h]), its deferred set between B and W, the extra inside its B.
   const double saved = layer_activation_bytes(c, dt, rc, tp, sp);
   const double complete = layer_activation_bytes(c, dt, Recompute::None, tp, sp), output = c.dim * e;
-  const double deferred = deferred_bytes_per_token(c, dt), in_b = deferred_b_peak_per_token(c, dt);
+  const DeferredSet ds = deferred_set_per_token(c, dt);
+  const double deferred = ds.total(), in_b = deferred_b_peak_per_token(ds);
   double peak = 0, held = 0;  // bytes per token held by chunks in flight
   for (const Action& a : pl.actions[size_t(rank)]) {
     if (!is_compute(a.op)) continue;

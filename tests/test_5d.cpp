@@ -424,6 +424,21 @@ TEST_CASE("MoE on the mesh: memory and bytes per rank and group equal the predic
   CHECK(mem(moe_mesh(kMoeCases[0]), "params", "measured") < mem(moe_mesh(kMoeCases[1]), "params", "measured"));
 }
 
+// The split backward under a MoE block: between a layer's B and its W the deferred set holds the
+// router's, each routed row's and the shared experts' output-gradient snapshots and inputs
+// (lab/05_pipeline_parallel.h, deferred_set_per_token), not the dense MLP's. At ep 1 routing moves
+// no rows between ranks, so the activations are exact; both schedules reproduce 01 --experts.
+TEST_CASE("MoE under ZB-H1 and DualPipeV: ≡ 01 --experts, activations equal the deferred-set prediction", "[08][e2e][mem][ep][zb]") {
+  for (const char* shared : {"", "--shared-experts 1 "})
+    for (const char* schedule : {"zb-h1", "dualpipev"}) {
+      INFO(schedule << " " << shared);
+      const std::string model = kMoe + shared + "--layers 4 ";
+      const Run& r = mesh(1, 1, model + "--pp 2 --schedule " + schedule + " " + steps(8, 1), 1, 2);
+      tst::check_equivalent(r, single(model + steps(8, 8)));
+      CHECK(mem(r, "activations", "measured") == mem(r, "activations", "predicted"));
+    }
+}
+
 TEST_CASE("a dp 4 × tp 2 × ep 4 checkpoint resumes in 01 --experts and on dp 2 × pp 2 × tp 2 × ep 2", "[08][e2e][ckpt][ep]") {
   const Run& ref = single(kMoe + steps(8, 8));
   const Run& from = mesh(4, 2, kMoe + "--ep 4 --steps 3 --batch 8 --micro-batch 1");
