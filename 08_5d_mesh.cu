@@ -118,7 +118,7 @@ inline void validate_bias_update(const RunConfig& rc, const Plan& p) {
 }
 
 // ZB-H1 and DualPipeV split each backward into B and W: what does not compose with that, refused
-// (also by --plan for the tp and ZeRO stage it is given, before it searches the rest).
+// (also by --plan for the ZeRO stage it is given, before it searches the rest).
 inline void validate_split_backward(const Plan& p) {
   if (!pp::splits_backward(p.schedule)) return;
   const char* split = pp::schedule_name(p.schedule);
@@ -126,9 +126,6 @@ inline void validate_split_backward(const Plan& p) {
     config_error("--zero 2 with --schedule %s is not composed: ZeRO-2 holds one unit's gradient buffer at a time, "
                  "and %s writes a unit's gradients in its B and again in its later W, after other units' B", split,
                  p.schedule->title.c_str());
-  if (p.mesh.tp > 1)
-    config_error("--schedule %s with --tp %d is not composed: its deferred-gradient memory is derived for tp 1", split,
-                 p.mesh.tp);
 }
 
 // Every check of the pieces, before any collective; the unsupported combinations name why.

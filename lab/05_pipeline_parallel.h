@@ -33,33 +33,38 @@ inline std::string split_text(const std::vector<int>& split) {
 
 // ----- predict: memory and p2p bytes per stage (notes/05 derives each line) ------------------------
 
-// What one layer still holds between its B and its W (ZB-H1, DualPipeV), per token: the snapshots
-// of the output gradients its deferred matmuls multiply — its MLP block's, then attention's (q D,
-// k and v KV each, o D) — and the inputs they multiply (h1, y, h2 and the block's own). Between
-// the block's backward and attention's, the B frees the block's saved tensors that no deferred
-// matmul multiplies.
+// What one layer still holds between its B and its W (ZB-H1, DualPipeV), per token of the
+// micro-batch: the snapshots its B adds — the output gradients its deferred matmuls multiply, its
+// MLP block's, then attention's (q D/t, k and v KV/t each, o's whole D) — and the saved inputs
+// they multiply that stay (y D/t, the block's own; h1 and h2, D each, as saved or, under sequence
+// parallelism, as the gathered copy the B snapshots: Model::defer_weight_grad). Between the block's
+// backward and attention's, the B frees the block's saved tensors that no deferred matmul
+// multiplies. tp, sp: the layer is tensor-parallel (04), with or without sequence parallelism (the
+// norm region's saved tensors at r = 1/t of the tokens).
 struct DeferredSet {
   double mlp_snapshots = 0, attention_snapshots = 0, inputs = 0, freed_after_mlp = 0;
   double total() const { return mlp_snapshots + attention_snapshots + inputs; }
 };
-inline DeferredSet deferred_set_per_token(const ModelConfig& c, DType dt) {
+inline DeferredSet deferred_set_per_token(const ModelConfig& c, DType dt, int tp = 1, bool sp = false) {
   const double e = dtype_size(dt), D = c.dim, KV = c.kv_dim(), F = c.ffn, f32 = sizeof(float), i32 = sizeof(int32_t);
+  const double t = tp, r = sp ? 1.0 / tp : 1.0;
+  const double gathered = sp ? D * e : 0, h_saved = sp ? 0 : D * e;  // h1's or h2's copy, or the saved tensor kept
   DeferredSet s;
-  s.attention_snapshots = (2 * D + 2 * KV) * e;
-  if (c.experts == 0) {  // SwiGLU: gate and up F each, down D; inputs h2 and silu(g)·u
-    s.mlp_snapshots = (D + 2 * F) * e;
-    s.inputs = (3 * D + F) * e;
-    s.freed_after_mlp = (2 * F + D) * e + f32;  // g, u, x_mid and 1/rms₂ (fp32)
+  s.attention_snapshots = (D / t + 2 * KV / t + D) * e + gathered;
+  if (c.experts == 0) {  // SwiGLU: gate and up F/t each, down's whole D; inputs y, silu(g)·u
+    s.mlp_snapshots = (2 * F / t + D) * e + gathered;
+    s.inputs = (D / t + F / t) * e + 2 * h_saved;
+    s.freed_after_mlp = (2 * F / t + r * D) * e + r * f32 + (sp ? r * D * e : 0);  // g, u, x_mid, 1/rms₂ (h2)
     return s;
   }
-  // MoE (moe.cu), per token: the router's gate (E); per routed row (K) an expert's down (D), gate
-  // and up (F_e); the S shared experts' SwiGLU of width S·F_e. Inputs: h2 (router, shared), each
-  // row's input (D) and product (F_e), the shared product. Freed: x_mid, the rows' g, u and outputs,
-  // the shared g and u, 1/rms₂ and the routing (fp32 probabilities and weights, int32 choices,
-  // slots and row tokens).
+  // MoE (moe.cu; whole on every tp rank, no sequence parallelism), per token: the router's gate (E);
+  // per routed row (K) an expert's down (D), gate and up (F_e); the S shared experts' SwiGLU of
+  // width S·F_e. Inputs: y, h1, h2 (router, shared), each row's input (D) and product (F_e), the
+  // shared product. Freed: x_mid, the rows' g, u and outputs, the shared g and u, 1/rms₂ and the
+  // routing (fp32 probabilities and weights, int32 choices, slots and row tokens).
   const double E = c.experts, K = c.top_k, Fe = c.expert_width(), Fs = double(c.shared_experts) * Fe;
   s.mlp_snapshots = (E + K * (D + 2 * Fe) + (Fs > 0 ? D + 2 * Fs : 0)) * e;
-  s.inputs = (3 * D + K * (D + Fe) + Fs) * e;
+  s.inputs = (D / t + K * (D + Fe) + Fs) * e + 2 * h_saved;
   s.freed_after_mlp = (D + K * (2 * Fe + D) + 2 * Fs) * e + f32 * (1 + E + K) + i32 * 3 * K;
   return s;
 }
@@ -73,8 +78,7 @@ inline double deferred_b_peak_per_token(const DeferredSet& s) {
 // n layers' saved sets from its F to its B (and n deferred sets from its B to its W). The peak is
 // at one of: the F of a chunk's last layer ((n − 1) saved + a complete set + the output), the
 // head (n saved + the head's tensors), or, when B defers, inside a layer's B.
-// tp, sp: the stage's layers are tensor-parallel (04), with or without sequence parallelism (the
-// ZB-H1 terms are derived for tp 1).
+// tp, sp: the stage's layers are tensor-parallel (04), with or without sequence parallelism.
 inline double predict_stage_activations(const Plan& pl, int rank, const ModelConfig& c, int64_t b, DType dt,
                                         Recompute rc, int tp = 1, bool sp = false) {
   const double tokens = double(b) * c.seq, e = dtype_size(dt) * (sp ? 1.0 / tp : 1.0);
@@ -82,7 +86,7 @@ inline double predict_stage_activations(const Plan& pl, int rank, const ModelCon
   // (the next layer's input, [b·s, h]), its deferred set between B and W, the extra inside its B.
   const double saved = layer_activation_bytes(c, dt, rc, tp, sp);
   const double complete = layer_activation_bytes(c, dt, Recompute::None, tp, sp), output = c.dim * e;
-  const DeferredSet ds = deferred_set_per_token(c, dt);
+  const DeferredSet ds = deferred_set_per_token(c, dt, tp, sp);
   const double deferred = ds.total(), in_b = deferred_b_peak_per_token(ds);
   double peak = 0, held = 0;  // bytes per token held by chunks in flight
   for (const Action& a : pl.actions[size_t(rank)]) {

@@ -113,7 +113,7 @@ int plan_cluster(RunLog& log, const RunConfig& rc, Options& o) {
                    plan.mesh.tp, q.cluster.gpus);
     validate(rc, plan, /*training=*/false);
   } else if (f.pp > 1 || (!f.pp && plan.schedule == pp::kDualPipeV)) {  // a pipeline, whatever is searched
-    validate_split_backward(plan);  // the tp and ZeRO stage given (1 and 0 when open: searched)
+    validate_split_backward(plan);  // the ZeRO stage given (0 when open: searched)
   }
   q.fixed.base = plan;
   return plan_only(log, rc, q.cluster, q.fixed, q.job);

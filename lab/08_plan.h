@@ -351,7 +351,7 @@ inline Plan make_plan(const Plan& base, const MeshConfig& mesh, int zero, int V,
 inline bool composes(const Plan& p, const ModelConfig& m) {
   const std::string& split = p.stage_layers;
   if (!split.empty() && int(std::count(split.begin(), split.end(), ',')) + 1 != p.mesh.pp * p.virtual_stages) return false;
-  if (p.mesh.pp > 1 && pp::splits_backward(p.schedule) && (p.zero >= 2 || p.mesh.tp > 1)) return false;
+  if (p.mesh.pp > 1 && pp::splits_backward(p.schedule) && p.zero >= 2) return false;
   // DualPipeV: pp > 1, its two chunks per rank, 2·pp equal stages (pp::validate_dualpipev).
   if (p.schedule == pp::kDualPipeV && (p.mesh.pp == 1 || p.virtual_stages != 2 || m.layers % (2 * p.mesh.pp)))
     return false;

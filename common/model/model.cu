@@ -383,10 +383,25 @@ void Model::linear_backward(int e, const Tensor& dx, const Tensor& dy, const Ten
 }
 
 void Model::defer_weight_grad(int e, const Tensor& dW, const Tensor& dy, const Tensor& x) {
-  // dy is snapshotted: the layer keeps updating the residual gradient it may alias.
-  Tensor keep = Tensor::empty(dy.shape, dy.dtype, dev, Tag::Activations);
-  copy(keep, dy);
-  defer_.queue->push_back({defer_.unit, dW, keep, x, e});
+  auto snapshot = [&](const Tensor& t) {
+    Tensor keep = Tensor::empty(t.shape, t.dtype, dev, Tag::Activations);
+    copy(keep, t);
+    return keep;
+  };
+  // dy is snapshotted: the layer keeps updating the residual gradient it may alias. x is kept as
+  // it is, unless it is the B's scratch (sequence parallelism's gathered input, f): then it is
+  // snapshotted too, once for the matmuls that share it (q, k, v; gate, up), so that what waits
+  // for the W is activations, as the memory model counts it (lab/05_pipeline_parallel.h).
+  std::vector<DeferredGrad>& q = *defer_.queue;
+  DeferredGrad d{defer_.unit, dW, snapshot(dy), x, e};
+  if (x.buf->tag == Tag::Workspace) {
+    const bool shared = !q.empty() && q.back().x_from.lock() == x.buf && q.back().x_from_offset == x.byte_offset &&
+                        q.back().x.shape == x.shape;
+    d.x = shared ? q.back().x : snapshot(x);
+    d.x_from = x.buf;
+    d.x_from_offset = x.byte_offset;
+  }
+  q.push_back(std::move(d));
 }
 
 // ----- forward -------------------------------------------------------------------------------------

@@ -192,6 +192,8 @@ struct DeferredGrad {
   int unit;
   Tensor dW, dy, x;
   int entry = -1;  // a dense linear's table entry (its GEMMs go through Model::gemms), or -1
+  std::weak_ptr<Buffer> x_from;  // the B's scratch that x was copied from, while it lives,
+  size_t x_from_offset = 0;      // and where in it (Model::defer_weight_grad)
 };
 
 // What one forward pass of a micro-batch keeps for its backward.
