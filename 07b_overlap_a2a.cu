@@ -42,6 +42,7 @@
 
 #include "07_expert_parallel.cu"
 #include "model/linear_gemms.h"
+#include "training/memory_timeline.h"
 #include "training/step_time.h"
 
 namespace ep {
@@ -65,7 +66,9 @@ class Interleave {
         if (x.done) continue;
         resume(x.index);
         running_ = &x;
+        memory_phase_resume(x.phase);  // --memory-timeline: the allocations are this one's
         swapcontext(&main_, &x.ctx);
+        x.phase = memory_phase_now();
         if (x.done) live--;
       }
     running_ = nullptr;
@@ -86,6 +89,7 @@ class Interleave {
     void* stack = nullptr;
     int index = 0;
     bool done = false;
+    int phase = memory_phase_now();
     const std::function<void(int)>* body = nullptr;
     ~Fiber() {
       if (stack) munmap(stack, kStackBytes);

@@ -9,6 +9,8 @@
 
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <sstream>
 
 #include "formats/json.h"
 #include "test_util.h"
@@ -144,6 +146,31 @@ TEST_CASE("08 --overlap-a2a under DualPipeV: each F&B pair side by side, bit for
   }
   tst::check_equivalent(dualpipev(8, true, "--recompute full"),
                         tst::cached_run("01_single_gpu", 1, kMoe + "--layers 4 " + tst::steps_args(4, 8, 8) + " --recompute full"));
+}
+
+// --memory-timeline under the pairs: the phase ("forward unit k", "backward unit k") goes with the
+// micro-batch that allocates, across the hand-overs (07b's Interleave resumes each one's phase), so
+// each phase's activations add up, per step, to what they add up to one micro-batch after another.
+std::map<std::string, long long> activations_by_phase(const std::string& csv) {
+  std::ifstream f(csv);
+  std::string line;
+  std::getline(f, line);
+  std::map<std::string, long long> net;
+  while (std::getline(f, line)) {
+    std::vector<std::string> v;
+    std::stringstream ss(line);
+    for (std::string x; std::getline(ss, x, ',');) v.push_back(x);
+    if (v.size() > 5 && v[4] == "activations") net[v[2]] += std::stoll(v[5]);
+  }
+  return net;
+}
+TEST_CASE("--memory-timeline under --overlap-a2a: each allocation in its own micro-batch's phase", "[07b][e2e][mem]") {
+  tst::TempDir d;
+  expert(2, 2, 1, false, "--memory-timeline " + d.file("one.csv"));
+  expert(2, 2, 1, true, "--memory-timeline " + d.file("pairs.csv"));
+  const auto one = activations_by_phase(d.file("one.csv")), pairs = activations_by_phase(d.file("pairs.csv"));
+  REQUIRE(one.size() == 6);  // the embedding and 2 layers forward, the 2 layers and the head backward
+  CHECK(pairs == one);
 }
 
 // On rank 0 of a DualPipeV run: how many B spans start inside an F span (a pair's halves side by

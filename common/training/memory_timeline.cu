@@ -56,6 +56,9 @@ void memory_phase(const std::string& phase) {
   g_mark = g_events.size();
 }
 
+int memory_phase_now() { return g_phase; }
+void memory_phase_resume(int phase) { g_phase = phase; }
+
 void memory_timeline_attach(Model& model) {
   if (!memory_timeline_on()) return;
   model.before_unit.add([](int u) { memory_phase("forward unit " + std::to_string(u)); });

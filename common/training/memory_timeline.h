@@ -16,6 +16,10 @@ void memory_timeline_open(const std::string& path);  // "" = off; a file it cann
 bool memory_timeline_on();
 // The phase of the allocations from now on.
 void memory_phase(const std::string& phase);
+// The phase in effect, and its return: a run that interleaves micro-batches as coroutines (07b's
+// Interleave) hands each its own phase at each turn.
+int memory_phase_now();
+void memory_phase_resume(int phase);
 // Names the phases from the model's hooks: "forward unit k" from before_unit, relabelled "backward
 // unit k" from before_backward (the gathers a backward's before_unit triggers belong to it).
 void memory_timeline_attach(Model& model);
