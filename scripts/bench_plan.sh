@@ -35,14 +35,19 @@ done
 # calibration and the runs it predicts share one core.
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 
-echo; echo "== predict, then measure: each run's predicted step time (the step-time model) on 2 ranks of 02–08"
+echo; echo "== predict, then measure: each run's predicted step time (the step-time model) on 2 (or 4) ranks of 02–08"
 shape="--dim 256 --layers 4 --heads 8 --kv-heads 4 --ffn 688 --vocab 256 --seq 256 --batch 8"
 cal="$BUILD/calibration.json"
 steps=8
 rate() { sed -n 's/^median \([0-9.]*\) tokens\/s.*/\1/p'; }
-comm=$(mpirun -np 2 "$BUILD/bench/bench_comm" --min-bytes 4096 --max-bytes 4194304 </dev/null)
+# bench_comm at the ranks of the run predicted (2, or 4 for the rows that need them), measured once.
+declare -A comm_at
+measure_comm() {
+  [ -n "${comm_at[$1]:-}" ] || comm_at[$1]=$(mpirun -np "$1" "$BUILD/bench/bench_comm" --min-bytes 4096 --max-bytes 4194304 </dev/null)
+  comm=${comm_at[$1]}
+}
 busbw() { awk -v op="$1" '$1 == op && $2 >= 4000000 {print $6}' <<<"$comm"; }
-latency=$(awk '$1 == "all_reduce" && $2 == 4096 {printf "%g", $4 * 1e-6}' <<<"$comm")
+latency_of() { awk '$1 == "all_reduce" && $2 == 4096 {printf "%g", $4 * 1e-6}' <<<"$comm"; }
 mem=$(awk '/MemTotal/ {printf "%.1f", $2 / 1048576}' /proc/meminfo)
 # The parameters a token's FLOPs count (millions, without the embedding): a mixture of experts
 # counts its active ones (01 prints both; F = 6N + 12·L·h·s).
@@ -54,8 +59,8 @@ active_params() {
   echo "$n"
 }
 # Writes the calibration file from 01's rate now on the model of the run it predicts ($1: its model
-# flags), two copies at once so that each has the share of the cores a rank of a 2-rank mesh will
-# have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). The rate is the model's own on one rank
+# flags), as many copies at once as the mesh has ranks ($2) so that each has the share of the cores
+# a rank of the mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). The rate is the model's own on one rank
 # (a mixture of experts' routing, row copies and narrower matmuls included); what the step-time
 # model predicts is what the mesh adds to it. The file names the model ("model"), and every run
 # prints it beside the rate. Each copy runs in a session of its own, as mpirun starts each rank:
@@ -63,20 +68,23 @@ active_params() {
 # this script's session would split one share while a mesh's two ranks get two, and under load
 # every mesh would beat its prediction.
 calibrate() {
-  local a b n
-  a=$(mktemp) b=$(mktemp)
+  local n k files=()
   n=$(active_params "$1")
-  setsid -w "$BUILD/01_single_gpu" $shape $1 --steps $steps --quiet --device cpu </dev/null | rate >"$a" &
-  setsid -w "$BUILD/01_single_gpu" $shape $1 --steps $steps --quiet --device cpu </dev/null | rate >"$b" &
+  measure_comm "$2"
+  for ((k = 0; k < $2; k++)); do
+    files+=("$(mktemp)")
+    setsid -w "$BUILD/01_single_gpu" $shape $1 --steps $steps --quiet --device cpu </dev/null | rate >"${files[k]}" &
+  done
   wait
-  one=$(cat "$a" "$b" | awk '{s += $1} END {printf "%.0f", s / NR}')
-  rm -f "$a" "$b"
+  one=$(cat "${files[@]}" | awk '{s += $1} END {printf "%.0f", s / NR}')
+  rm -f "${files[@]}"
   gflops=$(awk -v n="$n" -v t="$one" 'BEGIN {printf "%.3f", (6 * n * 1e6 + 12 * 4 * 256 * 256) * t / 1e9}')
   local model=${shape% --batch*}${1:+ $1}
   printf '{"gflops": %s, "memory_gib": %s, "all_reduce_gbs": %s, "all_gather_gbs": %s, "reduce_scatter_gbs": %s, "latency_s": %s, "model": "%s"}\n' \
-    "$gflops" "$mem" "$(busbw all_reduce)" "$(busbw all_gather)" "$(busbw reduce_scatter)" "$latency" "$model" > "$cal"
+    "$gflops" "$mem" "$(busbw all_reduce)" "$(busbw all_gather)" "$(busbw reduce_scatter)" "$(latency_of)" "$model" > "$cal"
 }
-# Each row: binary | model flags (01 is calibrated on the same model) | mesh flags. 07 routes
+# Each row: binary | model flags (01 is calibrated on the same model) | mesh flags [| ranks, 2
+# unless given: DualPipeV's pairs need pp 2 × ep 2, 4 ranks on this machine's cores]. 07 routes
 # every token to both of its 2 experts in the first row: balanced by construction. A learned
 # router on this data collapses within a few steps (one expert takes most rows), and the busiest
 # rank then paces each layer: the next two rows price it at the imbalance their routing measured
@@ -97,6 +105,8 @@ runs=(
   "07_expert_parallel|--experts 4 --top-k 2|--dp 2 --ep 2 --micro-batch 2"
   "07_expert_parallel|--experts 4 --top-k 2|--dp 2 --ep 2 --micro-batch 2 --overlap-a2a"  # 07b: the pair's all-to-alls under compute
   "08_5d_mesh||--dp 2 --zero 1 --micro-batch 2"
+  "08_5d_mesh|--experts 4 --top-k 2|--dp 2 --ep 2 --pp 2 --schedule dualpipev --micro-batch 1|4"
+  "08_5d_mesh|--experts 4 --top-k 2|--dp 2 --ep 2 --pp 2 --schedule dualpipev --micro-batch 1 --overlap-a2a|4"  # 07b under the V's pairs
 )
 if [ -n "${ONLY:-}" ]; then
   kept=()
@@ -110,9 +120,9 @@ echo "load before: $(uptime | sed 's/.*load average/load average/')"
 results=$(mktemp)
 for ((round = 1; round <= ROUNDS; round++)); do
   for i in "${!runs[@]}"; do
-    IFS='|' read -r bin model flags <<<"${runs[$i]}"
-    calibrate "$model"
-    out=$(mpirun -np 2 "$BUILD/$bin" $shape $model $flags --steps $steps --quiet --device cpu --calibration "$cal" </dev/null)
+    IFS='|' read -r bin model flags np <<<"${runs[$i]}"
+    calibrate "$model" "${np:-2}"
+    out=$(mpirun -np "${np:-2}" "$BUILD/$bin" $shape $model $flags --steps $steps --quiet --device cpu --calibration "$cal" </dev/null)
     pred=$(sed -n 's/^  \([0-9]*\) tokens\/s predicted, \([0-9]*\) measured.*/\1 \2/p' <<<"$out")
     terms=$(sed -n 's/^step time: predicted [0-9.]* ms = \(.*\) ms; measured.*/\1/p' <<<"$out")
     echo "$i|$one|${pred:-0 0}|$terms" >>"$results"
@@ -121,10 +131,10 @@ done
 echo "load after:  $(uptime | sed 's/.*load average/load average/')"
 echo "calibration ($cal, the last of those rewritten before each run): $(cat "$cal")"
 echo "error = predicted / measured − 1; medians over $ROUNDS rounds, the errors' range in brackets"
-printf "%-128s %9s %10s %10s %7s %15s\n" "run (2 ranks, 1 thread each, $steps steps)" "01 tok/s" "predicted" "measured" "error" "range"
+printf "%-128s %9s %10s %10s %7s %15s\n" "run (2 ranks unless named, 1 thread each, $steps steps)" "01 tok/s" "predicted" "measured" "error" "range"
 for i in "${!runs[@]}"; do
-  IFS='|' read -r bin model flags <<<"${runs[$i]}"
-  awk -F'|' -v i="$i" -v r="$bin${model:+ $model} $flags" '
+  IFS='|' read -r bin model flags np <<<"${runs[$i]}"
+  awk -F'|' -v i="$i" -v r="$bin${model:+ $model} $flags${np:+ ($np ranks)}" '
     function median(a, n,   j, k, t) {
       for (j = 1; j <= n; j++) for (k = j + 1; k <= n; k++) if (a[k] < a[j]) { t = a[j]; a[j] = a[k]; a[k] = t }
       return n % 2 ? a[(n + 1) / 2] : (a[n / 2] + a[n / 2 + 1]) / 2
@@ -137,7 +147,7 @@ for i in "${!runs[@]}"; do
 done
 echo "the terms of each prediction (ms, last round):"
 for i in "${!runs[@]}"; do
-  IFS='|' read -r bin model flags <<<"${runs[$i]}"
-  awk -F'|' -v i="$i" -v r="$bin${model:+ $model} $flags" '$1 == i {t = $4} END {printf "  %-70s %s\n", r, t}' "$results"
+  IFS='|' read -r bin model flags np <<<"${runs[$i]}"
+  awk -F'|' -v i="$i" -v r="$bin${model:+ $model} $flags${np:+ ($np ranks)}" '$1 == i {t = $4} END {printf "  %-70s %s\n", r, t}' "$results"
 done
 rm -f "$results"
