@@ -116,6 +116,24 @@ TEST_CASE("a fake world at a real shape: Llama 3 70B, rank 255 of 256 (tp 8, pp 
   }
 }
 
+// The split backward at the real shapes: Llama 3 405B on Table 4's tp 8 × pp 16 × dp 64 with SP
+// (each deferred W on tp blocks, f's gathered inputs snapshotted) and DeepSeek-V3 on pp 16 × ep 64
+// (a MoE layer's deferred set), the first and last stage, under ZB-H1: as predicted, to the byte.
+TEST_CASE("a fake world at a real shape under ZB-H1: 405B (tp 8 + SP) and DeepSeek-V3 (ep 64), first and last stage") {
+  const std::pair<std::string, int> runs[] = {
+      {"--preset 405b --tp 8 --pp 16 --dp 64 --sequence-parallel --zero 1 --batch 1024 --fake-world 8192", 8191},
+      {"--preset deepseek-v3 --pp 16 --dp 128 --ep 64 --batch 2048 --fake-world 2048", 2047}};
+  for (const auto& [mesh, last] : runs)
+    for (int r : {0, last}) {
+      const tst::Log fake = run_logged("08_5d_mesh", 1, mesh + " --micro-batch 1 --dtype bf16 --steps 2 --quiet "
+                                                        "--device shape --schedule zb-h1 --fake-rank " + std::to_string(r));
+      INFO(mesh << ", rank " << r);
+      const ts::Json& m = fake.summary.at("memory").at("activations");
+      CHECK(m.at("measured").as_double() == m.at("predicted").as_double());
+      CHECK(m.at("measured").as_double() > 3e10);
+    }
+}
+
 // --memory-timeline: each category's largest bytes in use over the events is its peak in the
 // summary, the largest sum the total peak; the phases name units forward and backward and the
 // optimizer. For a real run and for a fake world's last pipeline stage.
