@@ -59,11 +59,11 @@ active_params() {
   echo "$n"
 }
 # Writes the calibration file from 01's rate now on the model of the run it predicts ($1: its model
-# flags), as many copies at once as the mesh has ranks ($2) so that each has the share of the cores
-# a rank of the mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). The rate is the model's own on one rank
-# (a mixture of experts' routing, row copies and narrower matmuls included); what the step-time
-# model predicts is what the mesh adds to it. The file names the model ("model"), and every run
-# prints it beside the rate. Each copy runs in a session of its own, as mpirun starts each rank:
+# flags), as many copies at once as the mesh has ranks ($2) so that each has the share of the
+# cores a rank of the mesh will have; F = 6N + 12·L·h·s (4 layers, dim 256, seq 256). The rate is
+# the model's own on one rank (a mixture of experts' routing, row copies and narrower matmuls
+# included); what the step-time model predicts is what the mesh adds to it. The file names the
+# model ("model"), and every run prints it beside the rate. Each copy runs in a session of its own, as mpirun starts each rank:
 # where the kernel groups the scheduler's shares by session (sched_autogroup_enabled), two copies in
 # this script's session would split one share while a mesh's two ranks get two, and under load
 # every mesh would beat its prediction.

@@ -348,6 +348,13 @@ void Work::wait() {
     return;
   }
   for (uint64_t id : p_->flight) flight::started(id);
+  // Yield while the wait is short: with more ranks than cores the peer needs this core to
+  // progress. Sleep once it is long, so a waiting rank stops competing for the CPU. With more
+  // ranks on the node than cores "long" comes sooner: a yielding rank still spins, on the core
+  // of a rank that computes (a 4-rank DualPipeV mesh on 2 cores: 3,540 tokens/s yielding for up
+  // to 20 ms, 4,333 for up to 1 ms; make bench's 4-rank rows).
+  const ThreadChoice& t = thread_choice();
+  const double yield_s = t.local_ranks > t.cores ? 0.001 : 0.02;
   auto t0 = std::chrono::steady_clock::now();
   while (!p_->test()) {
     flight::poll();  // another rank's request to dump, or SIGUSR1
@@ -356,13 +363,7 @@ void Work::wait() {
       p_->abort();
       watchdog_abort(waited, p_->what);
     }
-    // Yield while the wait is short: with more ranks than cores the peer needs this core to
-    // progress. Sleep once it is long, so a waiting rank stops competing for the CPU. With more
-    // ranks on the node than cores "long" comes sooner: a yielding rank still spins, on the core
-    // of a rank that computes (a 4-rank DualPipeV mesh on 2 cores: 3,540 tokens/s yielding for up
-    // to 20 ms, 4,333 for up to 1 ms; make bench's 4-rank rows).
-    const ThreadChoice& t = thread_choice();
-    if (waited < (t.local_ranks > t.cores ? 0.001 : 0.02))
+    if (waited < yield_s)
       sched_yield();
     else
       usleep(200);
